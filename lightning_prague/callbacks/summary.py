@@ -1,0 +1,30 @@
+"""Per-worker batch counts at the end of fit, gathered once (not per step)."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+
+class WorkerSummary(Callback):
+    """Counts training batches per worker and gathers them at the end of fit.
+
+    After ``fit`` every rank has :attr:`batches_per_worker` (a list indexed by global rank); rank
+    0 prints it. The gather runs in ``on_train_end``, after the strategy's final synchronization
+    point, so ranks are aligned and it cannot hang.
+    """
+
+    def __init__(self, verbose: bool = True) -> None:
+        self.verbose = verbose
+        self.batches = 0
+        self.batches_per_worker: list[int] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        self.batches += 1
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        counts = trainer.strategy.all_gather(torch.tensor(self.batches, device=pl_module.device))
+        self.batches_per_worker = [int(c) for c in counts.reshape(-1).tolist()]
+        if self.verbose and trainer.is_global_zero:
+            cells = "  ".join(f"w{r}:{n}" for r, n in enumerate(self.batches_per_worker))
+            print(f"batches per worker: {cells}  (total {sum(self.batches_per_worker)})", flush=True)

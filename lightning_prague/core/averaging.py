@@ -1,0 +1,77 @@
+"""Averaging model state over a group, a few flat buckets at a time.
+
+One collective per tensor would cost a round trip per parameter; flattening into buckets of at
+most ``bucket_bytes`` (grouped by dtype and device) keeps it to a handful per average.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from lightning_prague.core.groups import Group
+
+
+def averaged_state(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors that replicas must agree on: parameters and floating-point buffers.
+
+    Integer buffers (e.g. BatchNorm's ``num_batches_tracked``) are counters, not estimates, and are
+    left alone.
+    """
+    tensors = [p.data for p in module.parameters()]
+    tensors += [b.data for b in module.buffers() if torch.is_floating_point(b)]
+    return tensors
+
+
+class BucketedTensors:
+    """A fixed list of tensors split into flat buckets for collectives."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int = 25 * 2**20) -> None:
+        self.tensors = list(tensors)
+        self.buckets: list[list[torch.Tensor]] = []
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in self.tensors:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        for group in by_kind.values():
+            current: list[torch.Tensor] = []
+            size = 0
+            for t in group:
+                nbytes = t.numel() * t.element_size()
+                if current and size + nbytes > bucket_bytes:
+                    self.buckets.append(current)
+                    current, size = [], 0
+                current.append(t)
+                size += nbytes
+            if current:
+                self.buckets.append(current)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def flat(self, bucket: Iterable[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for t in bucket])
+
+    @staticmethod
+    def unflatten_(bucket: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+        offset = 0
+        for t in bucket:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+
+def average_(tensors: BucketedTensors, group: Group, weight: float | None = None, operation: str = "average") -> None:
+    """In place: every member's tensors become the (weighted) average over ``group``.
+
+    With ``weight=None`` this is the plain mean. Otherwise each member contributes ``weight * x``
+    and the weights of the members must sum to 1 (staleness-aware Partial Reduce).
+    """
+    scale = 1.0 / group.size if weight is None else weight
+    for bucket in tensors.buckets:
+        flat = tensors.flat(bucket)
+        flat.mul_(scale)
+        group.all_reduce_sum_(flat, operation=operation)
+        tensors.unflatten_(bucket, flat)

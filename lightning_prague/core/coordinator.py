@@ -1,0 +1,87 @@
+"""The coordinator service: a thread on global rank 0 that runs the Group Generator over the TCPStore.
+
+Workers push messages onto one store queue (``requests``); the service pops them one at a time,
+feeds :class:`~lightning_prague.core.generator.GroupGenerator`, and pushes the resulting items onto
+each worker's queue (``inbox/<rank>``). A single consumer gives the one global order of
+assignments that makes group operations deadlock-free.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch.distributed as dist
+
+from lightning_prague.core.generator import GroupGenerator
+from lightning_prague.core.store import StoreAddress, decode, encode
+
+log = logging.getLogger(__name__)
+
+REQUESTS = "requests"
+SHUTDOWN = {"op": "__shutdown__", "rank": 0}
+
+
+def inbox(rank: int) -> str:
+    return f"inbox/{rank}"
+
+
+class CoordinatorService:
+    """Runs a :class:`GroupGenerator` in a daemon thread until :meth:`close`."""
+
+    def __init__(self, address: StoreAddress, generator: GroupGenerator, poll_timeout: float = 60.0) -> None:
+        self.address = address
+        self.generator = generator
+        self.poll_timeout = poll_timeout
+        self.error: BaseException | None = None
+        self.handled = 0
+        self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    def start(self) -> None:
+        store = self.address.connect(self.poll_timeout)  # connect in the caller: fail early, not in the thread
+        self._thread = threading.Thread(target=self._run, args=(store,), name="prague-coordinator", daemon=True)
+        self._thread.start()
+
+    def _run(self, store: dist.Store) -> None:
+        try:
+            while True:
+                try:
+                    message = decode(store.queue_pop(REQUESTS))
+                except dist.DistStoreError:
+                    if self._closing.is_set():
+                        return
+                    continue  # idle (e.g. a long validation): keep serving
+                if message["op"] == SHUTDOWN["op"]:
+                    return
+                try:
+                    items = self.generator.handle(message)
+                except Exception as err:  # a malformed message must not kill the service silently
+                    log.exception("coordinator rejected message %s", message)
+                    items = {int(message.get("rank", 0)): [{"t": "error", "message": f"coordinator: {err}"}]}
+                for rank, rank_items in items.items():
+                    for item in rank_items:
+                        store.queue_push(inbox(rank), encode(item))
+                if message["op"] == "arrive":  # lets a timed-out worker name the ranks it waited for
+                    store.set("parked", encode(sorted(self.generator.parked)))
+                self.handled += 1
+        except BaseException as err:  # pragma: no cover - surfaced through .error and worker timeouts
+            self.error = err
+            log.exception("prague coordinator stopped")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread; safe to call twice. Call only after every worker is done with it."""
+        if self._thread is None:
+            return
+        self._closing.set()
+        try:
+            store = self.address.connect(timeout)
+            store.queue_push(REQUESTS, encode(SHUTDOWN))
+        except Exception:  # the store may already be gone at interpreter exit
+            log.debug("could not post shutdown to the coordinator", exc_info=True)
+        self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()

@@ -1,0 +1,24 @@
+"""Exceptions raised by lightning-prague.
+
+Every failure of a distributed wait is a :class:`CoordinationTimeout` whose message names the
+ranks involved and the operation, because asynchronous training fails by hanging and a hang
+without a name is impossible to debug.
+"""
+
+from __future__ import annotations
+
+
+class PragueError(RuntimeError):
+    """Base class of all errors raised by lightning-prague."""
+
+
+class ConfigurationError(PragueError, ValueError):
+    """An option cannot be honoured; the message names the option and what to do instead."""
+
+
+class CoordinationTimeout(PragueError, TimeoutError):
+    """A wait on the coordinator, a group or a peer exceeded its timeout."""
+
+
+class SyncMismatchError(PragueError):
+    """Ranks arrived at different synchronization points and would otherwise deadlock."""

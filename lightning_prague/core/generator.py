@@ -1,0 +1,203 @@
+"""The Group Generator: one global order of group assignments, as pure logic.
+
+Workers send messages (``ready`` after a local step, ``arrive`` at a synchronization point,
+``stop`` to end training); the generator answers by appending items to per-worker inboxes. Every
+item for every worker is produced by this one object, in one sequence, so two workers can never
+see two shared groups in opposite order, and executing inbox items in order cannot deadlock.
+
+Inbox items (plain dicts, JSON-serialisable):
+
+``{"t": "group", "gid", "members", "key"}``
+    average with ``members`` over the communicator named ``key``.
+``{"t": "drop", "key"}``
+    the communicator ``key`` was evicted from the bounded cache; release it.
+``{"t": "answer", "req", "gid"}``
+    the reply to the worker's ``ready`` number ``req``: the group it was given (already earlier in
+    its inbox) or ``None`` when no group could be formed.
+``{"t": "release", "sync"}``
+    every worker arrived at synchronization point ``sync`` and every group issued before it is
+    earlier in every inbox.
+``{"t": "stop"}`` / ``{"t": "error", "message"}``
+    training is being stopped (SIGTERM on some rank) / ranks disagree about a synchronization point.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Any
+
+from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.policies import Group, GroupingPolicy
+
+Item = dict[str, Any]
+STOP_SYNC = "__stop__"
+
+
+class CommunicatorLRU:
+    """Names communicators for member sets and bounds how many exist at once.
+
+    Creating a communicator is collective among its members, so every member must agree on which
+    ones exist. The generator owns the only copy of the cache and tells members, in inbox order,
+    when to create (first use of a key) and when to drop one. A member set that comes back after
+    eviction gets a new generation, hence a new key, so stale rendezvous data is never reused.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ConfigurationError(f"max_groups must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self._live: OrderedDict[Group, str] = OrderedDict()
+        self._generation: dict[Group, int] = {}
+
+    def key_for(self, members: Group) -> tuple[str, list[tuple[Group, str]]]:
+        """The key of ``members`` and the (members, key) pairs evicted to make room for it."""
+        if members in self._live:
+            self._live.move_to_end(members)
+            return self._live[members], []
+        evicted = []
+        while len(self._live) >= self.capacity:
+            evicted.append(self._live.popitem(last=False))
+        generation = self._generation.get(members, -1) + 1
+        self._generation[members] = generation
+        key = "g" + "-".join(map(str, members)) + f".{generation}"
+        self._live[members] = key
+        return key, evicted
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
+class GroupGenerator:
+    """Turns worker messages into inbox items; see the module docstring for the protocol."""
+
+    def __init__(self, world_size: int, policy: GroupingPolicy, max_groups: int = 64) -> None:
+        self.world_size = world_size
+        self.policy = policy
+        self.cache = CommunicatorLRU(max_groups)
+        self.next_gid = 0
+        self.rounds = [0] * world_size
+        self.parked: dict[int, str] = {}  # rank -> name of the sync point it waits at
+        self.stopping = False
+        self._per_round: dict[tuple[int, Group], int] = {}  # static schedule: (round, group) -> gid
+        self._ready: deque[tuple[int, int]] = deque()  # first_ready: FIFO of (rank, req)
+        self.issued: list[tuple[int, Group]] = []  # (gid, members), for monitoring and tests
+        self.record_history = False
+
+    # -- messages ---------------------------------------------------------------------------
+    def handle(self, message: dict[str, Any]) -> dict[int, list[Item]]:
+        """Process one message; returns the items to append, per rank, in order."""
+        out: dict[int, list[Item]] = {}
+        op = message["op"]
+        rank = int(message["rank"])
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"message from rank {rank} outside world of size {self.world_size}: {message}")
+        if op == "ready":
+            self._ready_msg(rank, int(message["req"]), out)
+        elif op == "arrive":
+            self._arrive(rank, str(message["sync"]), out)
+        elif op == "stop":
+            self._stop(out)
+        else:
+            raise ValueError(f"unknown coordinator message {message}")
+        return out
+
+    # -- internals ---------------------------------------------------------------------------
+    @staticmethod
+    def _push(out: dict[int, list[Item]], rank: int, item: Item) -> None:
+        out.setdefault(rank, []).append(item)
+
+    def _available(self) -> list[int]:
+        return [r for r in range(self.world_size) if r not in self.parked]
+
+    def _issue(self, members: Group, out: dict[int, list[Item]]) -> int:
+        key, evicted = self.cache.key_for(members)
+        for old_members, old_key in evicted:
+            for r in old_members:
+                self._push(out, r, {"t": "drop", "key": old_key})
+        gid = self.next_gid
+        self.next_gid += 1
+        item = {"t": "group", "gid": gid, "members": list(members), "key": key}
+        for r in members:
+            self._push(out, r, item)
+        if self.record_history:
+            self.issued.append((gid, members))
+        return gid
+
+    def _answer(self, rank: int, req: int, gid: int | None, out: dict[int, list[Item]]) -> None:
+        self._push(out, rank, {"t": "answer", "req": req, "gid": gid})
+
+    def _ready_msg(self, rank: int, req: int, out: dict[int, list[Item]]) -> None:
+        round_index = self.rounds[rank]
+        self.rounds[rank] += 1
+        if self.stopping or rank in self.parked:
+            self._answer(rank, req, None, out)
+            return
+        if self.policy.waits_for_ready:
+            self._ready.append((rank, req))
+            self._form_ready_groups(out)
+            return
+        members = self.policy.select(rank, round_index, self._available())
+        if members is None or len(members) < 2:
+            self._answer(rank, req, None, out)
+            return
+        if self.policy.issues_per_round:
+            gid = self._per_round.get((round_index, members))
+            if gid is None:
+                gid = self._issue(members, out)
+                self._per_round[(round_index, members)] = gid
+        else:
+            gid = self._issue(members, out)
+        self._answer(rank, req, gid, out)
+
+    def _form_ready_groups(self, out: dict[int, list[Item]]) -> None:
+        """first_ready: group waiting workers, P at a time; flush smaller groups when nobody else can come."""
+        size = self.policy.group_size
+        while len(self._ready) >= size:
+            self._flush_ready(size, out)
+        busy = len(self._available()) - len(self._ready)
+        if self._ready and busy == 0:
+            self._flush_ready(len(self._ready), out)
+
+    def _flush_ready(self, count: int, out: dict[int, list[Item]]) -> None:
+        batch = [self._ready.popleft() for _ in range(count)]
+        gid = self._issue(tuple(sorted(r for r, _ in batch)), out) if count >= 2 else None
+        for r, req in batch:
+            self._answer(r, req, gid, out)
+
+    def _arrive(self, rank: int, sync: str, out: dict[int, list[Item]]) -> None:
+        self.parked[rank] = sync
+        if self.policy.waits_for_ready:
+            self._form_ready_groups(out)
+        if len(self.parked) < self.world_size:
+            return
+        names = set(self.parked.values())
+        if self.stopping and names != {STOP_SYNC}:
+            return  # every rank sees the stop item and arrives at the stop point; wait for all of them
+        if len(names) == 1:
+            for r in range(self.world_size):
+                self._push(out, r, {"t": "release", "sync": sync})
+        else:
+            by_name: dict[str, list[int]] = {}
+            for r, name in sorted(self.parked.items()):
+                by_name.setdefault(name, []).append(r)
+            detail = "; ".join(f"ranks {ranks} at {name!r}" for name, ranks in by_name.items())
+            message = (
+                f"ranks reached different synchronization points ({detail}); every rank must pass the same "
+                "sequence of synchronization points (epoch ends, validation, end of fit)"
+            )
+            for r in range(self.world_size):
+                self._push(out, r, {"t": "error", "message": message})
+        self.parked.clear()
+        self.rounds = [0] * self.world_size
+        self._per_round.clear()
+
+    def _stop(self, out: dict[int, list[Item]]) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        for r in range(self.world_size):
+            self._push(out, r, {"t": "stop"})
+        # waiting first_ready workers get their answer now, so they can reach the stop drain
+        while self._ready:
+            r, req = self._ready.popleft()
+            self._answer(r, req, None, out)

@@ -1,0 +1,144 @@
+"""The worker side of decentralized training: ask for groups, run them in order, meet at sync points.
+
+A :class:`GroupWorker` belongs to one rank. After a local step it sends ``ready`` and executes its
+inbox in order until the coordinator's answer; at a synchronization point it sends ``arrive`` and
+keeps executing its inbox (other workers may still average with it) until everyone has arrived.
+Then nothing is in flight anywhere, and a world-wide average is safe.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_prague.core.averaging import BucketedTensors, average_
+from lightning_prague.core.coordinator import REQUESTS, inbox
+from lightning_prague.core.errors import CoordinationTimeout, SyncMismatchError
+from lightning_prague.core.generator import STOP_SYNC
+from lightning_prague.core.groups import GroupCache
+from lightning_prague.core.store import StoreAddress, decode, encode
+
+WORLD_KEY = "world"
+
+
+@dataclass
+class WorkerStats:
+    """What one worker did; read by monitors and benchmarks."""
+
+    requests: int = 0
+    groups_executed: int = 0
+    skipped: int = 0
+    syncs: int = 0
+    sync_seconds: float = 0.0
+    group_sizes: list[int] = field(default_factory=list)
+
+
+class GroupWorker:
+    """One rank's client of the coordinator, executing the groups it is assigned."""
+
+    def __init__(
+        self,
+        address: StoreAddress,
+        rank: int,
+        world_size: int,
+        tensors: BucketedTensors,
+        backend: str,
+        timeout: float,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.tensors = tensors
+        self.timeout = timeout
+        self.store = address.connect(timeout)
+        self.cache = GroupCache(self.store, rank, backend, timeout)
+        self.stats = WorkerStats()
+        self.stop_seen = False
+        self._stopped = False
+        self._req = 0
+
+    # -- messaging -------------------------------------------------------------------------
+    def _send(self, op: str, **fields: Any) -> None:
+        self.store.queue_push(REQUESTS, encode({"op": op, "rank": self.rank, **fields}))
+
+    def _next_item(self, waiting_for: str) -> dict[str, Any]:
+        try:
+            return decode(self.store.queue_pop(inbox(self.rank)))
+        except dist.DistStoreError:
+            raise CoordinationTimeout(
+                f"rank {self.rank}: waited {self.timeout:.0f}s for {waiting_for}{self._parked_hint()}; "
+                "a rank may have died or stalled, or the coordinator on rank 0 stopped"
+            ) from None
+
+    def _parked_hint(self) -> str:
+        try:
+            parked = decode(self.store.get("parked")) if self.store.check(["parked"]) else []
+        except Exception:  # the hint is best effort; the timeout is the error
+            return ""
+        missing = sorted(set(range(self.world_size)) - set(parked))
+        return f" (ranks not at the synchronization point: {missing})" if parked else ""
+
+    def _execute(self, item: dict[str, Any]) -> None:
+        kind = item["t"]
+        if kind == "group":
+            group = self.cache.get(item["key"], tuple(item["members"]))
+            average_(self.tensors, group, operation=f"partial all-reduce #{item['gid']}")
+            self.stats.groups_executed += 1
+            self.stats.group_sizes.append(group.size)
+        elif kind == "drop":
+            self.cache.drop(item["key"])
+        elif kind == "stop":
+            self.stop_seen = True
+        elif kind == "error":
+            raise SyncMismatchError(f"rank {self.rank}: {item['message']}")
+
+    # -- public API ------------------------------------------------------------------------
+    def partial_sync(self) -> int | None:
+        """Ask for a group after a local step and average with it; returns the group id or None."""
+        self._req += 1
+        req = self._req
+        self.stats.requests += 1
+        self._send("ready", req=req)
+        while True:
+            item = self._next_item(f"the coordinator's answer to group request #{req}")
+            if item["t"] == "answer" and item["req"] == req:
+                if item["gid"] is None:
+                    self.stats.skipped += 1
+                return item["gid"]
+            self._execute(item)
+
+    def synchronize(self, name: str) -> bool:
+        """Wait until every rank reached ``name`` with nothing in flight; True if training is stopping."""
+        start = time.monotonic()
+        target = STOP_SYNC if self.stop_seen else name
+        self._send("arrive", sync=target)
+        while True:
+            item = self._next_item(f"the other ranks at synchronization point {target!r}")
+            if item["t"] == "release" and item["sync"] == target:
+                break
+            self._execute(item)
+            if self.stop_seen and target != STOP_SYNC:
+                target = STOP_SYNC
+                self._send("arrive", sync=target)
+        self.stats.syncs += 1
+        self.stats.sync_seconds += time.monotonic() - start
+        if target == STOP_SYNC:
+            self._stopped = True
+        return target == STOP_SYNC
+
+    def request_stop(self) -> None:
+        """Ask every rank to stop; they drain their groups at the next step and leave together."""
+        if not self.stop_seen:
+            self._send("stop")
+
+    def drain_for_stop(self) -> None:
+        """Meet every other rank at the stop point (idempotent)."""
+        if not self._stopped:
+            self.synchronize(STOP_SYNC)
+
+    def global_average(self) -> None:
+        """Average over all ranks; call only right after :meth:`synchronize` returned."""
+        group = self.cache.get(WORLD_KEY, tuple(range(self.world_size)))
+        average_(self.tensors, group, operation="global average")

@@ -1,0 +1,76 @@
+"""Digits classification: 1797 8x8 images that ship inside scikit-learn, so nothing is downloaded."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class DigitsDataModule(L.LightningDataModule):
+    """Train/validation split of scikit-learn's digits, standardized, split reproducibly from ``split_seed``."""
+
+    def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, split_seed: int = 0, num_workers: int = 0):
+        super().__init__()
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.split_seed = split_seed
+        self.num_workers = num_workers
+
+    def setup(self, stage: str) -> None:
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        x = torch.tensor(x, dtype=torch.float32) / 16.0
+        y = torch.tensor(y, dtype=torch.long)
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.split_seed))
+        n_val = int(len(x) * self.val_fraction)
+        val_idx, train_idx = order[:n_val], order[n_val:]
+        self.train_set = TensorDataset(x[train_idx], y[train_idx])
+        self.val_set = TensorDataset(x[val_idx], y[val_idx])
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=256, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+
+class DigitsClassifier(L.LightningModule):
+    """A small MLP with BatchNorm (so floating-point buffers are averaged too)."""
+
+    def __init__(self, hidden: int = 64, lr: float = 0.05, momentum: float = 0.9, sync_dist_train_loss: bool = True):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(
+            nn.Linear(64, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
+        )
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=self.hparams.sync_dist_train_loss)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+        self.val_acc(logits, y)
+        self.log("val_acc", self.val_acc)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_acc", (self(x).argmax(-1) == y).float().mean(), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)

@@ -1,0 +1,113 @@
+"""One training run of the digits workload, shared by the demo script, the tests and the benchmark.
+
+Run as ``python -m lightning_prague.demo.run --strategy prague --devices 4``; every rank re-runs
+this module (Lightning's launcher), rank 0 prints the result and can write it as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+import lightning_prague  # noqa: F401  (registers the strategies)
+from lightning_prague.callbacks import SlowdownInjector, WorkerSummary
+from lightning_prague.demo.digits import DigitsClassifier, DigitsDataModule
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", default="prague", help="prague, partial_all_reduce, ddp, ...")
+    parser.add_argument("--devices", type=int, default=4, help="CPU worker processes")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--step-time", type=float, default=0.05, help="simulated compute time per step (s)")
+    parser.add_argument("--profile", default="straggler", choices=["homogeneous", "straggler", "jitter"])
+    parser.add_argument("--slow-rank", type=int, action="append", dest="slow_ranks", help="rank to slow (repeatable)")
+    parser.add_argument("--slow-factor", type=float, default=5.0)
+    parser.add_argument("--group-size", type=int, default=3)
+    parser.add_argument("--grouping", default="random")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="write the result of rank 0 here")
+    parser.add_argument("--checkpoint-dir", type=Path, help="keep the best checkpoint (by val_acc) here")
+    parser.add_argument("--resume", type=Path, help="resume fit from this checkpoint")
+    parser.add_argument("--early-stopping", action="store_true", help="stop when val_acc stops improving")
+    parser.add_argument("--test", action="store_true", help="run trainer.test after fit")
+    return parser.parse_args(argv)
+
+
+def build_strategy(args: argparse.Namespace) -> Any:
+    if args.strategy in ("prague", "partial_all_reduce"):
+        return lightning_prague.PartialAllReduceStrategy(group_size=args.group_size, grouping=args.grouping, seed=args.seed)
+    return args.strategy
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    L.seed_everything(args.seed, workers=True, verbose=False)
+    summary = WorkerSummary(verbose=True)
+    callbacks: list[L.Callback] = [
+        SlowdownInjector(step_time=args.step_time, profile=args.profile, slow_ranks=args.slow_ranks or [0],
+                         slow_factor=args.slow_factor, seed=args.seed),
+        summary,
+    ]
+    checkpoint = None
+    if args.checkpoint_dir:
+        checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=args.checkpoint_dir, monitor="val_acc", mode="max", save_last=True)
+        callbacks.append(checkpoint)
+    if args.early_stopping:
+        callbacks.append(L.pytorch.callbacks.EarlyStopping(monitor="val_acc", mode="max", patience=1, min_delta=0.5))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=build_strategy(args),
+        max_epochs=args.epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=checkpoint is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    model = DigitsClassifier(lr=args.lr)
+    data = DigitsDataModule(batch_size=args.batch_size)
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=data, ckpt_path=args.resume)
+    fit_seconds = time.perf_counter() - start
+    result: dict[str, Any] = {
+        "strategy": args.strategy,
+        "devices": args.devices * args.num_nodes,
+        "epochs_run": trainer.current_epoch,
+        "fit_seconds": fit_seconds,
+        "val_acc": float(trainer.callback_metrics["val_acc"]),
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "batches_per_worker": summary.batches_per_worker,
+        "params_checksum": float(sum(p.double().sum() for p in model.parameters())),
+    }
+    if checkpoint is not None:
+        result["best_model_path"] = checkpoint.best_model_path
+        result["last_model_path"] = checkpoint.last_model_path
+    if args.test:
+        result["test_acc"] = float(trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"])
+    # every rank reports its own checksum so callers can check the replicas agree
+    result["rank"] = trainer.global_rank
+    if trainer.is_global_zero:
+        print(f"{args.strategy}: val_acc={result['val_acc']:.4f} fit={fit_seconds:.1f}s "
+              f"epochs={result['epochs_run']}", flush=True)
+    if args.json:
+        path = args.json if trainer.is_global_zero else args.json.with_suffix(f".rank{trainer.global_rank}.json")
+        path.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

@@ -1,0 +1,351 @@
+"""Shared Lightning machinery of the asynchronous strategies.
+
+:class:`DecentralizedStrategy` takes Lightning's DDP launcher, rank bookkeeping and process-group
+setup, but never wraps the model in ``DistributedDataParallel``. Subclasses decide what happens
+after each local step (:meth:`after_local_step`). This class owns what every asynchronous
+strategy needs from Lightning:
+
+* **phases** - between the first training batch of an epoch and the next synchronization point
+  the ranks are *unaligned* (at different steps). Then ``barrier``/``broadcast``/``reduce``/
+  ``all_gather`` act locally (a local value and one warning per operation) instead of hanging.
+  At synchronization points they are real collectives again.
+* **synchronization points** - validation during fit, epoch end, end of fit: every rank drains
+  its group operations, meets the others, and (``average_at_sync``) the replicas are averaged so
+  validation, checkpoints and ``trainer.test`` see one consensus model.
+* **work-queue sharding** of the training loader, and a **coordinated SIGTERM** that drains
+  in-flight groups on every rank before all of them stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+
+from lightning_prague.core.averaging import BucketedTensors, averaged_state
+from lightning_prague.core.coordinator import CoordinatorService
+from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.generator import GroupGenerator
+from lightning_prague.core.policies import GroupingPolicy
+from lightning_prague.core.sharding import WorkQueueSampler
+from lightning_prague.core.store import StoreAddress
+from lightning_prague.core.worker import GroupWorker
+from lightning_prague.strategies import _patches
+from lightning_prague.strategies._checks import check_trainer
+
+log = logging.getLogger(__name__)
+
+
+class SyncPoints(Callback):
+    """Calls the strategy's synchronization points from the trainer's hooks; runs before other callbacks."""
+
+    def __init__(self, strategy: DecentralizedStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.strategy.enter_async_phase()
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self.strategy.synchronize(f"validation@epoch{trainer.current_epoch}")
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.synchronize(f"epoch_end@epoch{trainer.current_epoch}")
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.synchronize("fit_end")
+
+
+class DecentralizedStrategy(DDPStrategy):
+    """Base class of the asynchronous strategies; see the module docstring."""
+
+    #: the name users select it by, used in messages
+    strategy_name = "decentralized"
+
+    def __init__(
+        self,
+        group_size: int = 3,
+        sync_every: int = 1,
+        seed: int = 0,
+        timeout: float = 300.0,
+        average_at_sync: bool = True,
+        max_groups: int = 64,
+        bucket_mb: float = 25.0,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        if group_size < 2:
+            raise ConfigurationError(f"group_size={group_size} is invalid: a group needs at least 2 workers")
+        if sync_every < 1:
+            raise ConfigurationError(f"sync_every={sync_every} is invalid: it must be at least 1 local step")
+        if timeout <= 0:
+            raise ConfigurationError(f"timeout={timeout} is invalid: it must be a positive number of seconds")
+        if bucket_mb <= 0:
+            raise ConfigurationError(f"bucket_mb={bucket_mb} is invalid: it must be positive")
+        if max_groups < 1:
+            raise ConfigurationError(f"max_groups={max_groups} is invalid: it must be at least 1")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=timeout),
+            start_method=start_method,
+        )
+        self.group_size = group_size
+        self.sync_every = sync_every
+        self.seed = seed
+        self.sync_timeout = float(timeout)
+        self.average_at_sync = average_at_sync
+        self.max_groups = max_groups
+        self.bucket_mb = bucket_mb
+        self.worker: GroupWorker | None = None
+        self.coordinator: CoordinatorService | None = None
+        self.session: StoreAddress | None = None
+        self.sampler: WorkQueueSampler | None = None
+        self.local_steps = 0
+        self.batches_done = 0
+        self._aligned = True
+        self._local_sigterm = False
+        self._warned: set[str] = set()
+        self._trainer: Trainer | None = None
+
+    # -- hooks for subclasses ----------------------------------------------------------------
+    def make_policy(self) -> GroupingPolicy:
+        raise NotImplementedError
+
+    def after_local_step(self) -> None:
+        """Communication after an optimizer step; the default is a Partial All-Reduce."""
+        assert self.worker is not None
+        self.worker.partial_sync()
+
+    # -- setup / teardown ---------------------------------------------------------------------
+    @property
+    def workers_per_node(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    def setup(self, trainer: Trainer) -> None:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            check_trainer(trainer, self.strategy_name)
+            policy = self.make_policy()  # validates group_size against the world before anything starts
+        super().setup(trainer)
+        self._trainer = trainer
+        self._aligned = True
+        if not fitting or self.world_size < 2:
+            return
+        self._start_session(policy)
+        if not any(isinstance(cb, SyncPoints) and cb.strategy is self for cb in trainer.callbacks):
+            trainer.callbacks.insert(0, SyncPoints(self))
+        _patches.install(
+            trainer,
+            {
+                "_broadcast_sigterm_tensor": self._check_stop,
+                "_sigterm_notifier_fn": self._on_sigterm,
+                "_prepare_dataloader": self._wrap_prepare_dataloader(trainer._data_connector._prepare_dataloader),
+            },
+        )
+
+    def _start_session(self, policy: GroupingPolicy) -> None:
+        """A fresh store namespace per fit, agreed on by broadcast while the ranks are still aligned."""
+        number = 0
+        if self.global_rank == 0:
+            number = int(dist.distributed_c10d._get_default_store().add("prague/sessions", 1))
+        number = self.broadcast(number)
+        self.session = StoreAddress.from_env().child(f"s{number}")
+        if self.global_rank == 0:
+            self.coordinator = CoordinatorService(self.session, GroupGenerator(self.world_size, policy, self.max_groups))
+            self.coordinator.start()
+        tensors = BucketedTensors(averaged_state(self.lightning_module), int(self.bucket_mb * 2**20))
+        self.worker = GroupWorker(
+            self.session, self.global_rank, self.world_size, tensors, self._get_process_group_backend(), self.sync_timeout
+        )
+        self.local_steps = 0
+        self.batches_done = 0
+
+    def configure_ddp(self) -> None:
+        # no DistributedDataParallel: replicas only have to start equal
+        assert self.model is not None
+        _sync_module_states(self.model)
+
+    def teardown(self) -> None:
+        if self._trainer is not None:
+            _patches.remove(self._trainer)
+            self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks if not isinstance(cb, SyncPoints)]
+        if self.coordinator is not None:
+            self.coordinator.close()
+            self.coordinator = None
+        if self.worker is not None:
+            self.worker.cache.clear()
+        self.worker = None
+        self._aligned = True
+        super().teardown()
+
+    # -- training step ------------------------------------------------------------------------
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[LightningModule, torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.worker is not None:
+            self.local_steps += 1
+            if self.local_steps % self.sync_every == 0:
+                self.after_local_step()
+        return output
+
+    def enter_async_phase(self) -> None:
+        if self.worker is not None:
+            self._aligned = False
+            self.batches_done += 1
+
+    # -- synchronization points ---------------------------------------------------------------
+    def synchronize(self, name: str) -> None:
+        """Drain, meet every rank, then average (if ``average_at_sync``). No-op when already aligned."""
+        if self.worker is None or self._aligned:
+            return
+        if self._local_sigterm:
+            self.worker.request_stop()
+        if self.worker.synchronize(name):
+            self._raise_stop()
+        if self.average_at_sync:
+            self.worker.global_average()
+        self._aligned = True
+
+    @property
+    def aligned(self) -> bool:
+        """True when every rank is at the same point of the training loop (collectives are safe)."""
+        return self._aligned
+
+    # -- SIGTERM --------------------------------------------------------------------------------
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if not self._local_sigterm and self.launcher is not None:
+            self.launcher.kill(signum)  # forward to this node's other processes, as Lightning does
+        self._local_sigterm = True
+
+    def _check_stop(self) -> None:
+        if self.worker is None:
+            return
+        if self._local_sigterm:
+            self.worker.request_stop()
+        if self.worker.stop_seen:
+            self.worker.drain_for_stop()
+            self._raise_stop()
+
+    def _raise_stop(self) -> None:
+        assert self._trainer is not None
+        self._trainer._signal_connector.received_sigterm = True
+        self._aligned = True
+        raise SIGTERMException()
+
+    # -- data ---------------------------------------------------------------------------------
+    def _wrap_prepare_dataloader(self, original: Callable[..., object]) -> Callable[..., object]:
+        def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
+            if mode == RunningStage.TRAINING and isinstance(dataloader, DataLoader) and self.session is not None:
+                return self._shard(dataloader)
+            return original(dataloader, shuffle, mode)
+
+        return prepare
+
+    def _shard(self, dataloader: DataLoader) -> DataLoader:
+        name = self.strategy_name
+        if isinstance(dataloader.dataset, IterableDataset):
+            raise ConfigurationError(
+                f"strategy={name!r} shards training data through a global work queue and needs a map-style dataset "
+                "(with __getitem__ and __len__); an IterableDataset cannot be shared out by index"
+            )
+        if dataloader.batch_size is None:
+            raise ConfigurationError(
+                f"strategy={name!r} needs the training DataLoader to use batch_size (a custom batch_sampler cannot "
+                "be fed from the work queue)"
+            )
+        if isinstance(dataloader.sampler, RandomSampler):
+            shuffle = True
+        elif isinstance(dataloader.sampler, SequentialSampler):
+            shuffle = False
+        else:
+            raise ConfigurationError(
+                f"strategy={name!r} replaces the training sampler with a work-queue sampler but the DataLoader has a "
+                f"custom sampler ({type(dataloader.sampler).__name__}); use shuffle=True or shuffle=False instead"
+            )
+        assert self.session is not None
+        self.sampler = WorkQueueSampler(
+            len(dataloader.dataset),  # type: ignore[arg-type]
+            dataloader.batch_size,
+            self.global_rank,
+            self.world_size,
+            self.session.child("data"),
+            shuffle=shuffle,
+            seed=self.seed,
+            timeout=self.sync_timeout,
+        )
+        return _update_dataloader(dataloader, self.sampler, mode=RunningStage.TRAINING)
+
+    # -- collectives that must not run while ranks are unaligned ------------------------------
+    def _local_instead(self, operation: str) -> bool:
+        if self._aligned:
+            return False
+        if operation not in self._warned:
+            self._warned.add(operation)
+            warnings.warn(
+                f"{operation} was called during asynchronous training with strategy={self.strategy_name!r}, while "
+                "ranks are at different steps; a world-wide collective here would hang, so it uses this rank's "
+                "local value instead (this warning is shown once). Values logged with sync_dist=True during "
+                "training steps are per-rank; they are reduced across ranks at epoch end.",
+                stacklevel=3,
+            )
+        return True
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self._local_instead("barrier"):
+            super().barrier(*args, **kwargs)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._local_instead("broadcast"):
+            return obj
+        return super().broadcast(obj, src)
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if self._local_instead("reduce (e.g. self.log(..., sync_dist=True))"):
+            return tensor
+        return super().reduce(tensor, group, reduce_op)
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        if self._local_instead("all_gather"):
+            return tensor.unsqueeze(0)
+        return super().all_gather(tensor, group, sync_grads)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if not self._aligned and self.is_global_zero and "save_checkpoint" not in self._warned:
+            self._warned.add("save_checkpoint")
+            warnings.warn(
+                "a checkpoint was saved between synchronization points: it holds rank 0's replica, not the "
+                "consensus model. Save at epoch ends (ModelCheckpoint(every_n_epochs=...)) for the consensus model.",
+                stacklevel=2,
+            )
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
