@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
@@ -9,7 +11,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 class WorkerSummary(Callback):
     """Counts training batches per worker and gathers them at the end of fit.
 
-    After ``fit`` every rank has :attr:`batches_per_worker` (a list indexed by global rank); rank
+    :attr:`train_seconds` is the time from the start to the end of training on this rank
+    (process start-up and setup excluded). After ``fit`` every rank has :attr:`batches_per_worker` (a list indexed by global rank); rank
     0 prints it. The gather runs in ``on_train_end``, after the strategy's final synchronization
     point, so ranks are aligned and it cannot hang.
     """
@@ -18,11 +21,17 @@ class WorkerSummary(Callback):
         self.verbose = verbose
         self.batches = 0
         self.batches_per_worker: list[int] = []
+        self.train_seconds = 0.0
+        self._start = 0.0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         self.batches += 1
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.train_seconds = time.perf_counter() - self._start
         counts = trainer.strategy.all_gather(torch.tensor(self.batches, device=pl_module.device))
         self.batches_per_worker = [int(c) for c in counts.reshape(-1).tolist()]
         if self.verbose and trainer.is_global_zero:

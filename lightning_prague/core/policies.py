@@ -8,7 +8,8 @@ what makes any policy deadlock-free.
     Prague's Group Generator: the requester plus ``group_size - 1`` peers drawn uniformly from the
     workers that are still training.
 ``buffer``
-    Group Buffer: a random partition of all workers into groups of ``group_size`` is kept; a
+    Group Buffer: a random partition of all workers into groups of ``group_size`` (one group takes
+    ``group_size + 1`` rather than leave a worker alone) is kept; a
     requester gets the buffered group that contains it. When that group has already been handed
     out, a fresh partition is drawn. Groups handed out from one partition are disjoint, so they
     do not conflict.
@@ -80,8 +81,9 @@ class BufferPolicy(GroupingPolicy):
         ranks = list(range(self.world_size))
         self.rng.shuffle(ranks)
         groups = [tuple(sorted(ranks[i : i + self.group_size])) for i in range(0, len(ranks), self.group_size)]
-        if len(groups) > 1 and len(groups[-1]) == 1:  # never leave a worker alone: join the last pair
-            groups[-2] = tuple(sorted(groups[-2] + groups.pop()))
+        if len(groups) > 1 and len(groups[-1]) == 1:  # never leave a worker alone: it joins the previous group
+            last = groups.pop()
+            groups[-1] = tuple(sorted(groups[-1] + last))
         self._buffer = {rank: group for group in groups for rank in group}
 
     def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
@@ -156,7 +158,9 @@ class StaticPolicy(GroupingPolicy):
     def __init__(self, world_size: int, group_size: int, seed: int = 0, workers_per_node: int | None = None) -> None:
         super().__init__(world_size, group_size, seed)
         # on one node there are no slow links to avoid: use virtual nodes of group_size workers
-        self.workers_per_node = workers_per_node if workers_per_node and workers_per_node < world_size else group_size
+        self.workers_per_node = (
+            workers_per_node if workers_per_node and 2 <= workers_per_node < world_size else group_size
+        )
 
     def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
         alive = set(available)
@@ -200,7 +204,7 @@ def make_policy(
     if name == "buffer":
         return BufferPolicy(world_size, group_size, seed)
     if name == "division":
-        division = workers_per_node if workers_per_node and workers_per_node < world_size else None
+        division = workers_per_node if workers_per_node and 2 <= workers_per_node < world_size else None
         return DivisionPolicy(world_size, group_size, seed, division_size=division)
     if name == "static":
         return StaticPolicy(world_size, group_size, seed, workers_per_node)

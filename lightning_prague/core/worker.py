@@ -53,7 +53,9 @@ class GroupWorker:
         self.tensors = tensors
         self.timeout = timeout
         self.store = address.connect(timeout)
-        self.cache = GroupCache(self.store, rank, backend, timeout)
+        # communicators rendezvous over a connection of their own: a TCPStore client must not be
+        # used by two parties at once, and the backend may still talk to it after construction
+        self.cache = GroupCache(address.connect(timeout), rank, backend, timeout)
         self.stats = WorkerStats()
         self.stop_seen = False
         self._stopped = False

@@ -87,10 +87,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "devices": args.devices * args.num_nodes,
         "epochs_run": trainer.current_epoch,
         "fit_seconds": fit_seconds,
+        "train_seconds": summary.train_seconds,
         "val_acc": float(trainer.callback_metrics["val_acc"]),
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "batches_per_worker": summary.batches_per_worker,
-        "params_checksum": float(sum(p.double().sum() for p in model.parameters())),
+        "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
     }
     if checkpoint is not None:
         result["best_model_path"] = checkpoint.best_model_path
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # every rank reports its own checksum so callers can check the replicas agree
     result["rank"] = trainer.global_rank
     if trainer.is_global_zero:
-        print(f"{args.strategy}: val_acc={result['val_acc']:.4f} fit={fit_seconds:.1f}s "
+        print(f"{args.strategy}: val_acc={result['val_acc']:.4f} train={summary.train_seconds:.2f}s fit={fit_seconds:.1f}s "
               f"epochs={result['epochs_run']}", flush=True)
     if args.json:
         path = args.json if trainer.is_global_zero else args.json.with_suffix(f".rank{trainer.global_rank}.json")

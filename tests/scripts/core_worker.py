@@ -1,0 +1,65 @@
+"""One rank of a core-only (no Lightning) run: partial syncs with uneven step times, then a global average.
+
+Usage: core_worker.py RANK WORLD PORT OUT_JSON POLICY GROUP_SIZE STEPS [SLOW_RANK SLOW_SECONDS]
+"""
+
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from lightning_prague.core import BucketedTensors, CoordinatorService, GroupGenerator, GroupWorker, StoreAddress
+from lightning_prague.core import make_policy
+
+
+def main() -> None:
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    out, policy, group_size, steps = sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7])
+    slow_rank = int(sys.argv[8]) if len(sys.argv) > 8 else -1
+    slow_seconds = float(sys.argv[9]) if len(sys.argv) > 9 else 0.0
+    max_groups = int(os.environ.get("MAX_GROUPS", "64"))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    address = StoreAddress.from_env().child("test")
+    service = None
+    if rank == 0:
+        generator = GroupGenerator(world, make_policy(policy, world, group_size, seed=1), max_groups=max_groups)
+        generator.record_history = True
+        service = CoordinatorService(address, generator)
+        service.start()
+    params = torch.full((5,), float(rank))
+    buffer = torch.full((3,), float(rank) * 10)
+    worker = GroupWorker(address, rank, world, BucketedTensors([params, buffer], bucket_bytes=16), "gloo", timeout=60)
+    rng = random.Random(rank)
+    history = []
+    for _ in range(steps):
+        time.sleep(slow_seconds if rank == slow_rank else rng.uniform(0.0, 0.01))
+        before = params.clone()
+        gid = worker.partial_sync()
+        history.append({"gid": gid, "before": before.tolist(), "after": params.tolist()})
+    worker.synchronize("end")
+    mean_before = params.clone()
+    worker.global_average()
+    result = {
+        "rank": rank,
+        "history": history,
+        "final": params.tolist(),
+        "buffer": buffer.tolist(),
+        "before_global": mean_before.tolist(),
+        "stats": {"groups": worker.stats.groups_executed, "skipped": worker.stats.skipped},
+        "max_cache": len(worker.cache),
+    }
+    if service is not None:
+        result["issued"] = [[gid, list(m)] for gid, m in service.generator.issued]
+        service.close()
+    with open(out, "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

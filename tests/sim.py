@@ -1,0 +1,122 @@
+"""A discrete-event model of workers talking to the Group Generator, for exhaustive-ish property tests.
+
+Workers compute, send ``ready``, then execute their inbox in order; a group item completes only
+when every member has it at the head of its inbox and is executing its inbox (as a real
+all-reduce would). The scheduler picks enabled actions at random. If nothing is enabled while some
+worker is not finished, the protocol deadlocked.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from lightning_prague.core.generator import GroupGenerator
+
+
+@dataclass
+class SimResult:
+    groups: dict[int, tuple[int, ...]] = field(default_factory=dict)  # gid -> members
+    executed: dict[int, list[int]] = field(default_factory=dict)  # rank -> gids in execution order
+    steps: dict[int, int] = field(default_factory=dict)
+    max_cache: int = 0
+    released: bool = False
+
+
+class DeadlockError(AssertionError):
+    pass
+
+
+def simulate(generator: GroupGenerator, steps: dict[int, int], rng: random.Random, max_events: int = 200_000) -> SimResult:
+    world = generator.world_size
+    inbox: dict[int, deque] = {r: deque() for r in range(world)}
+    to_coordinator: deque = deque()
+    state = {r: "compute" for r in range(world)}  # compute | wait_answer | wait_release | done
+    pending_req: dict[int, int] = {}
+    done_steps = dict.fromkeys(range(world), 0)
+    cache: dict[int, set[str]] = {r: set() for r in range(world)}
+    result = SimResult(executed={r: [] for r in range(world)})
+    req_counter = dict.fromkeys(range(world), 0)
+
+    def consume_non_groups(r: int) -> None:
+        while inbox[r] and state[r] in ("wait_answer", "wait_release"):
+            item = inbox[r][0]
+            if item["t"] == "group":
+                return
+            inbox[r].popleft()
+            if item["t"] == "drop":
+                assert item["key"] in cache[r], f"rank {r} told to drop unknown communicator {item['key']}"
+                cache[r].discard(item["key"])
+            elif item["t"] == "answer":
+                assert state[r] == "wait_answer" and item["req"] == pending_req[r]
+                if item["gid"] is not None:
+                    assert item["gid"] in result.executed[r], "answer names a group the rank has not executed"
+                state[r] = "compute"
+            elif item["t"] == "release":
+                assert state[r] == "wait_release"
+                state[r] = "done"
+                result.released = True
+            elif item["t"] == "error":
+                raise AssertionError(item["message"])
+
+    for _ in range(max_events):
+        for r in range(world):
+            consume_non_groups(r)
+        actions: list[tuple] = []
+        if to_coordinator:
+            actions.append(("coord",))
+        for r in range(world):
+            if state[r] == "compute":
+                actions.append(("step", r))
+        heads = {}
+        for r in range(world):
+            if state[r] in ("wait_answer", "wait_release") and inbox[r] and inbox[r][0]["t"] == "group":
+                heads[r] = inbox[r][0]
+        for r, item in heads.items():
+            if r == min(item["members"]) and all(m in heads and heads[m]["gid"] == item["gid"] for m in item["members"]):
+                actions.append(("group", item))
+        if not actions:
+            if all(s == "done" for s in state.values()):
+                result.steps = done_steps
+                result.max_cache = max(result.max_cache, *(len(c) for c in cache.values()))
+                return result
+            raise DeadlockError(f"deadlock: states={state} heads={ {r: h['gid'] for r, h in heads.items()} }")
+        action = rng.choice(actions)
+        if action[0] == "coord":
+            out = generator.handle(to_coordinator.popleft())
+            for r, items in out.items():
+                inbox[r].extend(items)
+        elif action[0] == "step":
+            r = action[1]
+            if done_steps[r] >= steps[r]:
+                state[r] = "wait_release"
+                to_coordinator.append({"op": "arrive", "rank": r, "sync": "end"})
+            else:
+                done_steps[r] += 1
+                req_counter[r] += 1
+                pending_req[r] = req_counter[r]
+                state[r] = "wait_answer"
+                to_coordinator.append({"op": "ready", "rank": r, "req": req_counter[r]})
+        else:
+            item = action[1]
+            members = tuple(item["members"])
+            known = [item["key"] in cache[m] for m in members]
+            assert all(known) or not any(known), f"members disagree on communicator {item['key']}: {known}"
+            result.groups[item["gid"]] = members
+            for m in members:
+                cache[m].add(item["key"])
+                inbox[m].popleft()
+                result.executed[m].append(item["gid"])
+            result.max_cache = max(result.max_cache, *(len(cache[m]) for m in members))
+    raise DeadlockError("simulation did not finish within the event budget (livelock?)")
+
+
+def assert_consistent_order(result: SimResult) -> None:
+    """Every member executed each of its groups exactly once, and any two ranks agree on their order."""
+    for r, gids in result.executed.items():
+        assert len(gids) == len(set(gids)), f"rank {r} executed a group twice"
+        assert gids == sorted(gids), f"rank {r} executed groups out of global order: {gids}"
+    for gid, members in result.groups.items():
+        for m in members:
+            assert gid in result.executed[m]

@@ -1,0 +1,141 @@
+"""The Group Generator and every policy are deadlock-free and keep communicator caches consistent."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sim import assert_consistent_order, simulate
+
+from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.generator import STOP_SYNC, CommunicatorLRU, GroupGenerator
+from lightning_prague.core.policies import POLICY_NAMES, make_policy
+
+
+@st.composite
+def setups(draw, policies=POLICY_NAMES):
+    world = draw(st.integers(2, 16))
+    group = draw(st.integers(2, world))
+    per_node = draw(st.integers(1, world))
+    policy = draw(st.sampled_from(policies))
+    seed = draw(st.integers(0, 2**16))
+    max_groups = draw(st.integers(1, 80))
+    steps = draw(st.lists(st.integers(0, 12), min_size=world, max_size=world))
+    return world, group, per_node, policy, seed, max_groups, steps
+
+
+@settings(max_examples=150, deadline=None)
+@given(setups())
+def test_every_policy_is_deadlock_free_and_consistent(setup):
+    world, group, per_node, name, seed, max_groups, steps = setup
+    policy = make_policy(name, world, group, seed, workers_per_node=per_node)
+    generator = GroupGenerator(world, policy, max_groups=max_groups)
+    result = simulate(generator, dict(enumerate(steps)), random.Random(seed))
+    assert result.released, "the final synchronization point was never released"
+    assert_consistent_order(result)
+    assert result.max_cache <= max_groups, "a rank held more communicators than max_groups"
+    limit = group + 1 if name == "buffer" else group
+    if name == "static":  # one inter-node group spans a column of all nodes
+        limit = max(policy.workers_per_node, -(-world // policy.workers_per_node))
+    for members in result.groups.values():
+        assert 2 <= len(members) <= limit and list(members) == sorted(set(members))
+    assert result.steps == dict(enumerate(steps)), "some worker did not finish its steps"
+
+
+@settings(max_examples=60, deadline=None)
+@given(setups(policies=("random", "buffer", "division")))
+def test_slow_workers_do_not_deadlock_when_others_finish_first(setup):
+    world, group, per_node, name, seed, max_groups, steps = setup
+    steps = [0] + [10] * (world - 1)  # rank 0 finishes at once and parks; the others keep asking
+    generator = GroupGenerator(world, make_policy(name, world, group, seed, per_node), max_groups)
+    result = simulate(generator, dict(enumerate(steps)), random.Random(seed))
+    assert result.released
+    assert all(result.steps[r] == 10 for r in range(1, world)), "fast workers were held up by the parked one"
+
+
+def test_parked_workers_are_not_given_new_groups():
+    world = 4
+    generator = GroupGenerator(world, make_policy("random", world, 3, seed=1))
+    generator.handle({"op": "arrive", "rank": 0, "sync": "epoch_end"})
+    for req in range(1, 50):
+        out = generator.handle({"op": "ready", "rank": 1 + req % 3, "req": req})
+        for items in out.values():
+            for item in items:
+                if item["t"] == "group":
+                    assert 0 not in item["members"]
+
+
+def test_generator_is_deterministic_for_a_seed():
+    def run(seed):
+        generator = GroupGenerator(8, make_policy("random", 8, 3, seed=seed))
+        return [generator.handle({"op": "ready", "rank": i % 8, "req": i}) for i in range(40)]
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_mismatched_sync_points_give_an_error_naming_ranks():
+    generator = GroupGenerator(3, make_policy("random", 3, 2))
+    generator.handle({"op": "arrive", "rank": 0, "sync": "epoch_end@epoch1"})
+    generator.handle({"op": "arrive", "rank": 1, "sync": "epoch_end@epoch1"})
+    out = generator.handle({"op": "arrive", "rank": 2, "sync": "fit_end"})
+    message = out[2][0]["message"]
+    assert out[2][0]["t"] == "error"
+    assert "ranks [0, 1] at 'epoch_end@epoch1'" in message and "ranks [2] at 'fit_end'" in message
+
+
+def test_stop_releases_everyone_only_after_all_arrive_at_the_stop_point():
+    generator = GroupGenerator(3, make_policy("random", 3, 2))
+    generator.handle({"op": "arrive", "rank": 0, "sync": "epoch_end"})
+    out = generator.handle({"op": "stop", "rank": 1})
+    assert all(out[r] == [{"t": "stop"}] for r in range(3))
+    # rank 0 was parked at epoch_end: no release for it until everyone arrives at the stop point
+    assert not generator.handle({"op": "arrive", "rank": 1, "sync": STOP_SYNC})
+    assert not generator.handle({"op": "arrive", "rank": 2, "sync": STOP_SYNC})
+    out = generator.handle({"op": "arrive", "rank": 0, "sync": STOP_SYNC})
+    assert all(out[r] == [{"t": "release", "sync": STOP_SYNC}] for r in range(3))
+    # requests after a stop are answered without a group
+    out = generator.handle({"op": "ready", "rank": 2, "req": 7})
+    assert out == {2: [{"t": "answer", "req": 7, "gid": None}]}
+
+
+def test_communicator_lru_gives_new_generation_after_eviction():
+    lru = CommunicatorLRU(capacity=2)
+    a, _ = lru.key_for((0, 1))
+    b, _ = lru.key_for((1, 2))
+    c, evicted = lru.key_for((0, 2))
+    assert evicted == [((0, 1), a)]
+    a2, evicted = lru.key_for((0, 1))
+    assert a2 != a and evicted == [((1, 2), b)]
+    assert len(lru) == 2 and c.startswith("g0-2")
+
+
+def test_first_ready_groups_only_ready_workers_in_arrival_order():
+    generator = GroupGenerator(6, make_policy("first_ready", 6, 3))
+    assert generator.handle({"op": "ready", "rank": 4, "req": 1}) == {}
+    assert generator.handle({"op": "ready", "rank": 1, "req": 1}) == {}
+    out = generator.handle({"op": "ready", "rank": 5, "req": 1})
+    group = out[4][0]
+    assert group["t"] == "group" and group["members"] == [1, 4, 5]
+    assert set(out) == {1, 4, 5}
+    # when everybody else is parked, a lone ready worker is answered without a group
+    for r in (0, 2, 3, 4, 5):
+        generator.handle({"op": "arrive", "rank": r, "sync": "end"})
+    out = generator.handle({"op": "ready", "rank": 1, "req": 2})
+    assert out == {1: [{"t": "answer", "req": 2, "gid": None}]}
+
+
+@pytest.mark.parametrize(
+    ("name", "world", "group", "match"),
+    [
+        ("random", 4, 5, "group_size=5 is invalid for 4 workers"),
+        ("random", 4, 1, "group_size=1 is invalid"),
+        ("rnd", 4, 2, "grouping='rnd' is not a known grouping policy"),
+        ("random", 1, 2, "at least 2 workers"),
+    ],
+)
+def test_bad_policy_configuration_names_the_option(name, world, group, match):
+    with pytest.raises(ConfigurationError, match=match):
+        make_policy(name, world, group)
