@@ -28,7 +28,9 @@ class DeadlockError(AssertionError):
     pass
 
 
-def simulate(generator: GroupGenerator, steps: dict[int, int], rng: random.Random, max_events: int = 200_000) -> SimResult:
+def simulate(
+    generator: GroupGenerator, steps: dict[int, int], rng: random.Random, max_events: int = 200_000
+) -> SimResult:
     world = generator.world_size
     inbox: dict[int, deque] = {r: deque() for r in range(world)}
     to_coordinator: deque = deque()
@@ -74,7 +76,9 @@ def simulate(generator: GroupGenerator, steps: dict[int, int], rng: random.Rando
             if state[r] in ("wait_answer", "wait_release") and inbox[r] and inbox[r][0]["t"] == "group":
                 heads[r] = inbox[r][0]
         for r, item in heads.items():
-            if r == min(item["members"]) and all(m in heads and heads[m]["gid"] == item["gid"] for m in item["members"]):
+            if r == min(item["members"]) and all(
+                m in heads and heads[m]["gid"] == item["gid"] for m in item["members"]
+            ):
                 actions.append(("group", item))
         if not actions:
             if all(s == "done" for s in state.values()):

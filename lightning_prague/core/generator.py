@@ -70,9 +70,12 @@ class CommunicatorLRU:
 class GroupGenerator:
     """Turns worker messages into inbox items; see the module docstring for the protocol."""
 
-    def __init__(self, world_size: int, policy: GroupingPolicy, max_groups: int = 64) -> None:
+    def __init__(
+        self, world_size: int, policy: GroupingPolicy, max_groups: int = 64, avoid_stragglers: bool = True
+    ) -> None:
         self.world_size = world_size
         self.policy = policy
+        self.avoid_stragglers = avoid_stragglers
         self.cache = CommunicatorLRU(max_groups)
         self.next_gid = 0
         self.rounds = [0] * world_size
@@ -109,6 +112,28 @@ class GroupGenerator:
     def _available(self) -> list[int]:
         return [r for r in range(self.world_size) if r not in self.parked]
 
+    def lagging(self) -> set[int]:
+        """Workers far behind the others since the last synchronization point.
+
+        A worker is lagging when it has made fewer than half the median number of requests
+        (less a slack of 2, so that the first steps of an epoch decide nothing). Putting a lagging
+        worker into a fast worker's group would make the fast worker wait for the slow worker's
+        whole step; lagging workers still mix through the groups they ask for themselves, whose
+        fast members answer within one of their own short steps.
+        """
+        available = self._available()
+        if not self.avoid_stragglers or len(available) < 3:
+            return set()
+        counts = sorted(self.rounds[r] for r in available)
+        median = counts[len(counts) // 2]
+        return {r for r in available if self.rounds[r] + 2 < median / 2}
+
+    def _candidates(self, requester: int) -> list[int]:
+        available = self._available()
+        slow = self.lagging() - {requester}
+        candidates = [r for r in available if r not in slow]
+        return candidates if len(candidates) >= 2 else available
+
     def _issue(self, members: Group, out: dict[int, list[Item]]) -> int:
         key, evicted = self.cache.key_for(members)
         for old_members, old_key in evicted:
@@ -136,7 +161,8 @@ class GroupGenerator:
             self._ready.append((rank, req))
             self._form_ready_groups(out)
             return
-        members = self.policy.select(rank, round_index, self._available())
+        candidates = self._available() if self.policy.issues_per_round else self._candidates(rank)
+        members = self.policy.select(rank, round_index, candidates)
         if members is None or len(members) < 2:
             self._answer(rank, req, None, out)
             return

@@ -83,7 +83,11 @@ class GroupCache:
         start = time.monotonic()
         try:
             pg = _new_backend_group(
-                self.backend, dist.PrefixStore(f"pg/{key}/", self._store), members.index(self.rank), len(members), self.timeout
+                self.backend,
+                dist.PrefixStore(f"pg/{key}/", self._store),
+                members.index(self.rank),
+                len(members),
+                self.timeout,
             )
         except RuntimeError as err:
             raise CoordinationTimeout(

@@ -135,7 +135,10 @@ def static_schedule(world_size: int, workers_per_node: int, round_index: int) ->
     """
     if workers_per_node < 1:
         raise ConfigurationError(f"workers_per_node must be at least 1, got {workers_per_node}")
-    nodes = [list(range(start, min(start + workers_per_node, world_size))) for start in range(0, world_size, workers_per_node)]
+    nodes = [
+        list(range(start, min(start + workers_per_node, world_size)))
+        for start in range(0, world_size, workers_per_node)
+    ]
     phase = round_index % (2 * workers_per_node)
     if phase % 2 == 1:
         return [tuple(node) for node in nodes]
@@ -210,4 +213,6 @@ def make_policy(
         return StaticPolicy(world_size, group_size, seed, workers_per_node)
     if name == "first_ready":
         return FirstReadyPolicy(world_size, group_size, seed)
-    raise ConfigurationError(f"grouping={name!r} is not a known grouping policy; choose one of {', '.join(POLICY_NAMES)}")
+    raise ConfigurationError(
+        f"grouping={name!r} is not a known grouping policy; choose one of {', '.join(POLICY_NAMES)}"
+    )

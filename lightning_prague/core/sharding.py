@@ -5,11 +5,19 @@ Every rank first takes the chunk numbered by its rank (so nobody ends an epoch e
 claims further chunks from an atomic counter in the TCPStore. Fast ranks claim more chunks; nobody
 idles at the end of the epoch waiting for a slow rank's fixed shard. The permutation depends only
 on ``seed`` and the epoch, so all ranks agree on it without communicating.
+
+Tail awareness: near the end of an epoch a slow rank would hold the last chunk while everyone else
+waits for it at the epoch's synchronization point. A rank therefore stops claiming when it is much
+slower than the others (``slow_ratio`` times their mean time per chunk) *and* the others will
+consume all remaining chunks within one of its steps. Both figures come from the counter values the
+rank already sees, so this costs no extra communication; ranks that are not slow never stop early,
+so every chunk is still trained on.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +47,8 @@ class WorkQueueSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         timeout: float = 300.0,
+        slow_ratio: float = 2.0,
+        lookahead: int = 1,
     ) -> None:
         if chunk_size < 1:
             raise ConfigurationError(f"chunk_size (the batch size) must be at least 1, got {chunk_size}")
@@ -50,6 +60,11 @@ class WorkQueueSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.timeout = timeout
+        self.slow_ratio = slow_ratio
+        self.lookahead = lookahead
+        self._my_seconds: float | None = None
+        self._others_rate: float | None = None
+        self.chunks_left_to_others = 0  # chunks this rank declined at the end of the last epoch
         self.epoch = 0
         self.chunks_taken = 0  # in the current epoch
         self.total_chunks_taken = 0
@@ -72,10 +87,22 @@ class WorkQueueSampler(Sampler[int]):
         state["_store"] = None  # a socket does not pickle; reconnect lazily
         return state
 
-    def _claim(self) -> int:
+    def _connect(self) -> dist.Store:
         if self._store is None:
             self._store = self.address.connect(self.timeout)
-        return self.world_size + int(self._store.add(f"epoch/{self.epoch}/cursor", 1)) - 1
+        return self._store
+
+    def _claim(self) -> int:
+        return self.world_size + int(self._connect().add(f"epoch/{self.epoch}/cursor", 1)) - 1
+
+    def should_leave_tail(self, remaining: int, horizon: float, my_chunk_seconds: float, others_rate: float) -> bool:
+        """True when this rank is ``slow_ratio`` times slower than the others' mean and they will
+        consume the ``remaining`` chunks within ``horizon`` seconds (before a chunk claimed now
+        would be done here)."""
+        if others_rate <= 0 or self.world_size < 2:
+            return False
+        others_chunk_seconds = (self.world_size - 1) / others_rate
+        return my_chunk_seconds > self.slow_ratio * others_chunk_seconds and remaining <= others_rate * horizon
 
     def permutation(self) -> list[int]:
         if not self.shuffle:
@@ -87,9 +114,42 @@ class WorkQueueSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         order = self.permutation()
         self.chunks_taken = 0
+        self.chunks_left_to_others = 0
         chunk = self.rank
+        previous: tuple[float, int] | None = None  # (time, global cursor) at this rank's previous request
+        requests = 0
         while chunk < self.num_chunks:
             self.chunks_taken += 1
             self.total_chunks_taken += 1
             yield from order[chunk * self.chunk_size : (chunk + 1) * self.chunk_size]
+            if self.slow_ratio > 0 and self._leave_tail(previous, requests):
+                return
+            requests += 1
+            previous = (time.monotonic(), int(self._connect().add(self._cursor_key, 0)) + self.world_size)
             chunk = self._claim()
+
+    @property
+    def _cursor_key(self) -> str:
+        return f"epoch/{self.epoch}/cursor"
+
+    def _leave_tail(self, previous: tuple[float, int] | None, requests: int) -> bool:
+        """Update the speed estimates from the counter and decide whether to leave the rest to others."""
+        now = time.monotonic()
+        cursor = int(self._connect().add(self._cursor_key, 0)) + self.world_size
+        # estimates carry over epochs, so the first decisions of an epoch are informed too;
+        # and an interval in which the queue ran dry says nothing about the others' speed
+        if previous is not None and requests >= 1 and cursor < self.num_chunks:
+            elapsed = max(now - previous[0], 1e-6)
+            self._my_seconds = self._ema(self._my_seconds, elapsed)
+            self._others_rate = self._ema(self._others_rate, max(cursor - previous[1] - 1, 0) / elapsed)
+        if self._my_seconds is None or not self._others_rate:
+            return False
+        horizon = self._my_seconds * (1 + self.lookahead)  # a claimed chunk is trained after the prefetched ones
+        if self.should_leave_tail(self.num_chunks - cursor, horizon, self._my_seconds, self._others_rate):
+            self.chunks_left_to_others = self.num_chunks - cursor
+            return True
+        return False
+
+    @staticmethod
+    def _ema(old: float | None, new: float, weight: float = 0.5) -> float:
+        return new if old is None else weight * new + (1 - weight) * old

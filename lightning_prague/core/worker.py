@@ -82,11 +82,11 @@ class GroupWorker:
         missing = sorted(set(range(self.world_size)) - set(parked))
         return f" (ranks not at the synchronization point: {missing})" if parked else ""
 
-    def _execute(self, item: dict[str, Any]) -> None:
+    def _execute(self, item: dict[str, Any], tensors: BucketedTensors | None = None) -> None:
         kind = item["t"]
         if kind == "group":
             group = self.cache.get(item["key"], tuple(item["members"]))
-            average_(self.tensors, group, operation=f"partial all-reduce #{item['gid']}")
+            average_(tensors or self.tensors, group, operation=f"partial all-reduce #{item['gid']}")
             self.stats.groups_executed += 1
             self.stats.group_sizes.append(group.size)
         elif kind == "drop":
@@ -97,8 +97,12 @@ class GroupWorker:
             raise SyncMismatchError(f"rank {self.rank}: {item['message']}")
 
     # -- public API ------------------------------------------------------------------------
-    def partial_sync(self) -> int | None:
-        """Ask for a group after a local step and average with it; returns the group id or None."""
+    def partial_sync(self, tensors: BucketedTensors | None = None) -> int | None:
+        """Ask for a group after a local step and average with it; returns the group id or None.
+
+        Groups are averaged over ``tensors`` (default: the live tensors given at construction),
+        which lets :class:`~lightning_prague.core.overlap.BackgroundAverager` work on a snapshot.
+        """
         self._req += 1
         req = self._req
         self.stats.requests += 1
@@ -109,7 +113,7 @@ class GroupWorker:
                 if item["gid"] is None:
                     self.stats.skipped += 1
                 return item["gid"]
-            self._execute(item)
+            self._execute(item, tensors)
 
     def synchronize(self, name: str) -> bool:
         """Wait until every rank reached ``name`` with nothing in flight; True if training is stopping."""

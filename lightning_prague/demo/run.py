@@ -45,7 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_strategy(args: argparse.Namespace) -> Any:
     if args.strategy in ("prague", "partial_all_reduce"):
-        return lightning_prague.PartialAllReduceStrategy(group_size=args.group_size, grouping=args.grouping, seed=args.seed)
+        return lightning_prague.PartialAllReduceStrategy(
+            group_size=args.group_size, grouping=args.grouping, seed=args.seed
+        )
     return args.strategy
 
 
@@ -54,13 +56,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     L.seed_everything(args.seed, workers=True, verbose=False)
     summary = WorkerSummary(verbose=True)
     callbacks: list[L.Callback] = [
-        SlowdownInjector(step_time=args.step_time, profile=args.profile, slow_ranks=args.slow_ranks or [0],
-                         slow_factor=args.slow_factor, seed=args.seed),
+        SlowdownInjector(
+            step_time=args.step_time,
+            profile=args.profile,
+            slow_ranks=args.slow_ranks or [0],
+            slow_factor=args.slow_factor,
+            seed=args.seed,
+        ),
         summary,
     ]
     checkpoint = None
     if args.checkpoint_dir:
-        checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=args.checkpoint_dir, monitor="val_acc", mode="max", save_last=True)
+        checkpoint = L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=args.checkpoint_dir, monitor="val_acc", mode="max", save_last=True
+        )
         callbacks.append(checkpoint)
     if args.early_stopping:
         callbacks.append(L.pytorch.callbacks.EarlyStopping(monitor="val_acc", mode="max", patience=1, min_delta=0.5))
@@ -101,8 +110,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # every rank reports its own checksum so callers can check the replicas agree
     result["rank"] = trainer.global_rank
     if trainer.is_global_zero:
-        print(f"{args.strategy}: val_acc={result['val_acc']:.4f} train={summary.train_seconds:.2f}s fit={fit_seconds:.1f}s "
-              f"epochs={result['epochs_run']}", flush=True)
+        print(
+            f"{args.strategy}: val_acc={result['val_acc']:.4f} train={summary.train_seconds:.2f}s fit={fit_seconds:.1f}s "
+            f"epochs={result['epochs_run']}",
+            flush=True,
+        )
     if args.json:
         path = args.json if trainer.is_global_zero else args.json.with_suffix(f".rank{trainer.global_rank}.json")
         path.write_text(json.dumps(result, indent=2))

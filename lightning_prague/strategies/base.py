@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,7 @@ from lightning_prague.core.averaging import BucketedTensors, averaged_state
 from lightning_prague.core.coordinator import CoordinatorService
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.generator import GroupGenerator
+from lightning_prague.core.overlap import BackgroundAverager
 from lightning_prague.core.policies import GroupingPolicy
 from lightning_prague.core.sharding import WorkQueueSampler
 from lightning_prague.core.store import StoreAddress
@@ -86,6 +88,8 @@ class DecentralizedStrategy(DDPStrategy):
         average_at_sync: bool = True,
         max_groups: int = 64,
         bucket_mb: float = 25.0,
+        avoid_stragglers: bool = True,
+        overlap: bool = True,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -121,6 +125,9 @@ class DecentralizedStrategy(DDPStrategy):
         self.average_at_sync = average_at_sync
         self.max_groups = max_groups
         self.bucket_mb = bucket_mb
+        self.avoid_stragglers = avoid_stragglers
+        self.overlap = overlap
+        self.averager: BackgroundAverager | None = None
         self.worker: GroupWorker | None = None
         self.coordinator: CoordinatorService | None = None
         self.session: StoreAddress | None = None
@@ -137,9 +144,17 @@ class DecentralizedStrategy(DDPStrategy):
         raise NotImplementedError
 
     def after_local_step(self) -> None:
-        """Communication after an optimizer step; the default is a Partial All-Reduce."""
-        assert self.worker is not None
-        self.worker.partial_sync()
+        """Communication after an optimizer step: a Partial All-Reduce, overlapped or blocking."""
+        if self.averager is not None:
+            self.averager.step()
+        else:
+            assert self.worker is not None
+            self.worker.partial_sync()
+
+    def drain(self) -> None:
+        """Finish the exchange in flight (if any) so that the worker can be used by the training thread."""
+        if self.averager is not None:
+            self.averager.drain()
 
     # -- setup / teardown ---------------------------------------------------------------------
     @property
@@ -176,12 +191,20 @@ class DecentralizedStrategy(DDPStrategy):
         number = self.broadcast(number)
         self.session = StoreAddress.from_env().child(f"s{number}")
         if self.global_rank == 0:
-            self.coordinator = CoordinatorService(self.session, GroupGenerator(self.world_size, policy, self.max_groups))
+            generator = GroupGenerator(self.world_size, policy, self.max_groups, self.avoid_stragglers)
+            self.coordinator = CoordinatorService(self.session, generator)
             self.coordinator.start()
         tensors = BucketedTensors(averaged_state(self.lightning_module), int(self.bucket_mb * 2**20))
         self.worker = GroupWorker(
-            self.session, self.global_rank, self.world_size, tensors, self._get_process_group_backend(), self.sync_timeout
+            self.session,
+            self.global_rank,
+            self.world_size,
+            tensors,
+            self._get_process_group_backend(),
+            self.sync_timeout,
         )
+        if self.overlap:
+            self.averager = BackgroundAverager(self.worker, tensors, self.sync_timeout)
         self.local_steps = 0
         self.batches_done = 0
 
@@ -194,6 +217,9 @@ class DecentralizedStrategy(DDPStrategy):
         if self._trainer is not None:
             _patches.remove(self._trainer)
             self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks if not isinstance(cb, SyncPoints)]
+        if self.averager is not None:
+            self.averager.close()
+            self.averager = None
         if self.coordinator is not None:
             self.coordinator.close()
             self.coordinator = None
@@ -228,6 +254,7 @@ class DecentralizedStrategy(DDPStrategy):
         """Drain, meet every rank, then average (if ``average_at_sync``). No-op when already aligned."""
         if self.worker is None or self._aligned:
             return
+        self.drain()
         if self._local_sigterm:
             self.worker.request_stop()
         if self.worker.synchronize(name):
@@ -253,6 +280,7 @@ class DecentralizedStrategy(DDPStrategy):
         if self._local_sigterm:
             self.worker.request_stop()
         if self.worker.stop_seen:
+            self.drain()
             self.worker.drain_for_stop()
             self._raise_stop()
 
@@ -348,4 +376,3 @@ class DecentralizedStrategy(DDPStrategy):
                 stacklevel=2,
             )
         super().save_checkpoint(checkpoint, filepath, storage_options)
-

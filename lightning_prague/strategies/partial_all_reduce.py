@@ -20,7 +20,8 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
 
     After every ``sync_every`` local optimizer steps a worker asks the coordinator for a group and
     averages its parameters and floating-point buffers with the group's members. Nobody waits for
-    workers outside its group, so a slow worker only slows the groups it is in.
+    workers outside its group, and with ``overlap`` (the default) nobody waits for its group
+    either: the exchange runs on a snapshot while the next step computes.
 
     Args:
         group_size: workers per group (2 to the number of workers).
@@ -35,6 +36,11 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
             end of fit) so that they see one consensus model.
         max_groups: communicators kept alive at once (least recently used ones are released).
         bucket_mb: size of the flat buffers averaged in one collective.
+        avoid_stragglers: leave workers that lag far behind out of other workers' groups (they
+            still average through the groups they ask for); see ``GroupGenerator.lagging``.
+        overlap: run each group exchange on a snapshot in a background thread and fold the result
+            in at the next step (no worker ever blocks on its group); ``False`` blocks the training
+            thread until the group is averaged, as in the paper.
     """
 
     strategy_name = "prague"
@@ -49,6 +55,8 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         average_at_sync: bool = True,
         max_groups: int = 64,
         bucket_mb: float = 25.0,
+        avoid_stragglers: bool = True,
+        overlap: bool = True,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -70,6 +78,8 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
             average_at_sync=average_at_sync,
             max_groups=max_groups,
             bucket_mb=bucket_mb,
+            avoid_stragglers=avoid_stragglers,
+            overlap=overlap,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,

@@ -12,8 +12,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from lightning_prague.core import BucketedTensors, CoordinatorService, GroupGenerator, GroupWorker, StoreAddress
-from lightning_prague.core import make_policy
+from lightning_prague.core import (
+    BucketedTensors,
+    CoordinatorService,
+    GroupGenerator,
+    GroupWorker,
+    StoreAddress,
+    make_policy,
+)
 
 
 def main() -> None:
