@@ -139,3 +139,26 @@ def test_first_ready_groups_only_ready_workers_in_arrival_order():
 def test_bad_policy_configuration_names_the_option(name, world, group, match):
     with pytest.raises(ConfigurationError, match=match):
         make_policy(name, world, group)
+
+
+def test_lagging_workers_are_left_out_of_other_workers_groups_but_mix_through_their_own():
+    world = 6
+    generator = GroupGenerator(world, make_policy("random", world, 3, seed=0))
+    req = 0
+    for _ in range(10):  # ranks 1..5 take ten steps while rank 0 takes none
+        for r in range(1, world):
+            req += 1
+            generator.handle({"op": "ready", "rank": r, "req": req})
+    assert generator.lagging() == {0}
+    for _ in range(20):
+        for r in range(1, world):
+            req += 1
+            out = generator.handle({"op": "ready", "rank": r, "req": req})
+            assert 0 not in out, "a fast worker was grouped with the lagging one"
+    out = generator.handle({"op": "ready", "rank": 0, "req": 1})
+    assert out[0][0]["t"] == "group" and 0 in out[0][0]["members"], "the lagging worker must still get a group"
+    slow_free = GroupGenerator(world, make_policy("random", world, 3, seed=0), avoid_stragglers=False)
+    for r in range(1, world):
+        for step in range(10):
+            slow_free.handle({"op": "ready", "rank": r, "req": step})
+    assert slow_free.lagging() == set()

@@ -12,9 +12,10 @@ class WorkerSummary(Callback):
     """Counts training batches per worker and gathers them at the end of fit.
 
     :attr:`train_seconds` is the time from the start to the end of training on this rank
-    (process start-up and setup excluded). After ``fit`` every rank has :attr:`batches_per_worker` (a list indexed by global rank); rank
-    0 prints it. The gather runs in ``on_train_end``, after the strategy's final synchronization
-    point, so ranks are aligned and it cannot hang.
+    (process start-up and setup excluded). After ``fit`` every rank has
+    :attr:`batches_per_worker` (a list indexed by global rank); rank 0 prints it. The gather runs
+    in ``on_train_end``, after the strategy's final synchronization point, so ranks are aligned
+    and it cannot hang.
     """
 
     def __init__(self, verbose: bool = True) -> None:

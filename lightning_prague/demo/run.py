@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", type=Path, help="resume fit from this checkpoint")
     parser.add_argument("--early-stopping", action="store_true", help="stop when val_acc stops improving")
     parser.add_argument("--test", action="store_true", help="run trainer.test after fit")
+    parser.add_argument("--grouping-timeout", type=float, default=300.0, help="timeout of every wait (s)")
     return parser.parse_args(argv)
 
 
@@ -51,8 +52,10 @@ def build_strategy(args: argparse.Namespace) -> Any:
     return args.strategy
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+def build(
+    args: argparse.Namespace, extra_callbacks: list[L.Callback] | None = None
+) -> tuple[L.Trainer, DigitsClassifier, DigitsDataModule, WorkerSummary, Any]:
+    """Trainer, model, data, the per-worker summary and the checkpoint callback (or None) for ``args``."""
     L.seed_everything(args.seed, workers=True, verbose=False)
     summary = WorkerSummary(verbose=True)
     callbacks: list[L.Callback] = [
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         callbacks.append(checkpoint)
     if args.early_stopping:
         callbacks.append(L.pytorch.callbacks.EarlyStopping(monitor="val_acc", mode="max", patience=1, min_delta=0.5))
+    callbacks.extend(extra_callbacks or [])
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -86,11 +90,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    model = DigitsClassifier(lr=args.lr)
-    data = DigitsDataModule(batch_size=args.batch_size)
-    start = time.perf_counter()
-    trainer.fit(model, datamodule=data, ckpt_path=args.resume)
-    fit_seconds = time.perf_counter() - start
+    return trainer, DigitsClassifier(lr=args.lr), DigitsDataModule(batch_size=args.batch_size), summary, checkpoint
+
+
+def report(
+    args: argparse.Namespace,
+    trainer: L.Trainer,
+    model: DigitsClassifier,
+    summary: WorkerSummary,
+    checkpoint: Any,
+    fit_seconds: float,
+) -> dict[str, Any]:
+    """The result of a run as a dict; rank 0 prints a line, every rank writes JSON if asked."""
     result: dict[str, Any] = {
         "strategy": args.strategy,
         "devices": args.devices * args.num_nodes,
@@ -105,19 +116,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if checkpoint is not None:
         result["best_model_path"] = checkpoint.best_model_path
         result["last_model_path"] = checkpoint.last_model_path
-    if args.test:
-        result["test_acc"] = float(trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"])
     # every rank reports its own checksum so callers can check the replicas agree
     result["rank"] = trainer.global_rank
     if trainer.is_global_zero:
         print(
-            f"{args.strategy}: val_acc={result['val_acc']:.4f} train={summary.train_seconds:.2f}s fit={fit_seconds:.1f}s "
-            f"epochs={result['epochs_run']}",
+            f"{args.strategy}: val_acc={result['val_acc']:.4f} train={summary.train_seconds:.2f}s "
+            f"fit={fit_seconds:.1f}s epochs={result['epochs_run']}",
             flush=True,
         )
     if args.json:
         path = args.json if trainer.is_global_zero else args.json.with_suffix(f".rank{trainer.global_rank}.json")
         path.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    trainer, model, data, summary, checkpoint = build(args)
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=data, ckpt_path=args.resume)
+    fit_seconds = time.perf_counter() - start
+    result = report(args, trainer, model, summary, checkpoint, fit_seconds)
+    if args.test:
+        test_acc = float(trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"])
+        if trainer.is_global_zero:
+            print(f"test_acc={test_acc:.4f}", flush=True)
     return result
 
 

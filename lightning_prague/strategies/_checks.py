@@ -14,15 +14,15 @@ def check_trainer(trainer: pl.Trainer, strategy_name: str) -> None:
         f"with strategy={strategy_name!r} workers run different numbers of steps (fast workers take more "
         "batches), so every per-step schedule differs between workers"
     )
+    if trainer._val_check_time_interval is not None:  # val_check_interval given as a duration
+        raise ConfigurationError(
+            f"a time-based val_check_interval cannot be honoured: {why}. Use val_check_interval=1.0"
+        )
     interval = trainer.val_check_interval
     if isinstance(interval, int) or (isinstance(interval, float) and interval != 1.0):
         raise ConfigurationError(
             f"val_check_interval={interval!r} cannot be honoured: {why}. Validate at epoch ends instead: "
             "val_check_interval=1.0, with check_val_every_n_epoch to validate less often"
-        )
-    if trainer._val_check_time_interval is not None:  # val_check_interval given as a duration
-        raise ConfigurationError(
-            f"a time-based val_check_interval cannot be honoured: {why}. Use val_check_interval=1.0"
         )
     if trainer.check_val_every_n_epoch is None:
         raise ConfigurationError(

@@ -285,6 +285,7 @@ class DecentralizedStrategy(DDPStrategy):
             self._raise_stop()
 
     def _raise_stop(self) -> None:
+        log.warning("rank %d: stopping on SIGTERM; every rank drained its group operations first", self.global_rank)
         assert self._trainer is not None
         self._trainer._signal_connector.received_sigterm = True
         self._aligned = True

@@ -1,0 +1,58 @@
+"""Configurations the strategy cannot honour fail early, naming the option and the way out."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lightning_prague
+from lightning_prague import ConfigurationError, PartialAllReduceStrategy
+from lightning_prague.strategies._checks import check_trainer
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"grouping": "fastest"}, "grouping='fastest' is not a grouping policy"),
+        ({"group_size": 1}, "group_size=1 is invalid"),
+        ({"sync_every": 0}, "sync_every=0 is invalid"),
+        ({"timeout": 0}, "timeout=0 is invalid"),
+        ({"max_groups": 0}, "max_groups=0 is invalid"),
+    ],
+)
+def test_bad_strategy_arguments(kwargs, match):
+    with pytest.raises(ConfigurationError, match=match):
+        PartialAllReduceStrategy(**kwargs)
+
+
+def _trainer(**kwargs):
+    return L.Trainer(
+        accelerator="cpu", devices=2, strategy=PartialAllReduceStrategy(group_size=2), logger=False, **kwargs
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"val_check_interval": 0.5}, "val_check_interval=0.5 cannot be honoured"),
+        ({"val_check_interval": 10}, "val_check_interval=10 cannot be honoured"),
+        ({"check_val_every_n_epoch": None}, "check_val_every_n_epoch=None"),
+        ({"max_steps": 100}, "max_steps=100 cannot be honoured.*max_epochs"),
+        ({"limit_train_batches": 0.5}, "limit_train_batches=0.5 .*cannot be honoured"),
+        ({"callbacks": [ModelCheckpoint(every_n_train_steps=5)]}, "every_n_train_steps"),
+        ({"val_check_interval": "00:00:01:00"}, "time-based val_check_interval"),
+    ],
+)
+def test_trainer_settings_that_need_lock_step_are_rejected(kwargs, match):
+    trainer = _trainer(**kwargs)
+    with pytest.raises(ConfigurationError, match=match):
+        check_trainer(trainer, "prague")
+
+
+def test_default_settings_pass_and_names_are_registered():
+    check_trainer(_trainer(max_epochs=3, callbacks=[ModelCheckpoint(every_n_epochs=1)]), "prague")
+    for name in ("prague", "partial_all_reduce"):
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+        assert isinstance(trainer.strategy, lightning_prague.PartialAllReduceStrategy)
+        assert trainer.strategy.group_size == 3 and trainer.strategy.grouping == "random"

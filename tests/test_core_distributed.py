@@ -1,0 +1,68 @@
+"""The core on real processes (gloo on 127.0.0.1): averaging, coordinator, bounded communicator cache."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import run_core_ranks
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _groups_by_id(results):
+    return {gid: members for gid, members in results[0]["issued"]}
+
+
+@pytest.mark.parametrize("policy", ["random", "static", "first_ready"])
+def test_partial_syncs_conserve_the_sum_and_end_in_consensus(tmp_path, policy):
+    world = 5
+    results = run_core_ranks(tmp_path, world, policy, "3", "12")
+    expected = sum(range(world)) / world  # each rank starts at its own rank number
+    # partial averages are doubly stochastic: the mean over ranks never changes, so no exchange was
+    # lost or applied twice; after the final global average every rank holds exactly that mean
+    before = [r["before_global"][0] for r in results]
+    assert sum(before) / world == pytest.approx(expected, abs=1e-5)
+    for r in results:
+        assert r["final"] == pytest.approx([expected] * 5, abs=1e-5)
+        assert r["buffer"] == pytest.approx([expected * 10] * 3, abs=1e-4)
+    assert sum(r["stats"]["groups"] for r in results) > 0
+
+
+def test_a_group_average_sets_members_to_the_mean_and_leaves_others_untouched(tmp_path):
+    # one step per rank with rank 3 very slow: the first groups cannot involve it
+    world = 4
+    results = run_core_ranks(tmp_path, world, "random", "2", "1")
+    groups = _groups_by_id(results)
+    for r in results:
+        entry = r["history"][0]
+        if entry["gid"] is None:
+            continue
+        members = groups[entry["gid"]]
+        # what a member holds after its only sync is the mean of the members' starting values,
+        # provided it took part in exactly that one group
+        executed = [gid for gid, m in groups.items() if r["rank"] in m]
+        if executed == [entry["gid"]]:
+            assert entry["after"] == pytest.approx([sum(members) / len(members)] * 5)
+    for r in results:
+        if not any(r["rank"] in m for m in groups.values()):
+            assert r["history"][0]["after"] == r["history"][0]["before"]
+
+
+def test_bounded_communicator_cache_evicts_consistently(tmp_path):
+    world = 6
+    results = run_core_ranks(tmp_path, world, "random", "3", "15", MAX_GROUPS="3")
+    expected = sum(range(world)) / world
+    for r in results:
+        assert r["final"] == pytest.approx([expected] * 5, abs=1e-5)
+        assert r["max_cache"] <= 3 + 1  # the generator's live set plus the world communicator
+    distinct = {tuple(m) for _, m in results[0]["issued"]}
+    assert len(distinct) > 3, "the run must have needed more communicators than the cache holds"
+
+
+def test_a_slow_rank_neither_hangs_nor_breaks_consensus(tmp_path):
+    world = 4
+    # rank 0 sleeps 0.3 s per step, the others up to 0.01 s; all do 8 steps
+    results = run_core_ranks(tmp_path, world, "buffer", "2", "8", "0", "0.3")
+    assert any(0 in m for m in _groups_by_id(results).values()), "the slow rank never mixed"
+    expected = sum(range(world)) / world
+    for r in results:
+        assert r["final"] == pytest.approx([expected] * 5, abs=1e-5)

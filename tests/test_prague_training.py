@@ -1,0 +1,166 @@
+"""strategy="prague" end to end: several CPU processes under Lightning's own launcher (gloo).
+
+Each test launches a training script in a subprocess under a timeout; ranks write their results as
+JSON. Together they cover convergence against DDP, straggler tolerance, consensus at
+synchronization points, checkpoint/early stopping/resume/second fit/test, SIGTERM on one rank,
+several nodes, and the LightningCLI entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, env, free_port, rank_results, run_training
+
+pytestmark = pytest.mark.timeout(300)
+
+STRAGGLER = ["--devices", "4", "--epochs", "4", "--profile", "straggler", "--slow-factor", "5", "--step-time", "0.04"]
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    proc, result = run_training(tmp_path_factory.mktemp("ddp"), "--strategy", "ddp", *STRAGGLER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return result
+
+
+def test_prague_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(tmp_path, ddp_reference):
+    proc, result = run_training(tmp_path, "--strategy", "prague", *STRAGGLER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert result["val_acc"] >= ddp_reference["val_acc"] - 0.01, (result["val_acc"], ddp_reference["val_acc"])
+    slow, *fast = result["batches_per_worker"]
+    assert min(fast) >= 3 * slow, result["batches_per_worker"]
+    # one epoch is one pass over the data by all workers together (45 batches of 32)
+    assert sum(result["batches_per_worker"]) == 4 * 45
+    # after the final synchronization point every replica is the same consensus model
+    checksums = {round(r["params_checksum"], 4) for r in rank_results(tmp_path)}
+    assert len(checksums) == 1, checksums
+    # sync_dist logging in training_step is local, with one documented warning per rank
+    assert proc.stderr.count("uses this rank's local value instead") == 4
+
+
+def test_checkpoint_early_stopping_resume_second_fit_and_test(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = ["--strategy", "prague", "--devices", "3", "--step-time", "0", "--checkpoint-dir", str(ckpt)]
+    proc, first = run_training(tmp_path, *args, "--epochs", "6", "--early-stopping", "--test")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 1 <= first["epochs_run"] < 6, "EarlyStopping(min_delta=0.5) must stop training early"
+    assert (ckpt / "last.ckpt").exists() and first["best_model_path"]
+    assert first["test_acc"] == pytest.approx(first["val_acc"], abs=1e-6), "test must see the consensus model"
+
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    proc, resumed = run_training(
+        resumed_dir,
+        *args,
+        "--epochs",
+        str(first["epochs_run"] + 2),
+        "--resume",
+        str(ckpt / "last.ckpt"),
+        "--refit-epochs",
+        str(first["epochs_run"] + 3),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert resumed["epochs_run"] == first["epochs_run"] + 3
+    assert resumed["val_acc"] > 0.85
+    checksums = {round(r["params_checksum"], 4) for r in rank_results(resumed_dir)}
+    assert len(checksums) == 1
+
+
+def test_sigterm_on_one_rank_stops_every_rank_without_hanging(tmp_path):
+    proc, _ = run_training(
+        tmp_path,
+        "--strategy",
+        "prague",
+        "--devices",
+        "3",
+        "--epochs",
+        "200",
+        "--step-time",
+        "0.02",
+        "--sigterm-rank",
+        "2",
+        "--sigterm-batch",
+        "4",
+        timeout=120,
+    )
+    output = proc.stdout + proc.stderr
+    # Lightning's SIGTERMException is a SystemExit: every rank leaves fit cleanly
+    for rank in range(3):
+        assert f"rank {rank}: stopping on SIGTERM" in output, output[-3000:]
+    assert "CoordinationTimeout" not in output and "timed out" not in output
+    assert "max_epochs=200` reached" not in output
+
+
+def test_group_size_larger_than_the_world_fails_at_setup(tmp_path):
+    proc, _ = run_training(tmp_path, "--strategy", "prague", "--devices", "2", "--group-size", "3", timeout=120)
+    assert proc.returncode != 0
+    assert "group_size=3 is invalid for 2 workers" in proc.stderr
+
+
+def test_two_nodes_on_localhost(tmp_path):
+    port = str(free_port())
+    nodes = []
+    for node in range(2):
+        out = tmp_path / f"node{node}"
+        out.mkdir()
+        cmd = [
+            sys.executable,
+            str(ROOT / "tests" / "scripts" / "train.py"),
+            "--json",
+            str(out / "result.json"),
+            "--strategy",
+            "prague",
+            "--devices",
+            "2",
+            "--num-nodes",
+            "2",
+            "--epochs",
+            "2",
+            "--step-time",
+            "0.01",
+        ]
+        nodes.append(
+            subprocess.Popen(
+                cmd,
+                env=env(MASTER_PORT=port, NODE_RANK=str(node)),
+                cwd=out,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outputs = [p.communicate(timeout=240) for p in nodes]
+    for p, (_, err) in zip(nodes, outputs):
+        assert p.returncode == 0, err[-3000:]
+    result = json.loads((tmp_path / "node0" / "result.json").read_text())
+    assert result["devices"] == 4 and len(result["batches_per_worker"]) == 4
+    assert sum(result["batches_per_worker"]) == 2 * 45
+
+
+@pytest.mark.parametrize(
+    "config_args",
+    [
+        ["--config", "examples/configs/prague_by_name.yaml", "--trainer.devices", "3"],
+        ["--config", "examples/configs/prague_digits.yaml", "--trainer.devices", "3"],
+    ],
+    ids=["strategy-name", "class-path"],
+)
+def test_lightning_cli_selects_the_strategy_from_yaml(tmp_path, config_args):
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_prague.cli",
+        "fit",
+        *config_args,
+        "--trainer.max_epochs",
+        "1",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "batches per worker" in proc.stdout or "prague" in proc.stderr

@@ -1,0 +1,75 @@
+"""The work-queue sampler: one pass over the data per epoch, shared out by speed, reshuffled per epoch."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from helpers import free_port
+
+from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.sharding import WorkQueueSampler
+from lightning_prague.core.store import StoreAddress
+
+
+@pytest.fixture()
+def address():
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    yield StoreAddress("127.0.0.1", port, "test")
+    del server
+
+
+def _interleaved(samplers, speeds):
+    """Consume the samplers round-robin, sampler i taking speeds[i] chunks per turn."""
+    iters = [iter(s) for s in samplers]
+    taken = [[] for _ in samplers]
+    alive = set(range(len(samplers)))
+    while alive:
+        for i in sorted(alive):
+            for _ in range(speeds[i] * samplers[i].chunk_size):
+                try:
+                    taken[i].append(next(iters[i]))
+                except StopIteration:
+                    alive.discard(i)
+                    break
+    return taken
+
+
+def test_every_index_once_per_epoch_and_fast_ranks_take_more(address):
+    samplers = [WorkQueueSampler(103, 4, r, 3, address, seed=5, slow_ratio=0) for r in range(3)]
+    taken = _interleaved(samplers, [1, 4, 4])
+    flat = [i for part in taken for i in part]
+    assert sorted(flat) == list(range(103)), "an index was lost or trained on twice"
+    assert len(taken[1]) > 2 * len(taken[0]) and len(taken[2]) > 2 * len(taken[0])
+    assert all(len(t) > 0 for t in taken), "every rank gets at least its first chunk"
+
+
+def test_reshuffled_each_epoch_from_the_seed(address):
+    a = WorkQueueSampler(50, 5, 0, 2, address, seed=1)
+    b = WorkQueueSampler(50, 5, 1, 2, address, seed=1)
+    first = a.permutation()
+    assert first == b.permutation(), "ranks must agree on the order without communicating"
+    a.set_epoch(1)
+    assert a.permutation() != first and sorted(a.permutation()) == list(range(50))
+    assert WorkQueueSampler(50, 5, 0, 2, address, shuffle=False).permutation() == list(range(50))
+
+
+def test_has_no_length_so_trainers_cannot_schedule_per_rank_step_counts(address):
+    with pytest.raises(TypeError):
+        len(WorkQueueSampler(50, 5, 0, 2, address))
+
+
+def test_too_small_a_dataset_is_a_clear_error(address):
+    with pytest.raises(ConfigurationError, match="fewer than the 8 workers"):
+        WorkQueueSampler(20, 4, 0, 8, address)
+
+
+def test_only_a_much_slower_rank_leaves_the_tail_to_the_others(address):
+    sampler = WorkQueueSampler(1000, 10, 0, 8, address)
+    # others: 7 ranks at 0.05 s/chunk -> 140 chunks/s
+    assert sampler.should_leave_tail(remaining=30, horizon=0.5, my_chunk_seconds=0.25, others_rate=140)
+    assert not sampler.should_leave_tail(remaining=300, horizon=0.5, my_chunk_seconds=0.25, others_rate=140)
+    # a rank as fast as the others never stops early, however little is left
+    assert not sampler.should_leave_tail(remaining=1, horizon=0.1, my_chunk_seconds=0.05, others_rate=140)
