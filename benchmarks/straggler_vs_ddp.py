@@ -25,9 +25,23 @@ def run(strategy: str, profile: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [
-            sys.executable, "-m", "lightning_prague.demo.run", "--strategy", strategy, "--devices", str(args.devices),
-            "--epochs", str(args.epochs), "--profile", profile, "--slow-factor", str(args.slow_factor),
-            "--step-time", str(args.step_time), "--json", str(out),
+            sys.executable,
+            "-m",
+            "lightning_prague.demo.run",
+            "--strategy",
+            strategy,
+            "--devices",
+            str(args.devices),
+            "--epochs",
+            str(args.epochs),
+            "--profile",
+            profile,
+            "--slow-factor",
+            str(args.slow_factor),
+            "--step-time",
+            str(args.step_time),
+            "--json",
+            str(out),
         ]
         subprocess.run(cmd, cwd=tmp, check=True, capture_output=True, timeout=900)
         return json.loads(out.read_text())
@@ -52,19 +66,30 @@ def main() -> None:
                 result = run(strategy, profile, args)
                 times.setdefault(strategy, []).append(result["train_seconds"])
                 accs.setdefault(strategy, []).append(result["val_acc"])
-                print(f"{profile:12s} {strategy:10s} train={result['train_seconds']:.2f}s "
-                      f"val_acc={result['val_acc']:.4f} batches={result['batches_per_worker']}", flush=True)
+                print(
+                    f"{profile:12s} {strategy:10s} train={result['train_seconds']:.2f}s "
+                    f"val_acc={result['val_acc']:.4f} batches={result['batches_per_worker']}",
+                    flush=True,
+                )
         ddp_time = median(times["ddp"])
         for strategy in args.strategies:
-            rows.append({
-                "profile": profile, "strategy": strategy, "train_seconds": median(times[strategy]),
-                "ddp_train_seconds": ddp_time, "speedup_vs_ddp": ddp_time / median(times[strategy]),
-                "val_acc": median(accs[strategy]), "ddp_val_acc": median(accs["ddp"]),
-            })
+            rows.append(
+                {
+                    "profile": profile,
+                    "strategy": strategy,
+                    "train_seconds": median(times[strategy]),
+                    "ddp_train_seconds": ddp_time,
+                    "speedup_vs_ddp": ddp_time / median(times[strategy]),
+                    "val_acc": median(accs[strategy]),
+                    "ddp_val_acc": median(accs["ddp"]),
+                }
+            )
     print(f"\n{'profile':12s} {'strategy':10s} {'time':>7s} {'ddp':>7s} {'speedup':>8s} {'acc':>7s} {'ddp acc':>7s}")
     for r in rows:
-        print(f"{r['profile']:12s} {r['strategy']:10s} {r['train_seconds']:7.2f} {r['ddp_train_seconds']:7.2f} "
-              f"{r['speedup_vs_ddp']:8.2f} {r['val_acc']:7.4f} {r['ddp_val_acc']:7.4f}")
+        print(
+            f"{r['profile']:12s} {r['strategy']:10s} {r['train_seconds']:7.2f} {r['ddp_train_seconds']:7.2f} "
+            f"{r['speedup_vs_ddp']:8.2f} {r['val_acc']:7.4f} {r['ddp_val_acc']:7.4f}"
+        )
     print(json.dumps(rows))
 
 

@@ -28,23 +28,14 @@ def test_partial_syncs_conserve_the_sum_and_end_in_consensus(tmp_path, policy):
 
 
 def test_a_group_average_sets_members_to_the_mean_and_leaves_others_untouched(tmp_path):
-    # one step per rank with rank 3 very slow: the first groups cannot involve it
-    world = 4
-    results = run_core_ranks(tmp_path, world, "random", "2", "1")
-    groups = _groups_by_id(results)
-    for r in results:
-        entry = r["history"][0]
-        if entry["gid"] is None:
-            continue
-        members = groups[entry["gid"]]
-        # what a member holds after its only sync is the mean of the members' starting values,
-        # provided it took part in exactly that one group
-        executed = [gid for gid, m in groups.items() if r["rank"] in m]
-        if executed == [entry["gid"]]:
-            assert entry["after"] == pytest.approx([sum(members) / len(members)] * 5)
-    for r in results:
-        if not any(r["rank"] in m for m in groups.values()):
-            assert r["history"][0]["after"] == r["history"][0]["before"]
+    # static schedule, 4 workers in virtual nodes of 2, round 0: ranks 0 and 2 form the only group
+    results = run_core_ranks(tmp_path, 4, "static", "2", "1")
+    assert [members for _, members in results[0]["issued"]] == [[0, 2]]
+    for rank in (0, 2):
+        assert results[rank]["history"][0]["after"] == pytest.approx([1.0] * 5)  # mean of 0 and 2
+    for rank in (1, 3):
+        entry = results[rank]["history"][0]
+        assert entry["gid"] is None and entry["after"] == entry["before"] == [float(rank)] * 5
 
 
 def test_bounded_communicator_cache_evicts_consistently(tmp_path):
