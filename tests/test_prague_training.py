@@ -164,3 +164,16 @@ def test_lightning_cli_selects_the_strategy_from_yaml(tmp_path, config_args):
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "batches per worker" in proc.stdout or "prague" in proc.stderr
+
+
+def test_torchrun_launch(tmp_path):
+    out = tmp_path / "result.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
+        str(ROOT / "tests" / "scripts" / "train.py"), "--json", str(out),
+        "--devices", "3", "--epochs", "2", "--step-time", "0.01",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert sum(result["batches_per_worker"]) == 2 * 45 and result["val_acc"] > 0.85
