@@ -26,6 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=4, help="CPU worker processes")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--step-time", type=float, default=0.05, help="simulated compute time per step (s)")
     parser.add_argument("--profile", default="straggler", choices=["homogeneous", "straggler", "jitter"])
@@ -90,7 +91,13 @@ def build(
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    return trainer, DigitsClassifier(lr=args.lr), DigitsDataModule(batch_size=args.batch_size), summary, checkpoint
+    return (
+        trainer,
+        DigitsClassifier(lr=args.lr),
+        DigitsDataModule(batch_size=args.batch_size, num_workers=args.num_workers),
+        summary,
+        checkpoint,
+    )
 
 
 def report(
