@@ -1,18 +1,26 @@
 """lightning-prague: asynchronous decentralized data-parallel training for PyTorch Lightning.
 
-``import lightning_prague`` registers the strategies, so ``Trainer(strategy="prague")`` works.
+``import lightning_prague`` registers the strategies, so ``Trainer(strategy="prague")`` (or
+``"partial_reduce"``, ``"adpsgd"``) works.
 """
 
 from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout, PragueError, SyncMismatchError
-from lightning_prague.strategies import DecentralizedStrategy, PartialAllReduceStrategy
+from lightning_prague.strategies import (
+    ADPSGDStrategy,
+    DecentralizedStrategy,
+    PartialAllReduceStrategy,
+    PartialReduceStrategy,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ADPSGDStrategy",
     "ConfigurationError",
     "CoordinationTimeout",
     "DecentralizedStrategy",
     "PartialAllReduceStrategy",
+    "PartialReduceStrategy",
     "PragueError",
     "SyncMismatchError",
     "__version__",

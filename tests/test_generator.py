@@ -95,7 +95,7 @@ def test_stop_releases_everyone_only_after_all_arrive_at_the_stop_point():
     assert not generator.handle({"op": "arrive", "rank": 1, "sync": STOP_SYNC})
     assert not generator.handle({"op": "arrive", "rank": 2, "sync": STOP_SYNC})
     out = generator.handle({"op": "arrive", "rank": 0, "sync": STOP_SYNC})
-    assert all(out[r] == [{"t": "release", "sync": STOP_SYNC}] for r in range(3))
+    assert all(out[r] == [{"t": "release", "sync": STOP_SYNC, "version": 0}] for r in range(3))
     # requests after a stop are answered without a group
     out = generator.handle({"op": "ready", "rank": 2, "req": 7})
     assert out == {2: [{"t": "answer", "req": 7, "gid": None}]}

@@ -22,3 +22,7 @@ class CoordinationTimeout(PragueError, TimeoutError):
 
 class SyncMismatchError(PragueError):
     """Ranks arrived at different synchronization points and would otherwise deadlock."""
+
+
+class ExchangeInterrupted(PragueError):
+    """A communication thread was told to stop while it waited (shutdown after an error elsewhere)."""

@@ -7,16 +7,18 @@ see two shared groups in opposite order, and executing inbox items in order cann
 
 Inbox items (plain dicts, JSON-serialisable):
 
-``{"t": "group", "gid", "members", "key"}``
-    average with ``members`` over the communicator named ``key``.
+``{"t": "group", "gid", "members", "key"[, "version", "weights"]}``
+    average with ``members`` over the communicator named ``key``. Groups of workers that reported
+    model versions (first_ready) carry the newest ``version``, which members adopt, and, under
+    staleness weighting, per-member ``weights`` (in ``members`` order) instead of the plain mean.
 ``{"t": "drop", "key"}``
     the communicator ``key`` was evicted from the bounded cache; release it.
 ``{"t": "answer", "req", "gid"}``
     the reply to the worker's ``ready`` number ``req``: the group it was given (already earlier in
     its inbox) or ``None`` when no group could be formed.
-``{"t": "release", "sync"}``
+``{"t": "release", "sync", "version"}``
     every worker arrived at synchronization point ``sync`` and every group issued before it is
-    earlier in every inbox.
+    earlier in every inbox; ``version`` is the newest model version reported so far.
 ``{"t": "stop"}`` / ``{"t": "error", "message"}``
     training is being stopped (SIGTERM on some rank) / ranks disagree about a synchronization point.
 """
@@ -27,7 +29,7 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.policies import Group, GroupingPolicy
+from lightning_prague.core.policies import FirstReadyPolicy, Group, GroupingPolicy
 
 Item = dict[str, Any]
 STOP_SYNC = "__stop__"
@@ -71,9 +73,15 @@ class GroupGenerator:
     """Turns worker messages into inbox items; see the module docstring for the protocol."""
 
     def __init__(
-        self, world_size: int, policy: GroupingPolicy, max_groups: int = 64, avoid_stragglers: bool = True
+        self,
+        world_size: int,
+        policy: GroupingPolicy,
+        max_groups: int = 64,
+        avoid_stragglers: bool = True,
+        sync_averages: bool = False,
     ) -> None:
         self.world_size = world_size
+        self.sync_averages = sync_averages  # synchronization points average globally (workers then agree)
         self.policy = policy
         self.avoid_stragglers = avoid_stragglers
         self.cache = CommunicatorLRU(max_groups)
@@ -82,7 +90,8 @@ class GroupGenerator:
         self.parked: dict[int, str] = {}  # rank -> name of the sync point it waits at
         self.stopping = False
         self._per_round: dict[tuple[int, Group], int] = {}  # static schedule: (round, group) -> gid
-        self._ready: deque[tuple[int, int]] = deque()  # first_ready: FIFO of (rank, req)
+        self._ready: deque[tuple[int, int, int]] = deque()  # first_ready: FIFO of (rank, req, version)
+        self.newest_version = 0  # the highest model version any worker reported
         self.issued: list[tuple[int, Group]] = []  # (gid, members), for monitoring and tests
         self.record_history = False
 
@@ -95,7 +104,7 @@ class GroupGenerator:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"message from rank {rank} outside world of size {self.world_size}: {message}")
         if op == "ready":
-            self._ready_msg(rank, int(message["req"]), out)
+            self._ready_msg(rank, int(message["req"]), int(message.get("version", 0)), out)
         elif op == "arrive":
             self._arrive(rank, str(message["sync"]), out)
         elif op == "stop":
@@ -134,14 +143,19 @@ class GroupGenerator:
         candidates = [r for r in available if r not in slow]
         return candidates if len(candidates) >= 2 else available
 
-    def _issue(self, members: Group, out: dict[int, list[Item]]) -> int:
+    def _issue(self, members: Group, out: dict[int, list[Item]], versions: list[int] | None = None) -> int:
         key, evicted = self.cache.key_for(members)
         for old_members, old_key in evicted:
             for r in old_members:
                 self._push(out, r, {"t": "drop", "key": old_key})
         gid = self.next_gid
         self.next_gid += 1
-        item = {"t": "group", "gid": gid, "members": list(members), "key": key}
+        item: Item = {"t": "group", "gid": gid, "members": list(members), "key": key}
+        if versions is not None:
+            item["version"] = max(versions)
+            weights = self.policy.weights(versions)
+            if weights is not None:
+                item["weights"] = weights
         for r in members:
             self._push(out, r, item)
         if self.record_history:
@@ -151,14 +165,16 @@ class GroupGenerator:
     def _answer(self, rank: int, req: int, gid: int | None, out: dict[int, list[Item]]) -> None:
         self._push(out, rank, {"t": "answer", "req": req, "gid": gid})
 
-    def _ready_msg(self, rank: int, req: int, out: dict[int, list[Item]]) -> None:
+    def _ready_msg(self, rank: int, req: int, version: int, out: dict[int, list[Item]]) -> None:
         round_index = self.rounds[rank]
         self.rounds[rank] += 1
+        self.newest_version = max(self.newest_version, version)
         if self.stopping or rank in self.parked:
             self._answer(rank, req, None, out)
             return
-        if self.policy.waits_for_ready:
-            self._ready.append((rank, req))
+        if isinstance(self.policy, FirstReadyPolicy):
+            self.policy.on_ready()
+            self._ready.append((rank, req, version))
             self._form_ready_groups(out)
             return
         candidates = self._available() if self.policy.issues_per_round else self._candidates(rank)
@@ -176,23 +192,22 @@ class GroupGenerator:
         self._answer(rank, req, gid, out)
 
     def _form_ready_groups(self, out: dict[int, list[Item]]) -> None:
-        """first_ready: group waiting workers, P at a time; flush smaller groups when nobody else can come."""
-        size = self.policy.group_size
-        while len(self._ready) >= size:
-            self._flush_ready(size, out)
-        busy = len(self._available()) - len(self._ready)
-        if self._ready and busy == 0:
-            self._flush_ready(len(self._ready), out)
-
-    def _flush_ready(self, count: int, out: dict[int, list[Item]]) -> None:
-        batch = [self._ready.popleft() for _ in range(count)]
-        gid = self._issue(tuple(sorted(r for r, _ in batch)), out) if count >= 2 else None
-        for r, req in batch:
-            self._answer(r, req, gid, out)
+        """first_ready: let the policy pick groups from the FIFO of waiting workers."""
+        policy = self.policy
+        assert isinstance(policy, FirstReadyPolicy)
+        waiting = {r: (req, version) for r, req, version in self._ready}
+        busy = [r for r in self._available() if r not in waiting]
+        for group in policy.form([r for r, _, _ in self._ready], busy):
+            members = tuple(sorted(group))
+            versions = [waiting[r][1] for r in members]
+            gid = self._issue(members, out, versions) if len(members) >= 2 else None
+            for r in group:
+                self._answer(r, waiting[r][0], gid, out)
+            self._ready = deque(entry for entry in self._ready if entry[0] not in group)
 
     def _arrive(self, rank: int, sync: str, out: dict[int, list[Item]]) -> None:
         self.parked[rank] = sync
-        if self.policy.waits_for_ready:
+        if isinstance(self.policy, FirstReadyPolicy):
             self._form_ready_groups(out)
         if len(self.parked) < self.world_size:
             return
@@ -201,7 +216,9 @@ class GroupGenerator:
             return  # every rank sees the stop item and arrives at the stop point; wait for all of them
         if len(names) == 1:
             for r in range(self.world_size):
-                self._push(out, r, {"t": "release", "sync": sync})
+                self._push(out, r, {"t": "release", "sync": sync, "version": self.newest_version})
+            if self.sync_averages and isinstance(self.policy, FirstReadyPolicy):
+                self.policy.restart_window()  # the global average mixed everyone
         else:
             by_name: dict[str, list[int]] = {}
             for r, name in sorted(self.parked.items()):
@@ -225,5 +242,5 @@ class GroupGenerator:
             self._push(out, r, {"t": "stop"})
         # waiting first_ready workers get their answer now, so they can reach the stop drain
         while self._ready:
-            r, req = self._ready.popleft()
+            r, req, _ = self._ready.popleft()
             self._answer(r, req, None, out)

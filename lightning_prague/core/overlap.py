@@ -1,47 +1,166 @@
-"""Group averaging in a background thread, overlapped with the next steps' computation.
+"""How a worker's group exchanges run relative to its training steps.
 
-Blocking Partial All-Reduce makes a worker wait until every member of its group has finished its
-own current step. Here the training thread only takes a snapshot of the model at a safe point
-(right after an optimizer step) and hands it to a communication thread, which runs the worker's
-group protocol on the snapshot while training goes on. At a later safe point the result is folded
-in as ``x <- x + (avg(snapshot) - snapshot)`` (AD-PSGD's atomicity trick), so local progress made
-during the exchange is kept, and the sum of all replicas is still exactly conserved: every member
-adds ``avg - snapshot``, and those differences sum to zero over a group.
+Every strategy calls an *exchanger* at the same points of the training loop: :meth:`start` when
+an asynchronous phase begins, :meth:`step` at the safe point after each local optimizer step,
+:meth:`drain` at a synchronization point (afterwards nothing is in flight and no thread runs),
+and :meth:`close` at teardown, also after an exception.
+
+* :class:`BlockingExchanger` - the exchange runs in the training thread (Prague's paper).
+* :class:`BackgroundAverager` - the worker's own requests run on a snapshot in a communication
+  thread while the next steps compute (Prague with ``overlap``, Partial Reduce, AD-PSGD's active
+  workers).
+* :class:`PassiveResponder` - a thread answers exchanges other workers start (AD-PSGD's passive
+  workers) on the latest published snapshot.
+
+The background ones keep AD-PSGD's atomicity without stopping compute: an exchange averages a
+snapshot ``s`` and the training thread later folds in ``x <- x + (avg(s) - s)``, so local progress
+made during the exchange is kept and each exchange is applied exactly once. Under plain means the
+differences sum to zero over a group, so the sum of all replicas is conserved.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 
 import torch
+import torch.distributed as dist
 
 from lightning_prague.core.averaging import BucketedTensors
-from lightning_prague.core.errors import CoordinationTimeout
-from lightning_prague.core.worker import GroupWorker
+from lightning_prague.core.coordinator import inbox
+from lightning_prague.core.errors import CoordinationTimeout, ExchangeInterrupted
+from lightning_prague.core.store import decode
+from lightning_prague.core.worker import PAUSE, GroupAnswer, GroupWorker
+
+log = logging.getLogger(__name__)
 
 
-class BackgroundAverager:
-    """Runs :meth:`GroupWorker.partial_sync` on snapshots in a daemon thread.
-
-    Only one exchange is in flight at a time; a step that finds the previous exchange still
-    running does not start another (the worker simply averages less often when communication is
-    slower than computation).
-    """
+class Exchanger:
+    """The interface every strategy drives; see the module docstring."""
 
     def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float) -> None:
         self.worker = worker
         self.live = live
         self.timeout = timeout
-        self.exchanges = 0
-        self._jobs: queue.Queue[BucketedTensors | None] = queue.Queue()
+        self.exchanges = 0  # exchanges folded into the live model
+
+    def start(self) -> None:
+        """An asynchronous phase begins (idempotent)."""
+
+    def step(self) -> None:
+        """Safe point after a local optimizer step."""
+        raise NotImplementedError
+
+    def drain(self) -> None:
+        """Finish and fold in whatever is in flight; afterwards the worker belongs to the training thread."""
+
+    def close(self) -> None:
+        """Stop any thread without raising (teardown, also after an error)."""
+
+    def _adopt(self, answer: GroupAnswer, reported: int) -> None:
+        if answer.version is not None:  # newest version of the group, plus local steps made since reporting
+            self.worker.version += max(0, answer.version - reported)
+
+
+class BlockingExchanger(Exchanger):
+    """The training thread requests a group and averages the live model before the next step."""
+
+    def step(self) -> None:
+        reported = self.worker.version
+        answer = self.worker.partial_sync(version=reported)
+        self._adopt(answer, reported)
+        if answer.gid is not None:
+            self.exchanges += 1
+
+
+class _ThreadedExchanger(Exchanger):
+    """Owns one communication thread per asynchronous phase and the fold-in of its results."""
+
+    thread_name = "prague-comm"
+
+    def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float) -> None:
+        super().__init__(worker, live, timeout)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self._error = None
+        self._thread = threading.Thread(
+            target=self._guarded, name=f"{self.thread_name}-{self.worker.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _guarded(self) -> None:
+        try:
+            self._run()
+        except ExchangeInterrupted:
+            pass
+        except BaseException as err:  # re-raised in the training thread at its next safe point
+            self._error = err
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def _join(self, what: str) -> None:
+        if self._thread is None:
+            return
+        self._thread.join(self.timeout)
+        if self._thread.is_alive():
+            raise CoordinationTimeout(
+                f"rank {self.worker.rank}: the communication thread did not finish {what} within {self.timeout:.0f}s"
+            )
+        self._thread = None
+
+    def close(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None or not thread.is_alive():
+            return
+        self._interrupt()
+        thread.join(min(self.timeout, 10.0))
+        if thread.is_alive():  # blocked inside a collective with a dead peer; it ends at that collective's timeout
+            log.warning("rank %d: %s is still blocked in an exchange at teardown", self.worker.rank, thread.name)
+
+    def _interrupt(self) -> None:
+        try:
+            self.worker.post_pause()
+        except Exception:  # the store may be gone already
+            log.debug("could not interrupt the communication thread", exc_info=True)
+
+
+class BackgroundAverager(_ThreadedExchanger):
+    """Runs the worker's own group requests on snapshots in a communication thread.
+
+    Only one exchange is in flight at a time; a step that finds the previous exchange still
+    running does not start another (the worker averages less often when communication is slower
+    than computation).
+    """
+
+    def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float) -> None:
+        super().__init__(worker, live, timeout)
+        self._jobs: queue.Queue[tuple[BucketedTensors, int] | None] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
         self._snapshot: BucketedTensors | None = None
         self._original: list[torch.Tensor] = []
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"prague-comm-{worker.rank}", daemon=True)
-        self._thread.start()
+        self._reported = 0
+        self._answer: GroupAnswer | None = None
+
+    def start(self) -> None:
+        if not self.running:
+            self._jobs = queue.Queue()
+        super().start()
 
     def _run(self) -> None:
         while True:
@@ -49,9 +168,7 @@ class BackgroundAverager:
             if job is None:
                 return
             try:
-                self.worker.partial_sync(job)
-            except BaseException as err:  # re-raised in the training thread at its next safe point
-                self._error = err
+                self._answer = self.worker.partial_sync(job[0], version=job[1])
             finally:
                 self._idle.set()
 
@@ -59,42 +176,135 @@ class BackgroundAverager:
     def busy(self) -> bool:
         return not self._idle.is_set()
 
-    def _raise_pending(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-
     def _fold_in(self) -> None:
-        if self._snapshot is None:
+        snapshot, self._snapshot = self._snapshot, None
+        answer, self._answer = self._answer, None
+        if snapshot is None or answer is None:
             return
-        for bucket, averaged, original in zip(self.live.buckets, self._snapshot.tensors, self._original):
+        for bucket, averaged, original in zip(self.live.buckets, snapshot.tensors, self._original):
             flat = self.live.flat(bucket)
             flat.add_(averaged).sub_(original)
             self.live.unflatten_(bucket, flat)
-        self._snapshot = None
-        self.exchanges += 1
+        self._adopt(answer, self._reported)
+        if answer.gid is not None:
+            self.exchanges += 1
 
     def step(self) -> None:
-        """Call at a safe point after each local step: fold in a finished exchange, start the next."""
+        """Fold in a finished exchange and start the next; returns at once if one is still running."""
         if self.busy:
             return
         self._raise_pending()
         self._fold_in()
+        self.start()
         flats = [self.live.flat(bucket) for bucket in self.live.buckets]
         self._original = [f.clone() for f in flats]
         self._snapshot = BucketedTensors(flats, bucket_bytes=0)  # one flat tensor per bucket, as in ``live``
+        self._reported = self.worker.version
         self._idle.clear()
-        self._jobs.put(self._snapshot)
+        self._jobs.put((self._snapshot, self._reported))
 
     def drain(self) -> None:
-        """Wait for the exchange in flight and fold it in; afterwards the worker is free to use."""
         if not self._idle.wait(self.timeout):
             raise CoordinationTimeout(
                 f"rank {self.worker.rank}: the background group exchange did not finish within {self.timeout:.0f}s"
             )
         self._raise_pending()
         self._fold_in()
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._join("its last exchange")
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(self.timeout)
+        if self.running and not self.busy:
+            self._jobs.put(None)  # idle: a sentinel ends it at once
+        super().close()
+        self._idle.set()
+
+
+class PassiveResponder(_ThreadedExchanger):
+    """Answers the exchanges other workers start with this one, from a thread, on the latest snapshot.
+
+    The training thread publishes a snapshot of the live model at every safe point. The thread
+    executes this rank's inbox in order; for each group it averages the published snapshot in
+    place, adds ``avg - before`` to a pending difference, and keeps any newer published snapshot
+    consistent with it. At the next safe point the pending difference is folded into the live
+    model. :meth:`drain` posts a pause marker behind everything already in the inbox, so every
+    exchange assigned before the synchronization point is served before the thread ends.
+    """
+
+    thread_name = "prague-passive"
+
+    def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float, poll: float = 1.0) -> None:
+        super().__init__(worker, live, timeout)
+        self.poll = poll
+        self._lock = threading.Lock()
+        self._published: BucketedTensors | None = None
+        self._pending: list[torch.Tensor] | None = None
+        self._served = 0
+        self._store: dist.Store | None = None
+
+    def _publish(self) -> None:
+        flats = [self.live.flat(bucket) for bucket in self.live.buckets]
+        with self._lock:
+            self._published = BucketedTensors(flats, bucket_bytes=0)
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self._publish()
+        if self._store is None:  # its own client: it blocks in queue_pop while the training thread posts
+            self._store = self.worker.address.connect(self.poll)
+        super().start()
+
+    def _run(self) -> None:
+        assert self._store is not None
+        while True:
+            try:
+                item = decode(self._store.queue_pop(inbox(self.worker.rank)))
+            except dist.DistStoreError:
+                continue  # nobody exchanged with us for a while: keep listening
+            if item == PAUSE:
+                return
+            if item["t"] != "group":
+                self.worker.execute(item)
+                continue
+            with self._lock:
+                snapshot = self._published
+            assert snapshot is not None
+            before = [t.clone() for t in snapshot.tensors]
+            self.worker.execute(item, snapshot)
+            with self._lock:
+                delta = [after - b for after, b in zip(snapshot.tensors, before)]
+                if self._pending is None:
+                    self._pending = delta
+                else:
+                    for p, d in zip(self._pending, delta):
+                        p.add_(d)
+                if self._published is not snapshot and self._published is not None:
+                    for t, d in zip(self._published.tensors, delta):
+                        t.add_(d)
+                self._served += 1
+
+    def _fold_in(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+            served, self._served = self._served, 0
+        if pending is not None:
+            for bucket, d in zip(self.live.buckets, pending):
+                flat = self.live.flat(bucket)
+                flat.add_(d)
+                self.live.unflatten_(bucket, flat)
+        self.exchanges += served
+
+    def step(self) -> None:
+        self._raise_pending()
+        self._fold_in()
+        if self.running:
+            self._publish()
+
+    def drain(self) -> None:
+        if self.running:
+            self.worker.post_pause()
+            self._join("the exchanges assigned before the synchronization point")
+        self._raise_pending()
+        self._fold_in()

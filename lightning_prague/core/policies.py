@@ -23,19 +23,26 @@ what makes any policy deadlock-free.
     partitions the workers; a worker's ``r``-th request gets its group of round ``r``.
 ``first_ready``
     Partial Reduce: the first ``group_size`` workers that report ready form a group; nobody is
-    grouped while busy (see :class:`FirstReadyPolicy`).
+    grouped while busy, and no set of workers stays isolated (see :class:`FirstReadyPolicy`).
+
+:class:`GossipPolicy` (AD-PSGD's active/passive pairs) is built from a graph rather than by name.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
+from lightning_prague.core.bipartite import BipartiteGraph
 from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.staleness import staleness_weights
+from lightning_prague.core.syncgraph import SyncGraph
 
 Group = tuple[int, ...]
 
 POLICY_NAMES = ("random", "buffer", "division", "static", "first_ready")
+WEIGHTINGS = ("uniform", "staleness")
 
 
 class GroupingPolicy:
@@ -43,8 +50,6 @@ class GroupingPolicy:
 
     #: a policy whose groups are shared by a round: the generator issues each (round, group) once
     issues_per_round = False
-    #: a policy that waits for other workers to be ready instead of answering at once
-    waits_for_ready = False
 
     def __init__(self, world_size: int, group_size: int, seed: int = 0) -> None:
         self.world_size = world_size
@@ -58,6 +63,10 @@ class GroupingPolicy:
         in rank order, and always contains ``requester``.
         """
         raise NotImplementedError
+
+    def weights(self, versions: Sequence[int]) -> list[float] | None:
+        """Per-member averaging weights for members at these model versions; ``None`` is the plain mean."""
+        return None
 
     def _draw(self, requester: int, candidates: Sequence[int]) -> Group | None:
         others = [r for r in candidates if r != requester]
@@ -177,14 +186,139 @@ class StaticPolicy(GroupingPolicy):
 class FirstReadyPolicy(GroupingPolicy):
     """Partial Reduce's controller: group the first ``group_size`` ready workers, in arrival order.
 
-    ``select`` is given the ready workers (the generator keeps the FIFO); it returns a group once
-    ``group_size`` of them are waiting, or all remaining workers when fewer are still training.
+    The generator keeps the FIFO of ready workers and calls :meth:`form`. A worker left waiting is
+    grouped as soon as ``group_size`` workers wait, or with whoever waits when nobody else can come.
+
+    **No update isolation.** A :class:`~lightning_prague.core.syncgraph.SyncGraph` records which
+    workers have mixed since the current window began. Once ``mixing_window`` ready reports have
+    arrived in a window and the graph is still not connected, groups must *bridge* components:
+    the oldest ready worker is grouped with ready workers of other components first; if every
+    ready worker is in one component while a worker of another is busy, the oldest
+    ``group_size - 1`` are held for it (later arrivals still group among themselves). Each bridging
+    group joins at least two components, so at most ``N - 1`` of them connect the graph, and a
+    held worker waits for at most one step of a worker of another component. The window restarts
+    whenever the graph becomes connected (and at synchronization points that average globally).
+    Hence every worker's model mixes, directly or through others, with every other worker's
+    within ``mixing_window`` reports plus one step of each worker.
+
+    ``weighting``: ``"uniform"`` (plain mean) or ``"staleness"`` (see
+    :func:`~lightning_prague.core.staleness.staleness_weights`, decay ``alpha``).
     """
 
-    waits_for_ready = True
+    def __init__(
+        self,
+        world_size: int,
+        group_size: int,
+        seed: int = 0,
+        weighting: str = "uniform",
+        alpha: float = 0.9,
+        mixing_window: int | None = None,
+    ) -> None:
+        super().__init__(world_size, group_size, seed)
+        if weighting not in WEIGHTINGS:
+            raise ConfigurationError(f"weighting={weighting!r} is invalid; choose one of {', '.join(WEIGHTINGS)}")
+        if not 0.0 < alpha < 1.0:
+            raise ConfigurationError(f"alpha={alpha} is invalid: the staleness decay must be strictly between 0 and 1")
+        window = 10 * world_size if mixing_window is None else mixing_window
+        if window < 1:
+            raise ConfigurationError(f"mixing_window={mixing_window} is invalid: it must be at least 1 ready report")
+        self.weighting = weighting
+        self.alpha = alpha
+        self.mixing_window = window
+        self.graph = SyncGraph(world_size)
+        self.reports = 0  # ready reports in the current window
+        self.windows_closed = 0
+        self.bridging_groups = 0
 
     def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
-        raise NotImplementedError("first_ready groups are formed by GroupGenerator from its ready FIFO")
+        raise NotImplementedError("first_ready groups are formed by GroupGenerator through FirstReadyPolicy.form")
+
+    def weights(self, versions: Sequence[int]) -> list[float] | None:
+        """Per-member weights for members with these versions; ``None`` means the plain mean."""
+        return staleness_weights(versions, self.alpha) if self.weighting == "staleness" else None
+
+    def on_ready(self) -> None:
+        self.reports += 1
+
+    def restart_window(self) -> None:
+        self.graph.reset()
+        self.reports = 0
+
+    def form(self, ready: Sequence[int], busy: Sequence[int]) -> list[list[int]]:
+        """Groups to form now from ``ready`` (FIFO order); ``busy`` will report later.
+
+        A returned group of one worker means that worker gets no group (nobody else can come).
+        """
+        queue = list(ready)
+        groups: list[list[int]] = []
+        while queue:
+            group = self._next_group(queue, busy)
+            if group is None:
+                break
+            groups.append(group)
+            queue = [r for r in queue if r not in group]
+            self._record(group, [*queue, *busy])
+        return groups
+
+    def _record(self, group: list[int], others: Sequence[int]) -> None:
+        if len(group) < 2:
+            return
+        self.graph.join(group)
+        if self.graph.connected([*group, *others]):
+            self.windows_closed += 1
+            self.restart_window()
+
+    def _next_group(self, queue: list[int], busy: Sequence[int]) -> list[int] | None:
+        size = self.group_size
+        if self.reports >= self.mixing_window and not self.graph.connected([*queue, *busy]):
+            bridge = self._bridge(queue, busy)
+            if bridge != "normal":
+                return bridge
+        if len(queue) >= size:
+            return queue[:size]
+        return list(queue) if not busy else None
+
+    def _bridge(self, queue: list[int], busy: Sequence[int]) -> list[int] | None | str:
+        """A group spanning components, ``None`` to hold the queue, or ``"normal"`` if bridging is impossible."""
+        size = self.group_size
+        find = self.graph.find
+        group = [queue[0]]
+        seen = {find(queue[0])}
+        for r in queue[1:]:
+            if len(group) < size and find(r) not in seen:
+                group.append(r)
+                seen.add(find(r))
+        for r in queue[1:]:
+            if len(group) < size and r not in group:
+                group.append(r)
+        if len(seen) > 1 and (len(group) == size or not busy):
+            self.bridging_groups += 1
+            return group
+        if any(find(b) not in seen for b in busy):  # someone of another component will report: hold for it
+            rest = queue[size - 1 :]
+            return rest[:size] if len(rest) >= size else None
+        return "normal"
+
+
+class GossipPolicy(GroupingPolicy):
+    """AD-PSGD's pairing: an active worker averages with a random passive neighbour.
+
+    Passive workers never ask (they only answer, from a background thread), so every group is an
+    (active, passive) pair of the :class:`~lightning_prague.core.bipartite.BipartiteGraph`.
+    """
+
+    def __init__(self, graph: BipartiteGraph, seed: int = 0) -> None:
+        super().__init__(graph.world_size, 2, seed)
+        self.graph = graph
+
+    def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
+        if not self.graph.is_active(requester):
+            return None
+        alive = set(available)
+        peers = [n for n in self.graph.neighbors[requester] if n in alive]
+        if not peers:
+            return None
+        return tuple(sorted((requester, self.rng.choice(peers))))
 
 
 def make_policy(
@@ -193,6 +327,7 @@ def make_policy(
     group_size: int,
     seed: int = 0,
     workers_per_node: int | None = None,
+    **first_ready: Any,
 ) -> GroupingPolicy:
     """Build a policy by name; unknown names and impossible sizes raise :class:`ConfigurationError`."""
     if world_size < 2:
@@ -212,7 +347,7 @@ def make_policy(
     if name == "static":
         return StaticPolicy(world_size, group_size, seed, workers_per_node)
     if name == "first_ready":
-        return FirstReadyPolicy(world_size, group_size, seed)
+        return FirstReadyPolicy(world_size, group_size, seed, **first_ready)
     raise ConfigurationError(
         f"grouping={name!r} is not a known grouping policy; choose one of {', '.join(POLICY_NAMES)}"
     )

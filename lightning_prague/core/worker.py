@@ -16,12 +16,21 @@ import torch.distributed as dist
 
 from lightning_prague.core.averaging import BucketedTensors, average_
 from lightning_prague.core.coordinator import REQUESTS, inbox
-from lightning_prague.core.errors import CoordinationTimeout, SyncMismatchError
+from lightning_prague.core.errors import CoordinationTimeout, ExchangeInterrupted, SyncMismatchError
 from lightning_prague.core.generator import STOP_SYNC
 from lightning_prague.core.groups import GroupCache
 from lightning_prague.core.store import StoreAddress, decode, encode
 
 WORLD_KEY = "world"
+PAUSE = {"t": "pause"}  # a worker posts this to its own inbox to stop a thread that serves it
+
+
+@dataclass(frozen=True)
+class GroupAnswer:
+    """The outcome of one group request: the group id (``None``: no group) and the adopted model version."""
+
+    gid: int | None
+    version: int | None = None
 
 
 @dataclass
@@ -52,7 +61,11 @@ class GroupWorker:
         self.world_size = world_size
         self.tensors = tensors
         self.timeout = timeout
+        self.address = address
         self.store = address.connect(timeout)
+        # out-of-band pushes (stop requests, pause markers) from the training thread while another thread
+        # blocks on ``store``: a TCPStore client serializes its operations
+        self.control = address.connect(timeout)
         # communicators rendezvous over a connection of their own: a TCPStore client must not be
         # used by two parties at once, and the backend may still talk to it after construction
         self.cache = GroupCache(address.connect(timeout), rank, backend, timeout)
@@ -60,6 +73,10 @@ class GroupWorker:
         self.stop_seen = False
         self._stopped = False
         self._req = 0
+        #: local updates of this replica (Partial Reduce's model version); group members adopt the newest
+        self.version = 0
+        #: the newest version any worker had reported when the last synchronization point was released
+        self.released_version = 0
 
     # -- messaging -------------------------------------------------------------------------
     def _send(self, op: str, **fields: Any) -> None:
@@ -82,38 +99,54 @@ class GroupWorker:
         missing = sorted(set(range(self.world_size)) - set(parked))
         return f" (ranks not at the synchronization point: {missing})" if parked else ""
 
-    def _execute(self, item: dict[str, Any], tensors: BucketedTensors | None = None) -> None:
+    def execute(self, item: dict[str, Any], tensors: BucketedTensors | None = None) -> int | None:
+        """Carry out one inbox item on ``tensors`` (default: the live tensors); returns an adopted version."""
         kind = item["t"]
         if kind == "group":
-            group = self.cache.get(item["key"], tuple(item["members"]))
-            average_(tensors or self.tensors, group, operation=f"partial all-reduce #{item['gid']}")
+            members = tuple(item["members"])
+            group = self.cache.get(item["key"], members)
+            weights = item.get("weights")
+            weight = None if weights is None else float(weights[members.index(self.rank)])
+            average_(tensors or self.tensors, group, weight=weight, operation=f"group average #{item['gid']}")
             self.stats.groups_executed += 1
             self.stats.group_sizes.append(group.size)
-        elif kind == "drop":
+            return item.get("version")
+        if kind == "pause":
+            raise ExchangeInterrupted(f"rank {self.rank}: exchange interrupted at shutdown")
+        if kind == "drop":
             self.cache.drop(item["key"])
         elif kind == "stop":
             self.stop_seen = True
         elif kind == "error":
             raise SyncMismatchError(f"rank {self.rank}: {item['message']}")
+        return None
 
     # -- public API ------------------------------------------------------------------------
-    def partial_sync(self, tensors: BucketedTensors | None = None) -> int | None:
-        """Ask for a group after a local step and average with it; returns the group id or None.
+    def partial_sync(self, tensors: BucketedTensors | None = None, version: int | None = None) -> GroupAnswer:
+        """Report ready after a local step and average with the group the coordinator forms.
 
         Groups are averaged over ``tensors`` (default: the live tensors given at construction),
         which lets :class:`~lightning_prague.core.overlap.BackgroundAverager` work on a snapshot.
+        ``version`` (default :attr:`version`) is the model version reported with the request; the
+        answer carries the newest version among the members of this request's group, if any. The
+        caller decides how to adopt it (a snapshot's version is not the live one).
         """
         self._req += 1
         req = self._req
         self.stats.requests += 1
-        self._send("ready", req=req)
+        reported = self.version if version is None else version
+        self._send("ready", req=req, version=reported)
+        versions: dict[int, int | None] = {}
         while True:
             item = self._next_item(f"the coordinator's answer to group request #{req}")
             if item["t"] == "answer" and item["req"] == req:
-                if item["gid"] is None:
+                gid = item["gid"]
+                if gid is None:
                     self.stats.skipped += 1
-                return item["gid"]
-            self._execute(item, tensors)
+                return GroupAnswer(gid, versions.get(gid))
+            newest = self.execute(item, tensors)
+            if item["t"] == "group":
+                versions[item["gid"]] = newest
 
     def synchronize(self, name: str) -> bool:
         """Wait until every rank reached ``name`` with nothing in flight; True if training is stopping."""
@@ -123,8 +156,10 @@ class GroupWorker:
         while True:
             item = self._next_item(f"the other ranks at synchronization point {target!r}")
             if item["t"] == "release" and item["sync"] == target:
+                self.released_version = int(item.get("version", 0))
                 break
-            self._execute(item)
+            if item != PAUSE:  # a pause left over from a communication thread that ended on its own
+                self.execute(item)
             if self.stop_seen and target != STOP_SYNC:
                 target = STOP_SYNC
                 self._send("arrive", sync=target)
@@ -135,9 +170,16 @@ class GroupWorker:
         return target == STOP_SYNC
 
     def request_stop(self) -> None:
-        """Ask every rank to stop; they drain their groups at the next step and leave together."""
+        """Ask every rank to stop; they drain their groups at the next step and leave together.
+
+        Safe to call from the training thread while a communication thread uses the worker.
+        """
         if not self.stop_seen:
-            self._send("stop")
+            self.control.queue_push(REQUESTS, encode({"op": "stop", "rank": self.rank}))
+
+    def post_pause(self) -> None:
+        """Put :data:`PAUSE` at the end of this rank's own inbox (see ``PassiveResponder``)."""
+        self.control.queue_push(inbox(self.rank), encode(PAUSE))
 
     def drain_for_stop(self) -> None:
         """Meet every other rank at the stop point (idempotent)."""

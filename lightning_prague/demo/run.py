@@ -22,7 +22,7 @@ from lightning_prague.demo.digits import DigitsClassifier, DigitsDataModule
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", default="prague", help="prague, partial_all_reduce, ddp, ...")
+    parser.add_argument("--strategy", default="prague", help="prague, partial_reduce, adpsgd, ddp, ...")
     parser.add_argument("--devices", type=int, default=4, help="CPU worker processes")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -33,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slow-rank", type=int, action="append", dest="slow_ranks", help="rank to slow (repeatable)")
     parser.add_argument("--slow-factor", type=float, default=5.0)
     parser.add_argument("--group-size", type=int, default=3)
-    parser.add_argument("--grouping", default="random")
+    parser.add_argument("--grouping", default="random", help="prague's grouping policy")
+    parser.add_argument("--weighting", default="uniform", help="partial_reduce: uniform or staleness")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the result of rank 0 here")
@@ -46,10 +47,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_strategy(args: argparse.Namespace) -> Any:
+    """Our strategies with the demo's options; any other name goes to Lightning as is."""
+    shared = {"seed": args.seed, "timeout": args.grouping_timeout}
     if args.strategy in ("prague", "partial_all_reduce"):
         return lightning_prague.PartialAllReduceStrategy(
-            group_size=args.group_size, grouping=args.grouping, seed=args.seed
+            group_size=args.group_size, grouping=args.grouping, **shared
         )
+    if args.strategy == "partial_reduce":
+        return lightning_prague.PartialReduceStrategy(group_size=args.group_size, weighting=args.weighting, **shared)
+    if args.strategy == "adpsgd":
+        return lightning_prague.ADPSGDStrategy(**shared)
     return args.strategy
 
 

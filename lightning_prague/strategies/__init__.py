@@ -2,21 +2,33 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_prague.strategies.adpsgd import ADPSGDStrategy
 from lightning_prague.strategies.base import DecentralizedStrategy
 from lightning_prague.strategies.partial_all_reduce import PartialAllReduceStrategy
+from lightning_prague.strategies.partial_reduce import PartialReduceStrategy
+
+#: registered name -> (class, description)
+STRATEGIES: dict[str, tuple[type[DecentralizedStrategy], str]] = {
+    "prague": (PartialAllReduceStrategy, "Asynchronous decentralized training with Partial All-Reduce (Prague)"),
+    "partial_all_reduce": (PartialAllReduceStrategy, "Alias of 'prague'"),
+    "partial_reduce": (PartialReduceStrategy, "Partial Reduce: the first ready workers average together"),
+    "adpsgd": (ADPSGDStrategy, "AD-PSGD: asynchronous gossip between active and passive workers"),
+}
 
 
 def register_strategies() -> None:
-    """Make ``Trainer(strategy="prague")`` (and ``"partial_all_reduce"``) resolve to our classes."""
-    for name in ("prague", "partial_all_reduce"):
-        StrategyRegistry.register(
-            name,
-            PartialAllReduceStrategy,
-            description="Asynchronous decentralized training with Partial All-Reduce (Prague)",
-            override=True,
-        )
+    """Make ``Trainer(strategy="prague")`` (and the other names in :data:`STRATEGIES`) resolve to our classes."""
+    for name, (cls, description) in STRATEGIES.items():
+        StrategyRegistry.register(name, cls, description=description, override=True)
 
 
 register_strategies()
 
-__all__ = ["DecentralizedStrategy", "PartialAllReduceStrategy", "register_strategies"]
+__all__ = [
+    "STRATEGIES",
+    "ADPSGDStrategy",
+    "DecentralizedStrategy",
+    "PartialAllReduceStrategy",
+    "PartialReduceStrategy",
+    "register_strategies",
+]

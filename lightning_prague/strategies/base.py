@@ -42,7 +42,7 @@ from lightning_prague.core.averaging import BucketedTensors, averaged_state
 from lightning_prague.core.coordinator import CoordinatorService
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.generator import GroupGenerator
-from lightning_prague.core.overlap import BackgroundAverager
+from lightning_prague.core.overlap import Exchanger
 from lightning_prague.core.policies import GroupingPolicy
 from lightning_prague.core.sharding import WorkQueueSampler
 from lightning_prague.core.store import StoreAddress
@@ -81,15 +81,12 @@ class DecentralizedStrategy(DDPStrategy):
 
     def __init__(
         self,
-        group_size: int = 3,
         sync_every: int = 1,
         seed: int = 0,
         timeout: float = 300.0,
         average_at_sync: bool = True,
         max_groups: int = 64,
         bucket_mb: float = 25.0,
-        avoid_stragglers: bool = True,
-        overlap: bool = True,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -98,8 +95,20 @@ class DecentralizedStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        if group_size < 2:
-            raise ConfigurationError(f"group_size={group_size} is invalid: a group needs at least 2 workers")
+        """Options every asynchronous strategy shares.
+
+        Args:
+            sync_every: local optimizer steps between two exchanges.
+            seed: seeds the grouping decisions and the per-epoch data shuffle.
+            timeout: seconds any wait (coordinator, group, peer) may take before failing with an
+                error that names the ranks and the operation.
+            average_at_sync: average all replicas at synchronization points (validation, epoch
+                end, end of fit) so that they see one consensus model.
+            max_groups: communicators kept alive at once (least recently used ones are released).
+            bucket_mb: size of the flat buffers averaged in one collective.
+
+        The remaining arguments are Lightning's ``DDPStrategy`` plugins.
+        """
         if sync_every < 1:
             raise ConfigurationError(f"sync_every={sync_every} is invalid: it must be at least 1 local step")
         if timeout <= 0:
@@ -118,16 +127,15 @@ class DecentralizedStrategy(DDPStrategy):
             timeout=timedelta(seconds=timeout),
             start_method=start_method,
         )
-        self.group_size = group_size
         self.sync_every = sync_every
         self.seed = seed
         self.sync_timeout = float(timeout)
         self.average_at_sync = average_at_sync
         self.max_groups = max_groups
         self.bucket_mb = bucket_mb
-        self.avoid_stragglers = avoid_stragglers
-        self.overlap = overlap
-        self.averager: BackgroundAverager | None = None
+        #: leave workers that lag far behind out of other workers' groups (``GroupGenerator.lagging``)
+        self.avoid_stragglers = False
+        self.exchanger: Exchanger | None = None
         self.worker: GroupWorker | None = None
         self.coordinator: CoordinatorService | None = None
         self.session: StoreAddress | None = None
@@ -143,18 +151,9 @@ class DecentralizedStrategy(DDPStrategy):
     def make_policy(self) -> GroupingPolicy:
         raise NotImplementedError
 
-    def after_local_step(self) -> None:
-        """Communication after an optimizer step: a Partial All-Reduce, overlapped or blocking."""
-        if self.averager is not None:
-            self.averager.step()
-        else:
-            assert self.worker is not None
-            self.worker.partial_sync()
-
-    def drain(self) -> None:
-        """Finish the exchange in flight (if any) so that the worker can be used by the training thread."""
-        if self.averager is not None:
-            self.averager.drain()
+    def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
+        """How this rank's exchanges run relative to its steps (see :mod:`lightning_prague.core.overlap`)."""
+        raise NotImplementedError
 
     # -- setup / teardown ---------------------------------------------------------------------
     @property
@@ -191,7 +190,9 @@ class DecentralizedStrategy(DDPStrategy):
         number = self.broadcast(number)
         self.session = StoreAddress.from_env().child(f"s{number}")
         if self.global_rank == 0:
-            generator = GroupGenerator(self.world_size, policy, self.max_groups, self.avoid_stragglers)
+            generator = GroupGenerator(
+                self.world_size, policy, self.max_groups, self.avoid_stragglers, sync_averages=self.average_at_sync
+            )
             self.coordinator = CoordinatorService(self.session, generator)
             self.coordinator.start()
         tensors = BucketedTensors(averaged_state(self.lightning_module), int(self.bucket_mb * 2**20))
@@ -203,8 +204,7 @@ class DecentralizedStrategy(DDPStrategy):
             self._get_process_group_backend(),
             self.sync_timeout,
         )
-        if self.overlap:
-            self.averager = BackgroundAverager(self.worker, tensors, self.sync_timeout)
+        self.exchanger = self.make_exchanger(self.worker, tensors)
         self.local_steps = 0
         self.batches_done = 0
 
@@ -217,9 +217,9 @@ class DecentralizedStrategy(DDPStrategy):
         if self._trainer is not None:
             _patches.remove(self._trainer)
             self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks if not isinstance(cb, SyncPoints)]
-        if self.averager is not None:
-            self.averager.close()
-            self.averager = None
+        if self.exchanger is not None:
+            self.exchanger.close()
+            self.exchanger = None
         if self.coordinator is not None:
             self.coordinator.close()
             self.coordinator = None
@@ -238,16 +238,23 @@ class DecentralizedStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.worker is not None:
+        if self.worker is not None and self.exchanger is not None:
             self.local_steps += 1
+            self.worker.version += 1
             if self.local_steps % self.sync_every == 0:
-                self.after_local_step()
+                self.exchanger.step()
         return output
 
     def enter_async_phase(self) -> None:
-        if self.worker is not None:
+        if self.worker is not None and self.exchanger is not None:
             self._aligned = False
             self.batches_done += 1
+            self.exchanger.start()
+
+    def drain(self) -> None:
+        """Finish the exchanges in flight and stop the communication thread (a synchronization point)."""
+        if self.exchanger is not None:
+            self.exchanger.drain()
 
     # -- synchronization points ---------------------------------------------------------------
     def synchronize(self, name: str) -> None:
@@ -261,6 +268,7 @@ class DecentralizedStrategy(DDPStrategy):
             self._raise_stop()
         if self.average_at_sync:
             self.worker.global_average()
+            self.worker.version = self.worker.released_version  # one model again: one version
         self._aligned = True
 
     @property

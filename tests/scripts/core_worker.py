@@ -45,7 +45,7 @@ def main() -> None:
     for _ in range(steps):
         time.sleep(slow_seconds if rank == slow_rank else rng.uniform(0.0, 0.01))
         before = params.clone()
-        gid = worker.partial_sync()
+        gid = worker.partial_sync().gid
         history.append({"gid": gid, "before": before.tolist(), "after": params.tolist()})
     worker.synchronize("end")
     mean_before = params.clone()

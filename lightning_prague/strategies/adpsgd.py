@@ -1,0 +1,57 @@
+"""AD-PSGD as a Lightning strategy (``strategy="adpsgd"``)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from lightning_prague.core.averaging import BucketedTensors
+from lightning_prague.core.bipartite import BipartiteGraph
+from lightning_prague.core.overlap import BackgroundAverager, Exchanger, PassiveResponder
+from lightning_prague.core.policies import GossipPolicy, GroupingPolicy
+from lightning_prague.core.worker import GroupWorker
+from lightning_prague.strategies.base import DecentralizedStrategy
+
+GraphSpec = Union[list[list[int]], dict[int, list[int]]]
+
+
+class ADPSGDStrategy(DecentralizedStrategy):
+    """Asynchronous decentralized parallel SGD (AD-PSGD, ICML 2018).
+
+    Workers form a bipartite graph of *active* and *passive* workers. After each local step an
+    active worker starts, from a communication thread, an exchange with a random passive
+    neighbour: ``x_i, x_j <- (x_i + x_j) / 2``. Passive workers only answer, from a thread of
+    their own. Both sides average a snapshot while training goes on and fold the difference in at
+    the next step, so the gradient computed meanwhile is applied to the averaged model and no
+    local progress is lost. An exchange never waits on a worker that waits on an exchange itself,
+    so gossip cannot deadlock.
+
+    Args:
+        graph: the neighbour graph, as a list of ``[a, b]`` edges or a mapping
+            ``rank -> neighbours``; it must be connected and bipartite, and the side containing
+            rank 0 is active. Default: :meth:`BipartiteGraph.ring` (even ranks active, ring hops
+            +-1 and +-(1 + 2^i); for odd world sizes the wrap-around edges, which would join two
+            ranks of the same parity, are left out).
+        **kwargs: the options every asynchronous strategy shares (``sync_every``, ``seed``,
+            ``timeout``, ``average_at_sync``, ``max_groups``, ``bucket_mb``) and Lightning's
+            plugins; see :class:`~lightning_prague.strategies.base.DecentralizedStrategy`.
+    """
+
+    strategy_name = "adpsgd"
+
+    def __init__(self, graph: Optional[GraphSpec] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.graph_spec = graph
+        self.group_size = 2
+        self.graph: BipartiteGraph | None = None
+
+    def make_policy(self) -> GroupingPolicy:
+        if self.graph_spec is None:
+            self.graph = BipartiteGraph.ring(self.world_size)
+        else:
+            self.graph = BipartiteGraph.from_spec(self.world_size, self.graph_spec)
+        return GossipPolicy(self.graph, self.seed)
+
+    def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
+        assert self.graph is not None
+        kind = BackgroundAverager if self.graph.is_active(worker.rank) else PassiveResponder
+        return kind(worker, tensors, self.sync_timeout)

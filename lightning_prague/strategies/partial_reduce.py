@@ -1,0 +1,73 @@
+"""Partial Reduce as a Lightning strategy (``strategy="partial_reduce"``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from lightning_prague.core.averaging import BucketedTensors
+from lightning_prague.core.overlap import BackgroundAverager, BlockingExchanger, Exchanger
+from lightning_prague.core.policies import FirstReadyPolicy, GroupingPolicy, make_policy
+from lightning_prague.core.worker import GroupWorker
+from lightning_prague.strategies.base import DecentralizedStrategy
+from lightning_prague.strategies.partial_all_reduce import check_group_size
+
+
+class PartialReduceStrategy(DecentralizedStrategy):
+    """Asynchronous decentralized training with Partial Reduce (P-Reduce, SIGMOD 2021).
+
+    After every local step a worker reports ready to the coordinator with its model version (its
+    number of local updates). The coordinator groups the first ``group_size`` ready workers;
+    disjoint groups run concurrently and nobody waits for a busy worker. Members average their
+    models and adopt the newest version. The coordinator also guarantees that no set of workers
+    stays isolated (see ``mixing_window``).
+
+    Args:
+        group_size: P, the workers per group (2 to the number of workers).
+        weighting: ``"uniform"`` (``x_i <- mean of the group``) or ``"staleness"`` (fresher
+            models weigh more; :func:`~lightning_prague.core.staleness.staleness_weights`).
+        alpha: the staleness decay of ``weighting="staleness"`` (0 < alpha < 1).
+        mixing_window: ready reports after which, if some workers' models have not mixed with
+            the others' (directly or through others) since the window began, the coordinator
+            only forms groups that bridge them. Default ``10 * number of workers``.
+        overlap: report ready and average on a snapshot in a background thread, folding the
+            result in at the next step, so the training thread never waits for its group;
+            ``False`` waits in the training thread, as in the paper.
+        **kwargs: the options every asynchronous strategy shares (``sync_every``, ``seed``,
+            ``timeout``, ``average_at_sync``, ``max_groups``, ``bucket_mb``) and Lightning's
+            plugins; see :class:`~lightning_prague.strategies.base.DecentralizedStrategy`.
+    """
+
+    strategy_name = "partial_reduce"
+
+    def __init__(
+        self,
+        group_size: int = 3,
+        weighting: Literal["uniform", "staleness"] = "uniform",
+        alpha: float = 0.9,
+        mixing_window: Optional[int] = None,
+        overlap: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        check_group_size(group_size)
+        FirstReadyPolicy(max(group_size, 2), group_size, weighting=weighting, alpha=alpha, mixing_window=mixing_window)
+        super().__init__(**kwargs)
+        self.group_size = group_size
+        self.weighting = weighting
+        self.alpha = alpha
+        self.mixing_window = mixing_window
+        self.overlap = overlap
+
+    def make_policy(self) -> GroupingPolicy:
+        return make_policy(
+            "first_ready",
+            self.world_size,
+            self.group_size,
+            self.seed,
+            weighting=self.weighting,
+            alpha=self.alpha,
+            mixing_window=self.mixing_window,
+        )
+
+    def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
+        kind = BackgroundAverager if self.overlap else BlockingExchanger
+        return kind(worker, tensors, self.sync_timeout)
