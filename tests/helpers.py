@@ -27,14 +27,16 @@ def env(**extra: str) -> dict[str, str]:
     return out
 
 
-def run_core_ranks(tmp: Path, world: int, *args: str, timeout: float = 90, **extra_env: str) -> list[dict]:
-    """Run ``scripts/core_worker.py`` on ``world`` ranks; return their JSON results in rank order."""
+def run_core_ranks(
+    tmp: Path, world: int, *args: str, timeout: float = 90, script: str = "core_worker.py", **extra_env: str
+) -> list[dict]:
+    """Run ``scripts/<script>`` (default ``core_worker.py``) on ``world`` ranks; return their JSON results."""
     port = free_port()
     procs = [
         subprocess.Popen(
             [
                 sys.executable,
-                str(SCRIPTS / "core_worker.py"),
+                str(SCRIPTS / script),
                 str(r),
                 str(world),
                 str(port),

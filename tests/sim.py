@@ -8,6 +8,7 @@ worker is not finished, the protocol deadlocked.
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -124,3 +125,35 @@ def assert_consistent_order(result: SimResult) -> None:
     for gid, members in result.groups.items():
         for m in members:
             assert gid in result.executed[m]
+
+
+def simulate_first_ready(
+    generator: GroupGenerator, step_time: list[float], horizon: float
+) -> list[tuple[float, int, tuple[int, ...]]]:
+    """Timed model of blocking Partial Reduce with instant communication.
+
+    Worker ``r`` computes for ``step_time[r]``, reports ready, and waits for its answer; a group
+    executes the moment it is formed. Returns ``(time, reports so far, members)`` for each group.
+    """
+    world = generator.world_size
+    events = [(step_time[r], r) for r in range(world)]
+    heapq.heapify(events)
+    req = dict.fromkeys(range(world), 0)
+    reports = 0
+    groups: list[tuple[float, int, tuple[int, ...]]] = []
+    while events:
+        now, r = heapq.heappop(events)
+        if now > horizon:
+            break
+        req[r] += 1
+        reports += 1
+        out = generator.handle({"op": "ready", "rank": r, "req": req[r], "version": req[r]})
+        seen: set[int] = set()
+        for rank, items in out.items():
+            for item in items:
+                if item["t"] == "group" and item["gid"] not in seen:
+                    seen.add(item["gid"])
+                    groups.append((now, reports, tuple(item["members"])))
+                elif item["t"] == "answer":
+                    heapq.heappush(events, (now + step_time[rank], rank))
+    return groups
