@@ -13,19 +13,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import STRAGGLER
 from helpers import ROOT, env, free_port, rank_results, run_training
 
 pytestmark = pytest.mark.timeout(300)
-
-STRAGGLER = ["--devices", "4", "--epochs", "4", "--profile", "straggler", "--slow-factor", "5", "--step-time", "0.04"]
-
-
-@pytest.fixture(scope="module")
-def ddp_reference(tmp_path_factory):
-    proc, result = run_training(tmp_path_factory.mktemp("ddp"), "--strategy", "ddp", *STRAGGLER)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return result
-
 
 def test_prague_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(tmp_path, ddp_reference):
     proc, result = run_training(tmp_path, "--strategy", "prague", *STRAGGLER)

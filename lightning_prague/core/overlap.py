@@ -234,14 +234,15 @@ class PassiveResponder(_ThreadedExchanger):
 
     thread_name = "prague-passive"
 
-    def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float, poll: float = 1.0) -> None:
+    def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float) -> None:
         super().__init__(worker, live, timeout)
-        self.poll = poll
         self._lock = threading.Lock()
         self._published: BucketedTensors | None = None
         self._pending: list[torch.Tensor] | None = None
         self._served = 0
-        self._store: dist.Store | None = None
+        # the thread blocks on the worker's own connection; the training thread posts the pause marker
+        # through the control connection, opened now rather than in the middle of training
+        worker.control  # noqa: B018
 
     def _publish(self) -> None:
         flats = [self.live.flat(bucket) for bucket in self.live.buckets]
@@ -252,15 +253,12 @@ class PassiveResponder(_ThreadedExchanger):
         if self.running:
             return
         self._publish()
-        if self._store is None:  # its own client: it blocks in queue_pop while the training thread posts
-            self._store = self.worker.address.connect(self.poll)
         super().start()
 
     def _run(self) -> None:
-        assert self._store is not None
         while True:
             try:
-                item = decode(self._store.queue_pop(inbox(self.worker.rank)))
+                item = decode(self.worker.store.queue_pop(inbox(self.worker.rank)))
             except dist.DistStoreError:
                 continue  # nobody exchanged with us for a while: keep listening
             if item == PAUSE:

@@ -74,6 +74,7 @@ class WorkQueueSampler(Sampler[int]):
                 f"the training set has {dataset_size} samples, {self.num_chunks} batches of {chunk_size}, fewer than "
                 f"the {world_size} workers; use a smaller batch size or fewer devices"
             )
+        self._connect()  # now, at setup: a connection opened mid-epoch can stall the first batch
 
     @property
     def num_chunks(self) -> int:

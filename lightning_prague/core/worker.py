@@ -19,7 +19,7 @@ from lightning_prague.core.coordinator import REQUESTS, inbox
 from lightning_prague.core.errors import CoordinationTimeout, ExchangeInterrupted, SyncMismatchError
 from lightning_prague.core.generator import STOP_SYNC
 from lightning_prague.core.groups import GroupCache
-from lightning_prague.core.store import StoreAddress, decode, encode
+from lightning_prague.core.store import StoreAddress, decode, default_store_client, encode
 
 WORLD_KEY = "world"
 PAUSE = {"t": "pause"}  # a worker posts this to its own inbox to stop a thread that serves it
@@ -63,9 +63,7 @@ class GroupWorker:
         self.timeout = timeout
         self.address = address
         self.store = address.connect(timeout)
-        # out-of-band pushes (stop requests, pause markers) from the training thread while another thread
-        # blocks on ``store``: a TCPStore client serializes its operations
-        self.control = address.connect(timeout)
+        self._control: dist.Store | None = None
         # communicators rendezvous over a connection of their own: a TCPStore client must not be
         # used by two parties at once, and the backend may still talk to it after construction
         self.cache = GroupCache(address.connect(timeout), rank, backend, timeout)
@@ -120,6 +118,19 @@ class GroupWorker:
         elif kind == "error":
             raise SyncMismatchError(f"rank {self.rank}: {item['message']}")
         return None
+
+    @property
+    def control(self) -> dist.Store:
+        """A connection for out-of-band pushes (stop requests, pause markers) from the training thread
+        while another thread blocks on ``store`` (a TCPStore client serializes its operations).
+
+        It is the default process group's client when there is one (the training thread is the only
+        thread that uses it), otherwise a connection opened on first use.
+        """
+        if self._control is None:
+            client = default_store_client()
+            self._control = self.address.attach(client) if client is not None else self.address.connect(self.timeout)
+        return self._control
 
     # -- public API ------------------------------------------------------------------------
     def partial_sync(self, tensors: BucketedTensors | None = None, version: int | None = None) -> GroupAnswer:

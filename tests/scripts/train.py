@@ -1,13 +1,17 @@
 """Test driver around lightning_prague.demo.run: adds fault injection and a second fit.
 
 Extra options: --sigterm-rank R --sigterm-batch N (rank R sends itself SIGTERM at its N-th batch),
---refit-epochs E (call trainer.fit again to E epochs), --test (trainer.test after fit).
+--refit-epochs E (call trainer.fit again to E epochs), --test (trainer.test after fit),
+--raise-at-batch N (every rank raises at its N-th batch; each rank then writes the names of the
+communication threads still alive to result.rankR.json and exits with status 3).
 """
 
 import argparse
+import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import lightning as L
@@ -26,28 +30,54 @@ class SelfSigterm(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class RaiseAt(L.Callback):
+    def __init__(self, batch: int) -> None:
+        self.batch, self.seen = batch, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen += 1
+        if self.seen == self.batch:
+            raise RuntimeError(f"injected failure on rank {trainer.global_rank}")
+
+
+def prague_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("prague-")]
+
+
 def main() -> None:
     extra = argparse.ArgumentParser()
     extra.add_argument("--sigterm-rank", type=int)
     extra.add_argument("--sigterm-batch", type=int, default=3)
     extra.add_argument("--refit-epochs", type=int)
+    extra.add_argument("--raise-at-batch", type=int)
     own, rest = extra.parse_known_args()
     args = run.parse_args(rest)
     callbacks = [SelfSigterm(own.sigterm_rank, own.sigterm_batch)] if own.sigterm_rank is not None else []
+    if own.raise_at_batch:
+        callbacks.append(RaiseAt(own.raise_at_batch))
     trainer, model, data, summary, checkpoint = run.build(args, callbacks)
     start = time.perf_counter()
-    trainer.fit(model, datamodule=data, ckpt_path=args.resume)
+    try:
+        trainer.fit(model, datamodule=data, ckpt_path=args.resume)
+    except RuntimeError as err:
+        if not own.raise_at_batch:
+            raise
+        path = args.json.with_suffix(f".rank{trainer.global_rank}.json")
+        path.write_text(json.dumps({"error": str(err), "threads": prague_threads()}))
+        launcher = trainer.strategy.launcher
+        for proc in getattr(launcher, "procs", []):  # rank 0 waits for the ranks it launched
+            proc.wait(timeout=120)
+        sys.exit(3)  # a normal exit: it would hang on any non-daemon thread left behind
     if own.refit_epochs:
         trainer.fit_loop.max_epochs = own.refit_epochs
         trainer.fit(model, datamodule=data)
     result = run.report(args, trainer, model, summary, checkpoint, time.perf_counter() - start)
+    result["threads_after_fit"] = prague_threads()
     if args.test:
         result["test_acc"] = float(trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"])
-        if args.json:
-            path = args.json if trainer.is_global_zero else args.json.with_suffix(f".rank{trainer.global_rank}.json")
-            import json
-
-            path.write_text(json.dumps(result))
+    if args.json:
+        path = args.json if trainer.is_global_zero else args.json.with_suffix(f".rank{trainer.global_rank}.json")
+        path.write_text(json.dumps(result))
     sys.stdout.flush()
 
 

@@ -1,0 +1,60 @@
+"""strategy="partial_reduce" and strategy="adpsgd" end to end under Lightning's launcher (gloo)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import STRAGGLER
+from helpers import ROOT, env, rank_results, run_training
+
+pytestmark = pytest.mark.timeout(300)
+
+EXTRA = {"partial_reduce": ["--weighting", "staleness"], "adpsgd": []}
+
+
+@pytest.mark.parametrize("strategy", ["partial_reduce", "adpsgd"])
+def test_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(tmp_path, ddp_reference, strategy):
+    proc, result = run_training(tmp_path, "--strategy", strategy, *EXTRA[strategy], *STRAGGLER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert result["val_acc"] >= ddp_reference["val_acc"] - 0.01, (result["val_acc"], ddp_reference["val_acc"])
+    slow, *fast = result["batches_per_worker"]
+    assert min(fast) >= 3 * slow, result["batches_per_worker"]
+    assert sum(result["batches_per_worker"]) == 4 * 45, "every batch is trained exactly once per epoch"
+    ranks = rank_results(tmp_path)
+    assert len({round(r["params_checksum"], 4) for r in ranks}) == 1, "replicas must agree after fit"
+    for r in ranks:
+        assert r["threads_after_fit"] == [], f"rank {r['rank']} left threads behind: {r['threads_after_fit']}"
+
+
+@pytest.mark.parametrize("strategy", ["partial_reduce", "adpsgd"])
+def test_an_exception_in_training_stops_every_thread_and_exits(tmp_path, strategy):
+    args = ["--strategy", strategy, "--devices", "3", "--epochs", "50", "--step-time", "0.02", "--raise-at-batch", "4"]
+    proc, _ = run_training(tmp_path, *args, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    ranks = [p for p in sorted(tmp_path.glob("result.rank*.json"))]
+    assert len(ranks) == 3
+    for path in ranks:
+        report = __import__("json").loads(path.read_text())
+        assert "injected failure" in report["error"]
+        assert report["threads"] == [], f"{path.name}: threads left after the exception: {report['threads']}"
+
+
+def test_sigterm_on_a_passive_adpsgd_worker_stops_every_rank(tmp_path):
+    args = ["--strategy", "adpsgd", "--devices", "3", "--epochs", "200", "--step-time", "0.02"]
+    proc, _ = run_training(tmp_path, *args, "--sigterm-rank", "1", "--sigterm-batch", "4", timeout=120)
+    output = proc.stdout + proc.stderr
+    for rank in range(3):
+        assert f"rank {rank}: stopping on SIGTERM" in output, output[-3000:]
+    assert "CoordinationTimeout" not in output and "max_epochs=200` reached" not in output
+
+
+@pytest.mark.parametrize(("config", "devices"), [("partial_reduce_digits.yaml", 3), ("adpsgd_digits.yaml", 4)])
+def test_lightning_cli_configs(tmp_path, config, devices):
+    cmd = [
+        sys.executable, "-m", "lightning_prague.cli", "fit", "--config", f"examples/configs/{config}",
+        "--trainer.devices", str(devices), "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
