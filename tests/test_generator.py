@@ -162,3 +162,19 @@ def test_lagging_workers_are_left_out_of_other_workers_groups_but_mix_through_th
         for step in range(10):
             slow_free.handle({"op": "ready", "rank": r, "req": step})
     assert slow_free.lagging() == set()
+
+
+def test_a_leaving_worker_is_withdrawn_and_named_to_the_others():
+    generator = GroupGenerator(3, make_policy("first_ready", 3, 2))
+    generator.handle({"op": "ready", "rank": 1, "req": 4, "version": 0})
+    out = generator.handle({"op": "leave", "rank": 1})
+    # its pending request is answered without a group, then it is told it left
+    assert out[1] == [{"t": "answer", "req": 4, "gid": None}, {"t": "left"}]
+    # it is never grouped again: the others pair up with each other
+    generator.handle({"op": "ready", "rank": 0, "req": 1, "version": 0})
+    out = generator.handle({"op": "ready", "rank": 2, "req": 1, "version": 0})
+    assert out[0][0]["members"] == [0, 2] and 1 not in out
+    # at the next synchronization point the others get an error naming it instead of a hang
+    generator.handle({"op": "arrive", "rank": 0, "sync": "epoch_end@epoch0"})
+    out = generator.handle({"op": "arrive", "rank": 2, "sync": "epoch_end@epoch0"})
+    assert out[0][0]["t"] == "error" and "ranks [1] at '__left_after_an_error__'" in out[0][0]["message"]

@@ -18,6 +18,7 @@ from helpers import ROOT, env, free_port, rank_results, run_training
 
 pytestmark = pytest.mark.timeout(300)
 
+
 def test_prague_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(tmp_path, ddp_reference):
     proc, result = run_training(tmp_path, "--strategy", "prague", *STRAGGLER)
     assert proc.returncode == 0, proc.stderr[-3000:]

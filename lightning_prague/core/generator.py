@@ -1,9 +1,10 @@
 """The Group Generator: one global order of group assignments, as pure logic.
 
 Workers send messages (``ready`` after a local step, ``arrive`` at a synchronization point,
-``stop`` to end training); the generator answers by appending items to per-worker inboxes. Every
-item for every worker is produced by this one object, in one sequence, so two workers can never
-see two shared groups in opposite order, and executing inbox items in order cannot deadlock.
+``stop`` to end training, ``leave`` when shutting down after an error); the generator answers by
+appending items to per-worker inboxes. Every item for every worker is produced by this one object,
+in one sequence, so two workers can never see two shared groups in opposite order, and executing
+inbox items in order cannot deadlock.
 
 Inbox items (plain dicts, JSON-serialisable):
 
@@ -19,6 +20,8 @@ Inbox items (plain dicts, JSON-serialisable):
 ``{"t": "release", "sync", "version"}``
     every worker arrived at synchronization point ``sync`` and every group issued before it is
     earlier in every inbox; ``version`` is the newest model version reported so far.
+``{"t": "left"}``
+    the answer to ``leave`` (a worker shutting down after an error): nothing more will name it.
 ``{"t": "stop"}`` / ``{"t": "error", "message"}``
     training is being stopped (SIGTERM on some rank) / ranks disagree about a synchronization point.
 """
@@ -33,6 +36,7 @@ from lightning_prague.core.policies import FirstReadyPolicy, Group, GroupingPoli
 
 Item = dict[str, Any]
 STOP_SYNC = "__stop__"
+LEFT_SYNC = "__left_after_an_error__"
 
 
 class CommunicatorLRU:
@@ -109,6 +113,8 @@ class GroupGenerator:
             self._arrive(rank, str(message["sync"]), out)
         elif op == "stop":
             self._stop(out)
+        elif op == "leave":
+            self._leave(rank, out)
         else:
             raise ValueError(f"unknown coordinator message {message}")
         return out
@@ -233,6 +239,20 @@ class GroupGenerator:
         self.parked.clear()
         self.rounds = [0] * self.world_size
         self._per_round.clear()
+
+    def _leave(self, rank: int, out: dict[int, list[Item]]) -> None:
+        """A worker shuts down after an error: withdraw its pending request, assign it nothing more.
+
+        Its ``left`` item comes after every group already issued to it, which it still executes, so
+        no peer is left waiting in one of those groups. The others, once parked at a synchronization
+        point, get an error naming it instead of waiting for it.
+        """
+        for entry in list(self._ready):
+            if entry[0] == rank:
+                self._ready.remove(entry)
+                self._answer(rank, entry[1], None, out)
+        self._arrive(rank, LEFT_SYNC, out)
+        self._push(out, rank, {"t": "left"})
 
     def _stop(self, out: dict[int, list[Item]]) -> None:
         if self.stopping:

@@ -56,7 +56,15 @@ class Exchanger:
         """Finish and fold in whatever is in flight; afterwards the worker belongs to the training thread."""
 
     def close(self) -> None:
-        """Stop any thread without raising (teardown, also after an error)."""
+        """Stop any thread without raising (teardown)."""
+
+    def leave(self) -> None:
+        """Shut down in the middle of a phase (an error): run what peers wait for, then stop.
+
+        See :meth:`GroupWorker.await_left`; afterwards no thread runs and nothing names this rank.
+        """
+        self.worker.send_leave()
+        self.worker.await_left()
 
     def _adopt(self, answer: GroupAnswer, reported: int) -> None:
         if answer.version is not None:  # newest version of the group, plus local steps made since reporting
@@ -220,6 +228,20 @@ class BackgroundAverager(_ThreadedExchanger):
         super().close()
         self._idle.set()
 
+    def leave(self) -> None:
+        # the coordinator answers a pending request before ``left``, so the thread finishes its
+        # exchange (or gets no group) and goes idle; then this thread takes the inbox over
+        self.worker.send_leave()
+        if self.running:
+            if not self._idle.wait(self.timeout):
+                raise CoordinationTimeout(
+                    f"rank {self.worker.rank}: the exchange in flight did not finish within {self.timeout:.0f}s "
+                    "while leaving after an error"
+                )
+            self._jobs.put(None)
+            self._join("its last exchange before leaving")
+        self.worker.await_left()
+
 
 class PassiveResponder(_ThreadedExchanger):
     """Answers the exchanges other workers start with this one, from a thread, on the latest snapshot.
@@ -261,7 +283,7 @@ class PassiveResponder(_ThreadedExchanger):
                 item = decode(self.worker.store.queue_pop(inbox(self.worker.rank)))
             except dist.DistStoreError:
                 continue  # nobody exchanged with us for a while: keep listening
-            if item == PAUSE:
+            if item == PAUSE or item["t"] == "left":
                 return
             if item["t"] != "group":
                 self.worker.execute(item)
@@ -306,3 +328,10 @@ class PassiveResponder(_ThreadedExchanger):
             self._join("the exchanges assigned before the synchronization point")
         self._raise_pending()
         self._fold_in()
+
+    def leave(self) -> None:
+        self.worker.send_leave()
+        if self.running:  # the responder serves everything before ``left`` and ends there
+            self._join("the exchanges assigned before leaving")
+        else:
+            self.worker.await_left()

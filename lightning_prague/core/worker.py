@@ -109,7 +109,7 @@ class GroupWorker:
             self.stats.groups_executed += 1
             self.stats.group_sizes.append(group.size)
             return item.get("version")
-        if kind == "pause":
+        if kind in ("pause", "left"):
             raise ExchangeInterrupted(f"rank {self.rank}: exchange interrupted at shutdown")
         if kind == "drop":
             self.cache.drop(item["key"])
@@ -187,6 +187,25 @@ class GroupWorker:
         """
         if not self.stop_seen:
             self.control.queue_push(REQUESTS, encode({"op": "stop", "rank": self.rank}))
+
+    def send_leave(self) -> None:
+        """Tell the coordinator this rank shuts down after an error (see :meth:`await_left`)."""
+        self.control.queue_push(REQUESTS, encode({"op": "leave", "rank": self.rank}))
+
+    def await_left(self) -> None:
+        """Execute what was already assigned to this rank until the coordinator's ``left`` item.
+
+        Call from the thread that owns the inbox once no other thread reads it. Every group already
+        issued to this rank is executed (its peers are waiting in it); the coordinator assigns
+        nothing more, and the other ranks get an error naming this one at their next
+        synchronization point instead of waiting for it.
+        """
+        while True:
+            item = self._next_item("the coordinator's acknowledgement of this rank leaving")
+            if item["t"] == "left":
+                return
+            if item["t"] in ("group", "drop"):
+                self.execute(item)
 
     def post_pause(self) -> None:
         """Put :data:`PAUSE` at the end of this rank's own inbox (see ``PassiveResponder``)."""

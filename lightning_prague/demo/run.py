@@ -50,9 +50,7 @@ def build_strategy(args: argparse.Namespace) -> Any:
     """Our strategies with the demo's options; any other name goes to Lightning as is."""
     shared = {"seed": args.seed, "timeout": args.grouping_timeout}
     if args.strategy in ("prague", "partial_all_reduce"):
-        return lightning_prague.PartialAllReduceStrategy(
-            group_size=args.group_size, grouping=args.grouping, **shared
-        )
+        return lightning_prague.PartialAllReduceStrategy(group_size=args.group_size, grouping=args.grouping, **shared)
     if args.strategy == "partial_reduce":
         return lightning_prague.PartialReduceStrategy(group_size=args.group_size, weighting=args.weighting, **shared)
     if args.strategy == "adpsgd":

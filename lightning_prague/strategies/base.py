@@ -218,6 +218,11 @@ class DecentralizedStrategy(DDPStrategy):
             _patches.remove(self._trainer)
             self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks if not isinstance(cb, SyncPoints)]
         if self.exchanger is not None:
+            if not self._aligned:  # torn down mid-phase (an error): do not strand peers in our groups
+                try:
+                    self.exchanger.leave()
+                except Exception:
+                    log.warning("rank %d: could not leave the coordinator cleanly", self.global_rank, exc_info=True)
             self.exchanger.close()
             self.exchanger = None
         if self.coordinator is not None:

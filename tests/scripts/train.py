@@ -2,8 +2,8 @@
 
 Extra options: --sigterm-rank R --sigterm-batch N (rank R sends itself SIGTERM at its N-th batch),
 --refit-epochs E (call trainer.fit again to E epochs), --test (trainer.test after fit),
---raise-at-batch N (every rank raises at its N-th batch; each rank then writes the names of the
-communication threads still alive to result.rankR.json and exits with status 3).
+--raise-at-batch N (every rank raises at its N-th batch; each rank then writes the error and the
+names of the communication threads still alive to result.rankR.json, and rank 0 exits with status 3).
 """
 
 import argparse
@@ -63,9 +63,18 @@ def main() -> None:
         if not own.raise_at_batch:
             raise
         path = args.json.with_suffix(f".rank{trainer.global_rank}.json")
-        path.write_text(json.dumps({"error": str(err), "threads": prague_threads()}))
-        launcher = trainer.strategy.launcher
-        for proc in getattr(launcher, "procs", []):  # rank 0 waits for the ranks it launched
+        import traceback
+
+        frames = sys._current_frames()
+        stacks = {
+            t.name: "".join(traceback.format_stack(frames[t.ident]))
+            for t in threading.enumerate()
+            if t.name.startswith("prague-") and t.ident in frames
+        }
+        path.write_text(json.dumps({"error": str(err), "threads": prague_threads(), "stacks": stacks}))
+        if trainer.global_rank != 0:
+            sys.exit(0)  # Lightning's launcher kills every rank when one exits non-zero; the report has the error
+        for proc in getattr(trainer.strategy.launcher, "procs", []):  # rank 0 waits for the ranks it launched
             proc.wait(timeout=120)
         sys.exit(3)  # a normal exit: it would hang on any non-daemon thread left behind
     if own.refit_epochs:
