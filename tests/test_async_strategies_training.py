@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -28,16 +29,25 @@ def test_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(tmp_path
         assert r["threads_after_fit"] == [], f"rank {r['rank']} left threads behind: {r['threads_after_fit']}"
 
 
-@pytest.mark.parametrize("strategy", ["partial_reduce", "adpsgd"])
-def test_an_exception_in_training_stops_every_thread_and_exits(tmp_path, strategy):
+@pytest.mark.parametrize(
+    ("strategy", "failing"),
+    [("partial_reduce", None), ("adpsgd", None), ("adpsgd", 0), ("partial_reduce", 0)],
+    ids=["partial_reduce-every-rank", "adpsgd-every-rank", "adpsgd-rank0-only", "partial_reduce-rank0-only"],
+)
+def test_an_exception_in_training_stops_every_thread_and_exits(tmp_path, strategy, failing):
     args = ["--strategy", strategy, "--devices", "3", "--epochs", "50", "--step-time", "0.02", "--raise-at-batch", "4"]
+    if failing is not None:
+        args += ["--raise-rank", str(failing)]
     proc, _ = run_training(tmp_path, *args, timeout=120)
     assert proc.returncode == 3, proc.stderr[-3000:]
     ranks = [p for p in sorted(tmp_path.glob("result.rank*.json"))]
     assert len(ranks) == 3
-    for path in ranks:
-        report = __import__("json").loads(path.read_text())
-        assert "injected failure" in report["error"]
+    for rank, path in enumerate(ranks):
+        report = json.loads(path.read_text())
+        if failing in (None, rank):
+            assert "injected failure" in report["error"]
+        else:  # the others stop at their next synchronization point with an error that names the failed rank
+            assert "ranks [0] at '__left_after_an_error__'" in report["error"], report["error"]
         assert report["threads"] == [], f"{path.name}: threads left after the exception: {report['threads']}"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import torch.distributed as dist
 
@@ -68,6 +69,20 @@ class CoordinatorService:
         except BaseException as err:  # pragma: no cover - surfaced through .error and worker timeouts
             self.error = err
             log.exception("prague coordinator stopped")
+
+    def await_departures(self, timeout: float) -> list[int]:
+        """Keep serving until every rank has left after an error; returns the ranks that did not.
+
+        Rank 0 calls this before :meth:`close` when it is torn down by an error: the other ranks
+        leave through this service (at once if they failed too, or at their next synchronization
+        point, which reports rank 0's departure), and would wait in vain if it were already gone.
+        """
+        deadline = time.monotonic() + timeout
+        while self.alive and time.monotonic() < deadline:
+            if len(self.generator.left) == self.generator.world_size:
+                return []
+            time.sleep(0.01)
+        return sorted(set(range(self.generator.world_size)) - self.generator.left)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread; safe to call twice. Call only after every worker is done with it."""

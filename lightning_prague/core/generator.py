@@ -93,6 +93,7 @@ class GroupGenerator:
         self.rounds = [0] * world_size
         self.parked: dict[int, str] = {}  # rank -> name of the sync point it waits at
         self.stopping = False
+        self.left: set[int] = set()  # ranks that shut down after an error
         self._per_round: dict[tuple[int, Group], int] = {}  # static schedule: (round, group) -> gid
         self._ready: deque[tuple[int, int, int]] = deque()  # first_ready: FIFO of (rank, req, version)
         self.newest_version = 0  # the highest model version any worker reported
@@ -247,6 +248,7 @@ class GroupGenerator:
         no peer is left waiting in one of those groups. The others, once parked at a synchronization
         point, get an error naming it instead of waiting for it.
         """
+        self.left.add(rank)
         for entry in list(self._ready):
             if entry[0] == rank:
                 self._ready.remove(entry)

@@ -34,6 +34,7 @@ from lightning_prague.core.store import decode
 from lightning_prague.core.worker import PAUSE, GroupAnswer, GroupWorker
 
 log = logging.getLogger(__name__)
+_LEAVE = "leave"  # a job: send ``leave`` and serve what is assigned until ``left``
 
 
 class Exchanger:
@@ -157,7 +158,7 @@ class BackgroundAverager(_ThreadedExchanger):
 
     def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float) -> None:
         super().__init__(worker, live, timeout)
-        self._jobs: queue.Queue[tuple[BucketedTensors, int] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[BucketedTensors, int] | str | None] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
         self._snapshot: BucketedTensors | None = None
@@ -174,6 +175,9 @@ class BackgroundAverager(_ThreadedExchanger):
         while True:
             job = self._jobs.get()
             if job is None:
+                return
+            if job is _LEAVE:
+                self.worker.leave()
                 return
             try:
                 self._answer = self.worker.partial_sync(job[0], version=job[1])
@@ -229,18 +233,14 @@ class BackgroundAverager(_ThreadedExchanger):
         self._idle.set()
 
     def leave(self) -> None:
-        # the coordinator answers a pending request before ``left``, so the thread finishes its
-        # exchange (or gets no group) and goes idle; then this thread takes the inbox over
-        self.worker.send_leave()
+        # the thread finishes the exchange in flight and sends ``leave`` itself: on the connection
+        # that carried its requests, so the coordinator answers every one of them before ``left``
         if self.running:
-            if not self._idle.wait(self.timeout):
-                raise CoordinationTimeout(
-                    f"rank {self.worker.rank}: the exchange in flight did not finish within {self.timeout:.0f}s "
-                    "while leaving after an error"
-                )
-            self._jobs.put(None)
+            self._jobs.put(_LEAVE)
             self._join("its last exchange before leaving")
-        self.worker.await_left()
+            self._raise_pending()
+        else:
+            super().leave()
 
 
 class PassiveResponder(_ThreadedExchanger):

@@ -192,6 +192,15 @@ class GroupWorker:
         """Tell the coordinator this rank shuts down after an error (see :meth:`await_left`)."""
         self.control.queue_push(REQUESTS, encode({"op": "leave", "rank": self.rank}))
 
+    def leave(self) -> None:
+        """:meth:`send_leave` and :meth:`await_left` from the thread that owns this rank's connection.
+
+        Sent on the same connection as this thread's earlier group requests, the ``leave`` reaches
+        the coordinator after them, so every request gets its answer before ``left``.
+        """
+        self._send("leave")
+        self.await_left()
+
     def await_left(self) -> None:
         """Execute what was already assigned to this rank until the coordinator's ``left`` item.
 

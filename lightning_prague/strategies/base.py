@@ -217,8 +217,9 @@ class DecentralizedStrategy(DDPStrategy):
         if self._trainer is not None:
             _patches.remove(self._trainer)
             self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks if not isinstance(cb, SyncPoints)]
+        interrupted = not self._aligned  # torn down mid-phase: an error
         if self.exchanger is not None:
-            if not self._aligned:  # torn down mid-phase (an error): do not strand peers in our groups
+            if interrupted:  # do not strand peers in our groups
                 try:
                     self.exchanger.leave()
                 except Exception:
@@ -226,6 +227,14 @@ class DecentralizedStrategy(DDPStrategy):
             self.exchanger.close()
             self.exchanger = None
         if self.coordinator is not None:
+            if interrupted:  # the other ranks leave through the coordinator: keep it until they have
+                missing = self.coordinator.await_departures(self.sync_timeout)
+                if missing:
+                    log.warning(
+                        "rank 0: ranks %s did not leave within %.0fs after the error; stopping the coordinator",
+                        missing,
+                        self.sync_timeout,
+                    )
             self.coordinator.close()
             self.coordinator = None
         if self.worker is not None:

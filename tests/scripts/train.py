@@ -2,8 +2,9 @@
 
 Extra options: --sigterm-rank R --sigterm-batch N (rank R sends itself SIGTERM at its N-th batch),
 --refit-epochs E (call trainer.fit again to E epochs), --test (trainer.test after fit),
---raise-at-batch N (every rank raises at its N-th batch; each rank then writes the error and the
-names of the communication threads still alive to result.rankR.json, and rank 0 exits with status 3).
+--raise-at-batch N (every rank, or only --raise-rank R, raises at its N-th batch; each rank then
+writes the error it got and the names of the communication threads still alive to result.rankR.json,
+and rank 0 exits with status 3).
 """
 
 import argparse
@@ -31,12 +32,12 @@ class SelfSigterm(L.Callback):
 
 
 class RaiseAt(L.Callback):
-    def __init__(self, batch: int) -> None:
-        self.batch, self.seen = batch, 0
+    def __init__(self, batch: int, rank: int | None) -> None:
+        self.batch, self.rank, self.seen = batch, rank, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.seen += 1
-        if self.seen == self.batch:
+        if self.seen == self.batch and self.rank in (None, trainer.global_rank):
             raise RuntimeError(f"injected failure on rank {trainer.global_rank}")
 
 
@@ -50,11 +51,12 @@ def main() -> None:
     extra.add_argument("--sigterm-batch", type=int, default=3)
     extra.add_argument("--refit-epochs", type=int)
     extra.add_argument("--raise-at-batch", type=int)
+    extra.add_argument("--raise-rank", type=int, help="only this rank raises (default: every rank)")
     own, rest = extra.parse_known_args()
     args = run.parse_args(rest)
     callbacks = [SelfSigterm(own.sigterm_rank, own.sigterm_batch)] if own.sigterm_rank is not None else []
     if own.raise_at_batch:
-        callbacks.append(RaiseAt(own.raise_at_batch))
+        callbacks.append(RaiseAt(own.raise_at_batch, own.raise_rank))
     trainer, model, data, summary, checkpoint = run.build(args, callbacks)
     start = time.perf_counter()
     try:
