@@ -11,13 +11,19 @@ from lightning_prague.core.coordinator import CoordinatorService
 from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout, PragueError, SyncMismatchError
 from lightning_prague.core.generator import CommunicatorLRU, GroupGenerator
 from lightning_prague.core.groups import Group, GroupCache
-from lightning_prague.core.policies import POLICY_NAMES, GroupingPolicy, make_policy, static_schedule
+from lightning_prague.core.policies import POLICY_NAMES, GroupingPolicy, SchedulePolicy, make_policy
 from lightning_prague.core.sharding import WorkQueueSampler
 from lightning_prague.core.store import StoreAddress
+from lightning_prague.core.topology import TOPOLOGIES, Schedule, WeightedGroup, make_topology, static_schedule
 from lightning_prague.core.worker import GroupWorker, WorkerStats
 
 __all__ = [
     "POLICY_NAMES",
+    "TOPOLOGIES",
+    "Schedule",
+    "SchedulePolicy",
+    "WeightedGroup",
+    "make_topology",
     "BucketedTensors",
     "CommunicatorLRU",
     "ConfigurationError",

@@ -43,16 +43,29 @@ class Group:
 
     def all_reduce_sum_(self, tensor: torch.Tensor, operation: str = "all-reduce") -> None:
         """In-place sum over the members; fails with :class:`CoordinationTimeout` naming the ranks."""
+        self.wait(self.start_all_reduce_sum_(tensor, operation), operation)
+
+    def start_all_reduce_sum_(self, tensor: torch.Tensor, operation: str = "all-reduce") -> dist.Work:
+        """Issue the in-place sum and return at once; :meth:`wait` on the result before reading ``tensor``."""
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.SUM
         try:
-            work = self._pg.allreduce([tensor], options)
-            work.wait(timedelta(seconds=self._timeout))
+            return self._pg.allreduce([tensor], options)
         except RuntimeError as err:
-            raise CoordinationTimeout(
-                f"rank {self.rank}: {operation} over group {list(self.members)} ({self.key}) failed or timed out "
-                f"after {self._timeout:.0f}s: {err}"
-            ) from err
+            raise self._failure(operation, err) from err
+
+    def wait(self, work: dist.Work, operation: str = "all-reduce", timeout: float | None = None) -> None:
+        """Wait for an issued collective, at most ``timeout`` (default: the group's timeout)."""
+        try:
+            work.wait(timedelta(seconds=self._timeout if timeout is None else timeout))
+        except RuntimeError as err:
+            raise self._failure(operation, err) from err
+
+    def _failure(self, operation: str, err: BaseException) -> CoordinationTimeout:
+        return CoordinationTimeout(
+            f"rank {self.rank}: {operation} over group {list(self.members)} ({self.key}) failed or timed out "
+            f"after {self._timeout:.0f}s: {err}"
+        )
 
 
 class GroupCache:

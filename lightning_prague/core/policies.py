@@ -19,8 +19,9 @@ what makes any policy deadlock-free.
     inside the requester's division, except every ``cross_period``-th request, which draws from
     the whole world so that divisions keep mixing.
 ``static``
-    A conflict-free schedule for homogeneous clusters (:func:`static_schedule`): round ``r``
-    partitions the workers; a worker's ``r``-th request gets its group of round ``r``.
+    A conflict-free schedule for homogeneous clusters
+    (:func:`~lightning_prague.core.topology.static_schedule`): round ``r`` partitions the workers;
+    a worker's ``r``-th request gets its group of round ``r``.
 ``first_ready``
     Partial Reduce: the first ``group_size`` workers that report ready form a group; nobody is
     grouped while busy, and no set of workers stays isolated (see :class:`FirstReadyPolicy`).
@@ -38,6 +39,7 @@ from lightning_prague.core.bipartite import BipartiteGraph
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.staleness import staleness_weights
 from lightning_prague.core.syncgraph import SyncGraph
+from lightning_prague.core.topology import Schedule, prague_static
 
 Group = tuple[int, ...]
 
@@ -130,57 +132,31 @@ class DivisionPolicy(GroupingPolicy):
         return self._draw(requester, [r for r in available if self.division_of(r) == home])
 
 
-def static_schedule(world_size: int, workers_per_node: int, round_index: int) -> list[Group]:
-    """The groups of one round of the static schedule; they partition ``range(world_size)``.
+class SchedulePolicy(GroupingPolicy):
+    """Groups from a fixed :class:`~lightning_prague.core.topology.Schedule`: a worker's ``r``-th request
+    gets its group of round ``r``. The coordinator averages these groups with plain means."""
 
-    Workers are laid out node by node (``workers_per_node`` consecutive ranks per node, the last
-    node may be smaller). The cycle has ``2 * workers_per_node`` rounds and generalizes the
-    reference schedule for 4 workers per node:
-
-    * odd rounds: each node averages all its workers (cheap intra-node links);
-    * even round ``2c``: the workers of local rank ``c`` on every node form one inter-node group,
-      and on each node the other local ranks pair up, the pairing rotated by ``c`` so that every
-      pair of local ranks meets over the cycle; a worker left over stays alone this round.
-    """
-    if workers_per_node < 1:
-        raise ConfigurationError(f"workers_per_node must be at least 1, got {workers_per_node}")
-    nodes = [
-        list(range(start, min(start + workers_per_node, world_size)))
-        for start in range(0, world_size, workers_per_node)
-    ]
-    phase = round_index % (2 * workers_per_node)
-    if phase % 2 == 1:
-        return [tuple(node) for node in nodes]
-    column = phase // 2
-    groups: list[Group] = []
-    inter = [node[column] for node in nodes if column < len(node)]
-    if inter:
-        groups.append(tuple(inter))
-    for node in nodes:
-        rest = [r for i, r in enumerate(node) if i != column]
-        shift = column % len(rest) if rest else 0
-        rest = rest[shift:] + rest[:shift]
-        groups.extend(tuple(sorted(rest[i : i + 2])) for i in range(0, len(rest), 2))
-    return groups
-
-
-class StaticPolicy(GroupingPolicy):
     issues_per_round = True
 
-    def __init__(self, world_size: int, group_size: int, seed: int = 0, workers_per_node: int | None = None) -> None:
-        super().__init__(world_size, group_size, seed)
-        # on one node there are no slow links to avoid: use virtual nodes of group_size workers
-        self.workers_per_node = (
-            workers_per_node if workers_per_node and 2 <= workers_per_node < world_size else group_size
-        )
+    def __init__(self, schedule: Schedule, seed: int = 0) -> None:
+        super().__init__(schedule.world_size, max(len(g.members) for r in schedule.rounds for g in r), seed)
+        self.schedule = schedule
 
     def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
         alive = set(available)
-        for group in static_schedule(self.world_size, self.workers_per_node, round_index):
-            if requester in group:
-                members = tuple(r for r in group if r in alive)
-                return members if len(members) >= 2 else None
-        raise AssertionError("static schedule is not a partition")  # pragma: no cover
+        members = tuple(r for r in self.schedule.group_of(requester, round_index).members if r in alive)
+        return members if len(members) >= 2 else None
+
+
+class StaticPolicy(SchedulePolicy):
+    """Prague's static schedule (:func:`~lightning_prague.core.topology.static_schedule`)."""
+
+    def __init__(self, world_size: int, group_size: int, seed: int = 0, workers_per_node: int | None = None) -> None:
+        # on one node there are no slow links to avoid: use virtual nodes of group_size workers
+        per_node = workers_per_node if workers_per_node and 2 <= workers_per_node < world_size else group_size
+        super().__init__(prague_static(world_size, per_node), seed)
+        self.group_size = group_size
+        self.workers_per_node = per_node
 
 
 class FirstReadyPolicy(GroupingPolicy):

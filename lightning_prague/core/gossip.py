@@ -1,0 +1,144 @@
+"""Gossip on a fixed topology with a one-step lag (decentralized Adam's communicate-while-adapt).
+
+Each exchange is one round of a :class:`~lightning_prague.core.topology.Schedule`: the worker's
+group sums the members' models (one all-reduce per bucket) and every member takes
+``x_i <- a x_i + b sum_j x_j``, which is row ``i`` of ``W x`` for the round's mixing matrix.
+
+:class:`LaggedGossip` issues the exchange of the parameters ``x^t`` right after update ``t`` (and
+at the start of each asynchronous phase), lets it run in the backend while the next forward and
+backward pass compute the gradient at the un-averaged ``x^t``, and waits for it just before
+update ``t + 1``, so that ``x^{t+1} = sum_j w_ij x_j^t - lr d_i^t``. Rounds are counted per worker
+and every worker must run the same number of exchanges between synchronization points (equal
+data shards), because each round is a collective of its group. ``overlap=False`` waits for the
+exchange as soon as it is issued: the same parameters, without the overlap.
+
+Anything a worker changes between issuing and mixing (e.g. BatchNorm statistics updated by the
+forward pass) is kept: the mix adds ``mixed(s) - s`` to the live tensors, ``s`` being the snapshot
+that was sent.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from lightning_prague.core.averaging import BucketedTensors
+from lightning_prague.core.groups import Group
+from lightning_prague.core.overlap import Exchanger
+from lightning_prague.core.topology import Schedule, WeightedGroup
+from lightning_prague.core.worker import GroupWorker
+
+#: seconds a worker leaving after an error waits for its last exchange (a peer that left too ends it sooner)
+LEAVE_WAIT = 10.0
+
+
+@dataclass
+class _InFlight:
+    round_index: int
+    weighted: WeightedGroup
+    group: Group | None  # None: the worker sits this round out
+    snapshots: list[torch.Tensor]
+    sums: list[torch.Tensor] = field(default_factory=list)
+    works: list[dist.Work] = field(default_factory=list)
+
+    def operation(self, rank: int) -> str:
+        return f"gossip round {self.round_index} of rank {rank} with ranks {list(self.weighted.members)}"
+
+
+class LaggedGossip(Exchanger):
+    """Issues one gossip round after every update and mixes it in just before the next one."""
+
+    def __init__(
+        self, worker: GroupWorker, live: BucketedTensors, schedule: Schedule, timeout: float, overlap: bool = True
+    ) -> None:
+        if schedule.world_size != worker.world_size:
+            raise ValueError(f"topology for {schedule.world_size} workers used by a world of {worker.world_size}")
+        super().__init__(worker, live, timeout)
+        self.schedule = schedule
+        self.overlap = overlap
+        self.round = 0  #: exchanges issued so far; equal on every worker at synchronization points
+        self.wait_seconds = 0.0  #: time spent blocked on exchanges (communication not hidden by compute)
+        self._flight: _InFlight | None = None
+        self._phase_open = False
+        self._prepared = False
+
+    def _group(self, weighted: WeightedGroup) -> Group | None:
+        if len(weighted.members) < 2:
+            return None
+        return self.worker.cache.get("topo/" + "-".join(map(str, weighted.members)), weighted.members)
+
+    def _prepare(self) -> None:
+        """Create this worker's communicators for a whole period, in round order (every member agrees on it)."""
+        for r in range(self.schedule.period):
+            self._group(self.schedule.group_of(self.worker.rank, r))
+        self._prepared = True
+
+    @property
+    def in_flight(self) -> bool:
+        return self._flight is not None
+
+    def issue(self) -> None:
+        """Send this worker's current tensors into its group of the next round."""
+        if not self._prepared:
+            self._prepare()
+        weighted = self.schedule.group_of(self.worker.rank, self.round)
+        flight = _InFlight(self.round, weighted, self._group(weighted), [self.live.flat(b) for b in self.live.buckets])
+        self.round += 1
+        if flight.group is not None:
+            operation = flight.operation(self.worker.rank)
+            flight.sums = [s.clone() for s in flight.snapshots]
+            flight.works = [flight.group.start_all_reduce_sum_(t, operation) for t in flight.sums]
+        self._flight = flight
+        if not self.overlap:
+            self._wait(flight)
+
+    def _wait(self, flight: _InFlight, timeout: float | None = None) -> None:
+        start = time.monotonic()
+        works, flight.works = flight.works, []
+        assert flight.group is not None or not works
+        for work in works:
+            flight.group.wait(work, flight.operation(self.worker.rank), timeout)  # type: ignore[union-attr]
+        self.wait_seconds += time.monotonic() - start
+
+    def mix(self) -> None:
+        """Wait for the exchange in flight and fold ``W x - x`` (of the snapshot) into the live tensors."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        self._wait(flight)
+        if flight.group is not None:
+            a, b = flight.weighted.coefficients()
+            for bucket, snapshot, total in zip(self.live.buckets, flight.snapshots, flight.sums):
+                flat = self.live.flat(bucket)
+                flat.add_(total, alpha=b).add_(snapshot, alpha=a - 1.0)
+                self.live.unflatten_(bucket, flat)
+        self.exchanges += 1
+
+    # -- the Exchanger interface ------------------------------------------------------------
+    def start(self) -> None:
+        """The first exchange of a phase overlaps the phase's first forward and backward pass."""
+        if not self._phase_open:
+            self._phase_open = True
+            if self._flight is None:
+                self.issue()
+
+    def step(self) -> None:
+        self.mix()  # normally already mixed just before the update; a no-op then
+        self.issue()
+
+    def drain(self) -> None:
+        self.mix()
+        self._phase_open = False
+
+    def close(self) -> None:
+        self._flight = None  # an unfinished collective ends in the backend (its peers' exit or timeout)
+        self._phase_open = False
+
+    def leave(self) -> None:
+        flight, self._flight = self._flight, None
+        if flight is not None:  # finish our part of the round in flight if the peers get there soon
+            self._wait(flight, min(self.timeout, LEAVE_WAIT))
+        super().leave()

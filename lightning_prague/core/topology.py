@@ -1,0 +1,303 @@
+"""Communication topologies: fixed, time-varying schedules of weighted groups.
+
+A :class:`Schedule` is a cycle of *rounds*. Each round partitions the workers into groups, and
+a group ``R`` mixes its members' models with the weights of an edge group: ``W_ii = w`` and
+``W_ij = (1 - w) / (|R| - 1)`` for the other members ``j`` (a group of one keeps its model,
+``w = 1``). One round of gossip is then ``x <- W x`` with a symmetric, doubly stochastic ``W``,
+which is what the convergence theory of decentralized SGD and Adam needs. Every schedule is
+validated when it is built.
+
+Built-in topologies (``make_topology(name, ...)``):
+
+``complete``
+    one round, one group of everybody, ``w = 1/N`` (exact averaging, like All-Reduce).
+``ring``
+    one peer per round, alternating sides: even rounds pair ``(0,1), (2,3), ...``, odd rounds
+    pair ``(1,2), (3,4), ..., (N-1,0)``. With an odd ``N`` one worker sits out each round (a
+    different one in the two rounds), ``w = 1/2``.
+``one_peer_exp``
+    one peer per round at exponentially growing distance: round ``r`` (of ``log2 N``) pairs ``j``
+    with ``j + 2^r`` for the ``j`` whose bit ``r`` is 0 (``j XOR 2^r``); after ``log2 N`` rounds every
+    model is the exact average. Needs a power of two.
+``alternating_exp_ring``
+    node-aware: workers sit on nodes of ``workers_per_node`` consecutive ranks. Even rounds
+    average each node exactly (cheap intra-node links); odd rounds average node pairs ``(n, n + 2^i)``
+    exactly, the hop ``2^i`` cycling through ``1, 2, 4, ...`` below the number of nodes: worker ``l``
+    of node ``n`` pairs with worker ``l`` of node ``n + 2^i`` (after an intra-node round both nodes'
+    workers hold their node's average, so this is the exact average of the two nodes). Nodes whose
+    partner would fall past the last node sit the round out.
+``static``
+    Prague's conflict-free static schedule for homogeneous clusters (:func:`prague_static`).
+
+A user schedule (:func:`schedule_from_spec`) is a list of rounds; a round is a list of groups; a
+group is a list of ranks (plain mean) or ``{"members": [...], "self_weight": w}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_prague.core.errors import ConfigurationError
+
+TOPOLOGIES = ("complete", "ring", "one_peer_exp", "alternating_exp_ring", "static")
+
+
+@dataclass(frozen=True)
+class WeightedGroup:
+    """An edge group: ``members`` (sorted global ranks) and the weight each keeps of its own model."""
+
+    members: tuple[int, ...]
+    self_weight: float
+
+    @classmethod
+    def uniform(cls, members: Sequence[int]) -> WeightedGroup:
+        return cls(tuple(sorted(members)), 1.0 / len(members))
+
+    @property
+    def peer_weight(self) -> float:
+        """``W_ij`` for two different members."""
+        return 0.0 if len(self.members) == 1 else (1.0 - self.self_weight) / (len(self.members) - 1)
+
+    def coefficients(self) -> tuple[float, float]:
+        """``(a, b)`` with ``x_i <- a x_i + b sum_{j in R} x_j``: one sum over the group computes the mix."""
+        return self.self_weight - self.peer_weight, self.peer_weight
+
+
+class Schedule:
+    """A validated cycle of rounds of weighted groups over ``world_size`` workers."""
+
+    def __init__(self, world_size: int, rounds: Sequence[Sequence[WeightedGroup]], name: str = "custom") -> None:
+        if world_size < 1:
+            raise ConfigurationError(f"a topology needs at least one worker, got world_size={world_size}")
+        if not rounds:
+            raise ConfigurationError(f"topology {name!r} has no rounds")
+        self.world_size = world_size
+        self.name = name
+        self.rounds = [list(r) for r in rounds]
+        self._member_of = [self._validate_round(i, r) for i, r in enumerate(self.rounds)]
+
+    def _validate_round(self, index: int, groups: list[WeightedGroup]) -> dict[int, WeightedGroup]:
+        where = f"topology {self.name!r}, round {index}"
+        owner: dict[int, WeightedGroup] = {}
+        for group in groups:
+            if not group.members:
+                raise ConfigurationError(f"{where}: an empty group")
+            if len(set(group.members)) != len(group.members):
+                raise ConfigurationError(f"{where}: group {list(group.members)} lists a rank twice")
+            for rank in group.members:
+                if not 0 <= rank < self.world_size:
+                    raise ConfigurationError(
+                        f"{where}: rank {rank} does not exist in a world of {self.world_size} workers"
+                    )
+                if rank in owner:
+                    raise ConfigurationError(
+                        f"{where}: rank {rank} is in two groups ({list(owner[rank].members)} and "
+                        f"{list(group.members)}); each round must put every rank in exactly one group"
+                    )
+                owner[rank] = group
+            if not 0.0 <= group.self_weight <= 1.0:
+                raise ConfigurationError(
+                    f"{where}: self_weight {group.self_weight} of {list(group.members)} is not in [0, 1]"
+                )
+            if len(group.members) == 1 and group.self_weight != 1.0:
+                raise ConfigurationError(f"{where}: rank {group.members[0]} is alone, so its self_weight must be 1")
+        missing = sorted(set(range(self.world_size)) - set(owner))
+        if missing:
+            raise ConfigurationError(
+                f"{where}: ranks {missing} are in no group; each round must put every rank in exactly one group "
+                "(a rank that sits a round out is a group of one)"
+            )
+        if not is_doubly_stochastic(self._matrix(groups)):
+            raise ConfigurationError(f"{where}: the mixing matrix is not doubly stochastic")
+        return owner
+
+    @property
+    def period(self) -> int:
+        """Rounds before the schedule repeats."""
+        return len(self.rounds)
+
+    def groups(self, round_index: int) -> list[WeightedGroup]:
+        return self.rounds[round_index % self.period]
+
+    def group_of(self, rank: int, round_index: int) -> WeightedGroup:
+        return self._member_of[round_index % self.period][rank]
+
+    def _matrix(self, groups: Sequence[WeightedGroup]) -> torch.Tensor:
+        w = torch.zeros(self.world_size, self.world_size, dtype=torch.float64)
+        for group in groups:
+            for i in group.members:
+                for j in group.members:
+                    w[i, j] = group.self_weight if i == j else group.peer_weight
+        return w
+
+    def mixing_matrix(self, round_index: int) -> torch.Tensor:
+        """``W`` of one round (float64, ``N x N``): one gossip round maps the stacked models ``x`` to ``W x``."""
+        return self._matrix(self.groups(round_index))
+
+    def __repr__(self) -> str:
+        return f"Schedule({self.name!r}, world_size={self.world_size}, period={self.period})"
+
+
+def is_doubly_stochastic(w: torch.Tensor, tol: float = 1e-9) -> bool:
+    """Non-negative, and every row and every column sums to 1."""
+    ones = torch.ones(w.shape[0], dtype=w.dtype)
+    return bool(
+        (w >= -tol).all() and torch.allclose(w.sum(0), ones, atol=tol) and torch.allclose(w.sum(1), ones, atol=tol)
+    )
+
+
+def _pairs_at_hop(units: int, hop: int) -> list[tuple[int, ...]]:
+    """Units ``j`` and ``j + hop`` for the ``j`` with ``(j // hop)`` even; units without a partner stay alone."""
+    groups: list[tuple[int, ...]] = []
+    for j in range(units):
+        if (j // hop) % 2 == 0:
+            groups.append((j, j + hop) if j + hop < units else (j,))
+    return groups
+
+
+def complete(world_size: int) -> Schedule:
+    return Schedule(world_size, [[WeightedGroup.uniform(range(world_size))]], "complete")
+
+
+def ring(world_size: int) -> Schedule:
+    n = world_size
+    rounds = []
+    for side in (0, 1):  # pairs (j, j+1) for even j, then for odd j (wrapping only when n is even)
+        pairs = sorted({tuple(sorted((j, (j + 1) % n))) for j in range(side, n, 2) if j + 1 < n or n % 2 == 0})
+        paired = {r for pair in pairs for r in pair}
+        rounds.append(
+            [WeightedGroup.uniform(p) for p in pairs] + [WeightedGroup((r,), 1.0) for r in range(n) if r not in paired]
+        )
+    return Schedule(n, rounds, "ring")
+
+
+def one_peer_exp(world_size: int) -> Schedule:
+    if world_size < 2 or world_size & (world_size - 1):
+        raise ConfigurationError(
+            f"topology='one_peer_exp' needs a power of two workers (2, 4, 8, ...), got {world_size}; "
+            "use topology='ring' or 'alternating_exp_ring' for other world sizes"
+        )
+    rounds = []
+    hop = 1
+    while hop < world_size:
+        rounds.append([WeightedGroup.uniform(pair) for pair in _pairs_at_hop(world_size, hop)])
+        hop *= 2
+    return Schedule(world_size, rounds, "one_peer_exp")
+
+
+def _nodes(world_size: int, workers_per_node: int, name: str) -> int:
+    if workers_per_node < 1 or world_size % workers_per_node:
+        raise ConfigurationError(
+            f"topology={name!r} needs whole nodes: {world_size} workers cannot be split into nodes of "
+            f"workers_per_node={workers_per_node}"
+        )
+    return world_size // workers_per_node
+
+
+def alternating_exp_ring(world_size: int, workers_per_node: int) -> Schedule:
+    nodes = _nodes(world_size, workers_per_node, "alternating_exp_ring")
+    intra = [WeightedGroup.uniform(range(n * workers_per_node, (n + 1) * workers_per_node)) for n in range(nodes)]
+    rounds: list[list[WeightedGroup]] = []
+    hop = 1
+    while hop < nodes:
+        inter = []
+        for pair in _pairs_at_hop(nodes, hop):
+            for local in range(workers_per_node):
+                inter.append(WeightedGroup.uniform([n * workers_per_node + local for n in pair]))
+        rounds += [intra, inter]
+        hop *= 2
+    return Schedule(world_size, rounds or [intra], "alternating_exp_ring")
+
+
+def static_schedule(world_size: int, workers_per_node: int, round_index: int) -> list[tuple[int, ...]]:
+    """The groups of one round of Prague's static schedule; they partition ``range(world_size)``.
+
+    Workers are laid out node by node (``workers_per_node`` consecutive ranks per node, the last
+    node may be smaller). The cycle has ``2 * workers_per_node`` rounds and generalizes the
+    reference schedule for 4 workers per node:
+
+    * odd rounds: each node averages all its workers (cheap intra-node links);
+    * even round ``2c``: the workers of local rank ``c`` on every node form one inter-node group,
+      and on each node the other local ranks pair up, the pairing rotated by ``c`` so that every
+      pair of local ranks meets over the cycle; a worker left over stays alone this round.
+    """
+    if workers_per_node < 1:
+        raise ConfigurationError(f"workers_per_node must be at least 1, got {workers_per_node}")
+    nodes = [
+        list(range(start, min(start + workers_per_node, world_size)))
+        for start in range(0, world_size, workers_per_node)
+    ]
+    phase = round_index % (2 * workers_per_node)
+    if phase % 2 == 1:
+        return [tuple(node) for node in nodes]
+    column = phase // 2
+    groups: list[tuple[int, ...]] = []
+    inter = [node[column] for node in nodes if column < len(node)]
+    if inter:
+        groups.append(tuple(inter))
+    for node in nodes:
+        rest = [r for i, r in enumerate(node) if i != column]
+        shift = column % len(rest) if rest else 0
+        rest = rest[shift:] + rest[:shift]
+        groups.extend(tuple(sorted(rest[i : i + 2])) for i in range(0, len(rest), 2))
+    return groups
+
+
+def prague_static(world_size: int, workers_per_node: int) -> Schedule:
+    """:func:`static_schedule` as a :class:`Schedule` (plain means)."""
+    rounds = [
+        [WeightedGroup.uniform(g) for g in static_schedule(world_size, workers_per_node, r)]
+        for r in range(2 * workers_per_node)
+    ]
+    return Schedule(world_size, rounds, "static")
+
+
+def schedule_from_spec(world_size: int, spec: Sequence[Sequence[Any]]) -> Schedule:
+    """A user schedule: rounds of groups, each a list of ranks or ``{"members": [...], "self_weight": w}``."""
+    rounds = []
+    for index, round_spec in enumerate(spec):
+        groups = []
+        for group in round_spec:
+            if isinstance(group, dict):
+                unknown = set(group) - {"members", "self_weight"}
+                if unknown or "members" not in group:
+                    raise ConfigurationError(
+                        f"schedule round {index}: a group is a list of ranks or a mapping with 'members' and "
+                        f"optionally 'self_weight'; got {group!r}"
+                    )
+                members = [int(r) for r in group["members"]]
+                weight = group.get("self_weight")
+                groups.append(
+                    WeightedGroup.uniform(members)
+                    if weight is None
+                    else WeightedGroup(tuple(sorted(members)), float(weight))
+                )
+            elif isinstance(group, (list, tuple)):
+                groups.append(WeightedGroup.uniform([int(r) for r in group]) if group else WeightedGroup((), 1.0))
+            else:
+                raise ConfigurationError(f"schedule round {index}: a group must be a list of ranks, got {group!r}")
+        rounds.append(groups)
+    return Schedule(world_size, rounds, "schedule")
+
+
+def make_topology(
+    name: str, world_size: int, workers_per_node: int = 1, schedule: Sequence[Sequence[Any]] | None = None
+) -> Schedule:
+    """A topology by name, or the user's ``schedule`` when one is given (then ``name`` is ignored)."""
+    if schedule is not None:
+        return schedule_from_spec(world_size, schedule)
+    if name == "complete":
+        return complete(world_size)
+    if name == "ring":
+        return ring(world_size)
+    if name == "one_peer_exp":
+        return one_peer_exp(world_size)
+    if name == "alternating_exp_ring":
+        return alternating_exp_ring(world_size, workers_per_node)
+    if name == "static":
+        return prague_static(world_size, workers_per_node)
+    raise ConfigurationError(f"topology={name!r} is unknown; choose one of {', '.join(TOPOLOGIES)} or pass a schedule")

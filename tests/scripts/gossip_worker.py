@@ -1,0 +1,84 @@
+"""One rank of a core-only run of LaggedGossip (decentralized Adam's overlapped gossip) on gloo.
+
+Usage: gossip_worker.py RANK WORLD PORT OUT_JSON CASES_JSON STEPS
+
+CASES_JSON maps case names to topologies, each ``{"name": ..., "workers_per_node": ...}`` or
+``{"schedule": [...]}``. For each case the rank writes: for every round of the period, its
+tensors after one round from known starting values ("rounds"); and the parameters after STEPS
+steps of gradient descent on a quadratic with the exchange overlapped ("overlapped") and waited
+for at once ("blocking").
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from lightning_prague.core import BucketedTensors, GroupWorker, StoreAddress, make_topology
+from lightning_prague.core.gossip import LaggedGossip
+
+DIM, LR = 7, 0.3
+
+
+def start_values(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(4, generator=g, dtype=torch.float64), torch.randn(3, generator=g, dtype=torch.float64)]
+
+
+def target(rank: int) -> torch.Tensor:
+    return torch.arange(DIM, dtype=torch.float64) * (rank + 1)
+
+
+def train(worker: GroupWorker, tensors: BucketedTensors, schedule, steps: int, overlap: bool) -> list[float]:
+    gossip = LaggedGossip(worker, tensors, schedule, timeout=60, overlap=overlap)
+    for t, v in zip(tensors.tensors, start_values(worker.rank)):
+        t.copy_(v)
+    gossip.start()  # round 0 carries x^0
+    for _ in range(steps):
+        x = torch.cat([t.reshape(-1) for t in tensors.tensors])
+        grad = x - target(worker.rank)  # taken at the un-averaged x^t
+        gossip.mix()  # x <- W_t x^t
+        offset = 0
+        for t in tensors.tensors:
+            t.sub_(LR * grad[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        gossip.step()  # issues round t+1 with x^{t+1}
+    gossip.drain()
+    return torch.cat([t.reshape(-1) for t in tensors.tensors]).tolist()
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    cases, steps = json.loads(sys.argv[5]), int(sys.argv[6])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    params = [torch.zeros(4, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)]
+    tensors = BucketedTensors(params, bucket_bytes=32)  # two buckets
+    worker = GroupWorker(StoreAddress.from_env().child("gossip-test"), rank, world, tensors, "gloo", timeout=60)
+    result = {"rank": rank, "start": torch.cat(start_values(rank)).tolist()}
+    for case, spec in cases.items():
+        schedule = make_topology(spec.get("name", ""), world, spec.get("workers_per_node", 1), spec.get("schedule"))
+        rounds = []
+        for r in range(schedule.period):
+            gossip = LaggedGossip(worker, tensors, schedule, timeout=60)
+            for t, v in zip(params, start_values(rank)):
+                t.copy_(v)
+            gossip.round = r
+            gossip.issue()
+            gossip.mix()
+            rounds.append(torch.cat(params).tolist())
+        result[case] = {
+            "rounds": rounds,
+            "overlapped": train(worker, tensors, schedule, steps, overlap=True),
+            "blocking": train(worker, tensors, schedule, steps, overlap=False),
+        }
+    with open(out, "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
