@@ -1,12 +1,13 @@
 """lightning-prague: asynchronous decentralized data-parallel training for PyTorch Lightning.
 
 ``import lightning_prague`` registers the strategies, so ``Trainer(strategy="prague")`` (or
-``"partial_reduce"``, ``"adpsgd"``) works.
+``"partial_reduce"``, ``"adpsgd"``, ``"decent_adam"``) works.
 """
 
 from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout, PragueError, SyncMismatchError
 from lightning_prague.strategies import (
     ADPSGDStrategy,
+    DecentAdamStrategy,
     DecentralizedStrategy,
     PartialAllReduceStrategy,
     PartialReduceStrategy,
@@ -18,6 +19,7 @@ __all__ = [
     "ADPSGDStrategy",
     "ConfigurationError",
     "CoordinationTimeout",
+    "DecentAdamStrategy",
     "DecentralizedStrategy",
     "PartialAllReduceStrategy",
     "PartialReduceStrategy",

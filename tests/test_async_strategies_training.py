@@ -31,8 +31,8 @@ def test_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(tmp_path
 
 @pytest.mark.parametrize(
     ("strategy", "failing"),
-    [("partial_reduce", None), ("adpsgd", None), ("adpsgd", 0), ("partial_reduce", 0)],
-    ids=["partial_reduce-every-rank", "adpsgd-every-rank", "adpsgd-rank0-only", "partial_reduce-rank0-only"],
+    [("partial_reduce", None), ("adpsgd", None), ("decent_adam", None), ("adpsgd", 0), ("partial_reduce", 0)],
+    ids=lambda v: {None: "every-rank", 0: "rank0-only"}.get(v, v),
 )
 def test_an_exception_in_training_stops_every_thread_and_exits(tmp_path, strategy, failing):
     args = ["--strategy", strategy, "--devices", "3", "--epochs", "50", "--step-time", "0.02", "--raise-at-batch", "4"]
@@ -51,8 +51,10 @@ def test_an_exception_in_training_stops_every_thread_and_exits(tmp_path, strateg
         assert report["threads"] == [], f"{path.name}: threads left after the exception: {report['threads']}"
 
 
-def test_sigterm_on_a_passive_adpsgd_worker_stops_every_rank(tmp_path):
-    args = ["--strategy", "adpsgd", "--devices", "3", "--epochs", "200", "--step-time", "0.02"]
+@pytest.mark.parametrize("strategy", ["adpsgd", "decent_adam"])
+def test_sigterm_on_one_worker_stops_every_rank(tmp_path, strategy):
+    # adpsgd: rank 1 is passive; decent_adam stops at the next synchronization point (the epoch end)
+    args = ["--strategy", strategy, "--devices", "3", "--epochs", "200", "--step-time", "0.02"]
     proc, _ = run_training(tmp_path, *args, "--sigterm-rank", "1", "--sigterm-batch", "4", timeout=120)
     output = proc.stdout + proc.stderr
     for rank in range(3):
@@ -60,7 +62,10 @@ def test_sigterm_on_a_passive_adpsgd_worker_stops_every_rank(tmp_path):
     assert "CoordinationTimeout" not in output and "max_epochs=200` reached" not in output
 
 
-@pytest.mark.parametrize(("config", "devices"), [("partial_reduce_digits.yaml", 3), ("adpsgd_digits.yaml", 4)])
+@pytest.mark.parametrize(
+    ("config", "devices"),
+    [("partial_reduce_digits.yaml", 3), ("adpsgd_digits.yaml", 4), ("decent_adam_textlm.yaml", 4)],
+)
 def test_lightning_cli_configs(tmp_path, config, devices):
     cmd = [
         sys.executable, "-m", "lightning_prague.cli", "fit", "--config", f"examples/configs/{config}",

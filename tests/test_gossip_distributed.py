@@ -23,13 +23,14 @@ CASES = {
 STEPS, LR, DIM = 6, 0.3, 7
 
 
-def reference_training(schedule, starts):
-    """x^{t+1} = W_t x^t - lr * grad(x^t), then the last round in flight is mixed at the drain."""
+def reference_training(schedule, starts, rounds, steps):
+    """x^{t+1} = W_t x^t - lr * grad(x^t) for ranks still stepping; idle rounds (and the drain) only mix."""
     x = torch.tensor(starts, dtype=torch.float64)
     targets = torch.stack([torch.arange(DIM, dtype=torch.float64) * (r + 1) for r in range(len(starts))])
-    for t in range(STEPS):
-        x = schedule.mixing_matrix(t) @ x - LR * (x - targets)
-    return schedule.mixing_matrix(STEPS) @ x
+    for t in range(rounds):
+        stepping = torch.tensor([[1.0 if t < s else 0.0] for s in steps], dtype=torch.float64)
+        x = schedule.mixing_matrix(t) @ x - LR * stepping * (x - targets)
+    return x
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +49,23 @@ def test_one_round_is_w_x_and_overlap_gives_the_same_parameters(gossip_runs, cas
     for r in range(schedule.period):
         got = torch.tensor([run["rounds"][r] for run in runs], dtype=torch.float64)
         torch.testing.assert_close(got, schedule.mixing_matrix(r) @ x, rtol=0, atol=1e-12)
-    expected = reference_training(schedule, starts)
-    overlapped = torch.tensor([run["overlapped"] for run in runs], dtype=torch.float64)
-    blocking = torch.tensor([run["blocking"] for run in runs], dtype=torch.float64)
+    rounds = {run[kind]["rounds"] for run in runs for kind in ("overlapped", "blocking")}
+    assert rounds == {STEPS + 1}, "equal step counts end the phase without idle rounds"
+    expected = reference_training(schedule, starts, rounds.pop(), [STEPS] * 4)
+    overlapped = torch.tensor([run["overlapped"]["params"] for run in runs], dtype=torch.float64)
+    blocking = torch.tensor([run["blocking"]["params"] for run in runs], dtype=torch.float64)
     torch.testing.assert_close(overlapped, expected, rtol=0, atol=1e-10)
     torch.testing.assert_close(blocking, overlapped, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ranks_with_different_step_counts_end_the_phase_at_the_same_round(gossip_runs, case):
+    spec = CASES[case]
+    schedule = make_topology(spec.get("name", ""), 4, spec.get("workers_per_node", 1), spec.get("schedule"))
+    runs = [r[case]["uneven"] for r in gossip_runs]
+    steps = [STEPS + 2 * rank for rank in range(4)]
+    rounds = {run["rounds"] for run in runs}
+    assert len(rounds) == 1 and rounds.pop() <= max(steps) + 1 + 2 * (schedule.coverage + 1), runs
+    expected = reference_training(schedule, [r["start"] for r in gossip_runs], runs[0]["rounds"], steps)
+    got = torch.tensor([run["params"] for run in runs], dtype=torch.float64)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)

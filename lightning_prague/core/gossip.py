@@ -7,14 +7,17 @@ group sums the members' models (one all-reduce per bucket) and every member take
 :class:`LaggedGossip` issues the exchange of the parameters ``x^t`` right after update ``t`` (and
 at the start of each asynchronous phase), lets it run in the backend while the next forward and
 backward pass compute the gradient at the un-averaged ``x^t``, and waits for it just before
-update ``t + 1``, so that ``x^{t+1} = sum_j w_ij x_j^t - lr d_i^t``. Rounds are counted per worker
-and every worker must run the same number of exchanges between synchronization points (equal
-data shards), because each round is a collective of its group. ``overlap=False`` waits for the
+update ``t + 1``, so that ``x^{t+1} = sum_j w_ij x_j^t - lr d_i^t``. ``overlap=False`` waits for the
 exchange as soon as it is issued: the same parameters, without the overlap.
 
-Anything a worker changes between issuing and mixing (e.g. BatchNorm statistics updated by the
-forward pass) is kept: the mix adds ``mixed(s) - s`` to the live tensors, ``s`` being the snapshot
-that was sent.
+Rounds are counted per worker, and each round is a collective of its group, so every worker must
+end a phase at the same round. :meth:`LaggedGossip.drain` agrees on it over the store. Normally
+(equal data shards) all workers stop at the same round and end there. If a worker finds itself
+waiting ``idle_after`` seconds for the others, it switches the phase to *idle* mode and runs
+idle rounds (mixing only, no gradient) so that neighbours with more steps are never stuck; the
+last worker to finish then sets the final round to its own round plus the schedule's ``coverage``
+plus one, which no worker can have passed (see :attr:`Schedule.coverage`), and everyone runs idle
+rounds up to it. The switch is a compare-and-set in the store, so all workers see one mode.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_prague.core.averaging import BucketedTensors
+from lightning_prague.core.errors import CoordinationTimeout
 from lightning_prague.core.groups import Group
 from lightning_prague.core.overlap import Exchanger
 from lightning_prague.core.topology import Schedule, WeightedGroup
@@ -52,7 +56,14 @@ class LaggedGossip(Exchanger):
     """Issues one gossip round after every update and mixes it in just before the next one."""
 
     def __init__(
-        self, worker: GroupWorker, live: BucketedTensors, schedule: Schedule, timeout: float, overlap: bool = True
+        self,
+        worker: GroupWorker,
+        live: BucketedTensors,
+        schedule: Schedule,
+        timeout: float,
+        overlap: bool = True,
+        name: str = "gossip",
+        idle_after: float = 1.0,
     ) -> None:
         if schedule.world_size != worker.world_size:
             raise ValueError(f"topology for {schedule.world_size} workers used by a world of {worker.world_size}")
@@ -64,6 +75,10 @@ class LaggedGossip(Exchanger):
         self._flight: _InFlight | None = None
         self._phase_open = False
         self._prepared = False
+        self._name = name  # store keys of the end-of-phase protocol: one namespace per instance
+        self.idle_after = idle_after  # seconds a finished worker waits before it starts idle rounds
+        self.phases = 0  #: phases ended by :meth:`drain`
+        self.idle_rounds = 0  #: rounds run without a gradient step while waiting for slower workers
 
     def _group(self, weighted: WeightedGroup) -> Group | None:
         if len(weighted.members) < 2:
@@ -130,8 +145,49 @@ class LaggedGossip(Exchanger):
         self.issue()
 
     def drain(self) -> None:
+        """End the phase at a round every worker agrees on, then mix the last round in (see the module docs)."""
+        final = self._agree_on_final_round()
+        while self.round < final:
+            self.mix()
+            self.issue()
+            self.idle_rounds += 1
         self.mix()
+        self.phases += 1
         self._phase_open = False
+
+    def _agree_on_final_round(self) -> int:
+        store, rank, world = self.worker.store, self.worker.rank, self.worker.world_size
+        key = f"{self._name}/phase{self.phases}"
+        store.set(f"{key}/done/{rank}", str(self.round))
+        if int(store.add(f"{key}/done", 1)) == world:  # the last worker to run out of steps decides
+            rounds = {int(store.get(f"{key}/done/{r}")) for r in range(world)}
+            if rounds == {self.round} and self._claim(f"{key}/mode", "fast") == "fast":
+                final = self.round  # everyone stopped at the same round and nobody went on: no idle round
+            else:
+                self._claim(f"{key}/mode", "idle")
+                final = self.round + self.schedule.coverage + 1  # nobody can be past it (Schedule.coverage)
+            store.set(f"{key}/final", str(final))
+        start = time.monotonic()
+        while not store.check([f"{key}/final"]):
+            waited = time.monotonic() - start
+            if waited > self.timeout:
+                missing = [r for r in range(world) if not store.check([f"{key}/done/{r}"])]
+                raise CoordinationTimeout(
+                    f"rank {rank}: ranks {missing} did not finish their steps of phase {self.phases} within "
+                    f"{self.timeout:.0f}s (gossip round {self.round})"
+                )
+            idle = store.check([f"{key}/mode"]) and store.get(f"{key}/mode") == b"idle"
+            if idle or (waited > self.idle_after and self._claim(f"{key}/mode", "idle") == "idle"):
+                self.mix()  # serve neighbours that are still stepping
+                self.issue()
+                self.idle_rounds += 1
+            else:
+                time.sleep(0.001)
+        return int(store.get(f"{key}/final"))
+
+    def _claim(self, key: str, mode: str) -> str:
+        """Set ``key`` to ``mode`` unless it is set already; returns the value it holds."""
+        return self.worker.store.compare_set(key, "", mode).decode()
 
     def close(self) -> None:
         self._flight = None  # an unfinished collective ends in the backend (its peers' exit or timeout)

@@ -79,6 +79,8 @@ class Schedule:
         self.name = name
         self.rounds = [list(r) for r in rounds]
         self._member_of = [self._validate_round(i, r) for i, r in enumerate(self.rounds)]
+        self._coverage: int | None = None
+        self.coverage  # noqa: B018  (validates that the rounds connect every worker)
 
     def _validate_round(self, index: int, groups: list[WeightedGroup]) -> dict[int, WeightedGroup]:
         where = f"topology {self.name!r}, round {index}"
@@ -133,6 +135,38 @@ class Schedule:
                 for j in group.members:
                     w[i, j] = group.self_weight if i == j else group.peer_weight
         return w
+
+    @property
+    def coverage(self) -> int:
+        """Rounds within which every worker depends on every other one; validates connectivity.
+
+        A worker can issue round ``t`` only after mixing round ``t - 1``, which needs every member
+        of its group of round ``t - 1`` to have issued it. Going back ``coverage`` rounds from any
+        worker and any round reaches every worker, so no worker can be more than ``coverage``
+        rounds ahead of any other (this bounds the rounds the end-of-phase protocol of
+        :class:`~lightning_prague.core.gossip.LaggedGossip` adds).
+        """
+        if self._coverage is None:
+            self._coverage = max(
+                self._rounds_to_reach_all(rank, start)
+                for start in range(self.period)
+                for rank in range(self.world_size)
+            )
+        return self._coverage
+
+    def _rounds_to_reach_all(self, rank: int, start: int) -> int:
+        reached = {rank}
+        for depth in range(1, self.world_size * self.period + 1):
+            round_index = start - depth
+            reached = {m for r in reached for m in self.group_of(r, round_index).members}
+            if len(reached) == self.world_size:
+                return depth
+        if self.world_size == 1:
+            return 0
+        raise ConfigurationError(
+            f"topology {self.name!r} never mixes ranks {sorted(set(range(self.world_size)) - reached)} with rank "
+            f"{rank}: the groups of all its rounds together must connect every worker"
+        )
 
     def mixing_matrix(self, round_index: int) -> torch.Tensor:
         """``W`` of one round (float64, ``N x N``): one gossip round maps the stacked models ``x`` to ``W x``."""

@@ -1,5 +1,10 @@
-"""A small, download-free workload (scikit-learn's bundled digits) for the demo, tests and benchmarks."""
+"""Small, download-free workloads for the demos, tests and benchmarks.
+
+Digits classification (scikit-learn's bundled digits) and a character-level Transformer language
+model on CPython's own help text (``pydoc_data``).
+"""
 
 from lightning_prague.demo.digits import DigitsClassifier, DigitsDataModule
+from lightning_prague.demo.textlm import PythonHelpText, TinyTransformerLM
 
-__all__ = ["DigitsClassifier", "DigitsDataModule"]
+__all__ = ["DigitsClassifier", "DigitsDataModule", "PythonHelpText", "TinyTransformerLM"]

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import torch
 import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_prague.optim import AccumAdam, AccumAdamW
+
+#: the optimizers the demo model can configure, by name
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "accum_adam": AccumAdam,
+    "accum_adamw": AccumAdamW,
+}
 
 
 class DigitsDataModule(L.LightningDataModule):
@@ -44,8 +57,19 @@ class DigitsDataModule(L.LightningDataModule):
 class DigitsClassifier(L.LightningModule):
     """A small MLP with BatchNorm (so floating-point buffers are averaged too)."""
 
-    def __init__(self, hidden: int = 64, lr: float = 0.05, momentum: float = 0.9, sync_dist_train_loss: bool = True):
+    def __init__(
+        self,
+        hidden: int = 64,
+        lr: float = 0.05,
+        momentum: float = 0.9,
+        sync_dist_train_loss: bool = True,
+        optimizer: str = "sgd",
+        accum_steps: int = 4,
+        lr_decay: float = 1.0,
+    ):
         super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r} is unknown; choose one of {', '.join(sorted(OPTIMIZERS))}")
         self.save_hyperparameters()
         self.net = nn.Sequential(
             nn.Linear(64, hidden),
@@ -77,5 +101,16 @@ class DigitsClassifier(L.LightningModule):
         x, y = batch
         self.log("test_acc", (self(x).argmax(-1) == y).float().mean(), sync_dist=True)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+    def configure_optimizers(self) -> Any:
+        """``optimizer`` picks SGD with momentum or an Adam variant; ``lr_decay`` < 1 multiplies the LR by it
+        after every epoch (``StepLR``)."""
+        kind, hp = self.hparams.optimizer, self.hparams
+        if kind == "sgd":
+            optimizer = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum)
+        elif kind.startswith("accum"):
+            optimizer = OPTIMIZERS[kind](self.parameters(), lr=hp.lr, accum_steps=hp.accum_steps)
+        else:
+            optimizer = OPTIMIZERS[kind](self.parameters(), lr=hp.lr)
+        if hp.lr_decay == 1.0:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, hp.lr_decay)}

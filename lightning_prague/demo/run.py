@@ -17,12 +17,12 @@ import torch
 
 import lightning_prague  # noqa: F401  (registers the strategies)
 from lightning_prague.callbacks import SlowdownInjector, WorkerSummary
-from lightning_prague.demo.digits import DigitsClassifier, DigitsDataModule
+from lightning_prague.demo.digits import OPTIMIZERS, DigitsClassifier, DigitsDataModule
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", default="prague", help="prague, partial_reduce, adpsgd, ddp, ...")
+    parser.add_argument("--strategy", default="prague", help="prague, partial_reduce, adpsgd, decent_adam, ddp, ...")
     parser.add_argument("--devices", type=int, default=4, help="CPU worker processes")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -32,9 +32,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", default="straggler", choices=["homogeneous", "straggler", "jitter"])
     parser.add_argument("--slow-rank", type=int, action="append", dest="slow_ranks", help="rank to slow (repeatable)")
     parser.add_argument("--slow-factor", type=float, default=5.0)
+    parser.add_argument("--sigma", type=float, default=0.5, help="lognormal sigma of the jitter profile")
     parser.add_argument("--group-size", type=int, default=3)
     parser.add_argument("--grouping", default="random", help="prague's grouping policy")
     parser.add_argument("--weighting", default="uniform", help="partial_reduce: uniform or staleness")
+    parser.add_argument("--topology", default="ring", help="decent_adam's topology")
+    parser.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZERS))
+    parser.add_argument("--accum-steps", type=int, default=4, help="tau of accum_adam / accum_adamw")
+    parser.add_argument("--lr-decay", type=float, default=1.0, help="multiply the LR by this after every epoch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the result of rank 0 here")
@@ -55,6 +60,8 @@ def build_strategy(args: argparse.Namespace) -> Any:
         return lightning_prague.PartialReduceStrategy(group_size=args.group_size, weighting=args.weighting, **shared)
     if args.strategy == "adpsgd":
         return lightning_prague.ADPSGDStrategy(**shared)
+    if args.strategy == "decent_adam":
+        return lightning_prague.DecentAdamStrategy(topology=args.topology, **shared)
     return args.strategy
 
 
@@ -70,6 +77,7 @@ def build(
             profile=args.profile,
             slow_ranks=args.slow_ranks or [0],
             slow_factor=args.slow_factor,
+            sigma=args.sigma,
             seed=args.seed,
         ),
         summary,
@@ -98,7 +106,7 @@ def build(
     )
     return (
         trainer,
-        DigitsClassifier(lr=args.lr),
+        DigitsClassifier(lr=args.lr, optimizer=args.optimizer, accum_steps=args.accum_steps, lr_decay=args.lr_decay),
         DigitsDataModule(batch_size=args.batch_size, num_workers=args.num_workers),
         summary,
         checkpoint,
@@ -124,6 +132,7 @@ def report(
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "batches_per_worker": summary.batches_per_worker,
         "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+        "lr": float(trainer.optimizers[0].param_groups[0]["lr"]),
     }
     if checkpoint is not None:
         result["best_model_path"] = checkpoint.best_model_path

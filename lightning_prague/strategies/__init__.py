@@ -4,6 +4,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_prague.strategies.adpsgd import ADPSGDStrategy
 from lightning_prague.strategies.base import DecentralizedStrategy
+from lightning_prague.strategies.decent_adam import DecentAdamStrategy
 from lightning_prague.strategies.partial_all_reduce import PartialAllReduceStrategy
 from lightning_prague.strategies.partial_reduce import PartialReduceStrategy
 
@@ -13,6 +14,7 @@ STRATEGIES: dict[str, tuple[type[DecentralizedStrategy], str]] = {
     "partial_all_reduce": (PartialAllReduceStrategy, "Alias of 'prague'"),
     "partial_reduce": (PartialReduceStrategy, "Partial Reduce: the first ready workers average together"),
     "adpsgd": (ADPSGDStrategy, "AD-PSGD: asynchronous gossip between active and passive workers"),
+    "decent_adam": (DecentAdamStrategy, "Decentralized Adam: gossip on a topology, overlapped with the next step"),
 }
 
 
@@ -27,6 +29,7 @@ register_strategies()
 __all__ = [
     "STRATEGIES",
     "ADPSGDStrategy",
+    "DecentAdamStrategy",
     "DecentralizedStrategy",
     "PartialAllReduceStrategy",
     "PartialReduceStrategy",

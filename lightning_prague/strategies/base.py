@@ -78,6 +78,9 @@ class DecentralizedStrategy(DDPStrategy):
 
     #: the name users select it by, used in messages
     strategy_name = "decentralized"
+    #: training batches come from one global work queue (fast workers take more); ``False`` keeps
+    #: Lightning's distributed sampler (equal shards, equal step counts on every worker)
+    shards_by_work_queue = True
 
     def __init__(
         self,
@@ -163,7 +166,8 @@ class DecentralizedStrategy(DDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            check_trainer(trainer, self.strategy_name)
+            if self.shards_by_work_queue:
+                check_trainer(trainer, self.strategy_name)
             policy = self.make_policy()  # validates group_size against the world before anything starts
         super().setup(trainer)
         self._trainer = trainer
@@ -316,7 +320,8 @@ class DecentralizedStrategy(DDPStrategy):
     # -- data ---------------------------------------------------------------------------------
     def _wrap_prepare_dataloader(self, original: Callable[..., object]) -> Callable[..., object]:
         def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
-            if mode == RunningStage.TRAINING and isinstance(dataloader, DataLoader) and self.session is not None:
+            sharded = self.shards_by_work_queue and self.session is not None
+            if mode == RunningStage.TRAINING and isinstance(dataloader, DataLoader) and sharded:
                 return self._shard(dataloader)
             return original(dataloader, shuffle, mode)
 

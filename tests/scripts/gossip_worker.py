@@ -6,7 +6,8 @@ CASES_JSON maps case names to topologies, each ``{"name": ..., "workers_per_node
 ``{"schedule": [...]}``. For each case the rank writes: for every round of the period, its
 tensors after one round from known starting values ("rounds"); and the parameters after STEPS
 steps of gradient descent on a quadratic with the exchange overlapped ("overlapped") and waited
-for at once ("blocking").
+for at once ("blocking"), with the number of rounds run including the end-of-phase idle rounds; and ("uneven") the same
+with rank r running STEPS + 2r steps.
 """
 
 import json
@@ -31,8 +32,8 @@ def target(rank: int) -> torch.Tensor:
     return torch.arange(DIM, dtype=torch.float64) * (rank + 1)
 
 
-def train(worker: GroupWorker, tensors: BucketedTensors, schedule, steps: int, overlap: bool) -> list[float]:
-    gossip = LaggedGossip(worker, tensors, schedule, timeout=60, overlap=overlap)
+def train(worker: GroupWorker, tensors: BucketedTensors, schedule, steps: int, overlap: bool, name: str) -> dict:
+    gossip = LaggedGossip(worker, tensors, schedule, timeout=60, overlap=overlap, name=name)
     for t, v in zip(tensors.tensors, start_values(worker.rank)):
         t.copy_(v)
     gossip.start()  # round 0 carries x^0
@@ -45,8 +46,8 @@ def train(worker: GroupWorker, tensors: BucketedTensors, schedule, steps: int, o
             t.sub_(LR * grad[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
         gossip.step()  # issues round t+1 with x^{t+1}
-    gossip.drain()
-    return torch.cat([t.reshape(-1) for t in tensors.tensors]).tolist()
+    gossip.drain()  # idle rounds up to the agreed final round, the last one mixed in
+    return {"params": torch.cat([t.reshape(-1) for t in tensors.tensors]).tolist(), "rounds": gossip.round}
 
 
 def main() -> None:
@@ -71,8 +72,10 @@ def main() -> None:
             rounds.append(torch.cat(params).tolist())
         result[case] = {
             "rounds": rounds,
-            "overlapped": train(worker, tensors, schedule, steps, overlap=True),
-            "blocking": train(worker, tensors, schedule, steps, overlap=False),
+            "overlapped": train(worker, tensors, schedule, steps, overlap=True, name=f"{case}-overlapped"),
+            "blocking": train(worker, tensors, schedule, steps, overlap=False, name=f"{case}-blocking"),
+            # rank r runs steps + 2r steps: the end-of-phase protocol must still end every rank together
+            "uneven": train(worker, tensors, schedule, steps + 2 * rank, overlap=True, name=f"{case}-uneven"),
         }
     with open(out, "w") as f:
         json.dump(result, f)

@@ -1,0 +1,79 @@
+"""strategy="decent_adam" end to end under Lightning's launcher (gloo): accuracy, optimizers, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import STRAGGLER
+from helpers import ROOT, env, rank_results, run_training
+
+pytestmark = pytest.mark.timeout(300)
+
+QUICK = ["--strategy", "decent_adam", "--devices", "4", "--step-time", "0", "--profile", "homogeneous"]
+STEPS_PER_EPOCH = 12  # digits: 1437 training images in 4 equal shards of 360, batches of 32
+
+
+def test_with_a_slow_worker_finishes_matches_ddp_and_replicas_agree(tmp_path, ddp_reference):
+    proc, result = run_training(tmp_path, "--strategy", "decent_adam", *STRAGGLER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert result["val_acc"] >= ddp_reference["val_acc"] - 0.01, (result["val_acc"], ddp_reference["val_acc"])
+    assert result["batches_per_worker"] == [4 * STEPS_PER_EPOCH] * 4, "equal shards: every worker runs every round"
+    ranks = rank_results(tmp_path)
+    assert len({round(r["params_checksum"], 4) for r in ranks}) == 1, "replicas must agree after fit"
+    assert all(r["threads_after_fit"] == [] for r in ranks)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "lr", "topology"), [("adamw", 0.01, "one_peer_exp"), ("accum_adam", 0.01, "ring")]
+)
+def test_adaptive_optimizers_and_their_lr_schedulers_train(tmp_path, optimizer, lr, topology):
+    args = [*QUICK, "--epochs", "3", "--optimizer", optimizer, "--lr", str(lr), "--lr-decay", "0.5"]
+    proc, result = run_training(tmp_path, *args, "--topology", topology)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert result["val_acc"] > 0.85, result
+    assert result["lr"] == pytest.approx(lr * 0.5**3), "the LR scheduler stepped once per epoch"
+    assert len({round(r["params_checksum"], 4) for r in rank_results(tmp_path)}) == 1
+
+
+def _optimizer_state(path):
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    (state,) = checkpoint["optimizer_states"]
+    return state
+
+
+def test_accum_adam_state_survives_checkpoint_and_resume(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    args = [*QUICK, "--optimizer", "accum_adam", "--lr", "0.01", "--accum-steps", "5"]
+    proc, before = run_training(first, *args, "--epochs", "2", "--checkpoint-dir", str(first / "ckpt"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = _optimizer_state(before["last_model_path"])  # rank 0's optimizer, saved by rank 0
+    assert state["param_groups"][0]["accum_steps"] == 5
+    steps = {s["step"] for s in state["state"].values()}
+    assert steps == {2 * STEPS_PER_EPOCH}, (steps, before["batches_per_worker"])
+    assert all("grad_sum" in s and s["exp_avg"].abs().sum() > 0 for s in state["state"].values())
+
+    resume = ["--resume", before["last_model_path"], "--checkpoint-dir", str(second / "ckpt")]
+    proc, after = run_training(second, *args, "--epochs", "3", *resume)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = _optimizer_state(after["last_model_path"])
+    steps = {s["step"] for s in resumed["state"].values()}
+    assert steps == {3 * STEPS_PER_EPOCH}, "the step count went on from the checkpoint"
+    assert after["epochs_run"] == 3 and after["val_acc"] >= before["val_acc"] - 0.02
+
+
+def test_language_model_example_reaches_ddp_validation_loss(tmp_path):
+    losses = {}
+    for strategy in ("ddp", "decent_adam"):
+        out = tmp_path / f"{strategy}.json"
+        cmd = [sys.executable, str(ROOT / "examples" / "textlm_decent_adam.py"), "--strategy", strategy]
+        proc = subprocess.run([*cmd, "--json", str(out)], cwd=tmp_path, env=env(), capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[strategy] = json.loads(out.read_text())["val_loss"]
+    assert losses["ddp"] < 3.0, f"the model must learn (uniform guessing is 4.6): {losses}"
+    assert losses["decent_adam"] <= losses["ddp"] * 1.03, losses
