@@ -56,3 +56,40 @@ def test_default_settings_pass_and_names_are_registered():
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
         assert isinstance(trainer.strategy, lightning_prague.PartialAllReduceStrategy)
         assert trainer.strategy.group_size == 3 and trainer.strategy.grouping == "random"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"topology": "torus"}, "topology='torus' is not a topology of strategy='decent_adam'"),
+        ({"workers_per_node": 0}, "workers_per_node=0 is invalid"),
+        ({"bucket_mb": 0}, "bucket_mb=0 is invalid"),
+    ],
+)
+def test_bad_decent_adam_arguments(kwargs, match):
+    with pytest.raises(ConfigurationError, match=match):
+        lightning_prague.DecentAdamStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "devices", "match"),
+    [
+        ({"topology": "one_peer_exp"}, 3, "needs a power of two workers .* got 3"),
+        ({"topology": "alternating_exp_ring", "workers_per_node": 2}, 3, "3 workers cannot be split into nodes"),
+        ({"schedule": [[[0, 1], [1, 2]]]}, 3, "round 0: rank 1 is in two groups"),
+        ({"schedule": [[[0, 1], [2]]]}, 3, "never mixes ranks \\[2\\] with rank 0"),
+    ],
+)
+def test_decent_adam_topology_is_validated_against_the_world_before_training(kwargs, devices, match):
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=lightning_prague.DecentAdamStrategy(**kwargs), logger=False
+    )
+    trainer.strategy.set_world_ranks()
+    with pytest.raises(ConfigurationError, match=match):
+        trainer.strategy.make_policy()
+
+
+def test_decent_adam_is_registered_and_allows_step_based_settings():
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="decent_adam", logger=False, max_steps=10)
+    assert isinstance(trainer.strategy, lightning_prague.DecentAdamStrategy)
+    assert trainer.strategy.topology == "ring" and not trainer.strategy.shards_by_work_queue
