@@ -69,3 +69,16 @@ def test_ranks_with_different_step_counts_end_the_phase_at_the_same_round(gossip
     expected = reference_training(schedule, [r["start"] for r in gossip_runs], runs[0]["rounds"], steps)
     got = torch.tensor([run["params"] for run in runs], dtype=torch.float64)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+
+
+def test_consensus_error_of_known_replicas_is_exact_and_group_errors_match_the_group_means(gossip_runs):
+    x = torch.tensor([r["start"] for r in gossip_runs], dtype=torch.float64)
+    mean = x.mean(0)
+    expected = float(((x - mean) ** 2).sum(1).mean() / (mean**2).sum())
+    for r in gossip_runs:
+        assert r["consensus_error"] == pytest.approx(expected, rel=1e-12)
+    schedule = make_topology("complete", 4)
+    for rank, run in enumerate(gossip_runs):  # one group of everybody: the group error is the rank's own term
+        (error,) = run["complete"]["group_errors"]
+        assert error == pytest.approx(float(((x[rank] - mean) ** 2).sum() / (mean**2).sum()), rel=1e-12)
+    assert schedule.period == 1

@@ -63,15 +63,28 @@ class BucketedTensors:
             offset += n
 
 
-def average_(tensors: BucketedTensors, group: Group, weight: float | None = None, operation: str = "average") -> None:
+def average_(tensors: BucketedTensors, group: Group, weight: float | None = None, operation: str = "average") -> float:
     """In place: every member's tensors become the (weighted) average over ``group``.
 
     With ``weight=None`` this is the plain mean. Otherwise each member contributes ``weight * x``
     and the weights of the members must sum to 1 (staleness-aware Partial Reduce).
+
+    Returns ``||x - avg||^2 / ||avg||^2`` for this member's tensors before the average: a free
+    estimate of how far this replica had drifted from its group (``consensus/group_error``).
     """
     scale = 1.0 / group.size if weight is None else weight
+    distance, norm = 0.0, 0.0
     for bucket in tensors.buckets:
         flat = tensors.flat(bucket)
+        before = flat.clone()
         flat.mul_(scale)
         group.all_reduce_sum_(flat, operation=operation)
+        distance += float((before - flat).double().pow(2).sum())
+        norm += float(flat.double().pow(2).sum())
         tensors.unflatten_(bucket, flat)
+    return relative_error(distance, norm)
+
+
+def relative_error(distance: float, norm: float) -> float:
+    """``distance / norm`` (both squared norms), 0 when both are 0."""
+    return distance / norm if norm > 0 else (0.0 if distance == 0 else float("inf"))

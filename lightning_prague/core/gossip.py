@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lightning_prague.core.averaging import BucketedTensors
+from lightning_prague.core.averaging import BucketedTensors, relative_error
 from lightning_prague.core.errors import CoordinationTimeout
 from lightning_prague.core.groups import Group
 from lightning_prague.core.overlap import Exchanger
@@ -71,7 +71,6 @@ class LaggedGossip(Exchanger):
         self.schedule = schedule
         self.overlap = overlap
         self.round = 0  #: exchanges issued so far; equal on every worker at synchronization points
-        self.wait_seconds = 0.0  #: time spent blocked on exchanges (communication not hidden by compute)
         self._flight: _InFlight | None = None
         self._phase_open = False
         self._prepared = False
@@ -126,10 +125,15 @@ class LaggedGossip(Exchanger):
         self._wait(flight)
         if flight.group is not None:
             a, b = flight.weighted.coefficients()
+            size = len(flight.weighted.members)
+            distance, norm = 0.0, 0.0
             for bucket, snapshot, total in zip(self.live.buckets, flight.snapshots, flight.sums):
                 flat = self.live.flat(bucket)
                 flat.add_(total, alpha=b).add_(snapshot, alpha=a - 1.0)
                 self.live.unflatten_(bucket, flat)
+                distance += float((snapshot - total / size).double().pow(2).sum())
+                norm += float((total / size).double().pow(2).sum())
+            self.worker.stats.record_group_error(relative_error(distance, norm))
         self.exchanges += 1
 
     # -- the Exchanger interface ------------------------------------------------------------
@@ -146,12 +150,14 @@ class LaggedGossip(Exchanger):
 
     def drain(self) -> None:
         """End the phase at a round every worker agrees on, then mix the last round in (see the module docs)."""
+        start, waited_before = time.monotonic(), self.wait_seconds
         final = self._agree_on_final_round()
         while self.round < final:
             self.mix()
             self.issue()
             self.idle_rounds += 1
         self.mix()
+        self.wait_seconds = waited_before + time.monotonic() - start  # the whole end of phase is waiting
         self.phases += 1
         self._phase_open = False
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,8 @@ class Exchanger:
         self.live = live
         self.timeout = timeout
         self.exchanges = 0  # exchanges folded into the live model
+        #: seconds the training thread spent blocked on exchanges (not hidden behind computation)
+        self.wait_seconds = 0.0
 
     def start(self) -> None:
         """An asynchronous phase begins (idempotent)."""
@@ -77,7 +80,9 @@ class BlockingExchanger(Exchanger):
 
     def step(self) -> None:
         reported = self.worker.version
+        start = time.monotonic()
         answer = self.worker.partial_sync(version=reported)
+        self.wait_seconds += time.monotonic() - start
         self._adopt(answer, reported)
         if answer.gid is not None:
             self.exchanges += 1
@@ -216,7 +221,10 @@ class BackgroundAverager(_ThreadedExchanger):
         self._jobs.put((self._snapshot, self._reported))
 
     def drain(self) -> None:
-        if not self._idle.wait(self.timeout):
+        start = time.monotonic()
+        finished = self._idle.wait(self.timeout)
+        self.wait_seconds += time.monotonic() - start
+        if not finished:
             raise CoordinationTimeout(
                 f"rank {self.worker.rank}: the background group exchange did not finish within {self.timeout:.0f}s"
             )

@@ -12,9 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from lightning_prague.core.averaging import BucketedTensors, average_
+from lightning_prague.core.averaging import BucketedTensors, average_, relative_error
 from lightning_prague.core.coordinator import REQUESTS, inbox
 from lightning_prague.core.errors import CoordinationTimeout, ExchangeInterrupted, SyncMismatchError
 from lightning_prague.core.generator import STOP_SYNC
@@ -43,6 +44,21 @@ class WorkerStats:
     syncs: int = 0
     sync_seconds: float = 0.0
     group_sizes: list[int] = field(default_factory=list)
+    #: sum and count of ``||x_i - avg||^2 / ||avg||^2`` over the group averages this worker took part in
+    group_error_sum: float = 0.0
+    group_error_count: int = 0
+
+    def record_group_error(self, error: float) -> None:
+        self.group_error_sum += error
+        self.group_error_count += 1
+
+    def take_group_error(self) -> float | None:
+        """Mean group error since the last call (``None`` if there was no group average)."""
+        if not self.group_error_count:
+            return None
+        mean = self.group_error_sum / self.group_error_count
+        self.group_error_sum, self.group_error_count = 0.0, 0
+        return mean
 
 
 class GroupWorker:
@@ -105,7 +121,8 @@ class GroupWorker:
             group = self.cache.get(item["key"], members)
             weights = item.get("weights")
             weight = None if weights is None else float(weights[members.index(self.rank)])
-            average_(tensors or self.tensors, group, weight=weight, operation=f"group average #{item['gid']}")
+            error = average_(tensors or self.tensors, group, weight=weight, operation=f"group average #{item['gid']}")
+            self.stats.record_group_error(error)
             self.stats.groups_executed += 1
             self.stats.group_sizes.append(group.size)
             return item.get("version")
@@ -224,6 +241,24 @@ class GroupWorker:
         """Meet every other rank at the stop point (idempotent)."""
         if not self._stopped:
             self.synchronize(STOP_SYNC)
+
+    def consensus_error(self) -> float:
+        """Exactly ``mean_i ||x_i - x_bar||^2 / ||x_bar||^2`` over all replicas; a collective of every rank.
+
+        Call only where ranks are aligned (right after :meth:`synchronize`); it changes no tensor.
+        """
+        group = self.cache.get(WORLD_KEY, tuple(range(self.world_size)))
+        distance, norm = 0.0, 0.0
+        for bucket in self.tensors.buckets:
+            mine = self.tensors.flat(bucket)
+            mean = mine.clone()
+            group.all_reduce_sum_(mean, operation="consensus measurement")
+            mean.div_(self.world_size)
+            distance += float((mine - mean).double().pow(2).sum())
+            norm += float(mean.double().pow(2).sum())
+        total = torch.tensor([distance], dtype=torch.float64)
+        group.all_reduce_sum_(total, operation="consensus measurement")
+        return relative_error(float(total) / self.world_size, norm)
 
     def global_average(self) -> None:
         """Average over all ranks; call only right after :meth:`synchronize` returned."""

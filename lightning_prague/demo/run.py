@@ -16,7 +16,8 @@ import lightning as L
 import torch
 
 import lightning_prague  # noqa: F401  (registers the strategies)
-from lightning_prague.callbacks import SlowdownInjector, WorkerSummary
+from lightning_prague.callbacks import ConsensusMonitor, SlowdownInjector, StragglerMonitor, WorkerSummary
+from lightning_prague.callbacks.slowdown import PROFILES
 from lightning_prague.demo.digits import OPTIMIZERS, DigitsClassifier, DigitsDataModule
 
 
@@ -29,10 +30,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--step-time", type=float, default=0.05, help="simulated compute time per step (s)")
-    parser.add_argument("--profile", default="straggler", choices=["homogeneous", "straggler", "jitter"])
+    parser.add_argument("--profile", default="straggler", choices=list(PROFILES))
     parser.add_argument("--slow-rank", type=int, action="append", dest="slow_ranks", help="rank to slow (repeatable)")
     parser.add_argument("--slow-factor", type=float, default=5.0)
     parser.add_argument("--sigma", type=float, default=0.5, help="lognormal sigma of the jitter profile")
+    parser.add_argument("--period", type=int, default=20, help="steps per cycle of the periodic profile")
+    parser.add_argument("--duty", type=float, default=0.25, help="slow fraction of each periodic cycle")
+    parser.add_argument("--monitors", action="store_true", help="add ConsensusMonitor and StragglerMonitor")
+    parser.add_argument("--csv-dir", type=Path, help="log metrics with Lightning's CSVLogger here")
     parser.add_argument("--group-size", type=int, default=3)
     parser.add_argument("--grouping", default="random", help="prague's grouping policy")
     parser.add_argument("--weighting", default="uniform", help="partial_reduce: uniform or staleness")
@@ -78,10 +83,14 @@ def build(
             slow_ranks=args.slow_ranks or [0],
             slow_factor=args.slow_factor,
             sigma=args.sigma,
+            period=args.period,
+            duty=args.duty,
             seed=args.seed,
         ),
         summary,
     ]
+    if args.monitors:
+        callbacks += [ConsensusMonitor(), StragglerMonitor(verbose=True)]
     checkpoint = None
     if args.checkpoint_dir:
         checkpoint = L.pytorch.callbacks.ModelCheckpoint(
@@ -98,7 +107,8 @@ def build(
         strategy=build_strategy(args),
         max_epochs=args.epochs,
         callbacks=callbacks,
-        logger=False,
+        logger=L.pytorch.loggers.CSVLogger(args.csv_dir, name="", version="") if args.csv_dir else False,
+        log_every_n_steps=1,
         enable_checkpointing=checkpoint is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -134,6 +144,12 @@ def report(
         "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
         "lr": float(trainer.optimizers[0].param_groups[0]["lr"]),
     }
+    for callback in trainer.callbacks:
+        if isinstance(callback, ConsensusMonitor):
+            result["consensus_error"] = [error for _, error in callback.history]
+        if isinstance(callback, StragglerMonitor):
+            result["stragglers"] = callback.flagged
+            result["worker_timings"] = callback.as_dicts()
     if checkpoint is not None:
         result["best_model_path"] = checkpoint.best_model_path
         result["last_model_path"] = checkpoint.last_model_path

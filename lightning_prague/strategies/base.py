@@ -149,6 +149,10 @@ class DecentralizedStrategy(DDPStrategy):
         self._local_sigterm = False
         self._warned: set[str] = set()
         self._trainer: Trainer | None = None
+        #: measure the replicas' exact consensus error at every synchronization point (ConsensusMonitor)
+        self.measure_consensus = False
+        #: the last measurement: mean_i ||x_i - x_bar||^2 / ||x_bar||^2 before the global average
+        self.consensus_error: float | None = None
 
     # -- hooks for subclasses ----------------------------------------------------------------
     def make_policy(self) -> GroupingPolicy:
@@ -284,10 +288,20 @@ class DecentralizedStrategy(DDPStrategy):
             self.worker.request_stop()
         if self.worker.synchronize(name):
             self._raise_stop()
+        if self.measure_consensus:
+            self.consensus_error = self.worker.consensus_error()
         if self.average_at_sync:
             self.worker.global_average()
             self.worker.version = self.worker.released_version  # one model again: one version
         self._aligned = True
+
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds this rank's training thread has spent waiting on other ranks during this fit:
+        exchanges not hidden behind computation, and synchronization points."""
+        if self.worker is None or self.exchanger is None:
+            return 0.0
+        return self.exchanger.wait_seconds + self.worker.stats.sync_seconds
 
     @property
     def aligned(self) -> bool:

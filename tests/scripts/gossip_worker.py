@@ -7,7 +7,8 @@ CASES_JSON maps case names to topologies, each ``{"name": ..., "workers_per_node
 tensors after one round from known starting values ("rounds"); and the parameters after STEPS
 steps of gradient descent on a quadratic with the exchange overlapped ("overlapped") and waited
 for at once ("blocking"), with the number of rounds run including the end-of-phase idle rounds; and ("uneven") the same
-with rank r running STEPS + 2r steps.
+with rank r running STEPS + 2r steps. Also the exact consensus error of the starting values and
+the group error each round's mix recorded.
 """
 
 import json
@@ -59,9 +60,12 @@ def main() -> None:
     tensors = BucketedTensors(params, bucket_bytes=32)  # two buckets
     worker = GroupWorker(StoreAddress.from_env().child("gossip-test"), rank, world, tensors, "gloo", timeout=60)
     result = {"rank": rank, "start": torch.cat(start_values(rank)).tolist()}
+    for t, v in zip(params, start_values(rank)):
+        t.copy_(v)
+    result["consensus_error"] = worker.consensus_error()  # of the known starting values
     for case, spec in cases.items():
         schedule = make_topology(spec.get("name", ""), world, spec.get("workers_per_node", 1), spec.get("schedule"))
-        rounds = []
+        rounds, group_errors = [], []
         for r in range(schedule.period):
             gossip = LaggedGossip(worker, tensors, schedule, timeout=60)
             for t, v in zip(params, start_values(rank)):
@@ -70,8 +74,10 @@ def main() -> None:
             gossip.issue()
             gossip.mix()
             rounds.append(torch.cat(params).tolist())
+            group_errors.append(worker.stats.take_group_error())
         result[case] = {
             "rounds": rounds,
+            "group_errors": group_errors,
             "overlapped": train(worker, tensors, schedule, steps, overlap=True, name=f"{case}-overlapped"),
             "blocking": train(worker, tensors, schedule, steps, overlap=False, name=f"{case}-blocking"),
             # rank r runs steps + 2r steps: the end-of-phase protocol must still end every rank together

@@ -1,0 +1,83 @@
+"""How far the replicas have drifted apart: ``consensus/error`` and ``consensus/group_error``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_prague.core.averaging import averaged_state, relative_error
+from lightning_prague.strategies.base import DecentralizedStrategy
+
+
+class ConsensusMonitor(Callback):
+    """Logs the consensus error of the replicas.
+
+    ``consensus/error``
+        exactly ``mean_i ||x_i - x_bar||^2 / ||x_bar||^2`` over every worker's parameters and
+        floating-point buffers, measured at each synchronization point before the replicas are
+        averaged (one extra collective there, none during training). Logged at every epoch end.
+        With a lock-step strategy (DDP) it is measured at the epoch end and is 0 up to rounding.
+    ``consensus/group_error``
+        an estimate during asynchronous training, from the group averages that happen anyway:
+        the mean over this worker's recent group averages of ``||x_i - avg||^2 / ||avg||^2``. It
+        costs no communication; each rank logs its own (the logger shows rank 0's), every
+        ``log_every_n_steps`` training steps in which the worker averaged with a group.
+
+    :attr:`history` keeps ``(epoch, error)`` for the exact measurements on every rank.
+    """
+
+    def __init__(self, log_every_n_steps: int = 1) -> None:
+        if log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be at least 1")
+        self.log_every_n_steps = log_every_n_steps
+        self.history: list[tuple[int, float]] = []
+        self._steps = 0
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if isinstance(trainer.strategy, DecentralizedStrategy):
+            trainer.strategy.measure_consensus = True
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        strategy = trainer.strategy
+        self._steps += 1
+        if not isinstance(strategy, DecentralizedStrategy) or strategy.worker is None:
+            return
+        if self._steps % self.log_every_n_steps:
+            return
+        estimate = strategy.worker.stats.take_group_error()
+        if estimate is not None:
+            pl_module.log("consensus/group_error", estimate, on_step=True, on_epoch=False)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, DecentralizedStrategy):
+            error = strategy.consensus_error  # measured at the synchronization point just passed
+            strategy.consensus_error = None
+        else:
+            error = self._measure(pl_module)
+        if error is None:
+            return
+        self.history.append((trainer.current_epoch, error))
+        pl_module.log("consensus/error", error, on_step=False, on_epoch=True)
+
+    @staticmethod
+    def _measure(pl_module: LightningModule) -> float:
+        """The exact error with plain collectives on the default group (ranks are aligned at epoch end)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return 0.0
+        world = dist.get_world_size()
+        distance, norm = 0.0, 0.0
+        for tensor in averaged_state(pl_module):
+            mean = tensor.detach().clone()
+            dist.all_reduce(mean)
+            mean.div_(world)
+            distance += float((tensor.detach() - mean).double().pow(2).sum())
+            norm += float(mean.double().pow(2).sum())
+        total = torch.tensor([distance], dtype=torch.float64, device=next(pl_module.parameters()).device)
+        dist.all_reduce(total)
+        return relative_error(float(total) / world, norm)
