@@ -23,10 +23,17 @@ class WorkerSummary(Callback):
         self.batches = 0
         self.batches_per_worker: list[int] = []
         self.train_seconds = 0.0
+        #: (seconds since the start of training, val_acc) after every validation, for time-to-accuracy
+        self.timeline: list[tuple[float, float]] = []
         self._start = 0.0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start = time.perf_counter()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        accuracy = trainer.callback_metrics.get("val_acc")
+        if accuracy is not None and not trainer.sanity_checking and self._start:
+            self.timeline.append((time.perf_counter() - self._start, float(accuracy)))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         self.batches += 1

@@ -127,6 +127,7 @@ def report(
     args: argparse.Namespace,
     trainer: L.Trainer,
     model: DigitsClassifier,
+    data: DigitsDataModule,
     summary: WorkerSummary,
     checkpoint: Any,
     fit_seconds: float,
@@ -143,6 +144,9 @@ def report(
         "batches_per_worker": summary.batches_per_worker,
         "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
         "lr": float(trainer.optimizers[0].param_groups[0]["lr"]),
+        "timeline": summary.timeline,
+        "samples_per_epoch": len(data.train_set),
+        "batch_size": args.batch_size,
     }
     for callback in trainer.callbacks:
         if isinstance(callback, ConsensusMonitor):
@@ -173,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)
     fit_seconds = time.perf_counter() - start
-    result = report(args, trainer, model, summary, checkpoint, fit_seconds)
+    result = report(args, trainer, model, data, summary, checkpoint, fit_seconds)
     if args.test:
         test_acc = float(trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"])
         if trainer.is_global_zero:

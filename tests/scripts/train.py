@@ -82,7 +82,7 @@ def main() -> None:
     if own.refit_epochs:
         trainer.fit_loop.max_epochs = own.refit_epochs
         trainer.fit(model, datamodule=data)
-    result = run.report(args, trainer, model, summary, checkpoint, time.perf_counter() - start)
+    result = run.report(args, trainer, model, data, summary, checkpoint, time.perf_counter() - start)
     result["threads_after_fit"] = prague_threads()
     if args.test:
         result["test_acc"] = float(trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"])

@@ -1,0 +1,218 @@
+"""``lightning-prague bench``: every strategy against Lightning's DDP, under slowdown profiles, in one run.
+
+    lightning-prague bench --preset quick --out bench-quick     # 4 workers, 2 epochs: a few minutes
+    lightning-prague bench --preset full --out bench-full       # 8 workers, 4 epochs, 3 profiles
+
+Each run trains the digits workload in its own processes (``python -m lightning_prague.demo.run``)
+with ConsensusMonitor and StragglerMonitor. Per strategy and profile it reports throughput
+(training samples per second of training time), time to ``--target-acc`` validation accuracy,
+final accuracy, consensus error before the last global average, the fraction of time workers
+spent waiting on others, the physical limit (the sum of the workers' speeds) and the throughput
+the runtime model predicts (``core.runtime_model``; a fixed per-epoch cost for validation and
+Lightning's loop is calibrated once, from the first DDP run). It writes ``bench.json``,
+``bench.csv``, ``accuracy_vs_time.png`` and ``throughput_vs_limit.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning_prague.core.runtime_model import ComputeProfile, Link, predict
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "quick": {"devices": 4, "epochs": 2, "step_time": 0.03, "profiles": ["straggler", "jitter"]},
+    "full": {"devices": 8, "epochs": 4, "step_time": 0.05, "profiles": ["homogeneous", "straggler", "jitter"]},
+}
+STRATEGIES = ["ddp", "prague", "partial_reduce", "adpsgd", "decent_adam"]
+FIELDS = [
+    "strategy",
+    "profile",
+    "throughput",
+    "predicted_throughput",
+    "limit",
+    "time_to_target",
+    "final_acc",
+    "consensus_error",
+    "sync_fraction",
+    "train_seconds",
+    "speedup_vs_ddp",
+]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lightning-prague bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--strategies", nargs="+", default=STRATEGIES)
+    parser.add_argument("--profiles", nargs="+", help="override the preset's slowdown profiles")
+    parser.add_argument("--devices", type=int, help="override the preset's worker count")
+    parser.add_argument("--epochs", type=int, help="override the preset's epochs")
+    parser.add_argument("--step-time", type=float, help="override the preset's simulated step time (s)")
+    parser.add_argument("--slow-factor", type=float, default=5.0, help="the straggler's slowdown (rank 0)")
+    parser.add_argument("--sigma", type=float, default=0.5, help="lognormal sigma of the jitter profile")
+    parser.add_argument("--target-acc", type=float, default=0.8, help="validation accuracy for time-to-target")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    args.profiles = args.profiles or preset["profiles"]
+    args.devices = args.devices or preset["devices"]
+    args.epochs = args.epochs or preset["epochs"]
+    args.step_time = args.step_time or preset["step_time"]
+    if "ddp" not in args.strategies:
+        args.strategies = ["ddp", *args.strategies]  # every speed-up is measured against DDP in the same run
+    return args
+
+
+def run_one(strategy: str, profile: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One training run in fresh processes; returns rank 0's result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [
+            sys.executable, "-m", "lightning_prague.demo.run", "--strategy", strategy, "--profile", profile,
+            "--devices", str(args.devices), "--epochs", str(args.epochs), "--step-time", str(args.step_time),
+            "--slow-factor", str(args.slow_factor), "--sigma", str(args.sigma), "--seed", str(args.seed),
+            "--monitors", "--json", str(out),
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench run {strategy}/{profile} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def worker_profiles(profile: str, args: argparse.Namespace) -> list[ComputeProfile]:
+    """The compute-time distributions the SlowdownInjector simulates under ``profile``."""
+    slow = {0: args.slow_factor} if profile == "straggler" else {}
+    sigma = args.sigma if profile == "jitter" else 0.0
+    return [ComputeProfile(args.step_time, slowdown=slow.get(r, 1.0), sigma=sigma) for r in range(args.devices)]
+
+
+def summarize(strategy: str, profile: str, result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    seconds = result["train_seconds"]
+    samples = result["samples_per_epoch"] * result["epochs_run"]
+    reached = [t for t, acc in result["timeline"] if acc >= args.target_acc]
+    timings = result.get("worker_timings", [])
+    waits = [t["wait_seconds"] / seconds for t in timings if seconds > 0]
+    errors = result.get("consensus_error") or [0.0]
+    batch = result["batch_size"]
+    limit = sum(batch / w.mean for w in worker_profiles(profile, args))
+    return {
+        "strategy": strategy,
+        "profile": profile,
+        "throughput": samples / seconds,
+        "limit": limit,
+        "time_to_target": reached[0] if reached else None,
+        "final_acc": result["val_acc"],
+        "consensus_error": errors[-1],
+        "sync_fraction": sum(waits) / len(waits) if waits else 0.0,
+        "train_seconds": seconds,
+        "batches": sum(result["batches_per_worker"]),
+        "timeline": result["timeline"],
+    }
+
+
+def add_predictions(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Predicted throughput per row; one fixed per-epoch cost is calibrated from the first DDP run."""
+    model_bytes = 4 * (64 * 64 + 64 + 2 * 64 + 64 * 64 + 64 + 64 * 10 + 10)  # the digits MLP, float32
+    link = Link(bandwidth=1e9, latency=2e-4)
+    overhead = 0.0
+    for row in rows:
+        models = {
+            p.strategy: p for p in predict(worker_profiles(row["profile"], args), model_bytes, link, seed=args.seed)
+        }
+        prediction = models.get(row["strategy"], models["prague"])
+        steps_seconds = row["batches"] / prediction.throughput  # batches over all workers / batches per second
+        if row["strategy"] == "ddp" and overhead == 0.0:
+            overhead = max(0.0, row["train_seconds"] - steps_seconds) / args.epochs
+        predicted_seconds = steps_seconds + overhead * args.epochs
+        row["predicted_throughput"] = row["throughput"] * row["train_seconds"] / predicted_seconds
+        row["overhead_per_epoch"] = overhead
+
+
+def add_speedups(rows: list[dict[str, Any]]) -> None:
+    ddp = {row["profile"]: row["train_seconds"] for row in rows if row["strategy"] == "ddp"}
+    for row in rows:
+        row["speedup_vs_ddp"] = ddp[row["profile"]] / row["train_seconds"] if row["profile"] in ddp else None
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    header = (
+        f"{'profile':<12} {'strategy':<15} {'samples/s':>9} {'predicted':>9} {'limit':>7} {'vs ddp':>7} "
+        f"{'to target':>9} {'final acc':>9} {'consensus':>9} {'waiting':>7}"
+    )
+    lines = [header]
+    for r in rows:
+        target = "-" if r["time_to_target"] is None else f"{r['time_to_target']:.2f}s"
+        lines.append(
+            f"{r['profile']:<12} {r['strategy']:<15} {r['throughput']:>9.0f} {r['predicted_throughput']:>9.0f} "
+            f"{r['limit']:>7.0f} {r['speedup_vs_ddp']:>6.2f}x {target:>9} {r['final_acc']:>9.4f} "
+            f"{r['consensus_error']:>9.2e} {r['sync_fraction']:>7.0%}"
+        )
+    return "\n".join(lines)
+
+
+def write_outputs(rows: list[dict[str, Any]], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(rows, indent=2))
+    with (out / "bench.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, out)
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = list(dict.fromkeys(r["profile"] for r in rows))
+    fig, axes = plt.subplots(1, len(profiles), figsize=(5 * len(profiles), 4), squeeze=False)
+    for ax, profile in zip(axes[0], profiles):
+        for r in (r for r in rows if r["profile"] == profile):
+            times, accs = zip(*r["timeline"]) if r["timeline"] else ((), ())
+            ax.plot(times, accs, marker="o", label=r["strategy"])
+        ax.set(title=f"profile: {profile}", xlabel="training time (s)", ylabel="validation accuracy")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_vs_time.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{r['strategy']}\n{r['profile']}" for r in rows]
+    xs = range(len(rows))
+    ax.bar(xs, [r["limit"] for r in rows], color="lightgrey", label="physical limit")
+    ax.bar(xs, [r["throughput"] for r in rows], width=0.5, label="measured")
+    ax.scatter(xs, [r["predicted_throughput"] for r in rows], color="black", zorder=3, label="predicted")
+    ax.set_xticks(list(xs), labels, rotation=90, fontsize=7)
+    ax.set(ylabel="training samples / s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput_vs_limit.png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    plan = [(profile, strategy) for profile in args.profiles for strategy in args.strategies]
+    rows = []
+    start = time.perf_counter()
+    for index, (profile, strategy) in enumerate(plan, 1):
+        print(f"[{index}/{len(plan)}] {profile} / {strategy} ...", end=" ", flush=True)
+        row = summarize(strategy, profile, run_one(strategy, profile, args), args)
+        rows.append(row)
+        print(f"{row['train_seconds']:.2f}s acc={row['final_acc']:.4f} (elapsed {time.perf_counter() - start:.0f}s)")
+    add_predictions(rows, args)
+    add_speedups(rows)
+    write_outputs(rows, args.out)
+    print(format_table(rows))
+    print(f"wrote {args.out}/bench.json, bench.csv, accuracy_vs_time.png, throughput_vs_limit.png")
+    return rows

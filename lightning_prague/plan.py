@@ -1,0 +1,68 @@
+"""``lightning-prague plan``: predict which strategy trains fastest on a cluster, before running it.
+
+    lightning-prague plan --workers 8 --step-time 0.05 --sigma 0.5
+    lightning-prague plan --workers 8 --step-time 0.05 --slow 0:5 --model-mb 100 --bandwidth-gbps 10
+    lightning-prague plan --timings stragglers.json   # per-worker compute_per_step from StragglerMonitor
+
+Prints per strategy the predicted time per iteration, throughput and share of the physical limit
+(the sum of the workers' speeds), and recommends the fastest (see ``core.runtime_model``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from lightning_prague.core.runtime_model import STRATEGY_MODELS, ComputeProfile, Link, Prediction, predict, recommend
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lightning-prague plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--step-time", type=float, default=0.05, help="compute seconds per step of a normal worker")
+    parser.add_argument("--sigma", type=float, default=0.0, help="lognormal jitter of every step")
+    parser.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR", help="a straggler (repeatable)")
+    parser.add_argument(
+        "--timings", type=Path, help="JSON list of per-worker seconds per step (or StragglerMonitor rows)"
+    )
+    parser.add_argument("--model-mb", type=float, default=1.0, help="size of the averaged model state in MB")
+    parser.add_argument("--bandwidth-gbps", type=float, default=10.0)
+    parser.add_argument("--latency-ms", type=float, default=0.1)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_MODELS), choices=STRATEGY_MODELS)
+    parser.add_argument("--group-size", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def profiles_from(args: argparse.Namespace) -> list[ComputeProfile]:
+    if args.timings:
+        rows = json.loads(args.timings.read_text())
+        seconds = [row["compute_per_step"] if isinstance(row, dict) else float(row) for row in rows]
+        return [ComputeProfile(s, sigma=args.sigma) for s in seconds]
+    slow = {}
+    for spec in args.slow:
+        rank, _, factor = spec.partition(":")
+        slow[int(rank)] = float(factor)
+    return [ComputeProfile(args.step_time, slowdown=slow.get(r, 1.0), sigma=args.sigma) for r in range(args.workers)]
+
+
+def format_table(predictions: list[Prediction]) -> str:
+    lines = [f"{'strategy':<15} {'s/iteration':>12} {'batches/s':>10} {'of limit':>9}  method"]
+    for p in predictions:
+        lines.append(
+            f"{p.strategy:<15} {p.seconds_per_iteration:>12.4f} {p.throughput:>10.1f} "
+            f"{p.throughput / p.limit:>8.0%}  {p.method}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[Prediction]:
+    args = parse_args(argv)
+    workers = profiles_from(args)
+    link = Link(bandwidth=args.bandwidth_gbps * 1e9 / 8, latency=args.latency_ms / 1000)
+    predictions = predict(workers, int(args.model_mb * 2**20), link, args.strategies, args.group_size, seed=args.seed)
+    print(format_table(predictions))
+    best = recommend(predictions)
+    print(f"physical limit: {predictions[0].limit:.1f} batches/s; recommended: {best.strategy}")
+    return predictions
