@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step-time", type=float, help="override the preset's simulated step time (s)")
     parser.add_argument("--slow-factor", type=float, default=5.0, help="the straggler's slowdown (rank 0)")
     parser.add_argument("--sigma", type=float, default=0.5, help="lognormal sigma of the jitter profile")
+    parser.add_argument(
+        "--group-size", type=int, default=3, help="prague/partial_reduce group size (at most --devices)"
+    )
     parser.add_argument("--target-acc", type=float, default=0.8, help="validation accuracy for time-to-target")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -66,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.devices = args.devices or preset["devices"]
     args.epochs = args.epochs or preset["epochs"]
     args.step_time = args.step_time or preset["step_time"]
+    args.group_size = max(2, min(args.group_size, args.devices))
     if "ddp" not in args.strategies:
         args.strategies = ["ddp", *args.strategies]  # every speed-up is measured against DDP in the same run
     return args
@@ -79,7 +83,7 @@ def run_one(strategy: str, profile: str, args: argparse.Namespace) -> dict[str, 
             sys.executable, "-m", "lightning_prague.demo.run", "--strategy", strategy, "--profile", profile,
             "--devices", str(args.devices), "--epochs", str(args.epochs), "--step-time", str(args.step_time),
             "--slow-factor", str(args.slow_factor), "--sigma", str(args.sigma), "--seed", str(args.seed),
-            "--monitors", "--json", str(out),
+            "--group-size", str(args.group_size), "--monitors", "--json", str(out),
         ]  # fmt: skip
         proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_prague.callbacks.straggler import log_metrics
 from lightning_prague.core.averaging import averaged_state, relative_error
 from lightning_prague.strategies.base import DecentralizedStrategy
 
@@ -23,8 +24,10 @@ class ConsensusMonitor(Callback):
     ``consensus/group_error``
         an estimate during asynchronous training, from the group averages that happen anyway:
         the mean over this worker's recent group averages of ``||x_i - avg||^2 / ||avg||^2``. It
-        costs no communication; each rank logs its own (the logger shows rank 0's), every
-        ``log_every_n_steps`` training steps in which the worker averaged with a group.
+        costs no communication; logged every ``log_every_n_steps`` training steps in which the
+        worker averaged with a group (loggers write rank 0's).
+
+    Values go straight to the trainer's loggers (any Lightning logger), at ``trainer.global_step``.
 
     :attr:`history` keeps ``(epoch, error)`` for the exact measurements on every rank.
     """
@@ -51,7 +54,7 @@ class ConsensusMonitor(Callback):
             return
         estimate = strategy.worker.stats.take_group_error()
         if estimate is not None:
-            pl_module.log("consensus/group_error", estimate, on_step=True, on_epoch=False)
+            log_metrics(trainer, {"consensus/group_error": estimate})
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = trainer.strategy
@@ -63,7 +66,7 @@ class ConsensusMonitor(Callback):
         if error is None:
             return
         self.history.append((trainer.current_epoch, error))
-        pl_module.log("consensus/error", error, on_step=False, on_epoch=True)
+        log_metrics(trainer, {"consensus/error": error})
 
     @staticmethod
     def _measure(pl_module: LightningModule) -> float:
@@ -71,13 +74,10 @@ class ConsensusMonitor(Callback):
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return 0.0
         world = dist.get_world_size()
-        distance, norm = 0.0, 0.0
-        for tensor in averaged_state(pl_module):
-            mean = tensor.detach().clone()
-            dist.all_reduce(mean)
-            mean.div_(world)
-            distance += float((tensor.detach() - mean).double().pow(2).sum())
-            norm += float(mean.double().pow(2).sum())
-        total = torch.tensor([distance], dtype=torch.float64, device=next(pl_module.parameters()).device)
-        dist.all_reduce(total)
-        return relative_error(float(total) / world, norm)
+        mine = torch.cat([t.detach().reshape(-1).double() for t in averaged_state(pl_module)])
+        mean = mine.clone()
+        dist.all_reduce(mean)
+        mean.div_(world)
+        distance = ((mine - mean) ** 2).sum().reshape(1)
+        dist.all_reduce(distance)
+        return relative_error(float(distance) / world, float((mean**2).sum()))

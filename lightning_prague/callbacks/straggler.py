@@ -32,9 +32,10 @@ class StragglerMonitor(Callback):
     Each rank measures itself (a step is ``on_train_batch_start`` to ``on_train_batch_end``; the
     strategy reports how much of it, and of the synchronization points, was spent waiting on
     other ranks: ``strategy.wait_seconds``; strategies that do not report it, like Lightning's DDP,
-    count waiting as compute). The numbers are gathered once per epoch, at the epoch end where
-    ranks are aligned, and logged as ``straggler/rank{r}/compute_ms``, ``straggler/rank{r}/wait_s``,
-    ``straggler/rank{r}/batches`` and ``straggler/flagged`` (how many workers are flagged). At the
+    count waiting as compute). With a logger, the numbers are gathered once per epoch, at the
+    epoch end where ranks are aligned, and logged by rank 0 as ``straggler/rank{r}/compute_ms``,
+    ``straggler/rank{r}/wait_s``, ``straggler/rank{r}/batches`` and ``straggler/flagged`` (how
+    many workers are flagged); without one they are gathered only at the end of fit. At the
     end of fit rank 0 prints a per-worker table; :attr:`timings` and :attr:`flagged` keep the
     last gathered values on every rank.
     """
@@ -75,12 +76,15 @@ class StragglerMonitor(Callback):
         self.flagged = flag_slow([t.compute_per_step for t in self.timings], self.slow_factor)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.loggers:
+            return  # nothing to log to: gather once, at the end of fit
         self._gather(trainer, pl_module)
+        metrics = {"straggler/flagged": float(len(self.flagged))}
         for t in self.timings:
-            pl_module.log(f"straggler/rank{t.rank}/compute_ms", 1000 * t.compute_per_step, on_epoch=True)
-            pl_module.log(f"straggler/rank{t.rank}/wait_s", t.wait_seconds, on_epoch=True)
-            pl_module.log(f"straggler/rank{t.rank}/batches", float(t.batches), on_epoch=True)
-        pl_module.log("straggler/flagged", float(len(self.flagged)), on_epoch=True)
+            metrics[f"straggler/rank{t.rank}/compute_ms"] = 1000 * t.compute_per_step
+            metrics[f"straggler/rank{t.rank}/wait_s"] = t.wait_seconds
+            metrics[f"straggler/rank{t.rank}/batches"] = float(t.batches)
+        log_metrics(trainer, metrics)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._gather(trainer, pl_module)
@@ -102,6 +106,14 @@ class StragglerMonitor(Callback):
             {**asdict(t), "compute_per_step": t.compute_per_step, "flagged": t.rank in self.flagged}
             for t in self.timings
         ]
+
+
+def log_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
+    """Straight to the trainer's loggers (they write on global rank 0 only), skipping ``LightningModule.log``,
+    whose epoch-level bookkeeping costs far more than these few numbers."""
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
 
 def _waited(trainer: Trainer) -> float:
