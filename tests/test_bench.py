@@ -19,19 +19,15 @@ def test_bench_quick_preset_runs_end_to_end_and_writes_valid_outputs(tmp_path):
     out = tmp_path / "out"
     cmd = [
         sys.executable, "-m", "lightning_prague.cli", "bench", "--preset", "quick", "--out", str(out),
-        "--devices", "2", "--epochs", "1", "--step-time", "0.005", "--strategies", "prague", "decent_adam",
+        "--devices", "2", "--epochs", "1", "--step-time", "0.005", "--strategies", "prague",
         "--profiles", "straggler",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[1/3] straggler / ddp" in proc.stdout and "samples/s" in proc.stdout, proc.stdout
+    assert "[1/2] straggler / ddp" in proc.stdout and "samples/s" in proc.stdout, proc.stdout
 
     rows = json.loads((out / "bench.json").read_text())
-    assert [(r["strategy"], r["profile"]) for r in rows] == [
-        ("ddp", "straggler"),
-        ("prague", "straggler"),
-        ("decent_adam", "straggler"),
-    ]
+    assert [(r["strategy"], r["profile"]) for r in rows] == [("ddp", "straggler"), ("prague", "straggler")]
     for row in rows:
         assert set(FIELDS) <= set(row)
         assert 0 < row["throughput"] and 0 < row["predicted_throughput"]
@@ -39,10 +35,11 @@ def test_bench_quick_preset_runs_end_to_end_and_writes_valid_outputs(tmp_path):
         assert 0.0 <= row["sync_fraction"] <= 1.0 and row["consensus_error"] >= 0.0
         assert 0.5 < row["final_acc"] <= 1.0
     assert rows[0]["speedup_vs_ddp"] == 1.0 and rows[0]["consensus_error"] < 1e-12
+    assert rows[1]["consensus_error"] > 0, "prague's replicas differ before the global average"
 
     with (out / "bench.csv").open() as f:
         table = list(csv.DictReader(f))
-    assert list(table[0]) == FIELDS and len(table) == 3
+    assert list(table[0]) == FIELDS and len(table) == 2
     assert float(table[1]["throughput"]) == pytest.approx(rows[1]["throughput"])
 
     import matplotlib.image

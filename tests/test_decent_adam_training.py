@@ -27,12 +27,11 @@ def test_with_a_slow_worker_finishes_matches_ddp_and_replicas_agree(tmp_path, dd
     assert all(r["threads_after_fit"] == [] for r in ranks)
 
 
-@pytest.mark.parametrize(
-    ("optimizer", "lr", "topology"), [("adamw", 0.01, "one_peer_exp"), ("accum_adam", 0.01, "ring")]
-)
-def test_adaptive_optimizers_and_their_lr_schedulers_train(tmp_path, optimizer, lr, topology):
-    args = [*QUICK, "--epochs", "3", "--optimizer", optimizer, "--lr", str(lr), "--lr-decay", "0.5"]
-    proc, result = run_training(tmp_path, *args, "--topology", topology)
+def test_an_adaptive_optimizer_and_its_lr_scheduler_train(tmp_path):
+    # AccumAdam on the ring is covered by the checkpoint test below
+    lr = 0.01
+    args = [*QUICK, "--epochs", "3", "--optimizer", "adamw", "--lr", str(lr), "--lr-decay", "0.5"]
+    proc, result = run_training(tmp_path, *args, "--topology", "one_peer_exp")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert result["val_acc"] > 0.85, result
     assert result["lr"] == pytest.approx(lr * 0.5**3), "the LR scheduler stepped once per epoch"

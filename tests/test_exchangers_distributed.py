@@ -29,7 +29,7 @@ def _assert_threads_follow_the_phases(results):
         assert r["threads_after_drain"] == [] and r["threads_at_end"] == [], r
 
 
-@pytest.mark.parametrize("world", [4, 5])
+@pytest.mark.parametrize("world", [5])  # odd: the ring without wrap-around edges (every N: test_adpsgd_graph)
 def test_gossip_pairs_are_active_passive_and_every_exchange_counts_once(tmp_path, world):
     results = _run(tmp_path, world, "gossip")
     graph = BipartiteGraph.ring(world)
