@@ -34,7 +34,7 @@ def test_bench_quick_preset_runs_end_to_end_and_writes_valid_outputs(tmp_path):
         assert row["throughput"] <= row["limit"] * 1.05, "nothing beats the sum of the workers' speeds"
         assert 0.0 <= row["sync_fraction"] <= 1.0 and row["consensus_error"] >= 0.0
         assert 0.5 < row["final_acc"] <= 1.0
-    assert rows[0]["speedup_vs_ddp"] == 1.0 and rows[0]["consensus_error"] < 1e-12
+    assert rows[0]["speedup_vs_ddp"] == 1.0 and rows[0]["consensus_error"] < 1e-12, "DDP's replicas are identical"
     assert rows[1]["consensus_error"] > 0, "prague's replicas differ before the global average"
 
     with (out / "bench.csv").open() as f:

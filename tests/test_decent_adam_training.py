@@ -70,7 +70,14 @@ def test_language_model_example_reaches_ddp_validation_loss(tmp_path):
     losses = {}
     for strategy in ("ddp", "decent_adam"):
         out = tmp_path / f"{strategy}.json"
-        cmd = [sys.executable, str(ROOT / "examples" / "textlm_decent_adam.py"), "--strategy", strategy]
+        cmd = [
+            sys.executable,
+            str(ROOT / "examples" / "textlm_decent_adam.py"),
+            "--strategy",
+            strategy,
+            "--devices",
+            "3",
+        ]
         proc = subprocess.run([*cmd, "--json", str(out)], cwd=tmp_path, env=env(), capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses[strategy] = json.loads(out.read_text())["val_loss"]

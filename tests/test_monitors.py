@@ -99,15 +99,6 @@ def test_monitors_flag_a_worker_slowed_3x_and_log_consensus_to_csv(tmp_path):
     assert group_errors and all(e >= 0 for e in group_errors)
 
 
-@pytest.mark.timeout(300)
-def test_consensus_of_lock_step_ddp_is_measured_as_zero(tmp_path):
-    args = ["--strategy", "ddp", "--devices", "3", "--epochs", "2", "--profile", "homogeneous", "--step-time", "0"]
-    proc, result = run_training(tmp_path, *args, "--monitors")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(result["consensus_error"]) == 2 and all(e < 1e-12 for e in result["consensus_error"])
-    assert len(result["worker_timings"]) == 3 and result["stragglers"] == []
-
-
 def test_monitors_write_to_tensorboard(tmp_path):
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
