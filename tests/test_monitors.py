@@ -72,6 +72,7 @@ def test_padding_stretches_a_step_to_the_promised_time():
         ({"profile": "periodic", "period": 0}, "period=0"),
         ({"profile": "periodic", "duty": 1.5}, "duty=1.5"),
         ({"sigma": -1.0}, "sigma=-1.0"),
+        ({"link_seconds_per_byte": -1.0}, "link_seconds_per_byte=-1.0"),
     ],
 )
 def test_bad_profiles_are_rejected(kwargs, match):
@@ -129,3 +130,50 @@ def test_monitors_write_to_tensorboard(tmp_path):
     assert [e.value for e in accumulator.Scalars("consensus/error")] == [0.0, 0.0], "one replica: no drift"
     assert [e.value for e in accumulator.Scalars("straggler/rank0/batches")] == [5.0, 10.0]
     assert straggler.flagged == [] and straggler.timings[0].batches == 10
+
+
+def _single_rank_group():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_prague.core.groups import Group
+
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
+    return Group("solo", (0,), 0, pg, 10.0)
+
+
+def test_slow_links_delay_collectives_that_involve_them_and_overlap_hides_it():
+    import torch
+
+    from lightning_prague.core.links import SlowLinks, simulate_slow_links
+
+    group = _single_rank_group()
+    tensor = torch.ones(1000)  # 4000 bytes
+    try:
+        simulate_slow_links(SlowLinks(frozenset({0}), 0.3 / 4000))  # 0.3 s for this tensor
+        start = time.perf_counter()
+        group.all_reduce_sum_(tensor)
+        assert time.perf_counter() - start >= 0.3, "a blocking collective waits for the slow link"
+        start = time.perf_counter()
+        pending = group.start_all_reduce_sum_(tensor)
+        time.sleep(0.3)  # computation while the exchange is in flight
+        group.wait(pending)
+        overlapped = time.perf_counter() - start
+        assert 0.3 <= overlapped < 0.55, "an overlapped collective hides the delay behind computation"
+        simulate_slow_links(SlowLinks(frozenset({5}), 1.0))  # a slow worker outside the group
+        start = time.perf_counter()
+        group.all_reduce_sum_(tensor)
+        assert time.perf_counter() - start < 0.5
+    finally:
+        simulate_slow_links(None)
+
+
+@pytest.mark.timeout(300)
+def test_a_slow_link_slows_ddps_gradient_all_reduce(tmp_path):
+    # the digits MLP's 36.4 KB of gradients at 5 s/MB: at least 0.17 s per step on top of the step
+    args = ["--strategy", "ddp", "--devices", "3", "--epochs", "1", "--profile", "homogeneous", "--step-time", "0"]
+    proc, result = run_training(tmp_path, *args, "--slow-link-rank", "1", "--link-seconds-per-mb", "5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = result["batches_per_worker"][0]
+    assert result["train_seconds"] >= steps * 5 * 36392 / 2**20, result

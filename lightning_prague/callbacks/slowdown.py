@@ -12,9 +12,13 @@ import random
 import time
 from typing import Any, Literal, Optional
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.links import SlowLinks, simulate_slow_links
 
 Profile = Literal["homogeneous", "straggler", "jitter", "periodic"]
 PROFILES = ("homogeneous", "straggler", "jitter", "periodic")
@@ -35,6 +39,11 @@ class SlowdownInjector(Callback):
         period: length in steps of a ``periodic`` cycle.
         duty: fraction of each cycle that is slow, in [0, 1].
         seed: makes ``jitter`` and the ``periodic`` phases reproducible (per rank).
+        slow_link_ranks: workers behind a slow network link (default: none).
+        link_seconds_per_byte: extra seconds per byte of every synchronization that involves one
+            of them: the group collectives of this package's strategies
+            (:mod:`lightning_prague.core.links`; overlapped exchanges can hide it) and, with
+            Lightning's DDP, its gradient all-reduce (through a DDP communication hook).
     """
 
     def __init__(
@@ -47,6 +56,8 @@ class SlowdownInjector(Callback):
         period: int = 20,
         duty: float = 0.25,
         seed: int = 0,
+        slow_link_ranks: Optional[list[int]] = None,
+        link_seconds_per_byte: float = 0.0,
     ) -> None:
         if step_time < 0:
             raise ConfigurationError(f"step_time={step_time} must not be negative")
@@ -58,6 +69,8 @@ class SlowdownInjector(Callback):
             raise ConfigurationError(f"duty={duty} must be a fraction in [0, 1]")
         if sigma < 0:
             raise ConfigurationError(f"sigma={sigma} must not be negative")
+        if link_seconds_per_byte < 0:
+            raise ConfigurationError(f"link_seconds_per_byte={link_seconds_per_byte} must not be negative")
         if slow_factor <= 0:
             raise ConfigurationError(f"slow_factor={slow_factor} must be positive")
         self.step_time = step_time
@@ -69,6 +82,11 @@ class SlowdownInjector(Callback):
         self.duty = duty
         self.seed = seed
         self._phase: int | None = None
+        self.links = (
+            SlowLinks(frozenset(slow_link_ranks or []), link_seconds_per_byte)
+            if slow_link_ranks and link_seconds_per_byte > 0
+            else None
+        )
         self._rng: random.Random | None = None
         self._start = 0.0
         self.steps = 0
@@ -91,6 +109,19 @@ class SlowdownInjector(Callback):
             return self.slow_factor if position < self.duty * self.period else 1.0
         return 1.0
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.links is not None:
+            simulate_slow_links(self.links)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.links is not None:
+            simulate_slow_links(None)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        model = trainer.strategy.model
+        if self.links is not None and isinstance(model, DistributedDataParallel):
+            model.register_comm_hook((self.links, dist.get_world_size()), _slow_link_allreduce)
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._start = time.perf_counter()
 
@@ -101,3 +132,24 @@ class SlowdownInjector(Callback):
             time.sleep(remaining)
             self.slept += remaining
         self.steps += 1
+
+
+def _slow_link_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the real annotations
+    """DDP's gradient all-reduce (the mean over all workers), completing no sooner than the slow link allows.
+
+    Untyped on purpose: DDP compares the hook's annotations with ``dist.GradBucket`` and
+    ``torch.futures.Future``, which this module's postponed (string) annotations would fail.
+    """
+    links, world = state
+    tensor = bucket.buffer()
+    issued = time.perf_counter()
+    delay = links.delay(range(world), tensor.numel() * tensor.element_size())
+    future = dist.all_reduce(tensor.div_(world), async_op=True).get_future()
+
+    def finish(done: torch.futures.Future) -> torch.Tensor:
+        remaining = issued + delay - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        return done.value()[0]
+
+    return future.then(finish)

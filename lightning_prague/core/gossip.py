@@ -26,11 +26,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from lightning_prague.core.averaging import BucketedTensors, relative_error
 from lightning_prague.core.errors import CoordinationTimeout
-from lightning_prague.core.groups import Group
+from lightning_prague.core.groups import Group, PendingCollective
 from lightning_prague.core.overlap import Exchanger
 from lightning_prague.core.topology import Schedule, WeightedGroup
 from lightning_prague.core.worker import GroupWorker
@@ -46,7 +45,7 @@ class _InFlight:
     group: Group | None  # None: the worker sits this round out
     snapshots: list[torch.Tensor]
     sums: list[torch.Tensor] = field(default_factory=list)
-    works: list[dist.Work] = field(default_factory=list)
+    works: list[PendingCollective] = field(default_factory=list)
 
     def operation(self, rank: int) -> str:
         return f"gossip round {self.round_index} of rank {rank} with ranks {list(self.weighted.members)}"

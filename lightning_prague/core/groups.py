@@ -9,12 +9,14 @@ dropped. gloo and NCCL take the same path; only the class and its options differ
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from lightning_prague.core.errors import CoordinationTimeout
+from lightning_prague.core.links import active_slow_links
 
 
 def _new_backend_group(backend: str, store: dist.Store, rank: int, size: int, timeout: float) -> dist.ProcessGroup:
@@ -25,6 +27,14 @@ def _new_backend_group(backend: str, store: dist.Store, rank: int, size: int, ti
         options._timeout = timedelta(seconds=timeout)
         return dist.ProcessGroupNCCL(store, rank, size, options)
     raise ValueError(f"backend {backend!r} is not supported for partial all-reduce; use 'gloo' or 'nccl'")
+
+
+@dataclass
+class PendingCollective:
+    """An issued collective and the earliest time it may count as done (later on a slow link)."""
+
+    work: dist.Work
+    ready_at: float
 
 
 class Group:
@@ -45,21 +55,26 @@ class Group:
         """In-place sum over the members; fails with :class:`CoordinationTimeout` naming the ranks."""
         self.wait(self.start_all_reduce_sum_(tensor, operation), operation)
 
-    def start_all_reduce_sum_(self, tensor: torch.Tensor, operation: str = "all-reduce") -> dist.Work:
+    def start_all_reduce_sum_(self, tensor: torch.Tensor, operation: str = "all-reduce") -> PendingCollective:
         """Issue the in-place sum and return at once; :meth:`wait` on the result before reading ``tensor``."""
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.SUM
+        links = active_slow_links()
+        delay = links.delay(self.members, tensor.numel() * tensor.element_size()) if links else 0.0
         try:
-            return self._pg.allreduce([tensor], options)
+            return PendingCollective(self._pg.allreduce([tensor], options), time.monotonic() + delay)
         except RuntimeError as err:
             raise self._failure(operation, err) from err
 
-    def wait(self, work: dist.Work, operation: str = "all-reduce", timeout: float | None = None) -> None:
+    def wait(self, pending: PendingCollective, operation: str = "all-reduce", timeout: float | None = None) -> None:
         """Wait for an issued collective, at most ``timeout`` (default: the group's timeout)."""
         try:
-            work.wait(timedelta(seconds=self._timeout if timeout is None else timeout))
+            pending.work.wait(timedelta(seconds=self._timeout if timeout is None else timeout))
         except RuntimeError as err:
             raise self._failure(operation, err) from err
+        remaining = pending.ready_at - time.monotonic()
+        if remaining > 0:  # a simulated slow link (core.links)
+            time.sleep(remaining)
 
     def _failure(self, operation: str, err: BaseException) -> CoordinationTimeout:
         return CoordinationTimeout(

@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sigma", type=float, default=0.5, help="lognormal sigma of the jitter profile")
     parser.add_argument("--period", type=int, default=20, help="steps per cycle of the periodic profile")
     parser.add_argument("--duty", type=float, default=0.25, help="slow fraction of each periodic cycle")
+    parser.add_argument("--slow-link-rank", type=int, action="append", dest="slow_link_ranks", help="(repeatable)")
+    parser.add_argument("--link-seconds-per-mb", type=float, default=0.0, help="extra delay of the slow links")
     parser.add_argument("--monitors", action="store_true", help="add ConsensusMonitor and StragglerMonitor")
     parser.add_argument("--csv-dir", type=Path, help="log metrics with Lightning's CSVLogger here")
     parser.add_argument("--group-size", type=int, default=3)
@@ -86,6 +88,8 @@ def build(
             period=args.period,
             duty=args.duty,
             seed=args.seed,
+            slow_link_ranks=args.slow_link_ranks,
+            link_seconds_per_byte=args.link_seconds_per_mb / 2**20,
         ),
         summary,
     ]
