@@ -8,8 +8,8 @@ with ConsensusMonitor and StragglerMonitor. Per strategy and profile it reports 
 (training samples per second of training time), time to ``--target-acc`` validation accuracy,
 final accuracy, consensus error before the last global average, the fraction of time workers
 spent waiting on others, the physical limit (the sum of the workers' speeds) and the throughput
-the runtime model predicts (``core.runtime_model``; a fixed per-epoch cost for validation and
-Lightning's loop is calibrated once, from the first DDP run). It writes ``bench.json``,
+the runtime model predicts (``core.runtime_model``; the per-epoch cost of validation and
+Lightning's loop and the cost of an all-reduce are calibrated once, from the first DDP run). It writes ``bench.json``,
 ``bench.csv``, ``accuracy_vs_time.png`` and ``throughput_vs_limit.png`` to ``--out``.
 """
 
@@ -117,27 +117,39 @@ def summarize(strategy: str, profile: str, result: dict[str, Any], args: argpars
         "consensus_error": errors[-1],
         "sync_fraction": sum(waits) / len(waits) if waits else 0.0,
         "train_seconds": seconds,
+        "step_seconds": result["step_seconds"],
         "batches": sum(result["batches_per_worker"]),
         "timeline": result["timeline"],
     }
 
 
 def add_predictions(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    """Predicted throughput per row; one fixed per-epoch cost is calibrated from the first DDP run."""
+    """Predicted throughput per row, from the runtime model calibrated on the first DDP run.
+
+    Two costs of this machine are measured there, not assumed: the per-epoch cost (validation,
+    synchronization points, Lightning's loop: the training time outside training batches) and
+    the all-reduce of the whole world (DDP's time per step beyond its compute). The all-reduce
+    sets the link's per-message latency, so smaller groups cost proportionally less.
+    """
     model_bytes = 4 * (64 * 64 + 64 + 2 * 64 + 64 * 64 + 64 + 64 * 10 + 10)  # the digits MLP, float32
-    link = Link(bandwidth=1e9, latency=2e-4)
-    overhead = 0.0
+    link, overhead = Link(bandwidth=1e9, latency=2e-4), 0.0
+    ddp = next((row for row in rows if row["strategy"] == "ddp"), None)
+    if ddp is not None:
+        overhead = max(0.0, ddp["train_seconds"] - ddp["step_seconds"]) / args.epochs
+        compute_only = predict(worker_profiles(ddp["profile"], args), model_bytes, Link(latency=0.0), ["ddp"])[0]
+        measured_step = ddp["step_seconds"] / (ddp["batches"] / args.devices)
+        allreduce = max(0.0, measured_step - compute_only.seconds_per_iteration)
+        link = Link(bandwidth=float("inf"), latency=allreduce / (2 * (args.devices - 1)) if args.devices > 1 else 0.0)
     for row in rows:
         models = {
             p.strategy: p for p in predict(worker_profiles(row["profile"], args), model_bytes, link, seed=args.seed)
         }
         prediction = models.get(row["strategy"], models["prague"])
         steps_seconds = row["batches"] / prediction.throughput  # batches over all workers / batches per second
-        if row["strategy"] == "ddp" and overhead == 0.0:
-            overhead = max(0.0, row["train_seconds"] - steps_seconds) / args.epochs
         predicted_seconds = steps_seconds + overhead * args.epochs
         row["predicted_throughput"] = row["throughput"] * row["train_seconds"] / predicted_seconds
         row["overhead_per_epoch"] = overhead
+        row["allreduce_seconds"] = link.allreduce_seconds(args.devices, model_bytes)
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:

@@ -8,8 +8,10 @@ import statistics
 import time
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 from helpers import run_training
+from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_prague.callbacks import SlowdownInjector, flag_slow
 from lightning_prague.core.errors import ConfigurationError
@@ -60,9 +62,35 @@ def test_padding_stretches_a_step_to_the_promised_time():
         start = time.perf_counter()
         injector.on_train_batch_start(trainer, None, None, 0)
         time.sleep(0.005)  # "compute" shorter than the target: the injector sleeps the rest
-        injector.on_before_optimizer_step(trainer, None, None)
+        injector.on_before_backward(trainer, None, None)
         assert time.perf_counter() - start >= 0.04
     assert 0 < injector.slept <= 3 * 0.035 + 1e-9, "it sleeps only what the step's own work left of the target"
+
+
+class _GradientClock(L.Callback):
+    """Seconds from the start of each batch until its gradient exists (after the backward pass)."""
+
+    def __init__(self) -> None:
+        self.start, self.gradient_after = 0.0, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.start = time.perf_counter()
+
+    def on_after_backward(self, trainer, pl_module):
+        self.gradient_after.append(time.perf_counter() - self.start)
+
+
+def test_the_gradient_exists_only_after_the_simulated_compute_time(tmp_path):
+    """Padding ends the forward pass: DDP cannot all-reduce a gradient before its compute time is over."""
+    clock = _GradientClock()
+    injector = SlowdownInjector(step_time=0.02, profile="straggler", slow_ranks=[0], slow_factor=3.0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=4, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[injector, clock], default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(BoringModel())
+    assert len(clock.gradient_after) == 4 and injector.steps == 4
+    assert min(clock.gradient_after) >= 0.06, clock.gradient_after
 
 
 @pytest.mark.parametrize(

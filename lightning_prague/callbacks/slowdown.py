@@ -3,6 +3,11 @@
 The papers measure stragglers this way: a worker's step is padded with sleep to
 ``step_time * factor``, where ``factor`` comes from a per-worker profile. Sleeping (not spinning)
 keeps a small machine's cores out of the measurement.
+
+The sleep ends the forward pass (``on_before_backward``), so the gradient exists only once the
+simulated compute time is over, as on a real accelerator. Padding later (after the backward pass)
+would let DDP all-reduce a gradient its slow worker had not finished computing yet, and hide the
+wait for the slowest worker inside the fast workers' padding.
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ PROFILES = ("homogeneous", "straggler", "jitter", "periodic")
 
 
 class SlowdownInjector(Callback):
-    """Pads each training step (start of batch to optimizer step) to ``step_time * factor`` seconds.
+    """Pads each training batch (its start to its backward pass) to ``step_time * factor`` seconds.
+
+    The padding ends before ``backward``, so gradients (and DDP's gradient all-reduce) come only
+    after the simulated compute time. A ``training_step`` that returns ``None`` (no backward) is
+    not padded.
 
     Args:
         step_time: simulated compute time of one step on a normal worker, in seconds.
@@ -125,7 +134,7 @@ class SlowdownInjector(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._start = time.perf_counter()
 
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         target = self.step_time * self.factor(trainer.global_rank)
         remaining = target - (time.perf_counter() - self._start)
         if remaining > 0:

@@ -143,6 +143,7 @@ def report(
         "epochs_run": trainer.current_epoch,
         "fit_seconds": fit_seconds,
         "train_seconds": summary.train_seconds,
+        "step_seconds": summary.step_seconds,
         "val_acc": float(trainer.callback_metrics["val_acc"]),
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "batches_per_worker": summary.batches_per_worker,

@@ -22,7 +22,7 @@ class MixPoint(Callback):
 
     It runs after every other callback's ``on_before_optimizer_step`` (it is appended last at
     setup), so the exchange overlaps the whole forward and backward pass and anything callbacks do
-    after the backward pass (e.g. a simulated compute time).
+    after the backward pass.
     """
 
     def __init__(self, strategy: DecentAdamStrategy) -> None:
