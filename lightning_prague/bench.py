@@ -9,8 +9,9 @@ with ConsensusMonitor and StragglerMonitor. Per strategy and profile it reports 
 final accuracy, consensus error before the last global average, the fraction of time workers
 spent waiting on others, the physical limit (the sum of the workers' speeds) and the throughput
 the runtime model predicts (``core.runtime_model``; the per-epoch cost of validation and
-Lightning's loop and the cost of an all-reduce are calibrated once, from the first DDP run). It writes ``bench.json``,
-``bench.csv``, ``accuracy_vs_time.png`` and ``throughput_vs_limit.png`` to ``--out``.
+Lightning's loop and the cost of an all-reduce are calibrated once, from the first DDP run). It
+writes ``bench.json``, ``bench.csv``, ``accuracy_vs_time.png`` and ``throughput_vs_limit.png`` to
+``--out``.
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ def add_predictions(rows: list[dict[str, Any]], args: argparse.Namespace) -> Non
     ddp = next((row for row in rows if row["strategy"] == "ddp"), None)
     if ddp is not None:
         overhead = max(0.0, ddp["train_seconds"] - ddp["step_seconds"]) / args.epochs
-        compute_only = predict(worker_profiles(ddp["profile"], args), model_bytes, Link(latency=0.0), ["ddp"])[0]
+        free_link = Link(bandwidth=float("inf"), latency=0.0)
+        compute_only = predict(worker_profiles(ddp["profile"], args), model_bytes, free_link, ["ddp"])[0]
         measured_step = ddp["step_seconds"] / (ddp["batches"] / args.devices)
         allreduce = max(0.0, measured_step - compute_only.seconds_per_iteration)
         link = Link(bandwidth=float("inf"), latency=allreduce / (2 * (args.devices - 1)) if args.devices > 1 else 0.0)

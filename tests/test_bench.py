@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import subprocess
@@ -10,7 +11,7 @@ import sys
 import pytest
 from helpers import ROOT, env
 
-from lightning_prague.bench import FIELDS
+from lightning_prague.bench import FIELDS, add_predictions
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,6 +35,7 @@ def test_bench_quick_preset_runs_end_to_end_and_writes_valid_outputs(tmp_path):
         assert row["throughput"] <= row["limit"] * 1.05, "nothing beats the sum of the workers' speeds"
         assert 0.0 <= row["sync_fraction"] <= 1.0 and row["consensus_error"] >= 0.0
         assert 0.5 < row["final_acc"] <= 1.0
+        assert 0 < row["step_seconds"] < row["train_seconds"], "validation and sync points are not steps"
     assert rows[0]["speedup_vs_ddp"] == 1.0 and rows[0]["consensus_error"] < 1e-12, "DDP's replicas are identical"
     assert rows[1]["consensus_error"] > 0, "prague's replicas differ before the global average"
 
@@ -47,3 +49,23 @@ def test_bench_quick_preset_runs_end_to_end_and_writes_valid_outputs(tmp_path):
     for name in ("accuracy_vs_time.png", "throughput_vs_limit.png"):
         image = matplotlib.image.imread(out / name)
         assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_predictions_calibrate_the_epoch_cost_and_the_all_reduce_from_the_first_ddp_run():
+    args = argparse.Namespace(devices=4, epochs=2, step_time=0.05, slow_factor=5.0, sigma=0.5, seed=0)
+    steps, allreduce, per_epoch = 10, 0.012, 0.1  # per worker; seconds
+    step_seconds = steps * (args.step_time + allreduce)
+    rows = [
+        {"strategy": "ddp", "profile": "homogeneous", "batches": 4 * steps, "throughput": 100.0,
+         "step_seconds": step_seconds, "train_seconds": step_seconds + args.epochs * per_epoch},
+        {"strategy": "prague", "profile": "homogeneous", "batches": 4 * steps, "throughput": 100.0,
+         "step_seconds": 0.5, "train_seconds": 0.8},
+    ]  # fmt: skip
+    add_predictions(rows, args)
+    ddp, prague = rows
+    assert ddp["overhead_per_epoch"] == pytest.approx(per_epoch)
+    assert ddp["allreduce_seconds"] == pytest.approx(allreduce, rel=1e-3)
+    assert ddp["predicted_throughput"] == pytest.approx(ddp["throughput"], rel=1e-3), "DDP's own run is reproduced"
+    # prague's groups of 3 cost 4/6 of the world's all-reduce, hidden behind the 50 ms steps
+    predicted_seconds = steps * args.step_time + args.epochs * per_epoch
+    assert prague["predicted_throughput"] == pytest.approx(100.0 * 0.8 / predicted_seconds, rel=1e-3)
