@@ -1,9 +1,9 @@
 """A discrete-event model of workers talking to the Group Generator, for exhaustive-ish property tests.
 
 Workers compute, send ``ready``, then execute their inbox in order; a group item completes only
-when every member has it at the head of its inbox and is executing its inbox (as a real
-all-reduce would). The scheduler picks enabled actions at random. If nothing is enabled while some
-worker is not finished, the protocol deadlocked.
+when every member has it at the head of its inbox and is executing its inbox (as the
+point-to-point exchanges of a group sum do). The scheduler picks enabled actions at random. If
+nothing is enabled while some worker is not finished, the protocol deadlocked.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ class SimResult:
     groups: dict[int, tuple[int, ...]] = field(default_factory=dict)  # gid -> members
     executed: dict[int, list[int]] = field(default_factory=dict)  # rank -> gids in execution order
     steps: dict[int, int] = field(default_factory=dict)
-    max_cache: int = 0
     released: bool = False
 
 
@@ -38,7 +37,6 @@ def simulate(
     state = {r: "compute" for r in range(world)}  # compute | wait_answer | wait_release | done
     pending_req: dict[int, int] = {}
     done_steps = dict.fromkeys(range(world), 0)
-    cache: dict[int, set[str]] = {r: set() for r in range(world)}
     result = SimResult(executed={r: [] for r in range(world)})
     req_counter = dict.fromkeys(range(world), 0)
 
@@ -48,10 +46,7 @@ def simulate(
             if item["t"] == "group":
                 return
             inbox[r].popleft()
-            if item["t"] == "drop":
-                assert item["key"] in cache[r], f"rank {r} told to drop unknown communicator {item['key']}"
-                cache[r].discard(item["key"])
-            elif item["t"] == "answer":
+            if item["t"] == "answer":
                 assert state[r] == "wait_answer" and item["req"] == pending_req[r]
                 if item["gid"] is not None:
                     assert item["gid"] in result.executed[r], "answer names a group the rank has not executed"
@@ -84,7 +79,6 @@ def simulate(
         if not actions:
             if all(s == "done" for s in state.values()):
                 result.steps = done_steps
-                result.max_cache = max(result.max_cache, *(len(c) for c in cache.values()))
                 return result
             raise DeadlockError(f"deadlock: states={state} heads={ {r: h['gid'] for r, h in heads.items()} }")
         action = rng.choice(actions)
@@ -106,14 +100,11 @@ def simulate(
         else:
             item = action[1]
             members = tuple(item["members"])
-            known = [item["key"] in cache[m] for m in members]
-            assert all(known) or not any(known), f"members disagree on communicator {item['key']}: {known}"
+            assert set(item) <= {"t", "gid", "members", "version", "weights"}, f"unexpected field in {item}"
             result.groups[item["gid"]] = members
             for m in members:
-                cache[m].add(item["key"])
                 inbox[m].popleft()
                 result.executed[m].append(item["gid"])
-            result.max_cache = max(result.max_cache, *(len(cache[m]) for m in members))
     raise DeadlockError("simulation did not finish within the event budget (livelock?)")
 
 

@@ -10,6 +10,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_prague.callbacks.straggler import log_metrics
 from lightning_prague.core.averaging import averaged_state, relative_error
+from lightning_prague.core.groups import backend_device
 from lightning_prague.strategies.base import DecentralizedStrategy
 
 
@@ -70,14 +71,19 @@ class ConsensusMonitor(Callback):
 
     @staticmethod
     def _measure(pl_module: LightningModule) -> float:
-        """The exact error with plain collectives on the default group (ranks are aligned at epoch end)."""
+        """The exact error with plain collectives on the default group (ranks are aligned at epoch end).
+
+        The tensors go to the backend's device (CUDA for NCCL, the CPU for gloo) whatever the
+        model's device is.
+        """
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return 0.0
         world = dist.get_world_size()
-        mine = torch.cat([t.detach().reshape(-1).double() for t in averaged_state(pl_module)])
+        device = backend_device(str(dist.get_backend()))
+        mine = torch.cat([t.detach().reshape(-1).double().to(device) for t in averaged_state(pl_module)])
         mean = mine.clone()
         dist.all_reduce(mean)
         mean.div_(world)
         distance = ((mine - mean) ** 2).sum().reshape(1)
         dist.all_reduce(distance)
-        return relative_error(float(distance) / world, float((mean**2).sum()))
+        return float(relative_error(distance[0] / world, (mean**2).sum()))

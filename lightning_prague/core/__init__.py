@@ -9,11 +9,12 @@ all ranks must agree.
 from lightning_prague.core.averaging import BucketedTensors, average_, averaged_state
 from lightning_prague.core.coordinator import CoordinatorService
 from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout, PragueError, SyncMismatchError
-from lightning_prague.core.generator import CommunicatorLRU, GroupGenerator
-from lightning_prague.core.groups import Group, GroupCache
+from lightning_prague.core.generator import GroupGenerator
+from lightning_prague.core.groups import GroupComm, communicator_count
 from lightning_prague.core.policies import POLICY_NAMES, GroupingPolicy, SchedulePolicy, make_policy
 from lightning_prague.core.sharding import WorkQueueSampler
 from lightning_prague.core.store import StoreAddress
+from lightning_prague.core.streams import CommStream
 from lightning_prague.core.topology import TOPOLOGIES, Schedule, WeightedGroup, make_topology, static_schedule
 from lightning_prague.core.worker import GroupWorker, WorkerStats
 
@@ -25,12 +26,11 @@ __all__ = [
     "WeightedGroup",
     "make_topology",
     "BucketedTensors",
-    "CommunicatorLRU",
+    "CommStream",
     "ConfigurationError",
     "CoordinationTimeout",
     "CoordinatorService",
-    "Group",
-    "GroupCache",
+    "GroupComm",
     "GroupGenerator",
     "GroupWorker",
     "GroupingPolicy",
@@ -40,6 +40,7 @@ __all__ = [
     "WorkQueueSampler",
     "WorkerStats",
     "average_",
+    "communicator_count",
     "averaged_state",
     "make_policy",
     "static_schedule",

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from lightning_prague.core.groups import Group
+from lightning_prague.core.groups import GroupComm
 
 
 def averaged_state(module: nn.Module) -> list[torch.Tensor]:
@@ -48,6 +48,11 @@ class BucketedTensors:
                 self.buckets.append(current)
 
     @property
+    def device(self) -> torch.device:
+        """Where the tensors live (the CPU for none)."""
+        return self.tensors[0].device if self.tensors else torch.device("cpu")
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
@@ -63,28 +68,39 @@ class BucketedTensors:
             offset += n
 
 
-def average_(tensors: BucketedTensors, group: Group, weight: float | None = None, operation: str = "average") -> float:
-    """In place: every member's tensors become the (weighted) average over ``group``.
+def average_(
+    tensors: BucketedTensors,
+    comm: GroupComm,
+    members: Sequence[int],
+    weight: float | None = None,
+    operation: str = "average",
+) -> torch.Tensor:
+    """In place: every member's tensors become the (weighted) average over ``members``.
 
     With ``weight=None`` this is the plain mean. Otherwise each member contributes ``weight * x``
     and the weights of the members must sum to 1 (staleness-aware Partial Reduce).
 
-    Returns ``||x - avg||^2 / ||avg||^2`` for this member's tensors before the average: a free
-    estimate of how far this replica had drifted from its group (``consensus/group_error``).
+    Returns ``||x - avg||^2 / ||avg||^2`` for this member's tensors before the average, as a
+    float64 scalar tensor on their device (reading it is left to whoever needs the number, so the
+    average costs no host synchronisation): a free estimate of how far this replica had drifted
+    from its group (``consensus/group_error``).
     """
-    scale = 1.0 / group.size if weight is None else weight
-    distance, norm = 0.0, 0.0
+    scale = 1.0 / len(members) if weight is None else weight
+    distance = torch.zeros((), dtype=torch.float64, device=tensors.device)
+    norm = torch.zeros((), dtype=torch.float64, device=tensors.device)
     for bucket in tensors.buckets:
         flat = tensors.flat(bucket)
         before = flat.clone()
         flat.mul_(scale)
-        group.all_reduce_sum_(flat, operation=operation)
-        distance += float((before - flat).double().pow(2).sum())
-        norm += float(flat.double().pow(2).sum())
+        comm.sum_(flat, members, operation)
+        distance += (before - flat).double().pow(2).sum()
+        norm += flat.double().pow(2).sum()
         tensors.unflatten_(bucket, flat)
     return relative_error(distance, norm)
 
 
-def relative_error(distance: float, norm: float) -> float:
-    """``distance / norm`` (both squared norms), 0 when both are 0."""
-    return distance / norm if norm > 0 else (0.0 if distance == 0 else float("inf"))
+def relative_error(distance: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """``distance / norm`` (both squared norms, scalar tensors), 0 when both are 0, inf when only norm is."""
+    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+    zero_norm = torch.where(distance == 0, torch.zeros_like(distance), torch.full_like(distance, float("inf")))
+    return torch.where(norm > 0, distance / safe, zero_norm)

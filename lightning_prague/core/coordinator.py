@@ -1,9 +1,9 @@
 """The coordinator service: a thread on global rank 0 that runs the Group Generator over the TCPStore.
 
 Workers push messages onto one store queue (``requests``); the service pops them one at a time,
-feeds :class:`~lightning_prague.core.generator.GroupGenerator`, and pushes the resulting items onto
-each worker's queue (``inbox/<rank>``). A single consumer gives the one global order of
-assignments that makes group operations deadlock-free.
+feeds :class:`~lightning_prague.core.generator.GroupGenerator`, and pushes the items a message
+produces for a worker onto that worker's queue (``inbox/<rank>``) as one bundle. A single
+consumer gives the one global order of assignments that makes group operations deadlock-free.
 """
 
 from __future__ import annotations
@@ -60,9 +60,8 @@ class CoordinatorService:
                 except Exception as err:  # a malformed message must not kill the service silently
                     log.exception("coordinator rejected message %s", message)
                     items = {int(message.get("rank", 0)): [{"t": "error", "message": f"coordinator: {err}"}]}
-                for rank, rank_items in items.items():
-                    for item in rank_items:
-                        store.queue_push(inbox(rank), encode(item))
+                for rank, rank_items in items.items():  # one push per rank and message: a bundle, in order
+                    store.queue_push(inbox(rank), encode(rank_items[0] if len(rank_items) == 1 else rank_items))
                 if message["op"] == "arrive":  # lets a timed-out worker name the ranks it waited for
                     store.set("parked", encode(sorted(self.generator.parked)))
                 self.handled += 1

@@ -8,12 +8,11 @@ inbox items in order cannot deadlock.
 
 Inbox items (plain dicts, JSON-serialisable):
 
-``{"t": "group", "gid", "members", "key"[, "version", "weights"]}``
-    average with ``members`` over the communicator named ``key``. Groups of workers that reported
+``{"t": "group", "gid", "members"[, "version", "weights"]}``
+    average with ``members`` (point-to-point on the world process group: no communicator is
+    created for a group, see :mod:`lightning_prague.core.groups`). Groups of workers that reported
     model versions (first_ready) carry the newest ``version``, which members adopt, and, under
     staleness weighting, per-member ``weights`` (in ``members`` order) instead of the plain mean.
-``{"t": "drop", "key"}``
-    the communicator ``key`` was evicted from the bounded cache; release it.
 ``{"t": "answer", "req", "gid"}``
     the reply to the worker's ``ready`` number ``req``: the group it was given (already earlier in
     its inbox) or ``None`` when no group could be formed.
@@ -24,14 +23,19 @@ Inbox items (plain dicts, JSON-serialisable):
     the answer to ``leave`` (a worker shutting down after an error): nothing more will name it.
 ``{"t": "stop"}`` / ``{"t": "error", "message"}``
     training is being stopped (SIGTERM on some rank) / ranks disagree about a synchronization point.
+
+The cost of a message does not grow with the number of workers: the set of workers that may be
+drawn into a group is kept up to date when it changes (parking, leaving, lagging) rather than
+rebuilt per request, and who is lagging is re-evaluated every ``ceil(N / 8)`` reports.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import math
+from collections import deque
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.policies import FirstReadyPolicy, Group, GroupingPolicy
 
 Item = dict[str, Any]
@@ -39,38 +43,26 @@ STOP_SYNC = "__stop__"
 LEFT_SYNC = "__left_after_an_error__"
 
 
-class CommunicatorLRU:
-    """Names communicators for member sets and bounds how many exist at once.
+class Candidates(Sequence[int]):
+    """Ranks that may be drawn into a group: a sequence (for sampling) with O(1) membership."""
 
-    Creating a communicator is collective among its members, so every member must agree on which
-    ones exist. The generator owns the only copy of the cache and tells members, in inbox order,
-    when to create (first use of a key) and when to drop one. A member set that comes back after
-    eviction gets a new generation, hence a new key, so stale rendezvous data is never reused.
-    """
+    __slots__ = ("ranks", "_members")
 
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ConfigurationError(f"max_groups must be at least 1, got {capacity}")
-        self.capacity = capacity
-        self._live: OrderedDict[Group, str] = OrderedDict()
-        self._generation: dict[Group, int] = {}
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks = ranks
+        self._members = frozenset(ranks)
 
-    def key_for(self, members: Group) -> tuple[str, list[tuple[Group, str]]]:
-        """The key of ``members`` and the (members, key) pairs evicted to make room for it."""
-        if members in self._live:
-            self._live.move_to_end(members)
-            return self._live[members], []
-        evicted = []
-        while len(self._live) >= self.capacity:
-            evicted.append(self._live.popitem(last=False))
-        generation = self._generation.get(members, -1) + 1
-        self._generation[members] = generation
-        key = "g" + "-".join(map(str, members)) + f".{generation}"
-        self._live[members] = key
-        return key, evicted
+    def __contains__(self, rank: object) -> bool:
+        return rank in self._members
 
     def __len__(self) -> int:
-        return len(self._live)
+        return len(self.ranks)
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        return self.ranks[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ranks)
 
 
 class GroupGenerator:
@@ -80,7 +72,6 @@ class GroupGenerator:
         self,
         world_size: int,
         policy: GroupingPolicy,
-        max_groups: int = 64,
         avoid_stragglers: bool = True,
         sync_averages: bool = False,
     ) -> None:
@@ -88,7 +79,6 @@ class GroupGenerator:
         self.sync_averages = sync_averages  # synchronization points average globally (workers then agree)
         self.policy = policy
         self.avoid_stragglers = avoid_stragglers
-        self.cache = CommunicatorLRU(max_groups)
         self.next_gid = 0
         self.rounds = [0] * world_size
         self.parked: dict[int, str] = {}  # rank -> name of the sync point it waits at
@@ -99,6 +89,11 @@ class GroupGenerator:
         self.newest_version = 0  # the highest model version any worker reported
         self.issued: list[tuple[int, Group]] = []  # (gid, members), for monitoring and tests
         self.record_history = False
+        self._lagging: set[int] = set()
+        self._reports_since_lagging = 0
+        self._lagging_every = max(1, math.ceil(world_size / 8))
+        self._pool: Candidates | None = None  # workers that may be drawn into groups, rebuilt on change
+        self._available_cache: Candidates | None = None
 
     # -- messages ---------------------------------------------------------------------------
     def handle(self, message: dict[str, Any]) -> dict[int, list[Item]]:
@@ -135,7 +130,9 @@ class GroupGenerator:
         (less a slack of 2, so that the first steps of an epoch decide nothing). Putting a lagging
         worker into a fast worker's group would make the fast worker wait for the slow worker's
         whole step; lagging workers still mix through the groups they ask for themselves, whose
-        fast members answer within one of their own short steps.
+        fast members answer within one of their own short steps. The set is re-evaluated every
+        ``ceil(N / 8)`` reports (an eighth of a step of every worker), which keeps its cost per
+        report independent of N.
         """
         available = self._available()
         if not self.avoid_stragglers or len(available) < 3:
@@ -144,20 +141,37 @@ class GroupGenerator:
         median = counts[len(counts) // 2]
         return {r for r in available if self.rounds[r] + 2 < median / 2}
 
-    def _candidates(self, requester: int) -> list[int]:
-        available = self._available()
-        slow = self.lagging() - {requester}
-        candidates = [r for r in available if r not in slow]
-        return candidates if len(candidates) >= 2 else available
+    def _note_report(self) -> None:
+        self._reports_since_lagging += 1
+        if self._reports_since_lagging >= self._lagging_every:
+            self._reports_since_lagging = 0
+            lagging = self.lagging()
+            if lagging != self._lagging:
+                self._lagging = lagging
+                self._pool = None
+
+    def _changed(self) -> None:
+        """The parked or left workers changed: the pools are rebuilt when next needed."""
+        self._pool = None
+        self._available_cache = None
+
+    def _available_pool(self) -> Candidates:
+        if self._available_cache is None:
+            self._available_cache = Candidates(self._available())
+        return self._available_cache
+
+    def _candidates(self) -> Candidates:
+        """Workers that may be drawn into another worker's group: available and not lagging."""
+        if self._pool is None:
+            available = self._available()
+            chosen = [r for r in available if r not in self._lagging]
+            self._pool = Candidates(chosen if len(chosen) >= 2 else available)
+        return self._pool
 
     def _issue(self, members: Group, out: dict[int, list[Item]], versions: list[int] | None = None) -> int:
-        key, evicted = self.cache.key_for(members)
-        for old_members, old_key in evicted:
-            for r in old_members:
-                self._push(out, r, {"t": "drop", "key": old_key})
         gid = self.next_gid
         self.next_gid += 1
-        item: Item = {"t": "group", "gid": gid, "members": list(members), "key": key}
+        item: Item = {"t": "group", "gid": gid, "members": list(members)}
         if versions is not None:
             item["version"] = max(versions)
             weights = self.policy.weights(versions)
@@ -175,6 +189,7 @@ class GroupGenerator:
     def _ready_msg(self, rank: int, req: int, version: int, out: dict[int, list[Item]]) -> None:
         round_index = self.rounds[rank]
         self.rounds[rank] += 1
+        self._note_report()
         self.newest_version = max(self.newest_version, version)
         if self.stopping or rank in self.parked:
             self._answer(rank, req, None, out)
@@ -184,8 +199,13 @@ class GroupGenerator:
             self._ready.append((rank, req, version))
             self._form_ready_groups(out)
             return
-        candidates = self._available() if self.policy.issues_per_round else self._candidates(rank)
-        members = self.policy.select(rank, round_index, candidates)
+        if self.policy.issues_per_round:
+            pool = self._available_pool()
+        else:
+            pool = self._candidates()
+            if rank not in pool:  # a lagging requester still asks for groups of its own
+                pool = Candidates([*pool.ranks, rank])
+        members = self.policy.select(rank, round_index, pool)
         if members is None or len(members) < 2:
             self._answer(rank, req, None, out)
             return
@@ -214,6 +234,7 @@ class GroupGenerator:
 
     def _arrive(self, rank: int, sync: str, out: dict[int, list[Item]]) -> None:
         self.parked[rank] = sync
+        self._changed()
         if isinstance(self.policy, FirstReadyPolicy):
             self._form_ready_groups(out)
         if len(self.parked) < self.world_size:
@@ -240,6 +261,8 @@ class GroupGenerator:
         self.parked.clear()
         self.rounds = [0] * self.world_size
         self._per_round.clear()
+        self._lagging = set()
+        self._changed()
 
     def _leave(self, rank: int, out: dict[int, list[Item]]) -> None:
         """A worker shuts down after an error: withdraw its pending request, assign it nothing more.

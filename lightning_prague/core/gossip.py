@@ -1,8 +1,11 @@
 """Gossip on a fixed topology with a one-step lag (decentralized Adam's communicate-while-adapt).
 
 Each exchange is one round of a :class:`~lightning_prague.core.topology.Schedule`: the worker's
-group sums the members' models (one all-reduce per bucket) and every member takes
-``x_i <- a x_i + b sum_j x_j``, which is row ``i`` of ``W x`` for the round's mixing matrix.
+group sums the members' models (one group sum per bucket, with the same point-to-point primitive
+as every other strategy, :class:`~lightning_prague.core.groups.GroupComm`: a schedule's groups
+cost no setup, so none are pre-built) and every member takes ``x_i <- a x_i + b sum_j x_j``,
+which is row ``i`` of ``W x`` for the round's mixing matrix. The sums run in a communication
+thread of the worker (on CUDA, on its own stream, ordered against compute with events).
 
 :class:`LaggedGossip` issues the exchange of the parameters ``x^t`` right after update ``t`` (and
 at the start of each asynchronous phase), lets it run in the backend while the next forward and
@@ -22,17 +25,22 @@ rounds up to it. The switch is a compare-and-set in the store, so all workers se
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
 
 from lightning_prague.core.averaging import BucketedTensors, relative_error
 from lightning_prague.core.errors import CoordinationTimeout
-from lightning_prague.core.groups import Group, PendingCollective
 from lightning_prague.core.overlap import Exchanger
+from lightning_prague.core.streams import Marker
 from lightning_prague.core.topology import Schedule, WeightedGroup
 from lightning_prague.core.worker import GroupWorker
+
+log = logging.getLogger(__name__)
 
 #: seconds a worker leaving after an error waits for its last exchange (a peer that left too ends it sooner)
 LEAVE_WAIT = 10.0
@@ -42,10 +50,13 @@ LEAVE_WAIT = 10.0
 class _InFlight:
     round_index: int
     weighted: WeightedGroup
-    group: Group | None  # None: the worker sits this round out
     snapshots: list[torch.Tensor]
     sums: list[torch.Tensor] = field(default_factory=list)
-    works: list[PendingCollective] = field(default_factory=list)
+    future: Future[Marker] | None = None  # None: the worker sits this round out, or it was waited for
+
+    @property
+    def exchanges(self) -> bool:
+        return len(self.weighted.members) > 1
 
     def operation(self, rank: int) -> str:
         return f"gossip round {self.round_index} of rank {rank} with ranks {list(self.weighted.members)}"
@@ -72,22 +83,18 @@ class LaggedGossip(Exchanger):
         self.round = 0  #: exchanges issued so far; equal on every worker at synchronization points
         self._flight: _InFlight | None = None
         self._phase_open = False
-        self._prepared = False
+        self._executor: ThreadPoolExecutor | None = None
         self._name = name  # store keys of the end-of-phase protocol: one namespace per instance
         self.idle_after = idle_after  # seconds a finished worker waits before it starts idle rounds
         self.phases = 0  #: phases ended by :meth:`drain`
         self.idle_rounds = 0  #: rounds run without a gradient step while waiting for slower workers
 
-    def _group(self, weighted: WeightedGroup) -> Group | None:
-        if len(weighted.members) < 2:
-            return None
-        return self.worker.cache.get("topo/" + "-".join(map(str, weighted.members)), weighted.members)
-
-    def _prepare(self) -> None:
-        """Create this worker's communicators for a whole period, in round order (every member agrees on it)."""
-        for r in range(self.schedule.period):
-            self._group(self.schedule.group_of(self.worker.rank, r))
-        self._prepared = True
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix=f"prague-gossip-{self.worker.rank}", initializer=self.streams.bind
+            )
+        return self._executor
 
     @property
     def in_flight(self) -> bool:
@@ -95,26 +102,40 @@ class LaggedGossip(Exchanger):
 
     def issue(self) -> None:
         """Send this worker's current tensors into its group of the next round."""
-        if not self._prepared:
-            self._prepare()
         weighted = self.schedule.group_of(self.worker.rank, self.round)
-        flight = _InFlight(self.round, weighted, self._group(weighted), [self.live.flat(b) for b in self.live.buckets])
+        flight = _InFlight(self.round, weighted, [self.live.flat(b) for b in self.live.buckets])
         self.round += 1
-        if flight.group is not None:
-            operation = flight.operation(self.worker.rank)
+        if flight.exchanges:
             flight.sums = [s.clone() for s in flight.snapshots]
-            flight.works = [flight.group.start_all_reduce_sum_(t, operation) for t in flight.sums]
+            flight.future = self._thread().submit(self._sum, flight, self.streams.mark())
         self._flight = flight
         if not self.overlap:
             self._wait(flight)
 
+    def _sum(self, flight: _InFlight, ready: Marker) -> Marker:
+        """In the communication thread: the group sums of the round's snapshot."""
+        self.streams.wait(ready)
+        operation = flight.operation(self.worker.rank)
+        for total in flight.sums:
+            self.worker.comm.sum_(total, flight.weighted.members, operation)
+        return self.streams.mark()
+
     def _wait(self, flight: _InFlight, timeout: float | None = None) -> None:
+        """Until the round's sums are done; an error of the communication thread is raised here, as it was."""
+        future, flight.future = flight.future, None
+        if future is None:
+            return
         start = time.monotonic()
-        works, flight.works = flight.works, []
-        assert flight.group is not None or not works
-        for work in works:
-            flight.group.wait(work, flight.operation(self.worker.rank), timeout)  # type: ignore[union-attr]
-        self.wait_seconds += time.monotonic() - start
+        limit = self.timeout if timeout is None else timeout
+        try:
+            done = future.result(limit + 5.0)  # the sums time out on their own after self.timeout
+        except FutureTimeout:
+            raise CoordinationTimeout(
+                f"rank {self.worker.rank}: {flight.operation(self.worker.rank)} did not finish within {limit:.0f}s"
+            ) from None
+        finally:
+            self.wait_seconds += time.monotonic() - start
+        self.streams.wait(done)
 
     def mix(self) -> None:
         """Wait for the exchange in flight and fold ``W x - x`` (of the snapshot) into the live tensors."""
@@ -122,16 +143,17 @@ class LaggedGossip(Exchanger):
         if flight is None:
             return
         self._wait(flight)
-        if flight.group is not None:
+        if flight.exchanges:
             a, b = flight.weighted.coefficients()
             size = len(flight.weighted.members)
-            distance, norm = 0.0, 0.0
+            distance = torch.zeros((), dtype=torch.float64, device=self.live.device)
+            norm = torch.zeros((), dtype=torch.float64, device=self.live.device)
             for bucket, snapshot, total in zip(self.live.buckets, flight.snapshots, flight.sums):
                 flat = self.live.flat(bucket)
                 flat.add_(total, alpha=b).add_(snapshot, alpha=a - 1.0)
                 self.live.unflatten_(bucket, flat)
-                distance += float((snapshot - total / size).double().pow(2).sum())
-                norm += float((total / size).double().pow(2).sum())
+                distance += (snapshot - total / size).double().pow(2).sum()
+                norm += (total / size).double().pow(2).sum()
             self.worker.stats.record_group_error(relative_error(distance, norm))
         self.exchanges += 1
 
@@ -195,8 +217,17 @@ class LaggedGossip(Exchanger):
         return self.worker.store.compare_set(key, "", mode).decode()
 
     def close(self) -> None:
-        self._flight = None  # an unfinished collective ends in the backend (its peers' exit or timeout)
+        self._flight = None  # an unfinished sum ends at its peers' exit or its timeout
         self._phase_open = False
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+            for thread in list(getattr(executor, "_threads", ())):
+                thread.join(min(self.timeout, 10.0))
+                if thread.is_alive():
+                    log.warning(
+                        "rank %d: %s is still blocked in an exchange at teardown", self.worker.rank, thread.name
+                    )
 
     def leave(self) -> None:
         flight, self._flight = self._flight, None

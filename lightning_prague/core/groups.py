@@ -1,14 +1,32 @@
-"""Communicators for arbitrary subsets of ranks.
+"""Sums over any subset of ranks, with no communicator per subset.
 
-Each communicator is built directly from the backend's process-group class over a private prefix
-of the job's TCPStore, so that creating one involves only its members (no world-wide collective,
-no dependence on creation order outside the group) and so that a key is never reused after it is
-dropped. gloo and NCCL take the same path; only the class and its options differ.
+A group's sum runs as batched point-to-point operations (``isend``/``irecv``) between its members
+over one process group that spans every rank (the world group). Nothing is created per member
+set: on gloo, point-to-point messages use the world group's pairs; on NCCL, batched
+point-to-point operations run on the world communicator. Any group of any size therefore costs
+no setup, and a job of N workers holds exactly the communicators it had after initialisation.
+
+Members must run the groups they share in the same order (the coordinator's order, or a
+schedule's): that, and messages between two ranks being matched in the order they were sent, is
+what makes it deadlock-free.
+
+Small groups exchange all-to-all (one round of messages, ``|G| - 1`` copies of the tensor sent by
+each member); larger ones run a ring reduce-scatter and all-gather (``2 (|G| - 1)`` rounds, about
+twice the tensor sent by each member). A group of every rank is one all-reduce of the world group.
+In every case each member ends with bitwise the same sum.
+
+Tensors travel on the backend's device (CUDA for NCCL, the CPU for gloo); a tensor elsewhere is
+staged through a copy. Operations run on the calling thread's current CUDA stream; every wait is
+bounded by the timeout and fails with a :class:`~lightning_prague.core.errors.CoordinationTimeout`
+naming the ranks and the operation, on NCCL too (its wait only orders streams, so the end of each
+operation is polled with a CUDA event from the thread that issued it, never the training thread
+unless it chose to block).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -18,118 +36,178 @@ import torch.distributed as dist
 from lightning_prague.core.errors import CoordinationTimeout
 from lightning_prague.core.links import active_slow_links
 
+#: groups of at most this many members exchange all-to-all; larger ones use a ring
+ALL_TO_ALL_MAX = 4
 
-def _new_backend_group(backend: str, store: dist.Store, rank: int, size: int, timeout: float) -> dist.ProcessGroup:
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout))
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timedelta(seconds=timeout)
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    raise ValueError(f"backend {backend!r} is not supported for partial all-reduce; use 'gloo' or 'nccl'")
+
+def backend_device(backend: str) -> torch.device:
+    """The device a backend's collectives take their tensors on: CUDA for NCCL, else the CPU."""
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def communicator_count() -> int:
+    """Process groups this process holds (the world group included): what ``GroupComm`` never adds to."""
+    if not dist.is_initialized():
+        return 0
+    return len(dist.distributed_c10d._world.pg_map)
 
 
 @dataclass
-class PendingCollective:
-    """An issued collective and the earliest time it may count as done (later on a slow link)."""
+class CommStats:
+    """What one rank's group communication did; read by benchmarks and tests."""
 
-    work: dist.Work
-    ready_at: float
+    operations: int = 0
+    messages: int = 0
+    bytes_sent: int = 0
 
 
-class Group:
-    """A communicator over ``members`` (global ranks, sorted) as seen from one member."""
+class GroupComm:
+    """One rank's sums over arbitrary groups of ranks on a process group spanning the world.
 
-    def __init__(self, key: str, members: tuple[int, ...], rank: int, backend_group: dist.ProcessGroup, timeout: float):
-        self.key = key
-        self.members = members
+    Args:
+        rank: this process's global rank.
+        world_size: the number of ranks; ``process_group`` must hold them all, in global order.
+        timeout: seconds any one group operation may take.
+        process_group: default: the world group.
+        all_to_all_max: the largest group that exchanges all-to-all rather than in a ring.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        process_group: dist.ProcessGroup | None = None,
+        all_to_all_max: int = ALL_TO_ALL_MAX,
+    ) -> None:
         self.rank = rank
-        self._pg = backend_group
-        self._timeout = timeout
+        self.world_size = world_size
+        self.timeout = timeout
+        self.pg = process_group if process_group is not None else dist.group.WORLD
+        self.backend = str(dist.get_backend(self.pg))
+        self.device = backend_device(self.backend)
+        self.all_to_all_max = max(2, all_to_all_max)
+        self.everyone = tuple(range(world_size))
+        self.stats = CommStats()
+        # NCCL's wait only orders the stream; the host learns of the end (and of a hang) by polling
+        self._host_waits = self.device.type == "cpu"
 
-    @property
-    def size(self) -> int:
-        return len(self.members)
+    def warm_up(self) -> None:
+        """One world-wide all-reduce; every rank must call it, before any group operation.
 
-    def all_reduce_sum_(self, tensor: torch.Tensor, operation: str = "all-reduce") -> None:
-        """In-place sum over the members; fails with :class:`CoordinationTimeout` naming the ranks."""
-        self.wait(self.start_all_reduce_sum_(tensor, operation), operation)
+        NCCL allows batched point-to-point operations among a subset of ranks only after a first
+        operation that involves every rank; it also creates the world communicator now, at setup.
+        """
+        self.sum_(torch.zeros(1, device=self.device), self.everyone, "warm-up of the world group")
 
-    def start_all_reduce_sum_(self, tensor: torch.Tensor, operation: str = "all-reduce") -> PendingCollective:
-        """Issue the in-place sum and return at once; :meth:`wait` on the result before reading ``tensor``."""
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.SUM
+    def sum_(self, tensor: torch.Tensor, members: Sequence[int], operation: str = "group sum") -> None:
+        """In place: ``tensor`` becomes the sum of the members' tensors (``members`` sorted, holding this rank).
+
+        Blocks the calling thread until the sum is in ``tensor`` or the timeout has passed.
+        """
+        members = tuple(members)
+        if self.rank not in members:
+            raise ValueError(
+                f"rank {self.rank} asked to run {operation} of group {list(members)} it is not a member of"
+            )
+        if len(members) < 2:
+            return
+        start = time.monotonic()
+        deadline = start + self.timeout
         links = active_slow_links()
-        delay = links.delay(self.members, tensor.numel() * tensor.element_size()) if links else 0.0
+        nbytes = tensor.numel() * tensor.element_size()
+        ready_at = start + (links.delay(members, nbytes) if links else 0.0)
+        staged = tensor if tensor.device == self.device else tensor.to(self.device)
+        staged = staged if staged.is_contiguous() else staged.contiguous()
         try:
-            return PendingCollective(self._pg.allreduce([tensor], options), time.monotonic() + delay)
-        except RuntimeError as err:
-            raise self._failure(operation, err) from err
-
-    def wait(self, pending: PendingCollective, operation: str = "all-reduce", timeout: float | None = None) -> None:
-        """Wait for an issued collective, at most ``timeout`` (default: the group's timeout)."""
-        try:
-            pending.work.wait(timedelta(seconds=self._timeout if timeout is None else timeout))
-        except RuntimeError as err:
-            raise self._failure(operation, err) from err
-        remaining = pending.ready_at - time.monotonic()
+            if len(members) == self.world_size:
+                work = dist.all_reduce(staged, group=self.pg, async_op=True)
+                self._wait(work, deadline)
+            elif len(members) <= self.all_to_all_max or staged.numel() < len(members):
+                self._all_to_all(staged, members, deadline)
+            else:
+                self._ring(staged, members, deadline)
+            self._finish(staged, deadline)
+        except (RuntimeError, TimeoutError) as err:
+            if isinstance(err, CoordinationTimeout):
+                raise
+            raise self._failure(operation, members, start, err) from err
+        if staged is not tensor:
+            tensor.copy_(staged)
+        self.stats.operations += 1
+        remaining = ready_at - time.monotonic()
         if remaining > 0:  # a simulated slow link (core.links)
             time.sleep(remaining)
 
-    def _failure(self, operation: str, err: BaseException) -> CoordinationTimeout:
+    # -- algorithms ------------------------------------------------------------------------------
+    def _all_to_all(self, tensor: torch.Tensor, members: tuple[int, ...], deadline: float) -> None:
+        peers = [m for m in members if m != self.rank]
+        received = {peer: torch.empty_like(tensor) for peer in peers}
+        ops = []
+        for peer in peers:
+            ops.append(dist.P2POp(dist.isend, tensor, peer, self.pg))
+            ops.append(dist.P2POp(dist.irecv, received[peer], peer, self.pg))
+        self._exchange(ops, deadline, len(peers) * tensor.numel() * tensor.element_size())
+        total = None
+        for member in members:  # the same order on every member: bitwise the same sum
+            part = tensor if member == self.rank else received[member]
+            total = part.clone() if total is None else total.add_(part)
+        assert total is not None
+        tensor.copy_(total)
+
+    def _ring(self, tensor: torch.Tensor, members: tuple[int, ...], deadline: float) -> None:
+        k = len(members)
+        position = members.index(self.rank)
+        successor, predecessor = members[(position + 1) % k], members[(position - 1) % k]
+        chunks = list(tensor.tensor_split(k))
+        scratch = torch.empty_like(chunks[0])  # the first chunk is the largest
+        size = tensor.element_size()
+        for step in range(k - 1):  # reduce-scatter: afterwards chunk position+1 holds the full sum here
+            send, recv = chunks[(position - step) % k], chunks[(position - step - 1) % k]
+            buffer = scratch[: recv.numel()]
+            ops = [
+                dist.P2POp(dist.isend, send, successor, self.pg),
+                dist.P2POp(dist.irecv, buffer, predecessor, self.pg),
+            ]
+            self._exchange(ops, deadline, send.numel() * size)
+            recv.add_(buffer)
+        for step in range(k - 1):  # all-gather of the summed chunks
+            send, recv = chunks[(position + 1 - step) % k], chunks[(position - step) % k]
+            ops = [dist.P2POp(dist.isend, send, successor, self.pg), dist.P2POp(dist.irecv, recv, predecessor, self.pg)]
+            self._exchange(ops, deadline, send.numel() * size)
+
+    # -- waiting ---------------------------------------------------------------------------------
+    def _exchange(self, ops: list[dist.P2POp], deadline: float, nbytes: int) -> None:
+        for work in dist.batch_isend_irecv(ops):
+            self._wait(work, deadline)
+        self.stats.messages += len(ops) // 2
+        self.stats.bytes_sent += nbytes
+
+    def _wait(self, work: dist.Work, deadline: float) -> None:
+        if self._host_waits:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not work.wait(timedelta(seconds=remaining)):
+                raise TimeoutError("timed out")
+        else:
+            work.wait()  # orders the current stream after the operation; _finish bounds it in time
+
+    def _finish(self, tensor: torch.Tensor, deadline: float) -> None:
+        """On a device with streams, wait (polling, bounded) until the operation has run."""
+        if not tensor.is_cuda:
+            return
+        done = torch.cuda.Event()
+        done.record()
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the operation did not complete on the device")
+            time.sleep(1e-4)
+
+    def _failure(
+        self, operation: str, members: tuple[int, ...], start: float, err: BaseException
+    ) -> CoordinationTimeout:
         return CoordinationTimeout(
-            f"rank {self.rank}: {operation} over group {list(self.members)} ({self.key}) failed or timed out "
-            f"after {self._timeout:.0f}s: {err}"
+            f"rank {self.rank}: {operation} over ranks {list(members)} failed or timed out after "
+            f"{time.monotonic() - start:.1f}s (timeout {self.timeout:.0f}s): {err}"
         )
-
-
-class GroupCache:
-    """This rank's communicators, keyed by the names the Group Generator hands out.
-
-    The cache itself does not evict: the generator decides, in inbox order, when a key is dropped,
-    so all members of a group always agree on whether it exists (see ``CommunicatorLRU``).
-    """
-
-    def __init__(self, store: dist.Store, rank: int, backend: str, timeout: float) -> None:
-        self._store = store
-        self.rank = rank
-        self.backend = backend
-        self.timeout = timeout
-        self._groups: dict[str, Group] = {}
-        self.created = 0
-
-    def get(self, key: str, members: tuple[int, ...]) -> Group:
-        group = self._groups.get(key)
-        if group is None:
-            group = self._create(key, tuple(sorted(members)))
-            self._groups[key] = group
-        return group
-
-    def _create(self, key: str, members: tuple[int, ...]) -> Group:
-        if self.rank not in members:
-            raise ValueError(f"rank {self.rank} asked to join group {list(members)} it is not a member of")
-        start = time.monotonic()
-        try:
-            pg = _new_backend_group(
-                self.backend,
-                dist.PrefixStore(f"pg/{key}/", self._store),
-                members.index(self.rank),
-                len(members),
-                self.timeout,
-            )
-        except RuntimeError as err:
-            raise CoordinationTimeout(
-                f"rank {self.rank}: creating communicator {key} for ranks {list(members)} failed after "
-                f"{time.monotonic() - start:.1f}s (timeout {self.timeout:.0f}s): {err}"
-            ) from err
-        self.created += 1
-        return Group(key, members, self.rank, pg, self.timeout)
-
-    def drop(self, key: str) -> None:
-        self._groups.pop(key, None)
-
-    def clear(self) -> None:
-        self._groups.clear()
-
-    def __len__(self) -> int:
-        return len(self._groups)

@@ -16,6 +16,12 @@ The background ones keep AD-PSGD's atomicity without stopping compute: an exchan
 snapshot ``s`` and the training thread later folds in ``x <- x + (avg(s) - s)``, so local progress
 made during the exchange is kept and each exchange is applied exactly once. Under plain means the
 differences sum to zero over a group, so the sum of all replicas is conserved.
+
+Memory: a background exchange holds the snapshot and a copy of it as it was taken, two extra
+copies of the averaged state (parameters and floating-point buffers), plus the flat buffers of
+one bucket in flight. On CUDA the threads run on a stream of their own and hand snapshots and
+results over with CUDA events (:mod:`lightning_prague.core.streams`): the training thread never
+synchronises with the device for an exchange.
 """
 
 from __future__ import annotations
@@ -26,12 +32,10 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
 
 from lightning_prague.core.averaging import BucketedTensors
-from lightning_prague.core.coordinator import inbox
 from lightning_prague.core.errors import CoordinationTimeout, ExchangeInterrupted
-from lightning_prague.core.store import decode
+from lightning_prague.core.streams import CommStream, Marker
 from lightning_prague.core.worker import PAUSE, GroupAnswer, GroupWorker
 
 log = logging.getLogger(__name__)
@@ -48,6 +52,8 @@ class Exchanger:
         self.exchanges = 0  # exchanges folded into the live model
         #: seconds the training thread spent blocked on exchanges (not hidden behind computation)
         self.wait_seconds = 0.0
+        #: the stream communication threads run on, and the events that order it against compute
+        self.streams = CommStream(live.device)
 
     def start(self) -> None:
         """An asynchronous phase begins (idempotent)."""
@@ -105,7 +111,7 @@ class _ThreadedExchanger(Exchanger):
     def start(self) -> None:
         if self.running:
             return
-        self._error = None
+        self._raise_pending()  # an error of the previous thread surfaces here, never silently dropped
         self._thread = threading.Thread(
             target=self._guarded, name=f"{self.thread_name}-{self.worker.rank}", daemon=True
         )
@@ -113,6 +119,7 @@ class _ThreadedExchanger(Exchanger):
 
     def _guarded(self) -> None:
         try:
+            self.streams.bind()
             self._run()
         except ExchangeInterrupted:
             pass
@@ -163,13 +170,14 @@ class BackgroundAverager(_ThreadedExchanger):
 
     def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float) -> None:
         super().__init__(worker, live, timeout)
-        self._jobs: queue.Queue[tuple[BucketedTensors, int] | str | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[BucketedTensors, int, Marker] | str | None] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
         self._snapshot: BucketedTensors | None = None
         self._original: list[torch.Tensor] = []
         self._reported = 0
         self._answer: GroupAnswer | None = None
+        self._done: Marker = None  # the exchange's result is ready on the device after this
 
     def start(self) -> None:
         if not self.running:
@@ -184,8 +192,16 @@ class BackgroundAverager(_ThreadedExchanger):
             if job is _LEAVE:
                 self.worker.leave()
                 return
+            snapshot, version, ready = job
             try:
-                self._answer = self.worker.partial_sync(job[0], version=job[1])
+                self.streams.wait(ready)  # the snapshot was taken on the compute stream
+                self._answer = self.worker.partial_sync(snapshot, version=version)
+                self._done = self.streams.mark()
+            except ExchangeInterrupted:
+                raise
+            except BaseException as err:
+                self._error = err  # stored before the training thread can see the exchange as finished
+                raise
             finally:
                 self._idle.set()
 
@@ -198,6 +214,7 @@ class BackgroundAverager(_ThreadedExchanger):
         answer, self._answer = self._answer, None
         if snapshot is None or answer is None:
             return
+        self.streams.wait(self._done)  # the compute stream reads the average only once it is written
         for bucket, averaged, original in zip(self.live.buckets, snapshot.tensors, self._original):
             flat = self.live.flat(bucket)
             flat.add_(averaged).sub_(original)
@@ -217,8 +234,9 @@ class BackgroundAverager(_ThreadedExchanger):
         self._original = [f.clone() for f in flats]
         self._snapshot = BucketedTensors(flats, bucket_bytes=0)  # one flat tensor per bucket, as in ``live``
         self._reported = self.worker.version
+        ready = self.streams.mark()
         self._idle.clear()
-        self._jobs.put((self._snapshot, self._reported))
+        self._jobs.put((self._snapshot, self._reported, ready))
 
     def drain(self) -> None:
         start = time.monotonic()
@@ -268,7 +286,9 @@ class PassiveResponder(_ThreadedExchanger):
         super().__init__(worker, live, timeout)
         self._lock = threading.Lock()
         self._published: BucketedTensors | None = None
+        self._published_ready: Marker = None
         self._pending: list[torch.Tensor] | None = None
+        self._pending_done: Marker = None
         self._served = 0
         # the thread blocks on the worker's own connection; the training thread posts the pause marker
         # through the control connection, opened now rather than in the middle of training
@@ -276,8 +296,10 @@ class PassiveResponder(_ThreadedExchanger):
 
     def _publish(self) -> None:
         flats = [self.live.flat(bucket) for bucket in self.live.buckets]
+        ready = self.streams.mark()
         with self._lock:
             self._published = BucketedTensors(flats, bucket_bytes=0)
+            self._published_ready = ready
 
     def start(self) -> None:
         if self.running:
@@ -287,9 +309,8 @@ class PassiveResponder(_ThreadedExchanger):
 
     def _run(self) -> None:
         while True:
-            try:
-                item = decode(self.worker.store.queue_pop(inbox(self.worker.rank)))
-            except dist.DistStoreError:
+            item = self.worker.poll_item()
+            if item is None:
                 continue  # nobody exchanged with us for a while: keep listening
             if item == PAUSE or item["t"] == "left":
                 return
@@ -297,8 +318,9 @@ class PassiveResponder(_ThreadedExchanger):
                 self.worker.execute(item)
                 continue
             with self._lock:
-                snapshot = self._published
+                snapshot, ready = self._published, self._published_ready
             assert snapshot is not None
+            self.streams.wait(ready)
             before = [t.clone() for t in snapshot.tensors]
             self.worker.execute(item, snapshot)
             with self._lock:
@@ -309,15 +331,19 @@ class PassiveResponder(_ThreadedExchanger):
                     for p, d in zip(self._pending, delta):
                         p.add_(d)
                 if self._published is not snapshot and self._published is not None:
+                    self.streams.wait(self._published_ready)
                     for t, d in zip(self._published.tensors, delta):
                         t.add_(d)
+                self._pending_done = self.streams.mark()
                 self._served += 1
 
     def _fold_in(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, None
             served, self._served = self._served, 0
+            done = self._pending_done
         if pending is not None:
+            self.streams.wait(done)
             for bucket, d in zip(self.live.buckets, pending):
                 flat = self.live.flat(bucket)
                 flat.add_(d)

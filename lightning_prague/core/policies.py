@@ -61,8 +61,9 @@ class GroupingPolicy:
     def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
         """Members (sorted, containing ``requester``) or ``None`` when no group can be formed.
 
-        ``available`` lists the workers still training (not parked at a synchronization point),
-        in rank order, and always contains ``requester``.
+        ``available`` lists the workers that may be drawn (still training, not parked at a
+        synchronization point) and always contains ``requester``; the generator passes a sequence
+        with constant-time membership, so a policy's cost per request need not grow with N.
         """
         raise NotImplementedError
 
@@ -71,10 +72,19 @@ class GroupingPolicy:
         return None
 
     def _draw(self, requester: int, candidates: Sequence[int]) -> Group | None:
-        others = [r for r in candidates if r != requester]
-        if not others:
+        """The requester and up to ``group_size - 1`` distinct others, uniformly at random."""
+        others_count = len(candidates) - (1 if requester in candidates else 0)
+        k = min(self.group_size - 1, others_count)
+        if k <= 0:
             return None
-        peers = self.rng.sample(others, min(self.group_size - 1, len(others)))
+        if 4 * k >= others_count:  # few candidates: sample from the list of them
+            peers: set[int] | list[int] = self.rng.sample([r for r in candidates if r != requester], k)
+        else:  # many: draw until k distinct others, expected O(k) whatever the number of candidates
+            peers = set()
+            while len(peers) < k:
+                rank = candidates[self.rng.randrange(len(candidates))]
+                if rank != requester:
+                    peers.add(rank)
         return tuple(sorted([requester, *peers]))
 
 
@@ -103,8 +113,7 @@ class BufferPolicy(GroupingPolicy):
         group = self._buffer[requester]
         for rank in group:
             self._buffer.pop(rank, None)
-        alive = set(available)
-        members = tuple(r for r in group if r in alive)
+        members = tuple(r for r in group if r in available)
         return members if len(members) >= 2 else None
 
 
@@ -129,7 +138,9 @@ class DivisionPolicy(GroupingPolicy):
         if self._requests % self.cross_period == 0:
             return self._draw(requester, available)
         home = self.division_of(requester)
-        return self._draw(requester, [r for r in available if self.division_of(r) == home])
+        start = home * self.division_size
+        division = range(start, min(start + self.division_size, self.world_size))
+        return self._draw(requester, [r for r in division if r in available])
 
 
 class SchedulePolicy(GroupingPolicy):
@@ -143,8 +154,7 @@ class SchedulePolicy(GroupingPolicy):
         self.schedule = schedule
 
     def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
-        alive = set(available)
-        members = tuple(r for r in self.schedule.group_of(requester, round_index).members if r in alive)
+        members = tuple(r for r in self.schedule.group_of(requester, round_index).members if r in available)
         return members if len(members) >= 2 else None
 
 
@@ -290,8 +300,7 @@ class GossipPolicy(GroupingPolicy):
     def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
         if not self.graph.is_active(requester):
             return None
-        alive = set(available)
-        peers = [n for n in self.graph.neighbors[requester] if n in alive]
+        peers = [n for n in self.graph.neighbors[requester] if n in available]
         if not peers:
             return None
         return tuple(sorted((requester, self.rng.choice(peers))))

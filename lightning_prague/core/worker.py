@@ -9,6 +9,7 @@ Then nothing is in flight anywhere, and a world-wide average is safe.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,10 +20,9 @@ from lightning_prague.core.averaging import BucketedTensors, average_, relative_
 from lightning_prague.core.coordinator import REQUESTS, inbox
 from lightning_prague.core.errors import CoordinationTimeout, ExchangeInterrupted, SyncMismatchError
 from lightning_prague.core.generator import STOP_SYNC
-from lightning_prague.core.groups import GroupCache
+from lightning_prague.core.groups import GroupComm
 from lightning_prague.core.store import StoreAddress, decode, default_store_client, encode
 
-WORLD_KEY = "world"
 PAUSE = {"t": "pause"}  # a worker posts this to its own inbox to stop a thread that serves it
 
 
@@ -44,21 +44,22 @@ class WorkerStats:
     syncs: int = 0
     sync_seconds: float = 0.0
     group_sizes: list[int] = field(default_factory=list)
-    #: sum and count of ``||x_i - avg||^2 / ||avg||^2`` over the group averages this worker took part in
-    group_error_sum: float = 0.0
+    #: sum and count of ``||x_i - avg||^2 / ||avg||^2`` over the group averages this worker took part in;
+    #: the sum stays a tensor on the model's device until it is read (no host synchronisation per step)
+    group_error_sum: torch.Tensor | None = None
     group_error_count: int = 0
 
-    def record_group_error(self, error: float) -> None:
-        self.group_error_sum += error
+    def record_group_error(self, error: torch.Tensor) -> None:
+        self.group_error_sum = error.detach().clone() if self.group_error_sum is None else self.group_error_sum + error
         self.group_error_count += 1
 
     def take_group_error(self) -> float | None:
         """Mean group error since the last call (``None`` if there was no group average)."""
-        if not self.group_error_count:
+        total, count = self.group_error_sum, self.group_error_count
+        self.group_error_sum, self.group_error_count = None, 0
+        if total is None or not count:
             return None
-        mean = self.group_error_sum / self.group_error_count
-        self.group_error_sum, self.group_error_count = 0.0, 0
-        return mean
+        return float(total) / count
 
 
 class GroupWorker:
@@ -80,9 +81,10 @@ class GroupWorker:
         self.address = address
         self.store = address.connect(timeout)
         self._control: dist.Store | None = None
-        # communicators rendezvous over a connection of their own: a TCPStore client must not be
-        # used by two parties at once, and the backend may still talk to it after construction
-        self.cache = GroupCache(address.connect(timeout), rank, backend, timeout)
+        self._pending: deque[dict[str, Any]] = deque()  # items of a bundle not yet executed
+        #: sums over any group on the world process group; no communicator is ever created for a group
+        self.comm = GroupComm(rank, world_size, timeout)
+        self.comm.warm_up()
         self.stats = WorkerStats()
         self.stop_seen = False
         self._stopped = False
@@ -96,14 +98,31 @@ class GroupWorker:
     def _send(self, op: str, **fields: Any) -> None:
         self.store.queue_push(REQUESTS, encode({"op": op, "rank": self.rank, **fields}))
 
+    def poll_item(self) -> dict[str, Any] | None:
+        """The next item of this rank's inbox, or ``None`` if none came within the timeout.
+
+        The coordinator pushes the items one message produces for a rank as one bundle (a list);
+        they are handed out one at a time, in order.
+        """
+        if not self._pending:
+            try:
+                message = decode(self.store.queue_pop(inbox(self.rank)))
+            except dist.DistStoreError:
+                return None
+            if isinstance(message, list):
+                self._pending.extend(message)
+            else:
+                self._pending.append(message)
+        return self._pending.popleft()
+
     def _next_item(self, waiting_for: str) -> dict[str, Any]:
-        try:
-            return decode(self.store.queue_pop(inbox(self.rank)))
-        except dist.DistStoreError:
+        item = self.poll_item()
+        if item is None:
             raise CoordinationTimeout(
                 f"rank {self.rank}: waited {self.timeout:.0f}s for {waiting_for}{self._parked_hint()}; "
                 "a rank may have died or stalled, or the coordinator on rank 0 stopped"
-            ) from None
+            )
+        return item
 
     def _parked_hint(self) -> str:
         try:
@@ -118,19 +137,18 @@ class GroupWorker:
         kind = item["t"]
         if kind == "group":
             members = tuple(item["members"])
-            group = self.cache.get(item["key"], members)
             weights = item.get("weights")
             weight = None if weights is None else float(weights[members.index(self.rank)])
-            error = average_(tensors or self.tensors, group, weight=weight, operation=f"group average #{item['gid']}")
+            error = average_(
+                tensors or self.tensors, self.comm, members, weight=weight, operation=f"group average #{item['gid']}"
+            )
             self.stats.record_group_error(error)
             self.stats.groups_executed += 1
-            self.stats.group_sizes.append(group.size)
+            self.stats.group_sizes.append(len(members))
             return item.get("version")
         if kind in ("pause", "left"):
             raise ExchangeInterrupted(f"rank {self.rank}: exchange interrupted at shutdown")
-        if kind == "drop":
-            self.cache.drop(item["key"])
-        elif kind == "stop":
+        if kind == "stop":
             self.stop_seen = True
         elif kind == "error":
             raise SyncMismatchError(f"rank {self.rank}: {item['message']}")
@@ -230,7 +248,7 @@ class GroupWorker:
             item = self._next_item("the coordinator's acknowledgement of this rank leaving")
             if item["t"] == "left":
                 return
-            if item["t"] in ("group", "drop"):
+            if item["t"] == "group":
                 self.execute(item)
 
     def post_pause(self) -> None:
@@ -246,21 +264,22 @@ class GroupWorker:
         """Exactly ``mean_i ||x_i - x_bar||^2 / ||x_bar||^2`` over all replicas; a collective of every rank.
 
         Call only where ranks are aligned (right after :meth:`synchronize`); it changes no tensor.
+        The sums run on the backend's device; the one number is read once, at the end.
         """
-        group = self.cache.get(WORLD_KEY, tuple(range(self.world_size)))
-        distance, norm = 0.0, 0.0
+        everyone = self.comm.everyone
+        device = self.tensors.device
+        distance = torch.zeros(1, dtype=torch.float64, device=device)
+        norm = torch.zeros((), dtype=torch.float64, device=device)
         for bucket in self.tensors.buckets:
             mine = self.tensors.flat(bucket)
             mean = mine.clone()
-            group.all_reduce_sum_(mean, operation="consensus measurement")
+            self.comm.sum_(mean, everyone, "consensus measurement")
             mean.div_(self.world_size)
-            distance += float((mine - mean).double().pow(2).sum())
-            norm += float(mean.double().pow(2).sum())
-        total = torch.tensor([distance], dtype=torch.float64)
-        group.all_reduce_sum_(total, operation="consensus measurement")
-        return relative_error(float(total) / self.world_size, norm)
+            distance += (mine - mean).double().pow(2).sum()
+            norm += mean.double().pow(2).sum()
+        self.comm.sum_(distance, everyone, "consensus measurement")
+        return float(relative_error(distance[0] / self.world_size, norm))
 
     def global_average(self) -> None:
         """Average over all ranks; call only right after :meth:`synchronize` returned."""
-        group = self.cache.get(WORLD_KEY, tuple(range(self.world_size)))
-        average_(self.tensors, group, operation="global average")
+        average_(self.tensors, self.comm, self.comm.everyone, operation="global average")

@@ -19,6 +19,7 @@ strategy needs from Lightning:
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -51,6 +52,11 @@ from lightning_prague.strategies import _patches
 from lightning_prague.strategies._checks import check_trainer
 
 log = logging.getLogger(__name__)
+
+
+def watchdog_margin(timeout: float) -> float:
+    """Seconds the backend's own timeout (NCCL's watchdog) waits beyond ours."""
+    return max(30.0, 0.1 * timeout)
 
 
 class SyncPoints(Callback):
@@ -88,7 +94,7 @@ class DecentralizedStrategy(DDPStrategy):
         seed: int = 0,
         timeout: float = 300.0,
         average_at_sync: bool = True,
-        max_groups: int = 64,
+        max_groups: Optional[int] = None,
         bucket_mb: float = 25.0,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -107,7 +113,8 @@ class DecentralizedStrategy(DDPStrategy):
                 error that names the ranks and the operation.
             average_at_sync: average all replicas at synchronization points (validation, epoch
                 end, end of fit) so that they see one consensus model.
-            max_groups: communicators kept alive at once (least recently used ones are released).
+            max_groups: deprecated and ignored: groups no longer have communicators of their own
+                (every group runs on the world process group), so there is nothing to bound.
             bucket_mb: size of the flat buffers averaged in one collective.
 
         The remaining arguments are Lightning's ``DDPStrategy`` plugins.
@@ -118,8 +125,13 @@ class DecentralizedStrategy(DDPStrategy):
             raise ConfigurationError(f"timeout={timeout} is invalid: it must be a positive number of seconds")
         if bucket_mb <= 0:
             raise ConfigurationError(f"bucket_mb={bucket_mb} is invalid: it must be positive")
-        if max_groups < 1:
-            raise ConfigurationError(f"max_groups={max_groups} is invalid: it must be at least 1")
+        if max_groups is not None:
+            warnings.warn(
+                "max_groups is deprecated and has no effect: groups run point-to-point on the world process group "
+                "and no longer create communicators; remove the option",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -127,14 +139,15 @@ class DecentralizedStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=timeout),
+            # the backend's own timeout (NCCL's watchdog) fires after ours, so our error, which names
+            # the ranks and the operation, is the one the user sees
+            timeout=timedelta(seconds=timeout + watchdog_margin(timeout)),
             start_method=start_method,
         )
         self.sync_every = sync_every
         self.seed = seed
         self.sync_timeout = float(timeout)
         self.average_at_sync = average_at_sync
-        self.max_groups = max_groups
         self.bucket_mb = bucket_mb
         #: leave workers that lag far behind out of other workers' groups (``GroupGenerator.lagging``)
         self.avoid_stragglers = False
@@ -199,7 +212,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.session = StoreAddress.from_env().child(f"s{number}")
         if self.global_rank == 0:
             generator = GroupGenerator(
-                self.world_size, policy, self.max_groups, self.avoid_stragglers, sync_averages=self.average_at_sync
+                self.world_size, policy, avoid_stragglers=self.avoid_stragglers, sync_averages=self.average_at_sync
             )
             self.coordinator = CoordinatorService(self.session, generator)
             self.coordinator.start()
@@ -215,6 +228,13 @@ class DecentralizedStrategy(DDPStrategy):
         self.exchanger = self.make_exchanger(self.worker, tensors)
         self.local_steps = 0
         self.batches_done = 0
+
+    def setup_distributed(self) -> None:
+        if "nccl" in self._get_process_group_backend():
+            # a collective that outlives the watchdog's timeout aborts the communicator and ends the
+            # process with an error instead of leaving it hanging (our own timeout fires first)
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        super().setup_distributed()
 
     def configure_ddp(self) -> None:
         # no DistributedDataParallel: replicas only have to start equal
@@ -245,8 +265,6 @@ class DecentralizedStrategy(DDPStrategy):
                     )
             self.coordinator.close()
             self.coordinator = None
-        if self.worker is not None:
-            self.worker.cache.clear()
         self.worker = None
         self._aligned = True
         super().teardown()

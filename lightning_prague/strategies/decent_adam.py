@@ -69,7 +69,7 @@ class DecentAdamStrategy(DecentralizedStrategy):
         overlap: issue each exchange in the background and wait just before the next update;
             ``False`` waits at once (the same parameters, no overlap).
         **kwargs: the options every asynchronous strategy shares (``sync_every``, ``seed``,
-            ``timeout``, ``average_at_sync``, ``max_groups``, ``bucket_mb``) and Lightning's
+            ``timeout``, ``average_at_sync``, ``bucket_mb``) and Lightning's
             plugins; see :class:`~lightning_prague.strategies.base.DecentralizedStrategy`.
     """
 

@@ -38,7 +38,7 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
             in at the next step (no worker ever blocks on its group); ``False`` blocks the training
             thread until the group is averaged, as in the paper.
         **kwargs: the options every asynchronous strategy shares (``sync_every``, ``seed``,
-            ``timeout``, ``average_at_sync``, ``max_groups``, ``bucket_mb``) and Lightning's
+            ``timeout``, ``average_at_sync``, ``bucket_mb``) and Lightning's
             plugins; see :class:`~lightning_prague.strategies.base.DecentralizedStrategy`.
     """
 

@@ -33,7 +33,7 @@ class PartialReduceStrategy(DecentralizedStrategy):
             result in at the next step, so the training thread never waits for its group;
             ``False`` waits in the training thread, as in the paper.
         **kwargs: the options every asynchronous strategy shares (``sync_every``, ``seed``,
-            ``timeout``, ``average_at_sync``, ``max_groups``, ``bucket_mb``) and Lightning's
+            ``timeout``, ``average_at_sync``, ``bucket_mb``) and Lightning's
             plugins; see :class:`~lightning_prague.strategies.base.DecentralizedStrategy`.
     """
 

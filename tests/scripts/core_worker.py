@@ -18,6 +18,7 @@ from lightning_prague.core import (
     GroupGenerator,
     GroupWorker,
     StoreAddress,
+    communicator_count,
     make_policy,
 )
 
@@ -27,13 +28,12 @@ def main() -> None:
     out, policy, group_size, steps = sys.argv[4], sys.argv[5], int(sys.argv[6]), int(sys.argv[7])
     slow_rank = int(sys.argv[8]) if len(sys.argv) > 8 else -1
     slow_seconds = float(sys.argv[9]) if len(sys.argv) > 9 else 0.0
-    max_groups = int(os.environ.get("MAX_GROUPS", "64"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     address = StoreAddress.from_env().child("test")
     service = None
     if rank == 0:
-        generator = GroupGenerator(world, make_policy(policy, world, group_size, seed=1), max_groups=max_groups)
+        generator = GroupGenerator(world, make_policy(policy, world, group_size, seed=1))
         generator.record_history = True
         service = CoordinatorService(address, generator)
         service.start()
@@ -42,7 +42,12 @@ def main() -> None:
     worker = GroupWorker(address, rank, world, BucketedTensors([params, buffer], bucket_bytes=16), "gloo", timeout=60)
     rng = random.Random(rank)
     history = []
-    for _ in range(steps):
+    communicators = communicator_count()  # after warm-up (GroupWorker's construction)
+    raw = dist.distributed_c10d._get_default_store()
+    keys = []
+    for step in range(steps):
+        if step in (steps // 4, steps // 2, 3 * steps // 4, steps - 1):
+            keys.append(raw.num_keys())
         time.sleep(slow_seconds if rank == slow_rank else rng.uniform(0.0, 0.01))
         before = params.clone()
         gid = worker.partial_sync().gid
@@ -57,7 +62,8 @@ def main() -> None:
         "buffer": buffer.tolist(),
         "before_global": mean_before.tolist(),
         "stats": {"groups": worker.stats.groups_executed, "skipped": worker.stats.skipped},
-        "max_cache": len(worker.cache),
+        "new_communicators": communicator_count() - communicators,
+        "store_keys": keys,
     }
     if service is not None:
         result["issued"] = [[gid, list(m)] for gid, m in service.generator.issued]

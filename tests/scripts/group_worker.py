@@ -1,0 +1,60 @@
+"""One rank of a run of the group primitive alone: a fixed sequence of groups of every size, on gloo.
+
+Usage: group_worker.py RANK WORLD PORT OUT_JSON CASES_JSON
+
+CASES_JSON is a list of ``{"members": [...], "weights": [...] | null}``, the same on every rank.
+Each rank holds two tensors (37 and 3 elements: a ring with uneven chunks, and a tensor smaller
+than a large group) starting at known values, and runs, in order, the cases it is a member of
+with ``average_``. It writes its tensors after every case it took part in, its final tensors,
+and how many communicators exist after the warm-up compared with the end.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from lightning_prague.core import BucketedTensors, GroupComm, average_, communicator_count
+
+
+def start(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7 + rank)
+    return [torch.randn(37, generator=g, dtype=torch.float64), torch.randn(3, generator=g, dtype=torch.float64)]
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    cases = json.loads(sys.argv[5])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    comm = GroupComm(rank, world, timeout=60)
+    comm.warm_up()
+    communicators = communicator_count()
+    tensors = start(rank)
+    bucketed = BucketedTensors(tensors, bucket_bytes=8)  # one bucket per tensor
+    after = {}
+    for index, case in enumerate(cases):
+        members = case["members"]
+        if rank not in members:
+            continue
+        weights = case["weights"]
+        weight = None if weights is None else weights[members.index(rank)]
+        average_(bucketed, comm, members, weight=weight, operation=f"case {index}")
+        after[index] = [t.tolist() for t in tensors]
+    result = {
+        "rank": rank,
+        "after": after,
+        "final": [t.tolist() for t in tensors],
+        "new_communicators": communicator_count() - communicators,
+        "messages": comm.stats.messages,
+    }
+    with open(out, "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
