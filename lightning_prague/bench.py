@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_one(strategy: str, profile: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One training run in fresh processes; returns rank 0's result."""
+    """One training run in fresh processes (the ranks forked from one); returns rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [
@@ -85,6 +85,7 @@ def run_one(strategy: str, profile: str, args: argparse.Namespace) -> dict[str, 
             "--devices", str(args.devices), "--epochs", str(args.epochs), "--step-time", str(args.step_time),
             "--slow-factor", str(args.slow_factor), "--sigma", str(args.sigma), "--seed", str(args.seed),
             "--group-size", str(args.group_size), "--monitors", "--json", str(out),
+            "--start-method", "fork",  # one import of Lightning per run, not one per rank
         ]  # fmt: skip
         proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:

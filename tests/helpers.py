@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,46 +29,80 @@ def env(**extra: str) -> dict[str, str]:
     return out
 
 
+def _run_script_in_child(script: Path, argv: list[str], environ: dict[str, str], log: Path) -> None:
+    """Body of a forked rank: the script's ``__main__`` with its own argv, environment and log file."""
+    import runpy
+    import traceback
+
+    with open(log, "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.argv = [str(script), *argv]
+    code = 0
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # never run the test process's exit handlers in a child
+
+
 def run_core_ranks(
     tmp: Path, world: int, *args: str, timeout: float = 90, script: str = "core_worker.py", **extra_env: str
 ) -> list[dict]:
-    """Run ``scripts/<script>`` (default ``core_worker.py``) on ``world`` ranks; return their JSON results."""
+    """Run ``scripts/<script>`` (default ``core_worker.py``) on ``world`` ranks; return their JSON results.
+
+    The ranks are forked from the test process, which has imported everything already: a core
+    run costs no interpreter start-up (most of its time on two cores otherwise).
+    """
+    ctx = multiprocessing.get_context("fork")
     port = free_port()
+    environ = env(**extra_env)
+    logs = [tmp / f"r{r}.log" for r in range(world)]
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(SCRIPTS / script),
-                str(r),
-                str(world),
-                str(port),
-                str(tmp / f"r{r}.json"),
-                *args,
-            ],
-            env=env(**extra_env),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        ctx.Process(
+            target=_run_script_in_child,
+            args=(SCRIPTS / script, [str(r), str(world), str(port), str(tmp / f"r{r}.json"), *args], environ, logs[r]),
         )
         for r in range(world)
     ]
-    outputs = []
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outputs.append(out)
+            p.join(max(0.1, deadline - time.monotonic()))
     finally:
         for p in procs:
-            p.kill()
+            if p.is_alive():
+                p.kill()
+                p.join()
     for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{outputs[r][-3000:]}"
+        assert p.exitcode == 0, f"rank {r} failed (exit code {p.exitcode}):\n{logs[r].read_text()[-3000:]}"
     return [json.loads((tmp / f"r{r}.json").read_text()) for r in range(world)]
 
 
+#: options of scripts/train.py that need every rank to be a process of its own (run after fit, signals)
+NEEDS_POPEN = ("--sigterm-rank", "--raise-at-batch", "--refit-epochs", "--test", "--num-nodes", "--start-method")
+
+
 def run_training(tmp: Path, *args: str, timeout: float = 240, script: str = "train.py", **extra_env: str):
-    """Run a Lightning training script (which launches its own ranks); return (completed process, rank-0 JSON)."""
+    """Run a Lightning training script (which launches its own ranks); return (completed process, rank-0 JSON).
+
+    The demo's ranks are forked from the script's process (one import of Lightning instead of one
+    per rank: most of a run's time on two cores) unless an option needs separate processes.
+    """
     out_json = tmp / "result.json"
+    fork = script == "train.py" and not any(a in NEEDS_POPEN for a in args)
     cmd = [sys.executable, str(SCRIPTS / script), "--json", str(out_json), *args]
+    if fork:
+        cmd += ["--start-method", "fork"]
     proc = subprocess.run(cmd, env=env(**extra_env), cwd=tmp, capture_output=True, text=True, timeout=timeout)
     result = json.loads(out_json.read_text()) if out_json.exists() else None
     return proc, result

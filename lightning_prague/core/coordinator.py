@@ -36,6 +36,7 @@ class CoordinatorService:
         self.poll_timeout = poll_timeout
         self.error: BaseException | None = None
         self.handled = 0
+        self.store_ops = 0  # pops and pushes of the service
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
 
@@ -62,6 +63,7 @@ class CoordinatorService:
                     items = {int(message.get("rank", 0)): [{"t": "error", "message": f"coordinator: {err}"}]}
                 for rank, rank_items in items.items():  # one push per rank and message: a bundle, in order
                     store.queue_push(inbox(rank), encode(rank_items[0] if len(rank_items) == 1 else rank_items))
+                self.store_ops += 1 + len(items)
                 if message["op"] == "arrive":  # lets a timed-out worker name the ranks it waited for
                     store.set("parked", encode(sorted(self.generator.parked)))
                 self.handled += 1

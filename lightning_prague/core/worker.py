@@ -43,7 +43,11 @@ class WorkerStats:
     skipped: int = 0
     syncs: int = 0
     sync_seconds: float = 0.0
-    group_sizes: list[int] = field(default_factory=list)
+    group_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=4096))  # of the latest groups
+    #: operations on the store from this worker (pushes and pops of messages)
+    store_ops: int = 0
+    #: seconds from each of the latest group requests to the coordinator's first reply (its group or answer)
+    reply_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     #: sum and count of ``||x_i - avg||^2 / ||avg||^2`` over the group averages this worker took part in;
     #: the sum stays a tensor on the model's device until it is read (no host synchronisation per step)
     group_error_sum: torch.Tensor | None = None
@@ -97,6 +101,7 @@ class GroupWorker:
     # -- messaging -------------------------------------------------------------------------
     def _send(self, op: str, **fields: Any) -> None:
         self.store.queue_push(REQUESTS, encode({"op": op, "rank": self.rank, **fields}))
+        self.stats.store_ops += 1
 
     def poll_item(self) -> dict[str, Any] | None:
         """The next item of this rank's inbox, or ``None`` if none came within the timeout.
@@ -109,6 +114,7 @@ class GroupWorker:
                 message = decode(self.store.queue_pop(inbox(self.rank)))
             except dist.DistStoreError:
                 return None
+            self.stats.store_ops += 1
             if isinstance(message, list):
                 self._pending.extend(message)
             else:
@@ -181,10 +187,15 @@ class GroupWorker:
         req = self._req
         self.stats.requests += 1
         reported = self.version if version is None else version
+        sent = time.monotonic()
         self._send("ready", req=req, version=reported)
         versions: dict[int, int | None] = {}
+        first = True
         while True:
             item = self._next_item(f"the coordinator's answer to group request #{req}")
+            if first:
+                self.stats.reply_seconds.append(time.monotonic() - sent)
+                first = False
             if item["t"] == "answer" and item["req"] == req:
                 gid = item["gid"]
                 if gid is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,12 +56,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--early-stopping", action="store_true", help="stop when val_acc stops improving")
     parser.add_argument("--test", action="store_true", help="run trainer.test after fit")
     parser.add_argument("--grouping-timeout", type=float, default=300.0, help="timeout of every wait (s)")
+    parser.add_argument(
+        "--start-method",
+        default="popen",
+        choices=["popen", "fork"],
+        help="how worker processes start: popen re-runs this script per rank; fork copies the parent "
+        "(no second import of Lightning per rank; Linux/macOS, CPU only)",
+    )
     return parser.parse_args(argv)
 
 
 def build_strategy(args: argparse.Namespace) -> Any:
     """Our strategies with the demo's options; any other name goes to Lightning as is."""
-    shared = {"seed": args.seed, "timeout": args.grouping_timeout}
+    shared = {"seed": args.seed, "timeout": args.grouping_timeout, "start_method": args.start_method}
     if args.strategy in ("prague", "partial_all_reduce"):
         return lightning_prague.PartialAllReduceStrategy(group_size=args.group_size, grouping=args.grouping, **shared)
     if args.strategy == "partial_reduce":
@@ -69,7 +77,30 @@ def build_strategy(args: argparse.Namespace) -> Any:
         return lightning_prague.ADPSGDStrategy(**shared)
     if args.strategy == "decent_adam":
         return lightning_prague.DecentAdamStrategy(topology=args.topology, **shared)
+    if args.strategy == "ddp" and args.start_method == "fork":
+        return "ddp_fork"
     return args.strategy
+
+
+class RunReport(L.Callback):
+    """Writes each rank's result at the end of fit, inside the rank's own process.
+
+    With ``--start-method fork`` the ranks are children of the process that called ``fit``, so
+    the result must be taken where the training state lives, not after ``fit`` returns.
+    """
+
+    def __init__(self, args: argparse.Namespace, summary: WorkerSummary, data: DigitsDataModule) -> None:
+        self.args, self.summary, self.data = args, summary, data
+        self.checkpoint: Any = None
+        self.result: dict[str, Any] | None = None
+        self._start = time.perf_counter()
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        seconds = time.perf_counter() - self._start
+        self.result = report(self.args, trainer, pl_module, self.data, self.summary, self.checkpoint, seconds)
 
 
 def build(
@@ -78,6 +109,8 @@ def build(
     """Trainer, model, data, the per-worker summary and the checkpoint callback (or None) for ``args``."""
     L.seed_everything(args.seed, workers=True, verbose=False)
     summary = WorkerSummary(verbose=True)
+    data = DigitsDataModule(batch_size=args.batch_size, num_workers=args.num_workers)
+    reporter = RunReport(args, summary, data)
     callbacks: list[L.Callback] = [
         SlowdownInjector(
             step_time=args.step_time,
@@ -92,15 +125,20 @@ def build(
             link_seconds_per_byte=args.link_seconds_per_mb / 2**20,
         ),
         summary,
+        reporter,
     ]
     if args.monitors:
         callbacks += [ConsensusMonitor(), StragglerMonitor(verbose=True)]
     checkpoint = None
     if args.checkpoint_dir:
-        checkpoint = L.pytorch.callbacks.ModelCheckpoint(
-            dirpath=args.checkpoint_dir, monitor="val_acc", mode="max", save_last=True
+        checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=args.checkpoint_dir, monitor="val_acc", mode="max")
+        # save_last=True would rewrite last.ckpt only in epochs that improve val_acc: keep the latest
+        # state with a checkpoint of its own, written at every epoch end
+        latest = L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=args.checkpoint_dir, filename="last", monitor=None, save_top_k=1, enable_version_counter=False
         )
-        callbacks.append(checkpoint)
+        callbacks += [checkpoint, latest]
+        reporter.checkpoint = checkpoint
     if args.early_stopping:
         callbacks.append(L.pytorch.callbacks.EarlyStopping(monitor="val_acc", mode="max", patience=1, min_delta=0.5))
     callbacks.extend(extra_callbacks or [])
@@ -121,7 +159,7 @@ def build(
     return (
         trainer,
         DigitsClassifier(lr=args.lr, optimizer=args.optimizer, accum_steps=args.accum_steps, lr_decay=args.lr_decay),
-        DigitsDataModule(batch_size=args.batch_size, num_workers=args.num_workers),
+        data,
         summary,
         checkpoint,
     )
@@ -130,7 +168,7 @@ def build(
 def report(
     args: argparse.Namespace,
     trainer: L.Trainer,
-    model: DigitsClassifier,
+    model: L.LightningModule,
     data: DigitsDataModule,
     summary: WorkerSummary,
     checkpoint: Any,
@@ -161,9 +199,11 @@ def report(
             result["worker_timings"] = callback.as_dicts()
     if checkpoint is not None:
         result["best_model_path"] = checkpoint.best_model_path
-        result["last_model_path"] = checkpoint.last_model_path
+        latest = [cb for cb in trainer.checkpoint_callbacks if cb is not checkpoint and cb.monitor is None]
+        result["last_model_path"] = latest[0].best_model_path if latest else checkpoint.last_model_path
     # every rank reports its own checksum so callers can check the replicas agree
     result["rank"] = trainer.global_rank
+    result["threads_after_fit"] = [t.name for t in threading.enumerate() if t.name.startswith("prague-")]
     if trainer.is_global_zero:
         print(
             f"{args.strategy}: val_acc={result['val_acc']:.4f} train={summary.train_seconds:.2f}s "
@@ -176,13 +216,12 @@ def report(
     return result
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    """Train; returns this process's result (``None`` in the parent of forked ranks)."""
     args = parse_args(argv)
     trainer, model, data, summary, checkpoint = build(args)
-    start = time.perf_counter()
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)
-    fit_seconds = time.perf_counter() - start
-    result = report(args, trainer, model, data, summary, checkpoint, fit_seconds)
+    result = next(cb for cb in trainer.callbacks if isinstance(cb, RunReport)).result
     if args.test:
         test_acc = float(trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"])
         if trainer.is_global_zero:

@@ -58,7 +58,7 @@ def main() -> None:
     if own.raise_at_batch:
         callbacks.append(RaiseAt(own.raise_at_batch, own.raise_rank))
     trainer, model, data, summary, checkpoint = run.build(args, callbacks)
-    start = time.perf_counter()
+    reporter = next(cb for cb in trainer.callbacks if isinstance(cb, run.RunReport))
     try:
         trainer.fit(model, datamodule=data, ckpt_path=args.resume)
     except RuntimeError as err:
@@ -79,11 +79,12 @@ def main() -> None:
         for proc in getattr(trainer.strategy.launcher, "procs", []):  # rank 0 waits for the ranks it launched
             proc.wait(timeout=120)
         sys.exit(3)  # a normal exit: it would hang on any non-daemon thread left behind
+    if reporter.result is None:  # forked ranks wrote their results themselves; this is their parent
+        return
     if own.refit_epochs:
         trainer.fit_loop.max_epochs = own.refit_epochs
         trainer.fit(model, datamodule=data)
-    result = run.report(args, trainer, model, data, summary, checkpoint, time.perf_counter() - start)
-    result["threads_after_fit"] = prague_threads()
+    result = dict(reporter.result)
     if args.test:
         result["test_acc"] = float(trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"])
     if args.json:
