@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         parser.error("--sizes: every size must be at least 2 workers")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [measure(n, args, args.out) for n in args.sizes]
-    print(f"| N | policy | formations/s | requests/s | latency p50 / p99 (ms) | store ops per request |")
+    print("| N | policy | formations/s | requests/s | latency p50 / p99 (ms) | store ops per request |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(
