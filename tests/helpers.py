@@ -54,13 +54,22 @@ def _run_script_in_child(script: Path, argv: list[str], environ: dict[str, str],
 
 
 def run_core_ranks(
-    tmp: Path, world: int, *args: str, timeout: float = 90, script: str = "core_worker.py", **extra_env: str
+    tmp: Path,
+    world: int,
+    *args: str,
+    timeout: float = 90,
+    script: str = "core_worker.py",
+    fork: bool = True,
+    **extra_env: str,
 ) -> list[dict]:
     """Run ``scripts/<script>`` (default ``core_worker.py``) on ``world`` ranks; return their JSON results.
 
     The ranks are forked from the test process, which has imported everything already: a core
-    run costs no interpreter start-up (most of its time on two cores otherwise).
+    run costs no interpreter start-up (most of its time on two cores otherwise). ``fork=False``
+    starts fresh interpreters instead (CUDA cannot be used in a forked child).
     """
+    if not fork:
+        return _run_core_ranks_in_new_processes(tmp, world, *args, timeout=timeout, script=script, **extra_env)
     ctx = multiprocessing.get_context("fork")
     port = free_port()
     environ = env(**extra_env)
@@ -85,6 +94,32 @@ def run_core_ranks(
                 p.join()
     for r, p in enumerate(procs):
         assert p.exitcode == 0, f"rank {r} failed (exit code {p.exitcode}):\n{logs[r].read_text()[-3000:]}"
+    return [json.loads((tmp / f"r{r}.json").read_text()) for r in range(world)]
+
+
+def _run_core_ranks_in_new_processes(
+    tmp: Path, world: int, *args: str, timeout: float, script: str, **extra_env: str
+) -> list[dict]:
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPTS / script), str(r), str(world), str(port), str(tmp / f"r{r}.json"), *args],
+            env=env(**extra_env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} failed:\n{outputs[r][-3000:]}"
     return [json.loads((tmp / f"r{r}.json").read_text()) for r in range(world)]
 
 

@@ -18,7 +18,6 @@ from lightning_prague.strategies._checks import check_trainer
         ({"group_size": 1}, "group_size=1 is invalid"),
         ({"sync_every": 0}, "sync_every=0 is invalid"),
         ({"timeout": 0}, "timeout=0 is invalid"),
-        ({"max_groups": 0}, "max_groups=0 is invalid"),
     ],
 )
 def test_bad_strategy_arguments(kwargs, match):
@@ -93,3 +92,8 @@ def test_decent_adam_is_registered_and_allows_step_based_settings():
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="decent_adam", logger=False, max_steps=10)
     assert isinstance(trainer.strategy, lightning_prague.DecentAdamStrategy)
     assert trainer.strategy.topology == "ring" and not trainer.strategy.shards_by_work_queue
+
+
+def test_max_groups_is_deprecated_and_says_why():
+    with pytest.warns(DeprecationWarning, match="max_groups is deprecated and has no effect"):
+        PartialAllReduceStrategy(max_groups=64)

@@ -1,0 +1,96 @@
+"""One rank of the CUDA path on one GPU: every rank on cuda:0, gloo between the processes.
+
+Usage: cuda_worker.py RANK WORLD PORT OUT_JSON
+
+NCCL refuses two ranks on one device, so the ranks talk over gloo: the model state lives on the
+GPU and every collective stages it through the backend's device (the CPU), from communication
+threads bound to the GPU on streams of their own, exactly as with NCCL. Checks: a group average
+of float32 and bfloat16 state on the GPU; overlapped exchanges (BackgroundAverager) that conserve
+the sum; one round of LaggedGossip; the consensus measurement; where the communication thread ran.
+"""
+
+import json
+import os
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+from lightning_prague.core import (
+    BucketedTensors,
+    CoordinatorService,
+    GroupGenerator,
+    GroupWorker,
+    StoreAddress,
+    average_,
+    make_policy,
+    make_topology,
+)
+from lightning_prague.core.gossip import LaggedGossip
+from lightning_prague.core.overlap import BackgroundAverager
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device("cuda", 0)
+    address = StoreAddress.from_env().child("cuda")
+    service = None
+    if rank == 0:
+        service = CoordinatorService(address, GroupGenerator(world, make_policy("first_ready", world, 2)))
+        service.start()
+    params = torch.full((1000,), float(rank), device=device)
+    half = torch.full((10,), float(rank), device=device, dtype=torch.bfloat16)
+    tensors = BucketedTensors([params, half])
+    worker = GroupWorker(address, rank, world, tensors, "gloo", timeout=60)
+    result = {"rank": rank, "buckets": len(tensors.buckets)}
+
+    average_(tensors, worker.comm, list(range(world)), operation="test average")
+    result["mean"] = [float(params.mean()), float(half.float().mean())]
+
+    exchanger = BackgroundAverager(worker, tensors, timeout=60)
+    seen = {}
+
+    def where() -> None:  # runs in the communication thread through a job of its own
+        seen["device"] = torch.cuda.current_device()
+        seen["own_stream"] = torch.cuda.current_stream() != torch.cuda.default_stream()
+
+    probe = threading.Thread(target=lambda: (exchanger.streams.bind(), where()))  # as a communication thread starts
+    probe.start()
+    probe.join()
+    start_sum = float(params.double().sum())
+    added = 0.0
+    exchanger.start()
+    for _ in range(20):
+        params.add_(0.5 * (rank + 1))
+        added += 0.5 * (rank + 1) * params.numel()
+        worker.version += 1
+        exchanger.step()
+    exchanger.drain()
+    worker.synchronize("overlapped")
+    result.update(start_sum=start_sum, added=added, sum=float(params.double().sum()), exchanges=exchanger.exchanges)
+    result["consensus_error"] = worker.consensus_error()
+    worker.global_average()
+    result["after_global"] = float(params.double().sum())
+
+    for t in (params, half):
+        t.fill_(float(rank))
+    gossip = LaggedGossip(worker, tensors, make_topology("complete", world), timeout=60, name="cuda")
+    gossip.issue()
+    gossip.mix()
+    gossip.close()
+    result["gossip_mean"] = float(params.mean())
+    result["thread"] = seen
+    if service is not None:
+        service.close()
+    with open(out, "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
