@@ -42,7 +42,10 @@ def _client_thread(address: StoreAddress, ranks: list[int], stop_at: float, late
             store.queue_push(REQUESTS, encode({"op": "ready", "rank": rank, "req": req[rank], "version": 0}))
             answered = False
             while not answered:
-                message = decode(store.queue_pop(inbox(rank)))
+                try:
+                    message = decode(store.queue_pop(inbox(rank)))
+                except dist.QueueEmptyError:  # woken without an item under load: wait on (as GroupWorker)
+                    continue
                 for item in message if isinstance(message, list) else [message]:
                     if item["t"] == "answer" and item["req"] == req[rank]:
                         answered = True

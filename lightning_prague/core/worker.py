@@ -110,10 +110,19 @@ class GroupWorker:
         they are handed out one at a time, in order.
         """
         if not self._pending:
-            try:
-                message = decode(self.store.queue_pop(inbox(self.rank)))
-            except dist.DistStoreError:
-                return None
+            deadline = time.monotonic() + self.timeout
+            while True:
+                try:
+                    message = decode(self.store.queue_pop(inbox(self.rank)))
+                    break
+                except dist.QueueEmptyError:
+                    # a blocking pop woken by a push it then lost to nobody (seen under heavy load):
+                    # not a timeout, so wait on
+                    if time.monotonic() >= deadline:
+                        return None
+                    time.sleep(0.0005)
+                except dist.DistStoreError:
+                    return None
             self.stats.store_ops += 1
             if isinstance(message, list):
                 self._pending.extend(message)
