@@ -14,8 +14,9 @@ cheap and what is measured is the communication layer.
 
 Reported per run: throughput (steps per second, all workers) as a fraction of the physical limit
 (the sum of the workers' speeds), communicators created after warm-up (must be 0), the
-coordinator's reply latency (p50/p99 of request to first reply), store operations per step
-(workers and coordinator), and the peak RSS of a worker.
+coordinator's reply latency (p50/p99 of request to first reply), messages to and from the
+coordinator per step, TCPStore operations per step (counted on every worker's store client
+during the window), and the peak RSS of a worker.
 """
 
 from __future__ import annotations
@@ -80,6 +81,23 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+class CountingStore:
+    """A store client that counts the operations made through it (the benchmark's meter)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+        self.operations = 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.operations += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
 def worker_main(rank: int, world: int, port: int, config: dict[str, Any], out: str) -> None:
     """One worker process: warm up, train for the window, drain, report."""
     torch.set_num_threads(1)
@@ -101,7 +119,7 @@ def worker_main(rank: int, world: int, port: int, config: dict[str, Any], out: s
             dist.all_reduce(grad)  # lock-step: everyone waits for the slowest every step
             params.add_(grad, alpha=-1e-6)
         elapsed = time.monotonic() - start
-        result.update(steps=steps, elapsed=elapsed, store_ops=0, reply=[])
+        result.update(steps=steps, elapsed=elapsed, messages=0, store_ops=0, reply=[])
     else:
         address = StoreAddress.from_env().child("scaling")
         service = None
@@ -112,6 +130,8 @@ def worker_main(rank: int, world: int, port: int, config: dict[str, Any], out: s
         worker = GroupWorker(address, rank, world, tensors, "gloo", timeout=120)  # warms up the world group
         communicators = communicator_count()
         exchanger = _exchanger(strategy, worker, tensors)
+        worker.connect()
+        worker.store = counted = CountingStore(worker.store)  # store operations from here on
         dist.barrier()
         start = time.monotonic()
         deadline = start + seconds
@@ -130,10 +150,14 @@ def worker_main(rank: int, world: int, port: int, config: dict[str, Any], out: s
         worker.synchronize("end")
         exchanger.close()
         result.update(
-            steps=steps, elapsed=elapsed, store_ops=worker.stats.store_ops, reply=list(worker.stats.reply_seconds)
+            steps=steps,
+            elapsed=elapsed,
+            messages=worker.stats.messages,
+            store_ops=counted.operations,
+            reply=list(worker.stats.reply_seconds),
         )
         if service is not None:
-            result["coordinator_store_ops"] = service.store_ops
+            result["coordinator_messages"] = service.messages
             service.close()
     result["new_communicators"] = communicator_count() - communicators
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -175,7 +199,7 @@ def run(world: int, config: dict[str, Any], tmp: Path, timeout: float) -> dict[s
     throughput = sum(r["steps"] for r in reports) / elapsed
     steps = sum(r["steps"] for r in reports)
     replies = [x for r in reports for x in r["reply"]]
-    store_ops = sum(r["store_ops"] for r in reports) + sum(r.get("coordinator_store_ops", 0) for r in reports)
+    messages = sum(r["messages"] for r in reports) + sum(r.get("coordinator_messages", 0) for r in reports)
     return {
         "strategy": config["strategy"],
         "profile": config["profile"],
@@ -186,7 +210,8 @@ def run(world: int, config: dict[str, Any], tmp: Path, timeout: float) -> dict[s
         "new_communicators": sum(r["new_communicators"] for r in reports),
         "reply_p50_ms": 1000 * _percentile(replies, 0.5),
         "reply_p99_ms": 1000 * _percentile(replies, 0.99),
-        "store_ops_per_step": store_ops / max(steps, 1),
+        "messages_per_step": messages / max(steps, 1),
+        "store_ops_per_step": sum(r["store_ops"] for r in reports) / max(steps, 1),
         "peak_rss_mb": max(r["peak_rss_mb"] for r in reports),
         "fast_steps_median": statistics.median(r["steps"] for r in reports[1:]),
         "slow_steps": reports[0]["steps"],
@@ -196,7 +221,7 @@ def run(world: int, config: dict[str, Any], tmp: Path, timeout: float) -> dict[s
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"| {'strategy':<14} | profile     |   N | steps/s | limit | of limit | vs DDP | new comms |"
-        " reply p50/p99 (ms) | store ops/step | peak RSS (MB) |"
+        " reply p50/p99 (ms) | msgs/step | store ops/step | peak RSS (MB) |"
     )
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     ddp = {(r["profile"], r["workers"]): r["throughput"] for r in rows if r["strategy"] == "ddp"}
@@ -206,7 +231,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['strategy']:<14} | {r['profile']:<11} | {r['workers']:>3} | {r['throughput']:7.1f} | "
             f"{r['limit']:5.1f} | {r['fraction_of_limit']:8.0%} | {versus} | {r['new_communicators']:>9} | "
-            f"{r['reply_p50_ms']:8.1f} / {r['reply_p99_ms']:<7.1f} | {r['store_ops_per_step']:14.1f} | "
+            f"{r['reply_p50_ms']:8.1f} / {r['reply_p99_ms']:<7.1f} | {r['messages_per_step']:9.1f} | "
+            f"{r['store_ops_per_step']:14.2f} | "
             f"{r['peak_rss_mb']:13.0f} |"
         )
     return "\n".join(lines)

@@ -195,6 +195,7 @@ class LaggedGossip(Exchanger):
                 final = self.round + self.schedule.coverage + 1  # nobody can be past it (Schedule.coverage)
             store.set(f"{key}/final", str(final))
         start = time.monotonic()
+        pause = 0.001  # polls of the store back off to 20 ms: N workers polling must not flood rank 0's store
         while not store.check([f"{key}/final"]):
             waited = time.monotonic() - start
             if waited > self.timeout:
@@ -209,7 +210,8 @@ class LaggedGossip(Exchanger):
                 self.issue()
                 self.idle_rounds += 1
             else:
-                time.sleep(0.001)
+                time.sleep(pause)
+                pause = min(2 * pause, 0.02)
         return int(store.get(f"{key}/final"))
 
     def _claim(self, key: str, mode: str) -> str:

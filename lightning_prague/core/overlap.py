@@ -290,9 +290,6 @@ class PassiveResponder(_ThreadedExchanger):
         self._pending: list[torch.Tensor] | None = None
         self._pending_done: Marker = None
         self._served = 0
-        # the thread blocks on the worker's own connection; the training thread posts the pause marker
-        # through the control connection, opened now rather than in the middle of training
-        worker.control  # noqa: B018
 
     def _publish(self) -> None:
         flats = [self.live.flat(bucket) for bucket in self.live.buckets]

@@ -1,8 +1,9 @@
 """Access to torch.distributed's TCPStore, the one rendezvous service every job already has.
 
-The coordinator, the work queue and the stop flag all talk through it. Each thread opens its own
-client connection (:meth:`StoreAddress.connect`) because a TCPStore client is not meant to be
-shared between threads.
+The work queue's counters, the end-of-phase agreement of gossip and the coordinator's published
+address live in it (the coordinator's messages have their own connections,
+:mod:`lightning_prague.core.transport`). Each thread opens its own client connection
+(:meth:`StoreAddress.connect`) because a TCPStore client is not meant to be shared between threads.
 """
 
 from __future__ import annotations
@@ -53,31 +54,9 @@ class StoreAddress:
         return self.attach(client)
 
 
-def default_store_client() -> dist.Store | None:
-    """The TCPStore client torch.distributed's default group was initialised with, without its prefixes.
-
-    Reusing it for occasional messages from the thread that runs the default group saves a connection:
-    on some machines every 25th connection to a TCPStore stalls for seconds.
-    """
-    if not dist.is_initialized():
-        return None
-    store = dist.distributed_c10d._get_default_store()
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store if isinstance(store, dist.TCPStore) else None
-
-
 def encode(message: dict[str, Any]) -> str:
     return json.dumps(message, separators=(",", ":"))
 
 
 def decode(raw: bytes | str) -> dict[str, Any]:
     return json.loads(raw)
-
-
-def pop_message(store: dist.Store, queue: str, what: str) -> dict[str, Any]:
-    """Blocking pop from a store queue; a timeout becomes a :class:`CoordinationTimeout` naming ``what``."""
-    try:
-        return decode(store.queue_pop(queue))
-    except dist.DistStoreError as err:
-        raise CoordinationTimeout(f"{what}: no message on store queue '{queue}' before the timeout ({err})") from None

@@ -8,20 +8,21 @@ Then nothing is in flight anywhere, and a world-wide average is safe.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_prague.core.averaging import BucketedTensors, average_, relative_error
-from lightning_prague.core.coordinator import REQUESTS, inbox
+from lightning_prague.core.coordinator import connect_to_coordinator
 from lightning_prague.core.errors import CoordinationTimeout, ExchangeInterrupted, SyncMismatchError
 from lightning_prague.core.generator import STOP_SYNC
 from lightning_prague.core.groups import GroupComm
-from lightning_prague.core.store import StoreAddress, decode, default_store_client, encode
+from lightning_prague.core.store import StoreAddress, decode
+from lightning_prague.core.transport import MessageLink
 
 PAUSE = {"t": "pause"}  # a worker posts this to its own inbox to stop a thread that serves it
 
@@ -44,8 +45,8 @@ class WorkerStats:
     syncs: int = 0
     sync_seconds: float = 0.0
     group_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=4096))  # of the latest groups
-    #: operations on the store from this worker (pushes and pops of messages)
-    store_ops: int = 0
+    #: messages this worker sent to and received from the coordinator
+    messages: int = 0
     #: seconds from each of the latest group requests to the coordinator's first reply (its group or answer)
     reply_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     #: sum and count of ``||x_i - avg||^2 / ||avg||^2`` over the group averages this worker took part in;
@@ -83,9 +84,10 @@ class GroupWorker:
         self.tensors = tensors
         self.timeout = timeout
         self.address = address
+        #: the job's TCPStore under this session's prefix: rarely used (end-of-phase agreement, hints)
         self.store = address.connect(timeout)
-        self._control: dist.Store | None = None
-        self._pending: deque[dict[str, Any]] = deque()  # items of a bundle not yet executed
+        self._link: MessageLink | None = None
+        self._link_lock = threading.Lock()
         #: sums over any group on the world process group; no communicator is ever created for a group
         self.comm = GroupComm(rank, world_size, timeout)
         self.comm.warm_up()
@@ -99,36 +101,33 @@ class GroupWorker:
         self.released_version = 0
 
     # -- messaging -------------------------------------------------------------------------
+    @property
+    def link(self) -> MessageLink:
+        """This rank's one connection to the coordinator, opened on first use (or by :meth:`connect`).
+
+        Any thread may send on it; one thread at a time receives. A worker that only gossips on a
+        fixed schedule never opens it.
+        """
+        if self._link is None:
+            with self._link_lock:
+                if self._link is None:
+                    self._link = connect_to_coordinator(self.store, self.rank, self.timeout)
+        return self._link
+
+    def connect(self) -> None:
+        """Open the connection to the coordinator now (fail at setup rather than at the first step)."""
+        self.link  # noqa: B018
+
     def _send(self, op: str, **fields: Any) -> None:
-        self.store.queue_push(REQUESTS, encode({"op": op, "rank": self.rank, **fields}))
-        self.stats.store_ops += 1
+        self.link.send({"op": op, "rank": self.rank, **fields})
+        self.stats.messages += 1
 
     def poll_item(self) -> dict[str, Any] | None:
-        """The next item of this rank's inbox, or ``None`` if none came within the timeout.
-
-        The coordinator pushes the items one message produces for a rank as one bundle (a list);
-        they are handed out one at a time, in order.
-        """
-        if not self._pending:
-            deadline = time.monotonic() + self.timeout
-            while True:
-                try:
-                    message = decode(self.store.queue_pop(inbox(self.rank)))
-                    break
-                except dist.QueueEmptyError:
-                    # a blocking pop woken by a push it then lost to nobody (seen under heavy load):
-                    # not a timeout, so wait on
-                    if time.monotonic() >= deadline:
-                        return None
-                    time.sleep(0.0005)
-                except dist.DistStoreError:
-                    return None
-            self.stats.store_ops += 1
-            if isinstance(message, list):
-                self._pending.extend(message)
-            else:
-                self._pending.append(message)
-        return self._pending.popleft()
+        """The next item of this rank's inbox, or ``None`` if none came within the timeout."""
+        item = self.link.receive()
+        if item is not None:
+            self.stats.messages += 1
+        return item
 
     def _next_item(self, waiting_for: str) -> dict[str, Any]:
         item = self.poll_item()
@@ -168,19 +167,6 @@ class GroupWorker:
         elif kind == "error":
             raise SyncMismatchError(f"rank {self.rank}: {item['message']}")
         return None
-
-    @property
-    def control(self) -> dist.Store:
-        """A connection for out-of-band pushes (stop requests, pause markers) from the training thread
-        while another thread blocks on ``store`` (a TCPStore client serializes its operations).
-
-        It is the default process group's client when there is one (the training thread is the only
-        thread that uses it), otherwise a connection opened on first use.
-        """
-        if self._control is None:
-            client = default_store_client()
-            self._control = self.address.attach(client) if client is not None else self.address.connect(self.timeout)
-        return self._control
 
     # -- public API ------------------------------------------------------------------------
     def partial_sync(self, tensors: BucketedTensors | None = None, version: int | None = None) -> GroupAnswer:
@@ -241,11 +227,11 @@ class GroupWorker:
         Safe to call from the training thread while a communication thread uses the worker.
         """
         if not self.stop_seen:
-            self.control.queue_push(REQUESTS, encode({"op": "stop", "rank": self.rank}))
+            self._send("stop")
 
     def send_leave(self) -> None:
         """Tell the coordinator this rank shuts down after an error (see :meth:`await_left`)."""
-        self.control.queue_push(REQUESTS, encode({"op": "leave", "rank": self.rank}))
+        self._send("leave")
 
     def leave(self) -> None:
         """:meth:`send_leave` and :meth:`await_left` from the thread that owns this rank's connection.
@@ -272,8 +258,16 @@ class GroupWorker:
                 self.execute(item)
 
     def post_pause(self) -> None:
-        """Put :data:`PAUSE` at the end of this rank's own inbox (see ``PassiveResponder``)."""
-        self.control.queue_push(inbox(self.rank), encode(PAUSE))
+        """Put :data:`PAUSE` at the end of this rank's own inbox (see ``PassiveResponder``).
+
+        The coordinator echoes it behind everything it already assigned to this rank.
+        """
+        self.link.send({"op": "echo", "rank": self.rank, "item": PAUSE})
+
+    def close(self) -> None:
+        """Close the connection to the coordinator (teardown; the worker is not used afterwards)."""
+        if self._link is not None:
+            self._link.close()
 
     def drain_for_stop(self) -> None:
         """Meet every other rank at the stop point (idempotent)."""

@@ -225,6 +225,7 @@ class DecentralizedStrategy(DDPStrategy):
             self._get_process_group_backend(),
             self.sync_timeout,
         )
+        self.worker.connect()  # every rank meets the coordinator at synchronization points
         self.exchanger = self.make_exchanger(self.worker, tensors)
         self.local_steps = 0
         self.batches_done = 0
@@ -265,6 +266,8 @@ class DecentralizedStrategy(DDPStrategy):
                     )
             self.coordinator.close()
             self.coordinator = None
+        if self.worker is not None:
+            self.worker.close()
         self.worker = None
         self._aligned = True
         super().teardown()
