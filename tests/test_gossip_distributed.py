@@ -19,6 +19,7 @@ CASES = {
     "one_peer_exp": {"name": "one_peer_exp"},
     "alternating_exp_ring": {"name": "alternating_exp_ring", "workers_per_node": 2},
     "user_schedule": {"schedule": USER_SCHEDULE},
+    "prague_static": {"name": "static", "workers_per_node": 2},
 }
 STEPS, LR, DIM = 6, 0.3, 7
 
@@ -56,6 +57,21 @@ def test_one_round_is_w_x_and_overlap_gives_the_same_parameters(gossip_runs, cas
     blocking = torch.tensor([run["blocking"]["params"] for run in runs], dtype=torch.float64)
     torch.testing.assert_close(overlapped, expected, rtol=0, atol=1e-10)
     torch.testing.assert_close(blocking, overlapped, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_unlagged_gossip_takes_the_gradient_at_the_averaged_parameters(gossip_runs, case):
+    """``lagged=False`` (Prague's blocking static schedule): y_0 = W_0 x^0, y_{t+1} = W_{t+1}(y_t - lr grad(y_t))."""
+    spec = CASES[case]
+    schedule = make_topology(spec.get("name", ""), 4, spec.get("workers_per_node", 1), spec.get("schedule"))
+    runs = [r[case]["averaged_first"] for r in gossip_runs]
+    assert {run["rounds"] for run in runs} == {STEPS + 1}
+    targets = torch.stack([torch.arange(DIM, dtype=torch.float64) * (r + 1) for r in range(4)])
+    x = schedule.mixing_matrix(0) @ torch.tensor([r["start"] for r in gossip_runs], dtype=torch.float64)
+    for t in range(STEPS):
+        x = schedule.mixing_matrix(t + 1) @ (x - LR * (x - targets))
+    got = torch.tensor([run["params"] for run in runs], dtype=torch.float64)
+    torch.testing.assert_close(got, x, rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -34,6 +34,18 @@ def test_prague_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(t
     assert proc.stderr.count("uses this rank's local value instead") == 4
 
 
+def test_static_schedule_trains_without_asking_the_coordinator(tmp_path):
+    args = ["--strategy", "prague", "--grouping", "static", "--group-size", "2", "--devices", "4", "--epochs", "2"]
+    proc, result = run_training(tmp_path, *args, "--step-time", "0", "--profile", "homogeneous")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert result["val_acc"] > 0.5, result
+    assert result["batches_per_worker"] == [2 * 12] * 4, "equal shards: the static rounds run in lock step"
+    ranks = [result, *rank_results(tmp_path)]
+    assert [r["coordinator_requests"] for r in ranks] == [0] * 4, "a static schedule needs no coordinator round trip"
+    assert all(r["exchanges"] >= 2 * 12 for r in ranks), [r["exchanges"] for r in ranks]
+    assert len({round(r["params_checksum"], 4) for r in ranks}) == 1, "replicas must agree after fit"
+
+
 def test_checkpoint_early_stopping_resume_second_fit_and_test(tmp_path):
     ckpt = tmp_path / "ckpt"
     args = ["--strategy", "prague", "--devices", "3", "--step-time", "0", "--checkpoint-dir", str(ckpt)]

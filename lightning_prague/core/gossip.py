@@ -11,7 +11,9 @@ thread of the worker (on CUDA, on its own stream, ordered against compute with e
 at the start of each asynchronous phase), lets it run in the backend while the next forward and
 backward pass compute the gradient at the un-averaged ``x^t``, and waits for it just before
 update ``t + 1``, so that ``x^{t+1} = sum_j w_ij x_j^t - lr d_i^t``. ``overlap=False`` waits for the
-exchange as soon as it is issued: the same parameters, without the overlap.
+exchange as soon as it is issued: the same parameters, without the overlap. ``lagged=False`` also
+mixes it in at once, so the next gradient is taken at the averaged parameters (Prague's blocking
+Partial All-Reduce with its ``static`` schedule uses that).
 
 Rounds are counted per worker, and each round is a collective of its group, so every worker must
 end a phase at the same round. :meth:`LaggedGossip.drain` agrees on it over the store. Normally
@@ -74,12 +76,16 @@ class LaggedGossip(Exchanger):
         overlap: bool = True,
         name: str = "gossip",
         idle_after: float = 1.0,
+        lagged: bool = True,
     ) -> None:
         if schedule.world_size != worker.world_size:
             raise ValueError(f"topology for {schedule.world_size} workers used by a world of {worker.world_size}")
         super().__init__(worker, live, timeout)
         self.schedule = schedule
         self.overlap = overlap
+        #: ``False``: mix each round in as soon as it is issued, so the next gradient is taken at the
+        #: averaged parameters (Prague's blocking Partial All-Reduce); implies waiting at once
+        self.lagged = lagged
         self.round = 0  #: exchanges issued so far; equal on every worker at synchronization points
         self._flight: _InFlight | None = None
         self._phase_open = False
@@ -109,7 +115,9 @@ class LaggedGossip(Exchanger):
             flight.sums = [s.clone() for s in flight.snapshots]
             flight.future = self._thread().submit(self._sum, flight, self.streams.mark())
         self._flight = flight
-        if not self.overlap:
+        if not self.lagged:
+            self.mix()
+        elif not self.overlap:
             self._wait(flight)
 
     def _sum(self, flight: _InFlight, ready: Marker) -> Marker:

@@ -93,14 +93,23 @@ class RunReport(L.Callback):
         self.args, self.summary, self.data = args, summary, data
         self.checkpoint: Any = None
         self.result: dict[str, Any] | None = None
+        self.exchange_counts: dict[str, int] = {}
         self._start = time.perf_counter()
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._start = time.perf_counter()
 
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # the strategy's worker is gone by on_fit_end (teardown runs first)
+        worker, exchanger = getattr(trainer.strategy, "worker", None), getattr(trainer.strategy, "exchanger", None)
+        if worker is not None and exchanger is not None:
+            self.exchange_counts = {"coordinator_requests": worker.stats.requests, "exchanges": exchanger.exchanges}
+
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         seconds = time.perf_counter() - self._start
-        self.result = report(self.args, trainer, pl_module, self.data, self.summary, self.checkpoint, seconds)
+        self.result = report(
+            self.args, trainer, pl_module, self.data, self.summary, self.checkpoint, seconds, self.exchange_counts
+        )
 
 
 def build(
@@ -173,8 +182,12 @@ def report(
     summary: WorkerSummary,
     checkpoint: Any,
     fit_seconds: float,
+    exchange_counts: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """The result of a run as a dict; rank 0 prints a line, every rank writes JSON if asked."""
+    """The result of a run as a dict; rank 0 prints a line, every rank writes JSON if asked.
+
+    ``exchange_counts``: what this rank asked the coordinator for and exchanged (see :class:`RunReport`).
+    """
     result: dict[str, Any] = {
         "strategy": args.strategy,
         "devices": args.devices * args.num_nodes,
@@ -201,6 +214,7 @@ def report(
         result["best_model_path"] = checkpoint.best_model_path
         latest = [cb for cb in trainer.checkpoint_callbacks if cb is not checkpoint and cb.monitor is None]
         result["last_model_path"] = latest[0].best_model_path if latest else checkpoint.last_model_path
+    result.update(exchange_counts or {})
     # every rank reports its own checksum so callers can check the replicas agree
     result["rank"] = trainer.global_rank
     result["threads_after_fit"] = [t.name for t in threading.enumerate() if t.name.startswith("prague-")]

@@ -6,8 +6,10 @@ from typing import Any
 
 from lightning_prague.core.averaging import BucketedTensors
 from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.gossip import LaggedGossip
 from lightning_prague.core.overlap import BackgroundAverager, BlockingExchanger, Exchanger
-from lightning_prague.core.policies import GroupingPolicy, make_policy
+from lightning_prague.core.policies import GroupingPolicy, SchedulePolicy, make_policy
+from lightning_prague.core.topology import Schedule
 from lightning_prague.core.worker import GroupWorker
 from lightning_prague.strategies.base import DecentralizedStrategy
 
@@ -31,7 +33,11 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         group_size: workers per group (2 to the number of workers).
         grouping: ``"random"`` (Prague's Group Generator), ``"buffer"`` (Group Buffer),
             ``"division"`` (Group Division) or ``"static"`` (conflict-free schedule for
-            homogeneous clusters); see :mod:`lightning_prague.core.policies`.
+            homogeneous clusters); see :mod:`lightning_prague.core.policies`. With ``"static"``
+            every worker knows its group of every round, so no exchange asks the coordinator: the
+            rounds run as gossip (:class:`~lightning_prague.core.gossip.LaggedGossip`) and, since
+            a worker's group waits for it every round, training keeps Lightning's distributed
+            sampler (equal shards, step-based settings allowed), as ``decent_adam`` does.
         avoid_stragglers: leave workers that lag far behind out of other workers' groups (they
             still average through the groups they ask for); see ``GroupGenerator.lagging``.
         overlap: run each group exchange on a snapshot in a background thread and fold the result
@@ -63,10 +69,20 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         self.grouping = grouping
         self.avoid_stragglers = avoid_stragglers
         self.overlap = overlap
+        if grouping == "static":
+            # lock-step rounds: a work queue could not let fast workers take more batches
+            self.shards_by_work_queue = False
+        self.schedule: Schedule | None = None
 
     def make_policy(self) -> GroupingPolicy:
-        return make_policy(self.grouping, self.world_size, self.group_size, self.seed, self.workers_per_node)
+        policy = make_policy(self.grouping, self.world_size, self.group_size, self.seed, self.workers_per_node)
+        self.schedule = policy.schedule if isinstance(policy, SchedulePolicy) else None
+        return policy
 
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
+        if self.schedule is not None:  # the static schedule: no coordinator round trip per exchange
+            return LaggedGossip(
+                worker, tensors, self.schedule, self.sync_timeout, overlap=self.overlap, lagged=self.overlap
+            )
         kind = BackgroundAverager if self.overlap else BlockingExchanger
         return kind(worker, tensors, self.sync_timeout)

@@ -6,7 +6,7 @@ CASES_JSON maps case names to topologies, each ``{"name": ..., "workers_per_node
 ``{"schedule": [...]}``. For each case the rank writes: for every round of the period, its
 tensors after one round from known starting values ("rounds"); and the parameters after STEPS
 steps of gradient descent on a quadratic with the exchange overlapped ("overlapped") and waited
-for at once ("blocking"), with the number of rounds run including the end-of-phase idle rounds; and ("uneven") the same
+for at once ("blocking"), with each round mixed in at once ("averaged_first"), with the number of rounds run including the end-of-phase idle rounds; and ("uneven") the same
 with rank r running STEPS + 2r steps. Also the exact consensus error of the starting values and
 the group error each round's mix recorded.
 """
@@ -33,9 +33,13 @@ def target(rank: int) -> torch.Tensor:
     return torch.arange(DIM, dtype=torch.float64) * (rank + 1)
 
 
-def train(worker: GroupWorker, tensors: BucketedTensors, schedule, steps: int, overlap: bool, name: str) -> dict:
+def train(
+    worker: GroupWorker, tensors: BucketedTensors, schedule, steps: int, overlap: bool, name: str, lagged: bool = True
+) -> dict:
     # a short idle_after: the uneven cases switch to idle rounds quickly (the protocol is the same)
-    gossip = LaggedGossip(worker, tensors, schedule, timeout=60, overlap=overlap, name=name, idle_after=0.1)
+    gossip = LaggedGossip(
+        worker, tensors, schedule, timeout=60, overlap=overlap, name=name, idle_after=0.1, lagged=lagged
+    )
     for t, v in zip(tensors.tensors, start_values(worker.rank)):
         t.copy_(v)
     gossip.start()  # round 0 carries x^0
@@ -81,6 +85,10 @@ def main() -> None:
             "group_errors": group_errors,
             "overlapped": train(worker, tensors, schedule, steps, overlap=True, name=f"{case}-overlapped"),
             "blocking": train(worker, tensors, schedule, steps, overlap=False, name=f"{case}-blocking"),
+            # lagged=False mixes each round in at once: the gradient is taken at the averaged x
+            "averaged_first": train(
+                worker, tensors, schedule, steps, overlap=False, name=f"{case}-averaged", lagged=False
+            ),
             # rank r runs steps + 2r steps: the end-of-phase protocol must still end every rank together
             "uneven": train(worker, tensors, schedule, steps + 2 * rank, overlap=True, name=f"{case}-uneven"),
         }
