@@ -5,10 +5,11 @@ Usage: gossip_worker.py RANK WORLD PORT OUT_JSON CASES_JSON STEPS
 CASES_JSON maps case names to topologies, each ``{"name": ..., "workers_per_node": ...}`` or
 ``{"schedule": [...]}``. For each case the rank writes: for every round of the period, its
 tensors after one round from known starting values ("rounds"); and the parameters after STEPS
-steps of gradient descent on a quadratic with the exchange overlapped ("overlapped") and waited
-for at once ("blocking"), with each round mixed in at once ("averaged_first"), with the number of rounds run including the end-of-phase idle rounds; and ("uneven") the same
-with rank r running STEPS + 2r steps. Also the exact consensus error of the starting values and
-the group error each round's mix recorded.
+steps of gradient descent on a quadratic with the exchange overlapped ("overlapped"), waited for
+at once ("blocking") and mixed in at once ("averaged_first"), each with the number of rounds run
+including the end-of-phase idle rounds; and ("uneven") the same with rank r running STEPS + 2r
+steps. Also the exact consensus error of the starting values and the group error each round's
+mix recorded.
 """
 
 import json
