@@ -73,3 +73,20 @@ def test_only_a_much_slower_rank_leaves_the_tail_to_the_others(address):
     assert not sampler.should_leave_tail(remaining=300, horizon=0.5, my_chunk_seconds=0.25, others_rate=140)
     # a rank as fast as the others never stops early, however little is left
     assert not sampler.should_leave_tail(remaining=1, horizon=0.1, my_chunk_seconds=0.05, others_rate=140)
+
+
+class _AlwaysSlow(WorkQueueSampler):
+    """Every rank believes it is the slow one and that the others will finish the epoch."""
+
+    def should_leave_tail(self, remaining, horizon, my_chunk_seconds, others_rate):
+        return True
+
+
+def test_the_last_rank_taking_chunks_never_leaves_the_tail_to_nobody(address):
+    samplers = [_AlwaysSlow(200, 4, r, 4, address, seed=2) for r in range(4)]
+    for s in samplers:  # estimates as after a few claims, so the tail decision is taken
+        s._my_seconds, s._others_rate = 1.0, 100.0
+    taken = _interleaved(samplers, [1, 1, 1, 1])
+    flat = [i for part in taken for i in part]
+    assert sorted(flat) == list(range(200)), "every index is trained once even if every rank wants to leave"
+    assert sum(s.chunks_left_to_others > 0 for s in samplers) == 3, [s.chunks_left_to_others for s in samplers]

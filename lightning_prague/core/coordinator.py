@@ -41,7 +41,7 @@ class CoordinatorService:
 
     def start(self) -> None:
         """Listen, publish the address in the store, and serve from a daemon thread."""
-        self._store = self.address.connect(self.poll_timeout)  # in the caller: fail early, not in the thread
+        self._store = self.address.open(self.poll_timeout)  # in the caller: fail early, not in the thread
         self._server = MessageServer(self._handle, self.address.host)
         host, port = self._server.address
         if host in ("0.0.0.0", "::"):  # listening on every interface: the workers reach us by this host's name

@@ -2,14 +2,19 @@
 
 The work queue's counters, the end-of-phase agreement of gossip and the coordinator's published
 address live in it (the coordinator's messages have their own connections,
-:mod:`lightning_prague.core.transport`). Each thread opens its own client connection
-(:meth:`StoreAddress.connect`) because a TCPStore client is not meant to be shared between threads.
+:mod:`lightning_prague.core.transport`). Every user in a process shares one client connection
+(:meth:`StoreAddress.open`): the one ``torch.distributed`` opened for the default process group
+when it points at the same store, else one opened on first use. TCPStore clients serialize their
+operations, so threads may share them. New connections are avoided on purpose: when a few dozen
+clients connect to one TCPStore at the same moment (every rank at setup), some of them wait about
+5 s for the server to accept them (measured with 32 processes on torch 2.13).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -48,10 +53,47 @@ class StoreAddress:
 
     def connect(self, timeout: float) -> dist.Store:
         """Open a new client connection; every blocking call on it waits at most ``timeout`` s."""
-        client = dist.TCPStore(
-            self.host, self.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
-        )
+        return self.attach(_tcp_client(self.host, self.port, timeout))
+
+    def open(self, timeout: float) -> dist.Store:
+        """This process's shared client of the store, under this address's prefix (see the module docs).
+
+        Its own timeout is whoever opened it first's: wait on keys with an explicit timeout.
+        """
+        key = (self.host, self.port, os.getpid())  # a forked child must not use its parent's socket
+        with _CLIENTS_LOCK:
+            client = _CLIENTS.get(key)
+            if client is None:
+                client = _default_group_store(self.host, self.port) or _tcp_client(self.host, self.port, timeout)
+                _CLIENTS[key] = client
         return self.attach(client)
+
+
+_CLIENTS: dict[tuple[str, int, int], dist.Store] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _tcp_client(host: str, port: int, timeout: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def _default_tcp_store() -> dist.Store | None:
+    """The raw TCPStore client behind the default process group, if there is one."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store if isinstance(store, dist.TCPStore) else None
+
+
+def _default_group_store(host: str, port: int) -> dist.Store | None:
+    """The default process group's TCPStore client when it is the store at ``host:port``."""
+    store = _default_tcp_store()
+    if store is None or store.port != port:
+        return None
+    same_host = store.host == host or {store.host, host} <= {"127.0.0.1", "localhost"}
+    return store if same_host else None
 
 
 def encode(message: dict[str, Any]) -> str:

@@ -85,7 +85,7 @@ class GroupWorker:
         self.timeout = timeout
         self.address = address
         #: the job's TCPStore under this session's prefix: rarely used (end-of-phase agreement, hints)
-        self.store = address.connect(timeout)
+        self.store = address.open(timeout)
         self._link: MessageLink | None = None
         self._link_lock = threading.Lock()
         #: sums over any group on the world process group; no communicator is ever created for a group
