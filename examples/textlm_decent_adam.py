@@ -34,17 +34,31 @@ def main() -> None:
     parser.add_argument("--profile", default="homogeneous", choices=["homogeneous", "straggler", "jitter"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write rank 0's result here")
+    parser.add_argument(
+        "--start-method",
+        default="popen",
+        choices=["popen", "fork"],
+        help="popen re-runs this script per rank; fork copies this process (one import of Lightning)",
+    )
     args = parser.parse_args()
 
     L.seed_everything(args.seed, verbose=False)
-    strategy = DecentAdamStrategy(topology=args.topology, seed=args.seed) if args.strategy == "decent_adam" else "ddp"
+    fork = args.start_method == "fork"
+    if args.strategy == "decent_adam":
+        strategy = DecentAdamStrategy(topology=args.topology, seed=args.seed, start_method=args.start_method)
+    else:
+        strategy = "ddp_fork" if fork else "ddp"
     summary = WorkerSummary()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,
         max_epochs=args.epochs,
-        callbacks=[SlowdownInjector(step_time=args.step_time, profile=args.profile, seed=args.seed), summary],
+        callbacks=[
+            SlowdownInjector(step_time=args.step_time, profile=args.profile, seed=args.seed),
+            summary,
+            Report(args, summary),
+        ],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -52,19 +66,34 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     model = TinyTransformerLM(lr=args.lr, optimizer=args.optimizer, accum_steps=args.accum_steps)
-    start = time.perf_counter()
     trainer.fit(model, datamodule=PythonHelpText(max_chars=args.max_chars))
-    result = {
-        "strategy": args.strategy,
-        "val_loss": float(trainer.callback_metrics["val_loss"]),
-        "train_seconds": summary.train_seconds,
-        "fit_seconds": time.perf_counter() - start,
-        "batches_per_worker": summary.batches_per_worker,
-    }
-    if trainer.is_global_zero:
-        print(f"{args.strategy}: val_loss={result['val_loss']:.4f} train={result['train_seconds']:.1f}s", flush=True)
-        if args.json:
-            args.json.write_text(json.dumps(result))
+
+
+class Report(L.Callback):
+    """Rank 0 prints and writes the result from inside its own process (with ``fork`` the ranks
+    are children of the process that called ``fit``)."""
+
+    def __init__(self, args: argparse.Namespace, summary: WorkerSummary) -> None:
+        self.args, self.summary, self.start = args, summary, time.perf_counter()
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        result = {
+            "strategy": self.args.strategy,
+            "val_loss": float(trainer.callback_metrics["val_loss"]),
+            "train_seconds": self.summary.train_seconds,
+            "fit_seconds": time.perf_counter() - self.start,
+            "batches_per_worker": self.summary.batches_per_worker,
+        }
+        print(
+            f"{result['strategy']}: val_loss={result['val_loss']:.4f} train={result['train_seconds']:.1f}s", flush=True
+        )
+        if self.args.json:
+            self.args.json.write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

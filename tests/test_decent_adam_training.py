@@ -78,6 +78,8 @@ def test_language_model_example_reaches_ddp_validation_loss(tmp_path):
             strategy,
             "--devices",
             "3",
+            "--start-method",
+            "fork",
         ]
         proc = subprocess.run([*cmd, "--json", str(out)], cwd=tmp_path, env=env(), capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]

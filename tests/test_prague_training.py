@@ -126,6 +126,8 @@ def test_two_nodes_on_localhost(tmp_path):
             "2",
             "--step-time",
             "0.01",
+            "--start-method",
+            "fork",  # each node forks its ranks: one import of Lightning per node
         ]
         nodes.append(
             subprocess.Popen(
@@ -149,7 +151,9 @@ def test_two_nodes_on_localhost(tmp_path):
     "config_args",
     [
         ["--config", "examples/configs/prague_by_name.yaml", "--trainer.devices", "3"],
-        ["--config", "examples/configs/prague_digits.yaml", "--trainer.devices", "3"],
+        # fork: one import of Lightning, not one per rank (the strategy-name form starts ranks with popen)
+        ["--config", "examples/configs/prague_digits.yaml", "--trainer.devices", "3"]
+        + ["--trainer.strategy.init_args.start_method", "fork"],
     ],
     ids=["strategy-name", "class-path"],
 )
