@@ -96,7 +96,7 @@ class WorkQueueSampler(Sampler[int]):
     def _claim(self) -> int:
         return self.world_size + int(self._connect().add(f"epoch/{self.epoch}/cursor", 1)) - 1
 
-    def should_leave_tail(self, remaining: float, horizon: float, my_chunk_seconds: float, others_rate: float) -> bool:
+    def should_leave_tail(self, remaining: int, horizon: float, my_chunk_seconds: float, others_rate: float) -> bool:
         """True when this rank is ``slow_ratio`` times slower than the others' mean and they will
         consume the ``remaining`` chunks within ``horizon`` seconds (before a chunk claimed now
         would be done here)."""
@@ -125,44 +125,39 @@ class WorkQueueSampler(Sampler[int]):
             if self.slow_ratio > 0 and self._leave_tail(previous):
                 return
             claimed_at = time.monotonic()
-            next_chunk = self._claim()  # the only store operation per chunk
-            if previous is not None and next_chunk < self.num_chunks:
-                self._learn(previous, claimed_at, next_chunk)
-            previous, chunk = (claimed_at, next_chunk), next_chunk
+            chunk = self._claim()
+            previous = (claimed_at, chunk)
 
     @property
     def _cursor_key(self) -> str:
         return f"epoch/{self.epoch}/cursor"
 
-    def _learn(self, previous: tuple[float, int], now: float, claimed: int) -> None:
-        """Update the speed estimates from two consecutive claims of this rank.
-
-        Between them this rank trained one chunk and the others claimed the chunks in between.
-        Estimates carry over epochs, so the first decisions of an epoch are informed too; an
-        interval in which the queue ran dry says nothing about the others' speed (not called then).
-        """
-        elapsed = max(now - previous[0], 1e-6)
-        self._my_seconds = self._ema(self._my_seconds, elapsed)
-        self._others_rate = self._ema(self._others_rate, max(claimed - previous[1] - 1, 0) / elapsed)
-
     def _leave_tail(self, previous: tuple[float, int] | None) -> bool:
-        """Decide, before claiming another chunk, whether to leave the rest of the epoch to others.
+        """Update the speed estimates from the counter and decide whether to leave the rest to others.
 
-        The chunks still unclaimed are extrapolated from this rank's last claim and the others'
-        rate, so the decision costs no store operation.
+        Two store operations per chunk: this read of the counter and the claim.
         """
-        if previous is None or self._my_seconds is None or not self._others_rate:
+        now = time.monotonic()
+        cursor = int(self._connect().add(self._cursor_key, 0)) + self.world_size  # the next chunk to hand out
+        # since this rank's last claim it trained one chunk and the others claimed the ones in between;
+        # estimates carry over epochs, so the first decision of an epoch (after the pre-assigned chunk,
+        # which a slow rank may be the only one it should take) is informed too, and an interval in
+        # which the queue ran dry says nothing about the others' speed
+        if previous is not None and cursor < self.num_chunks:
+            elapsed = max(now - previous[0], 1e-6)
+            self._my_seconds = self._ema(self._my_seconds, elapsed)
+            self._others_rate = self._ema(self._others_rate, max(cursor - previous[1] - 1, 0) / elapsed)
+        if self._my_seconds is None or not self._others_rate:
             return False
-        claimed_since = self._others_rate * max(time.monotonic() - previous[0], 0.0)
-        remaining = max(self.num_chunks - (previous[1] + 1) - claimed_since, 0.0)
         horizon = self._my_seconds * (1 + self.lookahead)  # a claimed chunk is trained after the prefetched ones
+        remaining = self.num_chunks - cursor
         if not self.should_leave_tail(remaining, horizon, self._my_seconds, self._others_rate):
             return False
         # the last rank still taking chunks must not leave, whatever its estimates say: the rest
         # of the epoch would be trained by nobody (one store operation per leaving rank and epoch)
         if int(self._connect().add(f"epoch/{self.epoch}/left", 1)) >= self.world_size:
             return False
-        self.chunks_left_to_others = math.ceil(remaining)
+        self.chunks_left_to_others = remaining
         return True
 
     @staticmethod
