@@ -60,12 +60,13 @@ class StoreAddress:
 
         Its own timeout is whoever opened it first's: wait on keys with an explicit timeout.
         """
-        key = (self.host, self.port, os.getpid())  # a forked child must not use its parent's socket
-        with _CLIENTS_LOCK:
-            client = _CLIENTS.get(key)
-            if client is None:
-                client = _default_group_store(self.host, self.port) or _tcp_client(self.host, self.port, timeout)
-                _CLIENTS[key] = client
+        client = _default_group_store(self.host, self.port)  # looked up, not cached: it dies with its group
+        if client is None:
+            key = (self.host, self.port, os.getpid())  # a forked child must not use its parent's socket
+            with _CLIENTS_LOCK:
+                client = _CLIENTS.get(key)
+                if client is None:
+                    client = _CLIENTS[key] = _tcp_client(self.host, self.port, timeout)
         return self.attach(client)
 
 
