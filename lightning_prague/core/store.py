@@ -58,7 +58,8 @@ class StoreAddress:
     def open(self, timeout: float) -> dist.Store:
         """This process's shared client of the store, under this address's prefix (see the module docs).
 
-        Its own timeout is whoever opened it first's: wait on keys with an explicit timeout.
+        Its default timeout is the one it was opened with, not ``timeout``: wait on keys with an
+        explicit timeout.
         """
         client = _default_group_store(self.host, self.port)  # looked up, not cached: it dies with its group
         if client is None:
@@ -78,20 +79,14 @@ def _tcp_client(host: str, port: int, timeout: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
 
 
-def _default_tcp_store() -> dist.Store | None:
-    """The raw TCPStore client behind the default process group, if there is one."""
+def _default_group_store(host: str, port: int) -> dist.TCPStore | None:
+    """The default process group's TCPStore client when it is the store at ``host:port``."""
     if not dist.is_available() or not dist.is_initialized():
         return None
     store = dist.distributed_c10d._get_default_store()
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
-    return store if isinstance(store, dist.TCPStore) else None
-
-
-def _default_group_store(host: str, port: int) -> dist.Store | None:
-    """The default process group's TCPStore client when it is the store at ``host:port``."""
-    store = _default_tcp_store()
-    if store is None or store.port != port:
+    if not isinstance(store, dist.TCPStore) or store.port != port:
         return None
     same_host = store.host == host or {store.host, host} <= {"127.0.0.1", "localhost"}
     return store if same_host else None
