@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,12 @@ class WorkQueueSampler(Sampler[int]):
         self.epoch = 0
         self.chunks_taken = 0  # in the current epoch
         self.total_chunks_taken = 0
+        #: chunks handed to the data loader and not yet trained (the trainer pops one per trained batch)
+        self.untrained: deque[int] = deque()
+        #: asked before leaving an epoch's tail; the strategy says no while a synchronization point is ahead
+        self.may_leave_tail: Callable[[], bool] = lambda: True
+        self._resume: Optional[tuple[int, int, list[int]]] = None  # (epoch, cursor, chunks to hand out first)
+        self._first_claimed = world_size  # chunk number of this epoch's first claim
         self._store: dist.Store | None = None
         if self.num_chunks < world_size:
             raise ConfigurationError(
@@ -94,7 +101,16 @@ class WorkQueueSampler(Sampler[int]):
         return self._store
 
     def _claim(self) -> int:
-        return self.world_size + int(self._connect().add(f"epoch/{self.epoch}/cursor", 1)) - 1
+        return self._first_claimed + int(self._connect().add(self._cursor_key, 1)) - 1
+
+    def cursor(self) -> int:
+        """The next chunk the queue will hand out in the current epoch."""
+        return self._first_claimed + int(self._connect().add(self._cursor_key, 0))
+
+    def resume(self, epoch: int, cursor: int, pending: list[int]) -> None:
+        """Continue ``epoch`` where a checkpoint stopped it: the ``pending`` chunks (handed out, not
+        trained) first, shared round-robin by rank, then the queue from ``cursor``."""
+        self._resume = (epoch, cursor, sorted(pending))
 
     def should_leave_tail(self, remaining: int, horizon: float, my_chunk_seconds: float, others_rate: float) -> bool:
         """True when this rank is ``slow_ratio`` times slower than the others' mean and they will
@@ -116,12 +132,24 @@ class WorkQueueSampler(Sampler[int]):
         order = self.permutation()
         self.chunks_taken = 0
         self.chunks_left_to_others = 0
-        chunk = self.rank  # the first world_size chunks are pre-assigned: no store traffic at an epoch's start
+        self.untrained.clear()
+        # the first world_size chunks are pre-assigned: no store traffic at an epoch's start
+        first: list[int] = [self.rank]
+        self._first_claimed = self.world_size
+        if self._resume is not None and self._resume[0] == self.epoch:
+            _, self._first_claimed, pending = self._resume
+            first = pending[self.rank :: self.world_size]
+        self._resume = None
         previous: tuple[float, int] | None = None  # (time, chunk) of this rank's previous claim
+        chunk = first.pop(0) if first else self._claim()
         while chunk < self.num_chunks:
             self.chunks_taken += 1
             self.total_chunks_taken += 1
+            self.untrained.append(chunk)
             yield from order[chunk * self.chunk_size : (chunk + 1) * self.chunk_size]
+            if first:
+                chunk = first.pop(0)
+                continue
             if self.slow_ratio > 0 and self._leave_tail(previous):
                 return
             claimed_at = time.monotonic()
@@ -138,7 +166,7 @@ class WorkQueueSampler(Sampler[int]):
         Two store operations per chunk: this read of the counter and the claim.
         """
         now = time.monotonic()
-        cursor = int(self._connect().add(self._cursor_key, 0)) + self.world_size  # the next chunk to hand out
+        cursor = self.cursor()  # the next chunk to hand out
         # since this rank's last claim it trained one chunk and the others claimed the ones in between;
         # estimates carry over epochs, so the first decision of an epoch (after the pre-assigned chunk,
         # which a slow rank may be the only one it should take) is informed too, and an interval in
@@ -152,6 +180,8 @@ class WorkQueueSampler(Sampler[int]):
         horizon = self._my_seconds * (1 + self.lookahead)  # a claimed chunk is trained after the prefetched ones
         remaining = self.num_chunks - cursor
         if not self.should_leave_tail(remaining, horizon, self._my_seconds, self._others_rate):
+            return False
+        if not self.may_leave_tail():
             return False
         # the last rank still taking chunks must not leave, whatever its estimates say: the rest
         # of the epoch would be trained by nobody (one store operation per leaving rank and epoch)

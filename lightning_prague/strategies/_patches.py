@@ -1,4 +1,4 @@
-"""The three places where Lightning would put asynchronous ranks back in lock-step, redirected.
+"""The places where Lightning would put asynchronous ranks back in lock-step, redirected.
 
 1. ``_TrainingEpochLoop._broadcast_sigterm_tensor`` broadcasts a flag on the world group before
    every batch; it becomes a local check of the coordinator's stop announcement.
@@ -6,6 +6,9 @@
    becomes a local flag that the next batch turns into a coordinated stop.
 3. ``_DataConnector._prepare_dataloader`` injects a static ``DistributedSampler`` into the training
    loader; it gets the work-queue sampler instead.
+4. The training epoch loop's validation decision, per-step LR updates and end-of-epoch test, and the
+   fit loop's data setup, count this worker's batches; they follow global progress instead
+   (:mod:`lightning_prague.strategies.global_progress`).
 
 The patches are instance attributes on this trainer's objects, installed in ``Strategy.setup`` and
 removed in ``teardown``; nothing global is changed.
@@ -22,6 +25,11 @@ _TARGETS = (
     ("fit_loop.epoch_loop", "_broadcast_sigterm_tensor"),
     ("_signal_connector", "_sigterm_notifier_fn"),
     ("_data_connector", "_prepare_dataloader"),
+    # per-step schedules on global progress (lightning_prague.strategies.global_progress)
+    ("fit_loop.epoch_loop", "_should_check_val_fx"),
+    ("fit_loop.epoch_loop", "_update_learning_rates"),
+    ("fit_loop.epoch_loop", "_num_ready_batches_reached"),
+    ("fit_loop", "setup_data"),
 )
 
 

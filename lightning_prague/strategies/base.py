@@ -45,11 +45,14 @@ from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.generator import GroupGenerator
 from lightning_prague.core.overlap import Exchanger
 from lightning_prague.core.policies import GroupingPolicy
+from lightning_prague.core.progress import ProgressCounter
+from lightning_prague.core.progress_loader import ProgressLoader
 from lightning_prague.core.sharding import WorkQueueSampler
 from lightning_prague.core.store import StoreAddress
 from lightning_prague.core.worker import GroupWorker
 from lightning_prague.strategies import _patches
 from lightning_prague.strategies._checks import check_trainer
+from lightning_prague.strategies.global_progress import GlobalProgress, batches_per_epoch
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +68,24 @@ class SyncPoints(Callback):
     def __init__(self, strategy: DecentralizedStrategy) -> None:
         self.strategy = strategy
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.strategy.progress is not None:
+            self.strategy.progress.on_train_start()
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self.strategy.enter_async_phase()
 
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.strategy.progress is not None:
+            self.strategy.progress.after_batch()  # a boundary: meet before step-based callbacks run
+
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        progress = self.strategy.progress
+        if progress is not None and progress.validating_at_boundary:
+            progress.validating_at_boundary = False  # the ranks met at the boundary just before
+            return
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             self.strategy.synchronize(f"validation@epoch{trainer.current_epoch}")
 
@@ -156,9 +173,14 @@ class DecentralizedStrategy(DDPStrategy):
         self.coordinator: CoordinatorService | None = None
         self.session: StoreAddress | None = None
         self.sampler: WorkQueueSampler | None = None
+        #: per-step schedules on global progress (work-queue strategies during fit)
+        self.progress: GlobalProgress | None = None
         self.local_steps = 0
         self.batches_done = 0
         self._aligned = True
+        #: this rank met the others at a boundary inside an epoch that others go on training in:
+        #: it owes them the epoch's next synchronization point even if it trains no further batch
+        self.owes_sync = False
         self._local_sigterm = False
         self._warned: set[str] = set()
         self._trainer: Trainer | None = None
@@ -186,24 +208,30 @@ class DecentralizedStrategy(DDPStrategy):
             if self.shards_by_work_queue:
                 check_trainer(trainer, self.strategy_name)
             policy = self.make_policy()  # validates group_size against the world before anything starts
-        super().setup(trainer)
         self._trainer = trainer
         self._aligned = True
-        if not fitting or self.world_size < 2:
-            return
-        self._start_session(policy)
-        if not any(isinstance(cb, SyncPoints) and cb.strategy is self for cb in trainer.callbacks):
-            trainer.callbacks.insert(0, SyncPoints(self))
-        _patches.install(
-            trainer,
-            {
+        asynchronous = fitting and self.world_size >= 2
+        if asynchronous:
+            # before Lightning's setup: configure_optimizers may read trainer.estimated_stepping_batches,
+            # which loads the training data (through the work queue) there
+            self._open_session(policy)
+            replacements: dict[str, Callable[..., Any]] = {
                 "_broadcast_sigterm_tensor": self._check_stop,
                 "_sigterm_notifier_fn": self._on_sigterm,
                 "_prepare_dataloader": self._wrap_prepare_dataloader(trainer._data_connector._prepare_dataloader),
-            },
-        )
+            }
+            if self.shards_by_work_queue:
+                self.progress = GlobalProgress(self, trainer)
+                replacements.update(self.progress.replacements())
+            _patches.install(trainer, replacements)
+        super().setup(trainer)
+        if not asynchronous:
+            return
+        self._start_worker()
+        if not any(isinstance(cb, SyncPoints) and cb.strategy is self for cb in trainer.callbacks):
+            trainer.callbacks.insert(0, SyncPoints(self))
 
-    def _start_session(self, policy: GroupingPolicy) -> None:
+    def _open_session(self, policy: GroupingPolicy) -> None:
         """A fresh store namespace per fit, agreed on by broadcast while the ranks are still aligned."""
         number = 0
         if self.global_rank == 0:
@@ -216,6 +244,10 @@ class DecentralizedStrategy(DDPStrategy):
             )
             self.coordinator = CoordinatorService(self.session, generator)
             self.coordinator.start()
+
+    def _start_worker(self) -> None:
+        """This rank's side of the session, over the parameters on their final device."""
+        assert self.session is not None
         tensors = BucketedTensors(averaged_state(self.lightning_module), int(self.bucket_mb * 2**20))
         self.worker = GroupWorker(
             self.session,
@@ -269,6 +301,7 @@ class DecentralizedStrategy(DDPStrategy):
         if self.worker is not None:
             self.worker.close()
         self.worker = None
+        self.session = None
         self._aligned = True
         super().teardown()
 
@@ -300,11 +333,19 @@ class DecentralizedStrategy(DDPStrategy):
             self.exchanger.drain()
 
     # -- synchronization points ---------------------------------------------------------------
-    def synchronize(self, name: str) -> None:
-        """Drain, meet every rank, then average (if ``average_at_sync``). No-op when already aligned."""
-        if self.worker is None or self._aligned:
+    def synchronize(self, name: str, progress: Optional[int] = None) -> None:
+        """Drain, meet every rank, then average (if ``average_at_sync``). No-op when already aligned.
+
+        ``progress``: the global batch count this synchronization point stands at (a boundary), or
+        ``None`` where it is read after the ranks met (the end of an epoch).
+        """
+        if self.worker is None or (self._aligned and not self.owes_sync):
             return
+        self.owes_sync = False
         self.drain()
+        loader = self.progress.loader if self.progress is not None else None
+        if loader is not None:
+            loader.publish_untrained()
         if self._local_sigterm:
             self.worker.request_stop()
         if self.worker.synchronize(name):
@@ -315,6 +356,10 @@ class DecentralizedStrategy(DDPStrategy):
             self.worker.global_average()
             self.worker.version = self.worker.released_version  # one model again: one version
         self._aligned = True
+        if loader is not None and self.progress is not None and self.progress.schedule is not None:
+            reached = loader.synchronized(progress)
+            if progress is None:
+                self.progress.at_synchronization(reached)
 
     @property
     def wait_seconds(self) -> float:
@@ -355,20 +400,36 @@ class DecentralizedStrategy(DDPStrategy):
     # -- data ---------------------------------------------------------------------------------
     def _wrap_prepare_dataloader(self, original: Callable[..., object]) -> Callable[..., object]:
         def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
-            sharded = self.shards_by_work_queue and self.session is not None
-            if mode == RunningStage.TRAINING and isinstance(dataloader, DataLoader) and sharded:
-                return self._shard(dataloader)
-            return original(dataloader, shuffle, mode)
+            sharded = self.shards_by_work_queue and self.session is not None and self.progress is not None
+            if mode != RunningStage.TRAINING or not sharded:
+                return original(dataloader, shuffle, mode)
+            assert self.progress is not None
+            if isinstance(dataloader, DataLoader) and not isinstance(dataloader.dataset, IterableDataset):
+                loader = self._shard(dataloader)
+                return self.progress.wrap(loader, self._progress_loader, batches_per_epoch(loader))
+            # a stream: every rank reads its own, as the user wrote it; an epoch ends with the first that ends
+            return self.progress.wrap(original(dataloader, shuffle, mode), self._progress_loader, None)
 
         return prepare
 
+    def _progress_loader(self, loader: Any, batches_per_epoch: Optional[int], start: int) -> ProgressLoader:
+        assert self.session is not None and self.progress is not None and self._trainer is not None
+        store = self.session.child("progress").open(self.sync_timeout)
+        trainer = self._trainer
+        return ProgressLoader(
+            loader,
+            ProgressCounter(store, self.sync_timeout, self.progress.budget),
+            store,
+            self.global_rank,
+            self.world_size,
+            lambda: trainer.current_epoch,
+            sampler=self.sampler if batches_per_epoch is not None else None,
+            batches_per_epoch=batches_per_epoch,
+            start=start,
+        )
+
     def _shard(self, dataloader: DataLoader) -> DataLoader:
         name = self.strategy_name
-        if isinstance(dataloader.dataset, IterableDataset):
-            raise ConfigurationError(
-                f"strategy={name!r} shards training data through a global work queue and needs a map-style dataset "
-                "(with __getitem__ and __len__); an IterableDataset cannot be shared out by index"
-            )
         if dataloader.batch_size is None:
             raise ConfigurationError(
                 f"strategy={name!r} needs the training DataLoader to use batch_size (a custom batch_sampler cannot "

@@ -1,0 +1,230 @@
+"""Global progress: the number of batches trained by all workers together, and where it stops.
+
+Asynchronous workers run different numbers of steps, so no per-worker step count can schedule
+anything that every worker must do together (validation every N steps, a checkpoint every N steps,
+``max_steps``, a learning-rate schedule). One count is the same on every worker: the global number
+of batches trained. Each batch gets a *ticket* (its 1-based global number) from an atomic counter
+in the job's TCPStore when the worker fetches it; tickets increase on every worker in the order its
+batches are trained.
+
+A *boundary* is a global batch count at which every worker must meet (a synchronization point):
+every batch with a ticket up to the boundary is trained before it, none after it. A worker is at a
+boundary when the batch it just trained is its last one with a ticket up to it: its next batch has
+a larger ticket, or it has none left in the epoch (:meth:`Boundary.due`). Because a worker holds at
+most one ticket beyond the boundary it has not passed yet (its prefetched batch), boundaries at
+least ``world_size`` batches apart are met one at a time, on every worker exactly once.
+
+``max_steps=S`` is the budget ``S x world_size x accumulate_grad_batches`` batches, the same work as
+under DDP. Claims beyond the budget fail, so the budget is honoured exactly whoever trains faster.
+
+Data: a map-style epoch has a known number of batches. A streaming epoch (every worker reads its
+own stream) ends when the first worker's stream ends: the others' next claims fail, so nobody waits
+for a slow worker's stream and nothing is read twice. The count at that moment is published so that
+every worker knows where the epoch ended.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout
+
+#: added to an epoch's claim counter when its first stream ends: later claims see a value above it
+ENDED = 1 << 40
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A synchronization point at ``batches`` global batches; ``step`` is the global step it stands for."""
+
+    batches: int
+    step: int
+    validate: bool = False
+    checkpoint: bool = False
+
+    def due(self, next_ticket: Optional[int], epoch_end: Optional[int]) -> bool:
+        """Whether a worker that just trained a batch is at this boundary.
+
+        ``next_ticket``: the ticket of its next batch (``None``: it has none left this epoch);
+        ``epoch_end``: the epoch's last ticket once the worker knows it (it has none left).
+        """
+        if next_ticket is not None:
+            return next_ticket > self.batches
+        return epoch_end is not None and self.batches <= epoch_end
+
+
+@dataclass(frozen=True)
+class ProgressSchedule:
+    """Which global batch counts are boundaries; the same on every worker, computed without communication.
+
+    Args:
+        world_size: workers.
+        batches_per_step: global batches per global optimizer step (``world_size x accumulate``).
+        budget: batches in all (``max_steps x batches_per_step``); ``None``: no step budget.
+        validate_every: validation every this many global batches, counted from the start of
+            training (``check_val_every_n_epoch=None``) or of each epoch (``validate_in_epoch``).
+        checkpoint_every: global batch intervals of step-based checkpoints (counted from the start).
+    """
+
+    world_size: int
+    batches_per_step: int
+    budget: Optional[int] = None
+    validate_every: Optional[int] = None
+    validate_in_epoch: bool = False
+    checkpoint_every: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for every in (self.validate_every, *self.checkpoint_every):
+            if every is not None and every < self.world_size:
+                raise ConfigurationError(
+                    f"a synchronization point every {every} global batches is closer than one batch per worker "
+                    f"({self.world_size} workers); use an interval of at least one step"
+                )
+
+    def step_of(self, batches: int) -> int:
+        """The global step (optimizer steps of one worker under DDP) after ``batches`` global batches."""
+        return batches // self.batches_per_step
+
+    def boundaries(
+        self, epoch_base: int, epoch_end: Optional[int], tail: int = 0, start: Optional[int] = None
+    ) -> Iterator[Boundary]:
+        """The boundaries after ``start`` (default: ``epoch_base``, where the epoch began) in one epoch, in order.
+
+        ``epoch_end``: the epoch's last ticket when known in advance (map-style data), else ``None``.
+        Boundaries in the epoch's last ``tail`` batches (where a worker may already have run out of
+        data while others still hold several batches) are merged into one at the epoch's end.
+        """
+        end = epoch_end
+        if self.budget is not None:
+            end = self.budget if end is None else min(end, self.budget)
+        # only where the data's end binds: a budget or a stream's end is met by failing claims, and
+        # then no worker holds more than one batch beyond the boundary it has not passed
+        data_end_binds = epoch_end is not None and (self.budget is None or epoch_end <= self.budget)
+        merge_from = end - tail if data_end_binds and end is not None else None
+        merged: Optional[Boundary] = None
+        position = epoch_base if start is None else start
+        while True:
+            nxt = self._next_after(position, epoch_base)
+            if nxt is None or (end is not None and nxt.batches > end):
+                break
+            position = nxt.batches
+            if merge_from is not None and nxt.batches > merge_from and nxt.batches < end:
+                merged = _merge(merged, nxt)
+                continue
+            if merged is not None and nxt.batches == end:
+                nxt = _merge(merged, nxt)
+                merged = None
+            yield Boundary(nxt.batches, nxt.step, nxt.validate, nxt.checkpoint)
+        if merged is not None and end is not None:
+            yield Boundary(end, merged.step, merged.validate, merged.checkpoint)
+
+    def _next_after(self, position: int, epoch_base: int) -> Optional[Boundary]:
+        candidates: list[tuple[int, bool, bool]] = []
+        if self.validate_every is not None:
+            origin = epoch_base if self.validate_in_epoch else 0
+            candidates.append((_next_multiple(position, origin, self.validate_every), True, False))
+        for every in self.checkpoint_every:
+            candidates.append((_next_multiple(position, 0, every), False, True))
+        if self.budget is not None and self.budget > position:
+            candidates.append((self.budget, False, False))
+        if not candidates:
+            return None
+        batches = min(c[0] for c in candidates)
+        hits = [c for c in candidates if c[0] == batches]
+        return Boundary(
+            batches,
+            self.step_of(batches),
+            validate=any(c[1] for c in hits),
+            checkpoint=any(c[2] for c in hits),
+        )
+
+
+def _next_multiple(position: int, origin: int, every: int) -> int:
+    return origin + (math.floor((position - origin) / every) + 1) * every
+
+
+def _merge(a: Optional[Boundary], b: Boundary) -> Boundary:
+    if a is None:
+        return b
+    return Boundary(
+        max(a.batches, b.batches), max(a.step, b.step), a.validate or b.validate, a.checkpoint or b.checkpoint
+    )
+
+
+class ProgressCounter:
+    """One worker's view of the global ticket counter (one store operation per batch).
+
+    ``store`` is a client of the job's store under this session's prefix. Keys: one claim counter
+    and one end marker per epoch (nothing grows per step).
+    """
+
+    def __init__(self, store: dist.Store, timeout: float, budget: Optional[int] = None) -> None:
+        self.store = store
+        self.timeout = timeout
+        self.budget = budget
+        self.epoch = 0
+        self.epoch_base = 0  # global batches trained before this epoch
+        self.offset = 0  # tickets of this epoch handed out before this session (a resumed epoch)
+        self.epoch_end: Optional[int] = None  # the epoch's last ticket, once known here
+
+    def begin_epoch(self, epoch: int, epoch_base: int, offset: int = 0) -> None:
+        self.epoch, self.epoch_base, self.offset, self.epoch_end = epoch, epoch_base, offset, None
+
+    def _key(self, name: str) -> str:
+        return f"progress/{self.epoch}/{name}"
+
+    def claim(self) -> Optional[int]:
+        """The next global ticket, or ``None`` when the epoch's data or the budget is used up."""
+        value = int(self.store.add(self._key("claims"), 1))
+        if value > ENDED:
+            self.epoch_end = self._published_end()
+            return None
+        ticket = self.epoch_base + self.offset + value
+        if self.budget is not None and ticket > self.budget:
+            self.epoch_end = self.budget
+            return None
+        return ticket
+
+    def end_stream(self) -> int:
+        """This worker's data ran out: end the epoch for everyone; return the epoch's last ticket."""
+        if int(self.store.add(self._key("enders"), 1)) == 1:
+            claimed = int(self.store.add(self._key("claims"), ENDED)) - ENDED
+            self.store.set(self._key("end"), str(self.epoch_base + self.offset + claimed))
+        end = self._published_end()
+        self.epoch_end = end if self.budget is None else min(end, self.budget)
+        return self.epoch_end
+
+    def exhausted(self, epoch_end: int) -> None:
+        """This worker's data ran out at a known end (map-style data): nothing to tell the others."""
+        self.epoch_end = epoch_end if self.budget is None else min(epoch_end, self.budget)
+
+    def final_count(self) -> int:
+        """Global batches trained when this epoch is over (call when every worker has stopped claiming)."""
+        value = int(self.store.add(self._key("claims"), 0))
+        if value > ENDED:
+            return self._published_end()
+        count = self.epoch_base + self.offset + value
+        return count if self.budget is None else min(count, self.budget)
+
+    def _published_end(self) -> int:
+        key = self._key("end")
+        try:
+            self.store.wait([key], _timedelta(self.timeout))
+        except RuntimeError as err:
+            raise CoordinationTimeout(
+                f"epoch {self.epoch}: a worker ended the epoch's streams but did not publish where "
+                f"within {self.timeout:.0f}s (operation: read the epoch's end)"
+            ) from err
+        end = int(self.store.get(key))
+        return end if self.budget is None else min(end, self.budget)
+
+
+def _timedelta(seconds: float):  # noqa: ANN202 - datetime.timedelta
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)

@@ -1,0 +1,162 @@
+"""The training loader of an asynchronous worker: the user's batches, each with a global ticket.
+
+It wraps any iterable of batches: a ``DataLoader`` over a map-style dataset fed by the global work
+queue (:class:`~lightning_prague.core.sharding.WorkQueueSampler`), or over an ``IterableDataset``
+whose stream each worker reads on its own (DataLoader worker processes included). Every batch it
+yields is given a ticket from :class:`~lightning_prague.core.progress.ProgressCounter`; when a claim
+fails (budget spent, or another worker's stream ended the epoch) it stops, and the batch it fetched
+is not trained (a streaming epoch reads every sample at most once).
+
+Its ``state_dict`` is what makes a mid-epoch resume exact: the global progress at the last
+synchronization point and, for map-style data, the queue's cursor and the chunks handed out but not
+yet trained on every worker. Lightning saves and restores it with the checkpoint (the fit loop keeps
+the state of stateful training loaders).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from lightning_prague.core.progress import ProgressCounter
+from lightning_prague.core.sharding import WorkQueueSampler
+
+
+class ProgressLoader:
+    """Batches of ``loader`` with global tickets; attributes it does not have are the loader's."""
+
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        counter: ProgressCounter,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        current_epoch: Callable[[], int],
+        sampler: Optional[WorkQueueSampler] = None,
+        batches_per_epoch: Optional[int] = None,
+        start: int = 0,
+    ) -> None:
+        self.loader = loader
+        self.counter = counter
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.current_epoch = current_epoch
+        self.sampler = sampler
+        #: batches in one epoch of map-style data (``None``: a stream)
+        self.batches_per_epoch = batches_per_epoch
+        self.tickets: deque[Optional[int]] = deque()  # of the batches yielded and not yet trained, in order
+        #: claims start when training does: batches a trainer fetches while it sets up get theirs then
+        self.armed = False
+        self.epoch: Optional[int] = None
+        self.epoch_base = start
+        #: global batches trained at the last synchronization point (``start``: before this fit)
+        self.progress = start
+        self._restored: Optional[dict[str, Any]] = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:  # no length: how many batches a worker trains depends on its speed
+        raise TypeError("a ProgressLoader has no length")
+
+    @property
+    def streaming(self) -> bool:
+        return self.batches_per_epoch is None
+
+    @property
+    def epoch_end(self) -> Optional[int]:
+        """The epoch's last ticket when it is known in advance (map-style data)."""
+        return None if self.batches_per_epoch is None else self.epoch_base + self.batches_per_epoch
+
+    # -- iteration --------------------------------------------------------------------------------
+    def begin_epoch(self) -> None:
+        """Set this epoch's ticket origin (from a restored checkpoint, or where the last epoch ended)."""
+        epoch = self.current_epoch()
+        offset = 0
+        restored, self._restored = self._restored, None
+        if restored is not None:
+            self.progress = int(restored["progress"])
+            if int(restored["epoch"]) == epoch:  # resuming inside the epoch the checkpoint was taken in
+                self.epoch_base = int(restored["epoch_base"])
+                offset = self.progress - self.epoch_base
+                if self.sampler is not None and "cursor" in restored:
+                    self.sampler.resume(epoch, int(restored["cursor"]), list(restored["pending"]))
+            else:
+                self.epoch_base = self.progress
+        elif self.epoch is not None and epoch != self.epoch:
+            self.epoch_base = self.counter.final_count()
+        self.epoch = epoch
+        self.counter.begin_epoch(epoch, self.epoch_base, offset)
+        self.tickets.clear()
+
+    def __iter__(self) -> Iterator[Any]:
+        self.begin_epoch()
+        for batch in self.loader:
+            ticket = self.counter.claim() if self.armed else None
+            if self.armed and ticket is None:
+                return
+            self.tickets.append(ticket)
+            yield batch
+        if self.streaming:
+            self.counter.end_stream()
+        else:
+            end = self.epoch_end
+            assert end is not None
+            self.counter.exhausted(end)
+
+    def arm(self) -> None:
+        """Training starts: claim tickets for the batches fetched before (a failed claim drops its batch)."""
+        self.armed = True
+        claimed = (self.counter.claim() if ticket is None else ticket for ticket in self.tickets)
+        self.tickets = deque(ticket for ticket in claimed if ticket is not None)
+
+    def batch_trained(self) -> int:
+        """The ticket of the batch just trained (the trainer calls this once per batch)."""
+        if self.sampler is not None and self.sampler.untrained:
+            self.sampler.untrained.popleft()
+        ticket = self.tickets.popleft()
+        assert ticket is not None, "a batch was trained before the loader was armed"
+        return ticket
+
+    @property
+    def current_ticket(self) -> Optional[int]:
+        """The ticket of the batch being trained (or of the next one, between batches)."""
+        return self.tickets[0] if self.tickets else None
+
+    # -- synchronization points and checkpoints ---------------------------------------------------
+    def publish_untrained(self) -> None:
+        """At a synchronization point, before the ranks meet: tell rank 0 which chunks this rank
+        holds untrained (one key per rank, overwritten at every synchronization point)."""
+        if self.sampler is not None:
+            self.store.set(f"pending/{self.rank}", json.dumps(list(self.sampler.untrained)))
+
+    def synchronized(self, progress: Optional[int]) -> int:
+        """At a synchronization point, after the ranks met: record and return the global progress
+        (``None``: the epoch is over on every rank, read its count)."""
+        self.progress = self.counter.final_count() if progress is None else progress
+        return self.progress
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where training stands; complete on rank 0 (which writes checkpoints) at a synchronization point."""
+        state: dict[str, Any] = {"epoch": self.epoch, "epoch_base": self.epoch_base, "progress": self.progress}
+        if self.sampler is not None and self.rank == 0:
+            pending: list[int] = []
+            for rank in range(self.world_size):
+                key = f"pending/{rank}"
+                if self.store.check([key]):
+                    pending += json.loads(self.store.get(key))
+            state["pending"] = sorted(pending)
+            state["cursor"] = self.sampler.cursor()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's state at the start of the next epoch iteration."""
+        self._restored = dict(state)

@@ -1,0 +1,180 @@
+"""Step-based training under an asynchronous strategy; every rank writes what it saw to result.rankR.json.
+
+A linear model on synthetic data whose samples carry their index, one 5x slow rank, and the
+step-based features of issue 11: ``max_steps``, ``val_check_interval`` in steps (or a fraction),
+``ModelCheckpoint(every_n_train_steps=...)``, a warm-up + cosine LR schedule sized by
+``trainer.estimated_stepping_batches``, and a map-style or a streaming training set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from lightning_prague.callbacks import SlowdownInjector
+
+FEATURES = 8
+
+
+def sample(index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    g = torch.Generator().manual_seed(index)
+    x = torch.randn(FEATURES, generator=g)
+    return x, x.sum(0, keepdim=True), index
+
+
+class Indexed(Dataset):
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        return sample(index)
+
+
+class Stream(IterableDataset):
+    """Rank r reads samples r, r + world, ... of a long stream (split again among DataLoader workers)."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __iter__(self):
+        rank, world = int(torch.distributed.get_rank()), int(torch.distributed.get_world_size())
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        for index in range(rank + world * worker, self.length, world * workers):
+            yield sample(index)
+
+
+class Model(L.LightningModule):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.args = args
+        self.net = torch.nn.Linear(FEATURES, 1)
+        self.trained: list[list[int]] = []  # [epoch, index] of every trained sample
+        self.validations: list[dict] = []
+        self.stepping_batches = None
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.trained += [[self.current_epoch, int(i)] for i in index]
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("val_loss", loss, sync_dist=True)
+
+    def on_validation_start(self):
+        if self.trainer.sanity_checking:
+            return
+        weights = self.net.weight.detach().flatten().tolist()
+        lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+        self.validations.append({"step": self.trainer.global_step, "lr": lr, "weights": weights})
+
+    def on_fit_end(self):
+        trainer = self.trainer
+        progress = getattr(trainer.strategy, "progress", None)
+        result = {
+            "rank": trainer.global_rank,
+            "global_step": trainer.global_step,
+            "trained": self.trained,
+            "validations": self.validations,
+            "stepping_batches": self.stepping_batches,
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
+            "met": progress.met if progress is not None else [],
+        }
+        self.args.json.with_name(f"result.rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.args.lr)
+        total = self.trainer.estimated_stepping_batches
+        self.stepping_batches = total
+        warmup = max(1, int(0.1 * total))
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--strategy", default="partial_reduce")
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--start-method", default="fork")
+    parser.add_argument("--samples", type=int, default=192)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--val-every", default="7", help="steps (int) or a fraction of an epoch")
+    parser.add_argument("--per-epoch-val", action="store_true", help="check_val_every_n_epoch=1 (else None)")
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--checkpoint-dir", type=Path)
+    parser.add_argument("--resume", type=Path)
+    parser.add_argument("--streaming", action="store_true")
+    parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--step-time", type=float, default=0.01)
+    parser.add_argument("--lr", type=float, default=0.05)
+    args = parser.parse_args()
+
+    L.seed_everything(0, verbose=False)
+    dataset = Stream(10**6) if args.streaming else Indexed(args.samples)
+    train = DataLoader(dataset, batch_size=args.batch_size, shuffle=not args.streaming, num_workers=args.num_workers)
+    val = DataLoader(Indexed(32), batch_size=16)
+    callbacks = [SlowdownInjector(args.step_time, profile="straggler", slow_ranks=[args.devices - 1])]
+    checkpoint = None
+    if args.checkpoint_every:
+        checkpoint = ModelCheckpoint(
+            dirpath=args.checkpoint_dir or args.json.parent / "ckpt",
+            every_n_train_steps=args.checkpoint_every,
+            save_top_k=-1,
+            filename="{step}",
+        )
+        callbacks.append(checkpoint)
+    val_every = float(args.val_every) if "." in args.val_every else int(args.val_every)
+    strategy = args.strategy
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=_strategy(strategy, args.start_method),
+        max_steps=args.max_steps,
+        val_check_interval=val_every,
+        check_val_every_n_epoch=1 if args.per_epoch_val else None,
+        accumulate_grad_batches=args.accumulate,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+    )
+    model = Model(args)
+    trainer.fit(model, train, val, ckpt_path=args.resume)
+    saved = sorted(p.name for p in Path(checkpoint.dirpath).glob("*.ckpt")) if checkpoint else []
+    args.json.write_text(json.dumps({"checkpoints": saved}))
+
+
+def _strategy(name: str, start_method: str):
+    if name == "ddp":
+        return L.pytorch.strategies.DDPStrategy(start_method=start_method)
+    from lightning_prague.strategies import STRATEGIES
+
+    return STRATEGIES[name][0](start_method=start_method)
+
+
+if __name__ == "__main__":
+    main()
