@@ -171,6 +171,8 @@ class ProgressCounter:
         self.epoch_base = 0  # global batches trained before this epoch
         self.offset = 0  # tickets of this epoch handed out before this session (a resumed epoch)
         self.epoch_end: Optional[int] = None  # the epoch's last ticket, once known here
+        #: a claim failed because the step budget is spent (not because the epoch's data ended)
+        self.budget_spent = False
 
     def begin_epoch(self, epoch: int, epoch_base: int, offset: int = 0) -> None:
         self.epoch, self.epoch_base, self.offset, self.epoch_end = epoch, epoch_base, offset, None
@@ -187,6 +189,7 @@ class ProgressCounter:
         ticket = self.epoch_base + self.offset + value
         if self.budget is not None and ticket > self.budget:
             self.epoch_end = self.budget
+            self.budget_spent = True
             return None
         return ticket
 

@@ -94,6 +94,8 @@ class ProgressLoader:
         elif self.epoch is not None and epoch != self.epoch:
             self.epoch_base = self.counter.final_count()
         self.epoch = epoch
+        if self.sampler is not None:  # the trainer sets it after its first fetch of a (resumed) fit
+            self.sampler.set_epoch(epoch)
         self.counter.begin_epoch(epoch, self.epoch_base, offset)
         self.tickets.clear()
 
@@ -102,6 +104,11 @@ class ProgressLoader:
         for batch in self.loader:
             ticket = self.counter.claim() if self.armed else None
             if self.armed and ticket is None:
+                if self.counter.budget_spent:
+                    # hand the batch over untrained: the trainer stops at the budget's synchronization point
+                    # before it, in the middle of its epoch (a checkpoint there resumes the same epoch)
+                    self.tickets.append(None)
+                    yield batch
                 return
             self.tickets.append(ticket)
             yield batch

@@ -71,6 +71,7 @@ class GlobalProgress:
         self._boundaries_epoch: Optional[int] = None
         self._tail = 2 * world
         self._loader_batches: float = float("inf")  # Lightning's own per-worker batch limit
+        self._epoch_batches: Optional[float] = None  # a DDP-equivalent epoch length held back while restarting
         self._scheduler_steps: dict[int, int] = {}
         self._step_floor = 0  # the global step at the last synchronization point
         self.validate_now = False
@@ -168,6 +169,9 @@ class GlobalProgress:
                     # in configure_optimizers): restore the loader's position now, start its epoch again
                     fit_loop._load_combined_loader_states()
                     iter(fit_loop._data_fetcher)
+                if fit_loop.restarting and fit_loop.max_batches != float("inf"):
+                    # Lightning would take this worker's batch count for the end of the restored epoch
+                    self._epoch_batches, fit_loop.max_batches = fit_loop.max_batches, float("inf")
                 return
             if self.loader is not None and fit_loop._combined_loader is not None:
                 self._loader_batches = fit_loop.max_batches
@@ -184,8 +188,15 @@ class GlobalProgress:
         }
 
     def on_train_start(self) -> None:
+        if self._epoch_batches is not None:  # the restart is over (see setup_data)
+            self.trainer.fit_loop.max_batches, self._epoch_batches = self._epoch_batches, None
         self.schedule = self.make_schedule()
         self._step_floor = self.trainer.global_step
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, ModelCheckpoint) and self._step_floor > 0:
+                # a resumed fit starts at a synchronization point whose checkpoint exists: between
+                # synchronization points the global step may read that step again, which must not save
+                callback._last_global_step_saved = max(callback._last_global_step_saved, self._step_floor)
         self._scheduler_steps = {
             i: self.trainer.global_step // config.frequency
             for i, config in enumerate(self.trainer.lr_scheduler_configs)
