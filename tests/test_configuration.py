@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import lightning as L
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -34,19 +36,29 @@ def _trainer(**kwargs):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"val_check_interval": 0.5}, "val_check_interval=0.5 cannot be honoured"),
-        ({"val_check_interval": 10}, "val_check_interval=10 cannot be honoured"),
-        ({"check_val_every_n_epoch": None}, "check_val_every_n_epoch=None"),
-        ({"max_steps": 100}, "max_steps=100 cannot be honoured.*max_epochs"),
         ({"limit_train_batches": 0.5}, "limit_train_batches=0.5 .*cannot be honoured"),
-        ({"callbacks": [ModelCheckpoint(every_n_train_steps=5)]}, "every_n_train_steps"),
         ({"val_check_interval": "00:00:01:00"}, "time-based val_check_interval"),
+        ({"callbacks": [ModelCheckpoint(train_time_interval=timedelta(minutes=1))]}, "train_time_interval"),
+        ({"limit_train_batches": 5, "val_check_interval": 10}, "limit_train_batches=5 cannot be combined"),
     ],
 )
 def test_trainer_settings_that_need_lock_step_are_rejected(kwargs, match):
     trainer = _trainer(**kwargs)
     with pytest.raises(ConfigurationError, match=match):
         check_trainer(trainer, "prague")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_steps": 100},
+        {"val_check_interval": 10, "check_val_every_n_epoch": None},
+        {"val_check_interval": 0.25},
+        {"callbacks": [ModelCheckpoint(every_n_train_steps=5)]},
+    ],
+)
+def test_step_based_settings_run_on_global_progress(kwargs):
+    check_trainer(_trainer(**kwargs), "prague")
 
 
 def test_default_settings_pass_and_names_are_registered():

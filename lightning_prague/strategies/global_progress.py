@@ -140,11 +140,11 @@ class GlobalProgress:
             return original_should_check_val(data_fetcher)
 
         def update_learning_rates(interval: str, update_plateau_schedulers: bool) -> None:
-            ticket = self.loader.current_ticket if self.loader is not None else None
-            if interval != "step" or update_plateau_schedulers or ticket is None:
+            if interval != "step" or update_plateau_schedulers or self.loader is None:
                 original_update_lr(interval, update_plateau_schedulers)
                 return
-            if self.trainer.lightning_module.automatic_optimization:
+            ticket = self.loader.current_ticket
+            if ticket is not None and self.trainer.lightning_module.automatic_optimization:
                 self.step_schedulers_to(ticket // self.batches_per_step)
 
         def num_ready_batches_reached() -> bool:

@@ -61,11 +61,16 @@ class Model(L.LightningModule):
         self.net = torch.nn.Linear(FEATURES, 1)
         self.trained: list[list[int]] = []  # [epoch, index] of every trained sample
         self.validations: list[dict] = []
+        self.tickets: list = []  # [epoch, global ticket, lr] of every trained batch
         self.stepping_batches = None
 
     def training_step(self, batch, batch_idx):
         x, y, index = batch
         self.trained += [[self.current_epoch, int(i)] for i in index]
+        progress = getattr(self.trainer.strategy, "progress", None)
+        if progress is not None and progress.loader is not None:
+            lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+            self.tickets.append([self.current_epoch, progress.loader.current_ticket, round(lr, 5)])
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def validation_step(self, batch, batch_idx):
@@ -92,6 +97,7 @@ class Model(L.LightningModule):
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
             "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
             "met": progress.met if progress is not None else [],
+            "tickets": self.tickets,
         }
         self.args.json.with_name(f"result.rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
@@ -132,7 +138,7 @@ def main() -> None:
     args = parser.parse_args()
 
     L.seed_everything(0, verbose=False)
-    dataset = Stream(10**6) if args.streaming else Indexed(args.samples)
+    dataset = Stream(args.samples) if args.streaming else Indexed(args.samples)
     train = DataLoader(dataset, batch_size=args.batch_size, shuffle=not args.streaming, num_workers=args.num_workers)
     val = DataLoader(Indexed(32), batch_size=16)
     callbacks = [SlowdownInjector(args.step_time, profile="straggler", slow_ranks=[args.devices - 1])]

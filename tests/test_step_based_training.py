@@ -1,0 +1,103 @@
+"""Step-based training (issue 11) under the work-queue strategies, with a 5x slow worker.
+
+Each run launches 4 forked ranks of ``scripts/steps.py`` and checks several promises at once:
+the step budget is honoured exactly, validation and checkpoints happen at the promised global steps
+on every rank with one model and one learning rate, no sample is trained twice in an epoch, a
+resumed fit continues exactly, and a streaming epoch ends when the first stream does.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import SCRIPTS, env, rank_results
+
+pytestmark = pytest.mark.timeout(240)
+WORLD = 4
+
+
+def run_steps(tmp: Path, *args: str) -> tuple[list[dict], dict]:
+    out = tmp / "result.json"
+    cmd = [sys.executable, str(SCRIPTS / "steps.py"), "--json", str(out), "--devices", str(WORLD), *args]
+    proc = subprocess.run(cmd, env=env(), cwd=tmp, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = rank_results(tmp)
+    assert [r["rank"] for r in ranks] == list(range(WORLD))
+    return ranks, json.loads(out.read_text())
+
+
+def trained(ranks: list[dict]) -> list[tuple[int, int]]:
+    return [(epoch, index) for r in ranks for epoch, index in r["trained"]]
+
+
+def assert_agree_at_synchronization_points(ranks: list[dict]) -> None:
+    first = ranks[0]["validations"]
+    for r in ranks[1:]:
+        assert [v["step"] for v in r["validations"]] == [v["step"] for v in first]
+        for mine, theirs in zip(r["validations"], first):
+            assert mine["lr"] == pytest.approx(theirs["lr"], rel=1e-9)
+            assert mine["weights"] == pytest.approx(theirs["weights"], rel=1e-5, abs=1e-6)
+
+
+def test_max_steps_validation_and_checkpoints_run_on_global_steps(tmp_path):
+    ranks, main = run_steps(
+        tmp_path, "--strategy", "partial_reduce", "--samples", "192", "--batch-size", "4", "--max-steps", "30",
+        "--val-every", "7", "--checkpoint-every", "10",
+    )  # fmt: skip
+    samples = trained(ranks)
+    # the budget: 30 steps of 4 workers, as under DDP, whoever trained them
+    assert len(samples) == 30 * WORLD * 4
+    assert all(r["global_step"] == 30 and r["stepping_batches"] == 30 for r in ranks)
+    # validation every 7 global steps, checkpoints every 10, on every rank at the same moment
+    assert [v["step"] for v in ranks[0]["validations"]] == [7, 14, 21, 28]
+    assert_agree_at_synchronization_points(ranks)
+    assert main["checkpoints"] == ["step=10.ckpt", "step=20.ckpt", "step=30.ckpt"]
+    # two full epochs of 48 batches and part of a third; nothing trained twice in an epoch
+    per_epoch = Counter(epoch for epoch, _ in samples)
+    assert per_epoch[0] == per_epoch[1] == 192 and len(set(samples)) == len(samples)
+    # the fast workers took more of the work than the 5x slower one
+    batches = [len(r["trained"]) for r in ranks]
+    assert max(batches[:-1]) > batches[-1] and min(batches[:-1]) > batches[-1]
+
+
+def test_a_fit_resumed_mid_epoch_continues_where_it_stopped(tmp_path):
+    common = ["--strategy", "prague", "--samples", "192", "--checkpoint-every", "15", "--val-every", "7"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    ckpt = tmp_path / "ckpt"
+    ranks_a, _ = run_steps(first, *common, "--max-steps", "15", "--checkpoint-dir", str(ckpt))
+    ranks_b, main = run_steps(
+        second, *common, "--max-steps", "30", "--checkpoint-dir", str(ckpt), "--resume", str(ckpt / "step=15.ckpt")
+    )
+    samples = trained(ranks_a) + trained(ranks_b)
+    # step 15 is 60 batches, inside the second epoch (48 batches each): exactly the missing ones follow
+    assert len(samples) == len(set(samples)) == 30 * WORLD * 4
+    assert Counter(epoch for epoch, _ in samples) == {0: 192, 1: 192, 2: 96}
+    assert all(r["global_step"] == 30 for r in ranks_b)
+    assert [v["step"] for v in ranks_b[0]["validations"]] == [21, 28]
+    assert_agree_at_synchronization_points(ranks_b)
+    assert main["checkpoints"] == ["step=15.ckpt", "step=30.ckpt"]
+
+
+def test_streaming_epochs_end_with_the_first_stream_and_the_budget_holds(tmp_path):
+    # every rank reads its own stream of 50 samples (13 batches, one DataLoader worker process each)
+    ranks, _ = run_steps(
+        tmp_path, "--strategy", "adpsgd", "--streaming", "--samples", "200", "--num-workers", "1",
+        "--max-steps", "30", "--val-every", "5", "--checkpoint-every", "0",
+    )  # fmt: skip
+    batches = sum(-(-len([s for s in r["trained"] if s[0] == e]) // 4) for r in ranks for e in range(10))
+    assert batches == 30 * WORLD
+    samples = trained(ranks)
+    assert len(set(samples)) == len(samples)  # no sample twice in one epoch
+    epochs = Counter(epoch for epoch, _ in samples)
+    # an epoch ends when the first stream ends: nobody waits for the slow worker to read all of its own
+    assert len(epochs) >= 3 and all(count < 200 for count in list(epochs.values())[:-1])
+    assert all(r["global_step"] == 30 for r in ranks)
+    assert [v["step"] for v in ranks[0]["validations"]] == [5, 10, 15, 20, 25, 30]
+    assert_agree_at_synchronization_points(ranks)
