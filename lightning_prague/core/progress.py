@@ -160,13 +160,29 @@ class ProgressCounter:
     """One worker's view of the global ticket counter (one store operation per batch).
 
     ``store`` is a client of the job's store under this session's prefix. Keys: one claim counter
-    and one end marker per epoch (nothing grows per step).
+    and one end marker per epoch (nothing grows per step). Each worker's first batch of an epoch
+    has a ticket set aside for it (``epoch start + 1 + rank``), so every worker trains in every
+    epoch. An epoch's count is rounded up to whole global steps (``batches_per_step``), as DDP pads
+    an epoch to equal shards: epochs start at step boundaries and a step budget never leaves an
+    epoch with fewer batches than workers.
     """
 
-    def __init__(self, store: dist.Store, timeout: float, budget: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        timeout: float,
+        budget: Optional[int] = None,
+        rank: int = 0,
+        world_size: int = 1,
+        batches_per_step: int = 1,
+    ) -> None:
         self.store = store
         self.timeout = timeout
         self.budget = budget
+        self.rank = rank
+        self.world_size = world_size
+        self.batches_per_step = batches_per_step
+        self._first_taken = False
         self.epoch = 0
         self.epoch_base = 0  # global batches trained before this epoch
         self.offset = 0  # tickets of this epoch handed out before this session (a resumed epoch)
@@ -176,17 +192,32 @@ class ProgressCounter:
 
     def begin_epoch(self, epoch: int, epoch_base: int, offset: int = 0) -> None:
         self.epoch, self.epoch_base, self.offset, self.epoch_end = epoch, epoch_base, offset, None
+        self._first_taken = False
+
+    def padded(self, end: int) -> int:
+        """``end`` rounded up to whole global steps from the epoch's start (then capped by the budget)."""
+        steps = -(-(end - self.epoch_base) // self.batches_per_step)
+        padded = self.epoch_base + steps * self.batches_per_step
+        return padded if self.budget is None else min(padded, self.budget)
+
+    @property
+    def _origin(self) -> int:
+        return self.epoch_base + self.offset
 
     def _key(self, name: str) -> str:
         return f"progress/{self.epoch}/{name}"
 
     def claim(self) -> Optional[int]:
         """The next global ticket, or ``None`` when the epoch's data or the budget is used up."""
-        value = int(self.store.add(self._key("claims"), 1))
-        if value > ENDED:
-            self.epoch_end = self._published_end()
-            return None
-        ticket = self.epoch_base + self.offset + value
+        if not self._first_taken:
+            self._first_taken = True
+            ticket = self._origin + 1 + self.rank
+        else:
+            value = int(self.store.add(self._key("claims"), 1))
+            if value > ENDED:
+                self.epoch_end = self._published_end()
+                return None
+            ticket = self._origin + self.world_size + value
         if self.budget is not None and ticket > self.budget:
             self.epoch_end = self.budget
             self.budget_spent = True
@@ -197,22 +228,20 @@ class ProgressCounter:
         """This worker's data ran out: end the epoch for everyone; return the epoch's last ticket."""
         if int(self.store.add(self._key("enders"), 1)) == 1:
             claimed = int(self.store.add(self._key("claims"), ENDED)) - ENDED
-            self.store.set(self._key("end"), str(self.epoch_base + self.offset + claimed))
-        end = self._published_end()
-        self.epoch_end = end if self.budget is None else min(end, self.budget)
+            self.store.set(self._key("end"), str(self._origin + self.world_size + claimed))
+        self.epoch_end = self._published_end()
         return self.epoch_end
 
     def exhausted(self, epoch_end: int) -> None:
-        """This worker's data ran out at a known end (map-style data): nothing to tell the others."""
-        self.epoch_end = epoch_end if self.budget is None else min(epoch_end, self.budget)
+        """This worker's data ran out at a known last ticket (map-style data): nothing to tell the others."""
+        self.epoch_end = self.padded(epoch_end)
 
     def final_count(self) -> int:
         """Global batches trained when this epoch is over (call when every worker has stopped claiming)."""
         value = int(self.store.add(self._key("claims"), 0))
         if value > ENDED:
             return self._published_end()
-        count = self.epoch_base + self.offset + value
-        return count if self.budget is None else min(count, self.budget)
+        return self.padded(self._origin + self.world_size + value)
 
     def _published_end(self) -> int:
         key = self._key("end")
@@ -223,8 +252,7 @@ class ProgressCounter:
                 f"epoch {self.epoch}: a worker ended the epoch's streams but did not publish where "
                 f"within {self.timeout:.0f}s (operation: read the epoch's end)"
             ) from err
-        end = int(self.store.get(key))
-        return end if self.budget is None else min(end, self.budget)
+        return self.padded(int(self.store.get(key)))
 
 
 def _timedelta(seconds: float):  # noqa: ANN202 - datetime.timedelta

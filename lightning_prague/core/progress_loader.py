@@ -73,8 +73,11 @@ class ProgressLoader:
 
     @property
     def epoch_end(self) -> Optional[int]:
-        """The epoch's last ticket when it is known in advance (map-style data)."""
-        return None if self.batches_per_epoch is None else self.epoch_base + self.batches_per_epoch
+        """Where the epoch's global progress ends when that is known in advance (map-style data):
+        its last ticket rounded up to whole global steps."""
+        if self.batches_per_epoch is None:
+            return None
+        return self.counter.padded(self.epoch_base + self.batches_per_epoch)
 
     # -- iteration --------------------------------------------------------------------------------
     def begin_epoch(self) -> None:
@@ -115,9 +118,8 @@ class ProgressLoader:
         if self.streaming:
             self.counter.end_stream()
         else:
-            end = self.epoch_end
-            assert end is not None
-            self.counter.exhausted(end)
+            assert self.batches_per_epoch is not None
+            self.counter.exhausted(self.epoch_base + self.batches_per_epoch)
 
     def arm(self) -> None:
         """Training starts: claim tickets for the batches fetched before (a failed claim drops its batch)."""

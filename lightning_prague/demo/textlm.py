@@ -9,6 +9,7 @@ character. Validation uses the last ``val_fraction`` of the text.
 from __future__ import annotations
 
 import math
+from typing import Any
 import string
 
 import lightning as L
@@ -96,8 +97,15 @@ class TinyTransformerLM(L.LightningModule):
         optimizer: str = "accum_adam",
         accum_steps: int = 4,
         weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        lr_schedule: str = "constant",
     ) -> None:
+        """``lr_schedule``: ``"constant"`` (after ``warmup_steps`` of linear warm-up) or ``"cosine"``
+        (warm-up, then cosine decay to zero at ``trainer.estimated_stepping_batches``); stepped every
+        optimizer step, which under the asynchronous strategies means every global step."""
         super().__init__()
+        if lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule={lr_schedule!r} is unknown; choose constant or cosine")
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r} is unknown; choose one of {', '.join(sorted(OPTIMIZERS))}")
         self.save_hyperparameters()
@@ -132,7 +140,27 @@ class TinyTransformerLM(L.LightningModule):
         self.log("val_loss", loss, sync_dist=True)
         self.log("val_ppl", torch.exp(loss), sync_dist=True)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        optimizer = self._optimizer()
+        if hp.warmup_steps == 0 and hp.lr_schedule == "constant":
+            return optimizer
+        total = self.trainer.estimated_stepping_batches
+        if hp.lr_schedule == "cosine" and not math.isfinite(total):
+            raise ValueError("lr_schedule='cosine' needs a finite trainer.estimated_stepping_batches (set max_steps)")
+        warmup = hp.warmup_steps
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if hp.lr_schedule == "constant":
+                return 1.0
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1.0, total - warmup))))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _optimizer(self) -> torch.optim.Optimizer:
         hp = self.hparams
         kind = OPTIMIZERS[hp.optimizer]
         if hp.optimizer.startswith("accum"):

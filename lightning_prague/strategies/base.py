@@ -418,7 +418,14 @@ class DecentralizedStrategy(DDPStrategy):
         trainer = self._trainer
         return ProgressLoader(
             loader,
-            ProgressCounter(store, self.sync_timeout, self.progress.budget),
+            ProgressCounter(
+                store,
+                self.sync_timeout,
+                self.progress.budget,
+                self.global_rank,
+                self.world_size,
+                self.progress.batches_per_step,
+            ),
             store,
             self.global_rank,
             self.world_size,

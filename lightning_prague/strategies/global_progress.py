@@ -107,7 +107,8 @@ class GlobalProgress:
                         f"val_check_interval={interval} (a fraction of an epoch) needs a map-style training set: a "
                         "streaming epoch has no known length. Pass an int (validate every N steps)"
                     )
-                validate_every = max(world, int(self.loader.batches_per_epoch * interval))
+                # whole batches per worker, as DDP counts them
+                validate_every = max(1, int(self.loader.batches_per_epoch * interval / world)) * world
         checkpoint_every = tuple(
             cb._every_n_train_steps * self.batches_per_step
             for cb in trainer.callbacks
