@@ -9,8 +9,8 @@ character. Validation uses the last ``val_fraction`` of the text.
 from __future__ import annotations
 
 import math
-from typing import Any
 import string
+from typing import Any
 
 import lightning as L
 import torch
