@@ -249,8 +249,9 @@ class ProgressCounter:
             self.store.wait([key], _timedelta(self.timeout))
         except RuntimeError as err:
             raise CoordinationTimeout(
-                f"epoch {self.epoch}: a worker ended the epoch's streams but did not publish where "
-                f"within {self.timeout:.0f}s (operation: read the epoch's end)"
+                f"rank {self.rank}: epoch {self.epoch} ended (another rank's stream ran out) but the rank that "
+                f"ended it did not publish the epoch's last batch within {self.timeout:.0f}s "
+                f"(operation: read the epoch's end from the store; ranks 0-{self.world_size - 1} share it)"
             ) from err
         return self.padded(int(self.store.get(key)))
 

@@ -33,9 +33,6 @@ class ProgressLoader:
         self,
         loader: Iterable[Any],
         counter: ProgressCounter,
-        store: dist.Store,
-        rank: int,
-        world_size: int,
         current_epoch: Callable[[], int],
         sampler: Optional[WorkQueueSampler] = None,
         batches_per_epoch: Optional[int] = None,
@@ -43,9 +40,6 @@ class ProgressLoader:
     ) -> None:
         self.loader = loader
         self.counter = counter
-        self.store = store
-        self.rank = rank
-        self.world_size = world_size
         self.current_epoch = current_epoch
         self.sampler = sampler
         #: batches in one epoch of map-style data (``None``: a stream)
@@ -66,6 +60,14 @@ class ProgressLoader:
 
     def __len__(self) -> int:  # no length: how many batches a worker trains depends on its speed
         raise TypeError("a ProgressLoader has no length")
+
+    @property
+    def store(self) -> dist.Store:
+        return self.counter.store
+
+    @property
+    def rank(self) -> int:
+        return self.counter.rank
 
     @property
     def streaming(self) -> bool:
@@ -158,7 +160,7 @@ class ProgressLoader:
         state: dict[str, Any] = {"epoch": self.epoch, "epoch_base": self.epoch_base, "progress": self.progress}
         if self.sampler is not None and self.rank == 0:
             pending: list[int] = []
-            for rank in range(self.world_size):
+            for rank in range(self.counter.world_size):
                 key = f"pending/{rank}"
                 if self.store.check([key]):
                     pending += json.loads(self.store.get(key))

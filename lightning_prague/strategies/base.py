@@ -414,21 +414,18 @@ class DecentralizedStrategy(DDPStrategy):
 
     def _progress_loader(self, loader: Any, batches_per_epoch: Optional[int], start: int) -> ProgressLoader:
         assert self.session is not None and self.progress is not None and self._trainer is not None
-        store = self.session.child("progress").open(self.sync_timeout)
+        counter = ProgressCounter(
+            self.session.child("progress").open(self.sync_timeout),
+            self.sync_timeout,
+            self.progress.budget,
+            self.global_rank,
+            self.world_size,
+            self.progress.batches_per_step,
+        )
         trainer = self._trainer
         return ProgressLoader(
             loader,
-            ProgressCounter(
-                store,
-                self.sync_timeout,
-                self.progress.budget,
-                self.global_rank,
-                self.world_size,
-                self.progress.batches_per_step,
-            ),
-            store,
-            self.global_rank,
-            self.world_size,
+            counter,
             lambda: trainer.current_epoch,
             sampler=self.sampler if batches_per_epoch is not None else None,
             batches_per_epoch=batches_per_epoch,
