@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import SCRIPTS, env, rank_results
+from tests.scripts.steps import lr_factor
 
 pytestmark = pytest.mark.timeout(240)
 WORLD = 4
@@ -86,10 +87,11 @@ def test_a_fit_resumed_mid_epoch_continues_where_it_stopped(tmp_path):
 
 
 def test_streaming_epochs_end_with_the_first_stream_and_the_budget_holds(tmp_path):
-    # every rank reads its own stream of 50 samples (13 batches, one DataLoader worker process each)
+    # every rank reads its own stream of 50 samples (13 batches, one DataLoader worker process each);
+    # manual optimization: the module steps its scheduler once per batch, as it would under DDP
     ranks, _ = run_steps(
         tmp_path, "--strategy", "adpsgd", "--streaming", "--samples", "200", "--num-workers", "1",
-        "--max-steps", "30", "--val-every", "5", "--checkpoint-every", "0",
+        "--max-steps", "30", "--val-every", "5", "--checkpoint-every", "0", "--manual", "--lr", "0.05",
     )  # fmt: skip
     batches = sum(-(-len([s for s in r["trained"] if s[0] == e]) // 4) for r in ranks for e in range(10))
     assert batches <= 30 * WORLD  # epochs are rounded up to whole steps, as DDP pads them
@@ -101,3 +103,6 @@ def test_streaming_epochs_end_with_the_first_stream_and_the_budget_holds(tmp_pat
     assert all(r["global_step"] == 30 for r in ranks)
     assert [v["step"] for v in ranks[0]["validations"]] == [5, 10, 15, 20, 25, 30]
     assert_agree_at_synchronization_points(ranks)
+    # the LR is the schedule's value at the global step, although fast workers stepped it more often
+    for validation in ranks[0]["validations"]:
+        assert validation["lr"] == pytest.approx(0.05 * lr_factor(validation["step"], 30), rel=1e-9)

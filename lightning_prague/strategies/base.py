@@ -275,6 +275,8 @@ class DecentralizedStrategy(DDPStrategy):
         _sync_module_states(self.model)
 
     def teardown(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
         if self._trainer is not None:
             _patches.remove(self._trainer)
             self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks if not isinstance(cb, SyncPoints)]

@@ -11,7 +11,9 @@ the global number of batches trained instead of this worker's own step count:
   boundaries: every worker drains, meets and averages there, then validation and checkpoints see
   one model;
 * learning-rate schedulers with ``interval="step"`` are stepped to the global step: a fast worker
-  does not anneal faster than a slow one, and all agree at every synchronization point;
+  does not anneal faster than a slow one, and all agree at every synchronization point. Under
+  manual optimization the module steps them itself (``self.lr_schedulers().step()``, once per
+  batch): each such call advances the scheduler to the global step instead of by one;
 * ``trainer.estimated_stepping_batches`` counts the steps one worker would take under DDP.
 
 The methods below replace Lightning's on this trainer's loop instances only (see ``_patches``).
@@ -51,6 +53,33 @@ def prefetch_depth(loader: Any) -> int:
     """Batches a DataLoader's worker processes fetch ahead of the training loop."""
     workers = getattr(loader, "num_workers", 0) or 0
     return workers * (getattr(loader, "prefetch_factor", None) or 2) if workers > 0 else 0
+
+
+class GlobalStepScheduler:
+    """Stands in for a per-step LR scheduler that a manually optimizing module steps itself.
+
+    ``step()`` without arguments advances the scheduler to the global step of the batch being
+    trained (what one call per batch reaches under DDP), so a fast worker calling it more often
+    does not anneal faster. Everything else (``state_dict``, ``get_last_lr``, ...) is the
+    scheduler's own.
+    """
+
+    def __init__(self, scheduler: Any, index: int, progress: GlobalProgress) -> None:
+        self.scheduler = scheduler
+        self._index = index
+        self._progress = progress
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        progress = self._progress
+        ticket = progress.loader.current_ticket if progress.loader is not None else None
+        if args or kwargs or ticket is None:
+            self.scheduler.step(*args, **kwargs)
+            progress._scheduler_steps[self._index] = progress._scheduler_steps.get(self._index, 0) + 1
+            return
+        progress.step_schedulers_to(ticket // progress.batches_per_step)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
 
 
 class GlobalProgress:
@@ -202,10 +231,20 @@ class GlobalProgress:
             i: self.trainer.global_step // config.frequency
             for i, config in enumerate(self.trainer.lr_scheduler_configs)
         }
+        if not self.trainer.lightning_module.automatic_optimization:
+            for i, config in enumerate(self.trainer.lr_scheduler_configs):
+                if config.interval == "step" and not config.reduce_on_plateau:
+                    config.scheduler = GlobalStepScheduler(config.scheduler, i, self)
         if self.loader is not None:
             self.loader.arm()
             if self.loader.sampler is not None:
                 self.loader.sampler.may_leave_tail = self._may_leave_tail
+
+    def close(self) -> None:
+        """At the end of the fit: the module's schedulers are its own again."""
+        for config in self.trainer.lr_scheduler_configs:
+            if isinstance(config.scheduler, GlobalStepScheduler):
+                config.scheduler = config.scheduler.scheduler
 
     def step_schedulers_to(self, step: int) -> None:
         """Step every per-step LR scheduler until it has taken ``step // frequency`` steps."""
@@ -213,8 +252,11 @@ class GlobalProgress:
             if config.interval != "step" or config.reduce_on_plateau:
                 continue
             target = step // config.frequency
+            scheduler = config.scheduler
+            if isinstance(scheduler, GlobalStepScheduler):
+                scheduler = scheduler.scheduler
             while self._scheduler_steps.get(i, 0) < target:
-                call._call_lightning_module_hook(self.trainer, "lr_scheduler_step", config.scheduler, None)
+                call._call_lightning_module_hook(self.trainer, "lr_scheduler_step", scheduler, None)
                 self._scheduler_steps[i] = self._scheduler_steps.get(i, 0) + 1
 
     def _next_boundary(self) -> Optional[Boundary]:

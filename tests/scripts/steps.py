@@ -3,7 +3,8 @@
 A linear model on synthetic data whose samples carry their index, one 5x slow rank, and the
 step-based features of issue 11: ``max_steps``, ``val_check_interval`` in steps (or a fraction),
 ``ModelCheckpoint(every_n_train_steps=...)``, a warm-up + cosine LR schedule sized by
-``trainer.estimated_stepping_batches``, and a map-style or a streaming training set.
+``trainer.estimated_stepping_batches`` (stepped by Lightning, or by the module under
+``--manual`` optimization), and a map-style or a streaming training set.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ def sample(index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     g = torch.Generator().manual_seed(index)
     x = torch.randn(FEATURES, generator=g)
     return x, x.sum(0, keepdim=True), index
+
+
+def lr_factor(step: int, total: int) -> float:
+    """Linear warm-up over the first 10% of ``total`` steps, then cosine to 0 (the LR after ``step`` steps)."""
+    warmup = max(1, int(0.1 * total))
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
 class Indexed(Dataset):
@@ -63,6 +72,7 @@ class Model(L.LightningModule):
         self.validations: list[dict] = []
         self.tickets: list = []  # [epoch, global ticket, lr] of every trained batch
         self.stepping_batches = None
+        self.automatic_optimization = not args.manual
 
     def training_step(self, batch, batch_idx):
         x, y, index = batch
@@ -71,7 +81,15 @@ class Model(L.LightningModule):
         if progress is not None and progress.loader is not None:
             lr = self.trainer.optimizers[0].param_groups[0]["lr"]
             self.tickets.append([self.current_epoch, progress.loader.current_ticket, round(lr, 5)])
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if self.automatic_optimization:
+            return loss
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        self.lr_schedulers().step()  # once per batch, as under DDP: the strategy makes it the global step
+        return None
 
     def validation_step(self, batch, batch_idx):
         x, y, _ = batch
@@ -105,14 +123,7 @@ class Model(L.LightningModule):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.args.lr)
         total = self.trainer.estimated_stepping_batches
         self.stepping_batches = total
-        warmup = max(1, int(0.1 * total))
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total))
         return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
 
 
@@ -133,6 +144,7 @@ def main() -> None:
     parser.add_argument("--streaming", action="store_true")
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--manual", action="store_true", help="manual optimization")
     parser.add_argument("--step-time", type=float, default=0.01)
     parser.add_argument("--lr", type=float, default=0.05)
     args = parser.parse_args()

@@ -1,0 +1,360 @@
+"""Lightning features under every strategy, with one slow worker: a compatibility matrix.
+
+    python benchmarks/lightning_features.py                         # every strategy, every case
+    python benchmarks/lightning_features.py --strategies prague --cases steps manual
+
+Each case is a small ``Trainer.fit`` (and, for some, validate/test/predict, a second fit or a
+resume) on 4 CPU workers started by ``fork`` from this process, with the last worker 5x slower.
+A case passes when it finishes without an error or a hang (every strategy's waits time out after
+``--timeout`` seconds) and, where the case is step-based, training stopped at exactly the
+promised global step. The table (and ``--json``) says which cases passed, their time, the global
+step reached and the final validation loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import (
+    EarlyStopping,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    StochasticWeightAveraging,
+    Timer,
+)
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+import lightning_prague  # noqa: F401  (registers the strategies)
+from lightning_prague.callbacks import SlowdownInjector
+from lightning_prague.strategies import STRATEGIES
+
+FEATURES = 16
+STRATEGY_NAMES = ("ddp", "prague", "partial_reduce", "adpsgd", "decent_adam")
+
+
+def sample(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(index)
+    x = torch.randn(FEATURES, generator=g)
+    return x, (x[: FEATURES // 2].sum(0, keepdim=True) > 0).float()
+
+
+class Samples(Dataset):
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        return sample(index)
+
+
+class Stream(IterableDataset):
+    """Rank r reads samples r, r + world, ... (split again among DataLoader worker processes)."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __iter__(self):
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        for index in range(rank + world * worker, self.length, world * workers):
+            yield sample(index)
+
+
+class Classifier(L.LightningModule):
+    """A small MLP with a step-interval OneCycle schedule sized by ``estimated_stepping_batches``."""
+
+    def __init__(self, lr: float = 0.05, compile_body: bool = False, manual: bool = False) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.ReLU())
+        if compile_body:
+            self.body = torch.compile(self.body)
+        self.head = torch.nn.Linear(32, 1)
+        self.lr = lr
+        self.automatic_optimization = not manual
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.binary_cross_entropy_with_logits(self(x), y)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        if self.automatic_optimization:
+            return loss
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=1.0)
+        optimizer.step()
+        self.lr_schedulers().step()
+        return None
+
+    def validation_step(self, batch, batch_idx, dataloader_idx: int = 0):
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self.loss(batch), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total) or total <= 0:  # streaming epochs: no length to size a schedule by
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.lr, total_steps=int(total) + 1)
+        return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+
+
+class StepRecorder(L.Callback):
+    """Every rank writes the global step it ended ``fit`` at (a forked run does not report it back)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        (self.root / f"step.rank{trainer.global_rank}").write_text(str(trainer.global_step))
+
+    def steps(self) -> list[int]:
+        return [int(path.read_text()) for path in sorted(self.root.glob("step.rank*"))]
+
+
+@dataclass
+class Case:
+    """One Lightning feature (or combination) to train with."""
+
+    trainer: dict[str, Any] = field(default_factory=dict)
+    #: start the workers as a user's script would (``popen``: Lightning runs the script once per
+    #: rank), for what a ``fork`` start cannot do (a second ``fit`` on the same trainer)
+    popen: bool = False
+    model: dict[str, Any] = field(default_factory=dict)
+    callbacks: Callable[[Path], list] = lambda root: []
+    streaming: bool = False
+    num_workers: int = 0
+    val_loaders: int = 1
+    expect_step: int | None = None
+    then: Callable[[L.Trainer, L.LightningModule, Run], None] | None = None
+
+
+STEPS = {"max_steps": 24, "val_check_interval": 8, "check_val_every_n_epoch": None}
+
+
+def step_checkpoints(root: Path) -> list:
+    return [ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=8, save_top_k=-1, filename="{step}")]
+
+
+def second_fit(trainer: L.Trainer, model: L.LightningModule, run: Run) -> None:
+    trainer.fit_loop.epoch_loop.max_steps = 36
+    trainer.fit(model, run.train_loader(), run.val_loaders())
+    run.check_step(trainer, 36)
+
+
+def evaluate_all(trainer: L.Trainer, model: L.LightningModule, run: Run) -> None:
+    trainer.validate(model, run.val_loaders())
+    trainer.test(model, DataLoader(Samples(64), batch_size=16))
+    predictions = trainer.predict(model, DataLoader(Samples(32), batch_size=16))
+    if trainer.global_rank == 0 and predictions is not None and len(predictions) == 0:
+        raise AssertionError("predict returned no batches")
+
+
+def resume(trainer: L.Trainer, model: L.LightningModule, run: Run) -> None:
+    """A new trainer resumes from the step-16 checkpoint and trains to the same 24 steps."""
+    path = sorted((run.root / "ckpt").glob("step=16*.ckpt"))
+    if not path:
+        raise AssertionError(f"no checkpoint at step 16 in {run.root / 'ckpt'}")
+    again = run.trainer()
+    again.fit(Classifier(), run.train_loader(), run.val_loaders(), ckpt_path=str(path[0]))
+    run.check_step(again, 24)
+
+
+CASES: dict[str, Case] = {
+    "steps": Case(STEPS, callbacks=step_checkpoints, expect_step=24),
+    "val_fraction": Case({"max_steps": 24, "val_check_interval": 0.5}, expect_step=24),
+    "bf16": Case({**STEPS, "precision": "bf16-mixed"}, expect_step=24),
+    "accumulate": Case({**STEPS, "accumulate_grad_batches": 2}, expect_step=24),
+    "clip": Case({**STEPS, "gradient_clip_val": 0.5}, expect_step=24),
+    "manual": Case(STEPS, model={"manual": True}, expect_step=24),
+    "compiled": Case(STEPS, model={"compile_body": True}, expect_step=24),
+    "lr_monitor": Case(STEPS, callbacks=lambda root: [LearningRateMonitor("step")], expect_step=24),
+    "two_val_loaders": Case(STEPS, val_loaders=2, expect_step=24),
+    "early_stopping": Case(STEPS, callbacks=lambda root: [EarlyStopping("val_loss", patience=1)]),
+    "timer": Case(STEPS, callbacks=lambda root: [Timer(duration="00:00:05:00")], expect_step=24),
+    "swa": Case({"max_epochs": 3}, callbacks=lambda root: [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)]),
+    "epoch_checkpoint": Case(
+        {"max_epochs": 2},
+        callbacks=lambda root: [ModelCheckpoint(dirpath=root / "ckpt", monitor="val_loss", save_last=True)],
+    ),
+    "second_fit": Case(STEPS, popen=True, expect_step=24, then=second_fit),
+    "validate_test_predict": Case(STEPS, expect_step=24, then=evaluate_all),
+    "streaming_steps": Case(STEPS, streaming=True, num_workers=1, expect_step=24),
+    "streaming_epochs": Case({"max_epochs": 2}, streaming=True),
+    "resume": Case(STEPS, callbacks=step_checkpoints, expect_step=24, then=resume),
+}
+
+
+class Run:
+    """One strategy's run of one case: builds trainers and loaders, checks the global step."""
+
+    def __init__(self, strategy: str, case: Case, root: Path, args: argparse.Namespace) -> None:
+        self.strategy, self.case, self.root, self.args = strategy, case, root, args
+        self.global_step: int | None = None
+
+    def make_strategy(self):
+        start_method = "popen" if self.case.popen else "fork"
+        if self.strategy == "ddp":
+            return L.pytorch.strategies.DDPStrategy(start_method=start_method)
+        return STRATEGIES[self.strategy][0](start_method=start_method, timeout=self.args.timeout)
+
+    def trainer(self, **overrides: Any) -> L.Trainer:
+        callbacks = [
+            SlowdownInjector(self.args.step_time, profile="straggler", slow_ranks=[self.args.devices - 1]),
+            StepRecorder(self.root),
+            *self.case.callbacks(self.root),
+        ]
+        options = {
+            "accelerator": "cpu",
+            "devices": self.args.devices,
+            "strategy": self.make_strategy(),
+            "callbacks": callbacks,
+            "logger": CSVLogger(self.root / "logs"),
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "num_sanity_val_steps": 0,
+            "limit_val_batches": 2,
+            "default_root_dir": self.root,
+            **self.case.trainer,
+            **overrides,
+        }
+        return L.Trainer(**options)
+
+    def train_loader(self) -> DataLoader:
+        if self.case.streaming:
+            dataset: Dataset = Stream(self.args.samples)
+            return DataLoader(dataset, batch_size=8, num_workers=self.case.num_workers)
+        return DataLoader(Samples(self.args.samples), batch_size=8, shuffle=True, num_workers=self.case.num_workers)
+
+    def val_loaders(self) -> list[DataLoader]:
+        return [DataLoader(Samples(64), batch_size=16) for _ in range(self.case.val_loaders)]
+
+    def check_step(self, trainer: L.Trainer, expected: int | None) -> None:
+        """Every rank ended the last fit at ``expected`` (when given) and at the same global step."""
+        if trainer.global_rank != 0:  # started by popen: rank 0 checks for everyone
+            return
+        recorder = next(cb for cb in trainer.callbacks if isinstance(cb, StepRecorder))
+        deadline = time.monotonic() + 30
+        while len(recorder.steps()) < self.args.devices and time.monotonic() < deadline:
+            time.sleep(0.1)  # started by popen: the other ranks are finishing their fit too
+        steps = recorder.steps()
+        if len(steps) != self.args.devices or len(set(steps)) != 1:
+            raise AssertionError(f"ranks ended fit at global steps {steps}")
+        if expected is not None and steps[0] != expected:
+            raise AssertionError(f"training stopped at global step {steps[0]}, expected {expected}")
+        self.global_step: int | None = steps[0]
+        for path in self.root.glob("step.rank*"):
+            path.unlink()
+
+    def __call__(self) -> dict[str, Any]:
+        trainer = self.trainer()
+        model = Classifier(**self.case.model)
+        start = time.perf_counter()
+        trainer.fit(model, self.train_loader(), self.val_loaders())
+        self.check_step(trainer, self.case.expect_step)
+        if self.case.then is not None:
+            self.case.then(trainer, model, self)
+        loss = trainer.callback_metrics.get("val_loss")
+        return {
+            "seconds": round(time.perf_counter() - start, 1),
+            "global_step": self.global_step,
+            "val_loss": None if loss is None else round(float(loss), 4),
+        }
+
+
+def run_case(strategy: str, name: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One case's result row; a ``popen`` case runs in a script of its own (Lightning re-runs it per rank)."""
+    case = CASES[name]
+    if case.popen and not args.in_script:
+        out = root / "row.json"
+        command = [
+            sys.executable,
+            __file__,
+            "--strategies",
+            strategy,
+            "--cases",
+            name,
+            "--in-script",
+            "--json",
+            str(out),
+        ]
+        command += ["--devices", str(args.devices), "--samples", str(args.samples)]
+        command += ["--step-time", str(args.step_time), "--timeout", str(args.timeout), "--root", str(root)]
+        subprocess.run(command, check=False, timeout=10 * args.timeout)
+        if not out.exists():
+            return {"strategy": strategy, "case": name, "result": "FAILED", "error": "the script wrote no result"}
+        return json.loads(out.read_text())[0]
+    row: dict[str, Any] = {"strategy": strategy, "case": name}
+    try:
+        row.update(Run(strategy, case, root, args)(), result="ok")
+    except Exception as error:  # a failing case must not stop the matrix
+        row.update(result="FAILED", error=f"{type(error).__name__}: {error}")
+        traceback.print_exc()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_NAMES), choices=STRATEGY_NAMES)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--step-time", type=float, default=0.01, help="seconds per step of a normal worker")
+    parser.add_argument("--timeout", type=float, default=60.0, help="every strategy wait fails after this")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--in-script", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if os.environ.get("LOCAL_RANK", "0") != "0":  # a worker Lightning started by re-running this script
+        run_case(args.strategies[0], args.cases[0], args.root, args)
+        return 0
+    results: list[dict[str, Any]] = []
+    print(f"{'strategy':<16}{'case':<24}{'result':<8}{'seconds':>8}{'step':>6}{'val_loss':>10}", flush=True)
+    for strategy in args.strategies:
+        for name in args.cases:
+            with tempfile.TemporaryDirectory() as temporary:
+                row = run_case(strategy, name, args.root or Path(temporary), args)
+            results.append(row)
+            print(
+                f"{strategy:<16}{name:<24}{row['result']:<8}{row.get('seconds', ''):>8}"
+                f"{row.get('global_step', ''):>6}{str(row.get('val_loss', '')):>10}",
+                flush=True,
+            )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    failed = [f"{r['strategy']}/{r['case']}: {r['error']}" for r in results if r["result"] != "ok"]
+    print("\n".join(["", f"{len(results) - len(failed)} of {len(results)} passed", *failed]))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
