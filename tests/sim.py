@@ -148,3 +148,53 @@ def simulate_first_ready(
                 elif item["t"] == "answer":
                     heapq.heappush(events, (now + step_time[rank], rank))
     return groups
+
+
+@dataclass
+class Waves:
+    """Groups issued while workers make requests, by wave (every worker's ``r``-th request is wave ``r``)."""
+
+    groups: dict[int, list[frozenset[int]]] = field(default_factory=dict)  # wave -> groups its requests issued
+    memberships: dict[int, int] = field(default_factory=dict)  # rank -> groups it was a member of
+    requests: dict[int, int] = field(default_factory=dict)  # rank -> requests it made
+
+    def conflicting_fraction(self, excluding: set[int] = frozenset()) -> float:
+        """Of all groups (but those with a member in ``excluding``), the fraction that share a member
+        with another such group of the same wave."""
+        total = conflicting = 0
+        for wave in self.groups.values():
+            groups = [g for g in wave if not g & excluding]
+            total += len(groups)
+            conflicting += sum(any(g & h for j, h in enumerate(groups) if j != i) for i, g in enumerate(groups))
+        return conflicting / total
+
+    def groups_per_request(self, ranks: list[int]) -> float:
+        """Groups each of ``ranks`` averaged in per request it made (exchanges per local step)."""
+        return sum(self.memberships.get(r, 0) for r in ranks) / sum(self.requests[r] for r in ranks)
+
+
+def request_waves(
+    generator: GroupGenerator, steps: int, rng: random.Random, sigma: float = 0.2, slow: dict[int, float] | None = None
+) -> Waves:
+    """Timed requests with instant groups: worker ``r`` asks after every step, whose time is
+    lognormal (``sigma``, median 1) times ``slow.get(r, 1)``, until it made ``steps`` requests."""
+    world = generator.world_size
+    slow = slow or {}
+    events = [(rng.random(), r) for r in range(world)]
+    heapq.heapify(events)
+    waves = Waves(requests=dict.fromkeys(range(world), 0))
+    while events:
+        now, r = heapq.heappop(events)
+        wave = waves.requests[r]
+        waves.requests[r] += 1
+        seen: set[int] = set()
+        for items in generator.handle({"op": "ready", "rank": r, "req": wave + 1}).values():
+            for item in items:
+                if item["t"] == "group" and item["gid"] not in seen:
+                    seen.add(item["gid"])
+                    waves.groups.setdefault(wave, []).append(frozenset(item["members"]))
+                    for m in item["members"]:
+                        waves.memberships[m] = waves.memberships.get(m, 0) + 1
+        if waves.requests[r] < steps:
+            heapq.heappush(events, (now + rng.lognormvariate(0, sigma) * slow.get(r, 1.0), r))
+    return waves

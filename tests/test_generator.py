@@ -7,7 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sim import assert_consistent_order, simulate
+from sim import assert_consistent_order, request_waves, simulate
 
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.generator import STOP_SYNC, GroupGenerator
@@ -184,3 +184,23 @@ def test_a_leaving_worker_is_withdrawn_and_named_to_the_others():
     generator.handle({"op": "arrive", "rank": 0, "sync": "epoch_end@epoch0"})
     out = generator.handle({"op": "arrive", "rank": 2, "sync": "epoch_end@epoch0"})
     assert out[0][0]["t"] == "error" and "ranks [1] at '__left_after_an_error__'" in out[0][0]["message"]
+
+
+@pytest.mark.parametrize("sigma, slow", [(0.0, {}), (0.3, {}), (0.3, {5: 5.0})])
+def test_group_buffer_hands_out_disjoint_groups_where_random_groups_conflict(sigma, slow):
+    world, group = 16, 4
+
+    def waves(name: str):
+        generator = GroupGenerator(world, make_policy(name, world, group, seed=7))
+        return request_waves(generator, 60, random.Random(1), sigma=sigma, slow=slow)
+
+    buffer, random_groups = waves("buffer"), waves("random")
+    assert random_groups.conflicting_fraction() > 0.9
+    # the brief's Group Buffer: a worker is handed the buffered group that already contains it, so
+    # the groups of one wave are disjoint (a lagging straggler's own groups aside: its round's
+    # partners have moved on, and each of its requests adds one group that overlaps theirs)
+    assert buffer.conflicting_fraction(excluding=set(slow)) == 0.0
+    assert buffer.conflicting_fraction() <= random_groups.conflicting_fraction() / (3 if not slow else 2)
+    # and a worker that keeps pace averages about once per step, not once per member of each group
+    fast = [r for r in range(world) if r not in slow]
+    assert buffer.groups_per_request(fast) < 1.2 < group - 0.5 < random_groups.groups_per_request(fast)

@@ -84,7 +84,8 @@ class GroupGenerator:
         self.parked: dict[int, str] = {}  # rank -> name of the sync point it waits at
         self.stopping = False
         self.left: set[int] = set()  # ranks that shut down after an error
-        self._per_round: dict[tuple[int, Group], int] = {}  # static schedule: (round, group) -> gid
+        #: groups shared by a round (static, buffer): (round, members) -> [gid, members yet to ask for it]
+        self._per_round: dict[tuple[int, Group], list[int]] = {}
         self._ready: deque[tuple[int, int, int]] = deque()  # first_ready: FIFO of (rank, req, version)
         self.newest_version = 0  # the highest model version any worker reported
         self.issued: list[tuple[int, Group]] = []  # (gid, members), for monitoring and tests
@@ -199,7 +200,7 @@ class GroupGenerator:
             self._ready.append((rank, req, version))
             self._form_ready_groups(out)
             return
-        if self.policy.issues_per_round:
+        if self.policy.keeps_stragglers:
             pool = self._available_pool()
         else:
             pool = self._candidates()
@@ -210,13 +211,31 @@ class GroupGenerator:
             self._answer(rank, req, None, out)
             return
         if self.policy.issues_per_round:
-            gid = self._per_round.get((round_index, members))
-            if gid is None:
-                gid = self._issue(members, out)
-                self._per_round[(round_index, members)] = gid
+            gid = self._round_group(round_index, members, out)
         else:
             gid = self._issue(members, out)
         self._answer(rank, req, gid, out)
+
+    def _round_group(self, round_index: int, members: Group, out: dict[int, list[Item]]) -> int:
+        """The group ``members`` share in round ``round_index``, issued by the first of them to ask.
+
+        An entry is forgotten once every member asked for it (or at the next synchronization
+        point, or when the table outgrows ``4 N`` entries: the oldest goes, and a member that still
+        asks for it gets the group issued anew), so the table stays small between synchronization
+        points however long they are apart.
+        """
+        key = (round_index, members)
+        entry = self._per_round.get(key)
+        if entry is None:
+            gid = self._issue(members, out)
+            self._per_round[key] = [gid, len(members) - 1]
+            if len(self._per_round) > 4 * self.world_size:  # members that never asked (left, re-grouped)
+                del self._per_round[next(iter(self._per_round))]
+            return gid
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self._per_round[key]
+        return entry[0]
 
     def _form_ready_groups(self, out: dict[int, list[Item]]) -> None:
         """first_ready: let the policy pick groups from the FIFO of waiting workers."""
@@ -261,6 +280,7 @@ class GroupGenerator:
         self.parked.clear()
         self.rounds = [0] * self.world_size
         self._per_round.clear()
+        self.policy.restart()
         self._lagging = set()
         self._changed()
 

@@ -8,11 +8,12 @@ what makes any policy deadlock-free.
     Prague's Group Generator: the requester plus ``group_size - 1`` peers drawn uniformly from the
     workers that are still training.
 ``buffer``
-    Group Buffer: a random partition of all workers into groups of ``group_size`` (one group takes
-    ``group_size + 1`` rather than leave a worker alone) is kept; a
-    requester gets the buffered group that contains it. When that group has already been handed
-    out, a fresh partition is drawn. Groups handed out from one partition are disjoint, so they
-    do not conflict.
+    Group Buffer: each round (a worker's ``r``-th request since the last synchronization point)
+    has a random partition of all workers into groups of ``group_size`` (one group takes
+    ``group_size + 1`` rather than leave a worker alone); a requester gets the group of its round's
+    partition that contains it, which may already have been handed out to another member (then
+    nothing new is issued). Groups of one partition are disjoint, so workers that keep pace never
+    conflict (see :class:`BufferPolicy`).
 ``division``
     Group Division: workers are split into fixed divisions of consecutive ranks (``division_size``,
     by default the workers per node on several nodes, otherwise half the world); groups are drawn
@@ -52,6 +53,8 @@ class GroupingPolicy:
 
     #: a policy whose groups are shared by a round: the generator issues each (round, group) once
     issues_per_round = False
+    #: every member the policy names takes part, lagging or not (a fixed schedule)
+    keeps_stragglers = False
 
     def __init__(self, world_size: int, group_size: int, seed: int = 0) -> None:
         self.world_size = world_size
@@ -70,6 +73,9 @@ class GroupingPolicy:
     def weights(self, versions: Sequence[int]) -> list[float] | None:
         """Per-member averaging weights for members at these model versions; ``None`` is the plain mean."""
         return None
+
+    def restart(self) -> None:
+        """Every worker met at a synchronization point: rounds count from 0 again."""
 
     def _draw(self, requester: int, candidates: Sequence[int]) -> Group | None:
         """The requester and up to ``group_size - 1`` distinct others, uniformly at random."""
@@ -94,27 +100,47 @@ class RandomPolicy(GroupingPolicy):
 
 
 class BufferPolicy(GroupingPolicy):
-    def __init__(self, world_size: int, group_size: int, seed: int = 0) -> None:
-        super().__init__(world_size, group_size, seed)
-        self._buffer: dict[int, Group] = {}
+    """Group Buffer: round ``r`` of every worker is one random partition of all workers.
 
-    def _refill(self) -> None:
+    A worker's ``r``-th request (since the last synchronization point) is answered with the group
+    of partition ``r`` that contains it; the first member to ask issues it, the others' requests of
+    that round are answered with the same group (already in their inboxes), so a round costs one
+    group per member, not one per request. Groups of one partition are disjoint: workers that keep
+    pace never conflict. Partitions are drawn when first needed and only the newest
+    ``depth`` are kept; a worker far behind (a straggler) gets a freshly drawn one.
+    """
+
+    issues_per_round = True
+
+    def __init__(self, world_size: int, group_size: int, seed: int = 0, depth: int = 64) -> None:
+        super().__init__(world_size, group_size, seed)
+        self.depth = depth
+        self._partitions: dict[int, dict[int, Group]] = {}
+
+    def _partition(self) -> dict[int, Group]:
         ranks = list(range(self.world_size))
         self.rng.shuffle(ranks)
         groups = [tuple(sorted(ranks[i : i + self.group_size])) for i in range(0, len(ranks), self.group_size)]
         if len(groups) > 1 and len(groups[-1]) == 1:  # never leave a worker alone: it joins the previous group
             last = groups.pop()
             groups[-1] = tuple(sorted(groups[-1] + last))
-        self._buffer = {rank: group for group in groups for rank in group}
+        return {rank: group for group in groups for rank in group}
+
+    def partition(self, round_index: int) -> dict[int, Group]:
+        """Rank -> its group in round ``round_index``'s partition."""
+        partition = self._partitions.get(round_index)
+        if partition is None:
+            partition = self._partitions[round_index] = self._partition()
+            if len(self._partitions) > self.depth:
+                del self._partitions[min(self._partitions)]
+        return partition
 
     def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
-        if requester not in self._buffer:
-            self._refill()
-        group = self._buffer[requester]
-        for rank in group:
-            self._buffer.pop(rank, None)
-        members = tuple(r for r in group if r in available)
+        members = tuple(r for r in self.partition(round_index)[requester] if r in available)
         return members if len(members) >= 2 else None
+
+    def restart(self) -> None:
+        self._partitions.clear()
 
 
 class DivisionPolicy(GroupingPolicy):
@@ -148,6 +174,7 @@ class SchedulePolicy(GroupingPolicy):
     gets its group of round ``r``. The coordinator averages these groups with plain means."""
 
     issues_per_round = True
+    keeps_stragglers = True
 
     def __init__(self, schedule: Schedule, seed: int = 0) -> None:
         super().__init__(schedule.world_size, max(len(g.members) for r in schedule.rounds for g in r), seed)
