@@ -158,17 +158,11 @@ class Case:
     then: Callable[[L.Trainer, L.LightningModule, Run], None] | None = None
 
 
-STEPS = {"max_steps": 24, "val_check_interval": 8, "check_val_every_n_epoch": None}
-
-
-def step_checkpoints(root: Path) -> list:
-    return [ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=8, save_top_k=-1, filename="{step}")]
-
-
 def second_fit(trainer: L.Trainer, model: L.LightningModule, run: Run) -> None:
-    trainer.fit_loop.epoch_loop.max_steps = 36
+    """The same trainer fits again, one validation interval further."""
+    trainer.fit_loop.epoch_loop.max_steps = 4 * run.unit
     trainer.fit(model, run.train_loader(), run.val_loaders())
-    run.check_step(trainer, 36)
+    run.check_step(trainer, 4 * run.unit)
 
 
 def evaluate_all(trainer: L.Trainer, model: L.LightningModule, run: Run) -> None:
@@ -180,38 +174,52 @@ def evaluate_all(trainer: L.Trainer, model: L.LightningModule, run: Run) -> None
 
 
 def resume(trainer: L.Trainer, model: L.LightningModule, run: Run) -> None:
-    """A new trainer resumes from the step-16 checkpoint and trains to the same 24 steps."""
-    path = sorted((run.root / "ckpt").glob("step=16*.ckpt"))
+    """A new trainer resumes from the checkpoint two intervals in and trains to the same budget."""
+    step = 2 * run.unit
+    path = sorted((run.root / "ckpt").glob(f"step={step}*.ckpt"))
     if not path:
-        raise AssertionError(f"no checkpoint at step 16 in {run.root / 'ckpt'}")
+        raise AssertionError(f"no checkpoint at step {step} in {run.root / 'ckpt'}")
     again = run.trainer()
     again.fit(Classifier(), run.train_loader(), run.val_loaders(), ckpt_path=str(path[0]))
-    run.check_step(again, 24)
+    run.check_step(again, 3 * run.unit)
 
 
-CASES: dict[str, Case] = {
-    "steps": Case(STEPS, callbacks=step_checkpoints, expect_step=24),
-    "val_fraction": Case({"max_steps": 24, "val_check_interval": 0.5}, expect_step=24),
-    "bf16": Case({**STEPS, "precision": "bf16-mixed"}, expect_step=24),
-    "accumulate": Case({**STEPS, "accumulate_grad_batches": 2}, expect_step=24),
-    "clip": Case({**STEPS, "gradient_clip_val": 0.5}, expect_step=24),
-    "manual": Case(STEPS, model={"manual": True}, expect_step=24),
-    "compiled": Case(STEPS, model={"compile_body": True}, expect_step=24),
-    "lr_monitor": Case(STEPS, callbacks=lambda root: [LearningRateMonitor("step")], expect_step=24),
-    "two_val_loaders": Case(STEPS, val_loaders=2, expect_step=24),
-    "early_stopping": Case(STEPS, callbacks=lambda root: [EarlyStopping("val_loss", patience=1)]),
-    "timer": Case(STEPS, callbacks=lambda root: [Timer(duration="00:00:05:00")], expect_step=24),
-    "swa": Case({"max_epochs": 3}, callbacks=lambda root: [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)]),
-    "epoch_checkpoint": Case(
-        {"max_epochs": 2},
-        callbacks=lambda root: [ModelCheckpoint(dirpath=root / "ckpt", monitor="val_loss", save_last=True)],
-    ),
-    "second_fit": Case(STEPS, popen=True, expect_step=24, then=second_fit),
-    "validate_test_predict": Case(STEPS, expect_step=24, then=evaluate_all),
-    "streaming_steps": Case(STEPS, streaming=True, num_workers=1, expect_step=24),
-    "streaming_epochs": Case({"max_epochs": 2}, streaming=True),
-    "resume": Case(STEPS, callbacks=step_checkpoints, expect_step=24, then=resume),
-}
+def build_cases(unit: int) -> dict[str, Case]:
+    """Every case; step-based ones train ``3 * unit`` global steps, validating every ``unit``."""
+    steps = {"max_steps": 3 * unit, "val_check_interval": unit, "check_val_every_n_epoch": None}
+    end = 3 * unit
+
+    def checkpoints(root: Path) -> list:
+        return [ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=unit, save_top_k=-1, filename="{step}")]
+
+    return {
+        "steps": Case(steps, callbacks=checkpoints, expect_step=end),
+        "val_fraction": Case({"max_steps": end, "val_check_interval": 0.5}, expect_step=end),
+        "bf16": Case({**steps, "precision": "bf16-mixed"}, expect_step=end),
+        "accumulate": Case({**steps, "accumulate_grad_batches": 2}, expect_step=end),
+        "clip": Case({**steps, "gradient_clip_val": 0.5}, expect_step=end),
+        "manual": Case(steps, model={"manual": True}, expect_step=end),
+        "compiled": Case(steps, model={"compile_body": True}, expect_step=end),
+        "lr_monitor": Case(steps, callbacks=lambda root: [LearningRateMonitor("step")], expect_step=end),
+        "two_val_loaders": Case(steps, val_loaders=2, expect_step=end),
+        "early_stopping": Case(steps, callbacks=lambda root: [EarlyStopping("val_loss", patience=1)]),
+        "timer": Case(steps, callbacks=lambda root: [Timer(duration="00:00:05:00")], expect_step=end),
+        "swa": Case(
+            {"max_epochs": 3}, callbacks=lambda root: [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)]
+        ),
+        "epoch_checkpoint": Case(
+            {"max_epochs": 2},
+            callbacks=lambda root: [ModelCheckpoint(dirpath=root / "ckpt", monitor="val_loss", save_last=True)],
+        ),
+        "second_fit": Case(steps, popen=True, expect_step=end, then=second_fit),
+        "validate_test_predict": Case(steps, expect_step=end, then=evaluate_all),
+        "streaming_steps": Case(steps, streaming=True, num_workers=1, expect_step=end),
+        "streaming_epochs": Case({"max_epochs": 2}, streaming=True),
+        "resume": Case(steps, callbacks=checkpoints, expect_step=end, then=resume),
+    }
+
+
+CASE_NAMES = tuple(build_cases(1))
 
 
 class Run:
@@ -219,6 +227,7 @@ class Run:
 
     def __init__(self, strategy: str, case: Case, root: Path, args: argparse.Namespace) -> None:
         self.strategy, self.case, self.root, self.args = strategy, case, root, args
+        self.unit: int = args.unit
         self.global_step: int | None = None
 
     def make_strategy(self):
@@ -293,22 +302,13 @@ class Run:
 
 def run_case(strategy: str, name: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One case's result row; a ``popen`` case runs in a script of its own (Lightning re-runs it per rank)."""
-    case = CASES[name]
+    case = build_cases(args.unit)[name]
     if case.popen and not args.in_script:
         out = root / "row.json"
-        command = [
-            sys.executable,
-            __file__,
-            "--strategies",
-            strategy,
-            "--cases",
-            name,
-            "--in-script",
-            "--json",
-            str(out),
-        ]
-        command += ["--devices", str(args.devices), "--samples", str(args.samples)]
-        command += ["--step-time", str(args.step_time), "--timeout", str(args.timeout), "--root", str(root)]
+        command = [sys.executable, __file__, "--strategies", strategy, "--cases", name, "--in-script"]
+        command += ["--json", str(out), "--devices", str(args.devices), "--samples", str(args.samples)]
+        command += ["--unit", str(args.unit), "--step-time", str(args.step_time)]
+        command += ["--timeout", str(args.timeout), "--root", str(root)]
         subprocess.run(command, check=False, timeout=10 * args.timeout)
         if not out.exists():
             return {"strategy": strategy, "case": name, "result": "FAILED", "error": "the script wrote no result"}
@@ -325,8 +325,9 @@ def run_case(strategy: str, name: str, root: Path, args: argparse.Namespace) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_NAMES), choices=STRATEGY_NAMES)
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--cases", nargs="+", default=list(CASE_NAMES), choices=CASE_NAMES)
     parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--unit", type=int, default=8, help="step-based cases: 3 x unit steps, validation every unit")
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--step-time", type=float, default=0.01, help="seconds per step of a normal worker")
     parser.add_argument("--timeout", type=float, default=60.0, help="every strategy wait fails after this")
@@ -338,13 +339,14 @@ def main(argv: list[str] | None = None) -> int:
         run_case(args.strategies[0], args.cases[0], args.root, args)
         return 0
     results: list[dict[str, Any]] = []
-    print(f"{'strategy':<16}{'case':<24}{'result':<8}{'seconds':>8}{'step':>6}{'val_loss':>10}", flush=True)
+    show = print if not args.in_script else lambda *a, **k: None
+    show(f"{'strategy':<16}{'case':<24}{'result':<8}{'seconds':>8}{'step':>6}{'val_loss':>10}", flush=True)
     for strategy in args.strategies:
         for name in args.cases:
             with tempfile.TemporaryDirectory() as temporary:
                 row = run_case(strategy, name, args.root or Path(temporary), args)
             results.append(row)
-            print(
+            show(
                 f"{strategy:<16}{name:<24}{row['result']:<8}{row.get('seconds', ''):>8}"
                 f"{row.get('global_step', ''):>6}{str(row.get('val_loss', '')):>10}",
                 flush=True,
@@ -352,8 +354,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     failed = [f"{r['strategy']}/{r['case']}: {r['error']}" for r in results if r["result"] != "ok"]
-    print("\n".join(["", f"{len(results) - len(failed)} of {len(results)} passed", *failed]))
+    show("\n".join(["", f"{len(results) - len(failed)} of {len(results)} passed", *failed]))
+    show("\n".join(speedups(results)))
     return 1 if failed else 0
+
+
+def speedups(results: list[dict[str, Any]]) -> list[str]:
+    """Per case and strategy: DDP's time over the strategy's, and the validation loss against DDP's."""
+    ddp = {r["case"]: r for r in results if r["strategy"] == "ddp" and r["result"] == "ok"}
+    lines = []
+    for r in results:
+        base = ddp.get(r["case"])
+        if r["strategy"] == "ddp" or base is None or r["result"] != "ok" or not r["seconds"]:
+            continue
+        line = f"{r['case']:<24}{r['strategy']:<16}{base['seconds'] / r['seconds']:5.2f}x faster than ddp"
+        if r["val_loss"] is not None and base["val_loss"]:
+            line += f", val_loss {100 * (r['val_loss'] / base['val_loss'] - 1):+.1f}% vs ddp"
+        lines.append(line)
+    return ["", "Speed-up (fit time, including start-up of the forked workers):", *lines] if lines else []
 
 
 if __name__ == "__main__":
