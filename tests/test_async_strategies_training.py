@@ -65,19 +65,25 @@ def test_sigterm_on_one_worker_stops_every_rank(tmp_path, strategy):
 
 
 @pytest.mark.parametrize(
-    ("config", "devices"),
+    ("config", "devices", "extra"),
     [
-        ("partial_reduce_digits.yaml", 3),
-        ("adpsgd_digits.yaml", 4),
-        ("decent_adam_textlm.yaml", 4),
-        ("prague_textlm_steps.yaml", 4),
+        ("partial_reduce_digits.yaml", 3, []),
+        ("adpsgd_digits.yaml", 4, []),
+        ("decent_adam_textlm.yaml", 4, []),
+        ("prague_textlm_steps.yaml", 4, ["--trainer.max_steps", "40"]),
+        # the same step-based LM with Partial Reduce: only the strategy's class changes
+        (
+            "prague_textlm_steps.yaml",
+            4,
+            ["--trainer.max_steps", "40", "--trainer.strategy.class_path", "lightning_prague.PartialReduceStrategy"],
+        ),
     ],
 )
-def test_lightning_cli_configs(tmp_path, config, devices):
+def test_lightning_cli_configs(tmp_path, config, devices, extra):
     cmd = [
         sys.executable, "-m", "lightning_prague.cli", "fit", "--config", f"examples/configs/{config}",
         "--trainer.devices", str(devices), "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path),
-        "--trainer.strategy.init_args.start_method", "fork",  # one import of Lightning, not one per rank
+        *extra, "--trainer.strategy.init_args.start_method", "fork",  # one import of Lightning, not one per rank
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
