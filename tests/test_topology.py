@@ -18,6 +18,7 @@ from lightning_prague.core.topology import (
     prague_static,
     ring,
     schedule_from_spec,
+    static_schedule,
 )
 
 
@@ -69,28 +70,43 @@ def test_one_peer_exp_rejects_other_world_sizes_and_says_why(n):
         one_peer_exp(n)
 
 
-@pytest.mark.parametrize(("n", "per_node"), [(8, 2), (8, 4), (12, 2), (12, 3), (16, 4), (4, 4), (6, 1)])
-def test_alternating_exp_ring_alternates_exact_node_averages_with_node_pairs(n, per_node):
+@pytest.mark.parametrize(("n", "per_node"), [(8, 2), (8, 4), (12, 2), (12, 3), (16, 4), (4, 4), (6, 1), (32, 8)])
+def test_alternating_exp_ring_staggers_the_inter_node_link(n, per_node):
     schedule = alternating_exp_ring(n, per_node)
-    assert_valid(schedule)
+    assert_valid(schedule)  # and the constructor checked that the rounds connect every worker
     nodes = n // per_node
     for r in range(schedule.period):
+        crossing = dict.fromkeys(range(nodes), 0)
         for group in schedule.groups(r):
             node_ids = {m // per_node for m in group.members}
-            if r % 2 == 0:  # a whole node
-                assert len(node_ids) == 1 and len(group.members) == per_node
-            elif len(group.members) > 1:  # one worker of each node of a pair, same local rank
-                assert len(node_ids) == 2 and len({m % per_node for m in group.members}) == 1
-    if nodes & (nodes - 1) == 0:  # power of two nodes: exact average after one period
-        product = torch.eye(n, dtype=torch.float64)
-        for r in range(schedule.period):
-            product = schedule.mixing_matrix(r) @ product
-        torch.testing.assert_close(product, torch.full((n, n), 1.0 / n, dtype=torch.float64))
+            if len(node_ids) == 1:
+                continue  # inside one node
+            # one worker of each node of a pair, the same local rank
+            assert len(node_ids) == 2 and len({m % per_node for m in group.members}) == 1
+            for node in node_ids:
+                crossing[node] += 1
+        if per_node > 2:  # staggered: at most half of a node's workers use the inter-node link at a time
+            assert all(count <= per_node // 2 for count in crossing.values())
+            assert nodes == 1 or any(crossing.values())
 
 
 def test_alternating_exp_ring_needs_whole_nodes():
     with pytest.raises(ConfigurationError, match="10 workers cannot be split into nodes of workers_per_node=4"):
         alternating_exp_ring(10, 4)
+
+
+def test_prague_static_schedule_reproduces_the_reference_cycle_for_4_workers_per_node():
+    # 2 nodes of 4: inter-node group of local rank 0 + pairs (2, 3); node averages; inter-node group
+    # of local rank 1 + pairs (0, 3); node averages (the local rank left out sits the round out)
+    cycle = [sorted(static_schedule(8, 4, r)) for r in range(4)]
+    assert cycle == [
+        sorted([(0, 4), (2, 3), (6, 7), (1,), (5,)]),
+        [(0, 1, 2, 3), (4, 5, 6, 7)],
+        sorted([(1, 5), (0, 3), (4, 7), (2,), (6,)]),
+        [(0, 1, 2, 3), (4, 5, 6, 7)],
+    ]
+    assert prague_static(8, 4).period == 4
+    assert static_schedule(8, 4, 4) == static_schedule(8, 4, 0)
 
 
 @settings(max_examples=30, deadline=None)

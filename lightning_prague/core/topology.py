@@ -35,6 +35,7 @@ group is a list of ranks (plain mean) or ``{"members": [...], "self_weight": w}`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -233,31 +234,67 @@ def _nodes(world_size: int, workers_per_node: int, name: str) -> int:
 
 
 def alternating_exp_ring(world_size: int, workers_per_node: int) -> Schedule:
+    """Node-aware exponential ring, staggered: half of each node's workers use the inter-node
+    link at a time while the other half average inside the node.
+
+    With ``L`` workers per node and ``M`` nodes, round ``t`` uses the hop ``h = 2^(t mod H)``
+    (``H`` hops ``1, 2, 4, ...`` below ``M``) and a window of ``floor(L / 2)`` consecutive local
+    ranks starting at ``t mod L`` (cyclically): each worker in the window averages with the worker
+    of the same local rank on the partner node (node pairs ``(n, n + h)`` as in
+    :func:`_pairs_at_hop`), and the workers outside it average together inside their node. The
+    window moves by one local rank per round, so the halves overlap from round to round and every
+    worker mixes with its whole node; the period is ``lcm(H, L)``. With ``L <= 2`` the halves
+    could never meet inside a node, so rounds alternate an exact node average with every worker
+    crossing (unstaggered); on one node, the node average alone.
+    """
     nodes = _nodes(world_size, workers_per_node, "alternating_exp_ring")
-    intra = [WeightedGroup.uniform(range(n * workers_per_node, (n + 1) * workers_per_node)) for n in range(nodes)]
+    per = workers_per_node
+    hops = []
+    while 2 ** len(hops) < nodes:
+        hops.append(2 ** len(hops))
+    whole_nodes = [WeightedGroup.uniform(range(n * per, (n + 1) * per)) for n in range(nodes)]
+    if not hops:
+        return Schedule(world_size, [whole_nodes], "alternating_exp_ring")
+
+    def crossing(locals_: list[int], hop: int) -> list[WeightedGroup]:
+        return [
+            WeightedGroup.uniform([n * per + local for n in pair])
+            for pair in _pairs_at_hop(nodes, hop)
+            for local in locals_
+        ]
+
     rounds: list[list[WeightedGroup]] = []
-    hop = 1
-    while hop < nodes:
-        inter = []
-        for pair in _pairs_at_hop(nodes, hop):
-            for local in range(workers_per_node):
-                inter.append(WeightedGroup.uniform([n * workers_per_node + local for n in pair]))
-        rounds += [intra, inter]
-        hop *= 2
-    return Schedule(world_size, rounds or [intra], "alternating_exp_ring")
+    if per <= 2:
+        for hop in hops:
+            rounds += [whole_nodes, crossing(list(range(per)), hop)]
+        return Schedule(world_size, rounds, "alternating_exp_ring")
+    width = per // 2  # the staying half keeps at least 2, so consecutive halves overlap
+    for t in range(math.lcm(len(hops), per)):
+        window = [(t + k) % per for k in range(width)]
+        staying = [local for local in range(per) if local not in window]
+        groups = [WeightedGroup.uniform([n * per + local for local in staying]) for n in range(nodes)]
+        rounds.append(groups + crossing(window, hops[t % len(hops)]))
+    return Schedule(world_size, rounds, "alternating_exp_ring")
+
+
+PRAGUE_STATIC_PERIOD = 4
 
 
 def static_schedule(world_size: int, workers_per_node: int, round_index: int) -> list[tuple[int, ...]]:
     """The groups of one round of Prague's static schedule; they partition ``range(world_size)``.
 
-    Workers are laid out node by node (``workers_per_node`` consecutive ranks per node, the last
-    node may be smaller). The cycle has ``2 * workers_per_node`` rounds and generalizes the
-    reference schedule for 4 workers per node:
+    Workers are laid out node by node (``workers_per_node`` = ``L`` consecutive ranks per node, the
+    last node may be smaller). The cycle has 4 rounds and is the reference schedule for 4 workers
+    per node, generalized to any ``L``:
 
-    * odd rounds: each node averages all its workers (cheap intra-node links);
-    * even round ``2c``: the workers of local rank ``c`` on every node form one inter-node group,
-      and on each node the other local ranks pair up, the pairing rotated by ``c`` so that every
-      pair of local ranks meets over the cycle; a worker left over stays alone this round.
+    * rounds 1 and 3: each node averages all its workers (cheap intra-node links);
+    * round ``2c`` (``c`` = 0, 1): the workers of local rank ``c`` on every node form one
+      inter-node group; meanwhile, on each node, local rank ``c + 1`` sits out and the others pair
+      up in local-rank order starting after it (for ``L = 4``: ``(2, 3)`` in round 0, ``(3, 0)``
+      in round 2, as the reference); a worker left over stays alone.
+
+    Local ranks 0 and 1 carry all inter-node traffic; the others mix with them through the node
+    averages.
     """
     if workers_per_node < 1:
         raise ConfigurationError(f"workers_per_node must be at least 1, got {workers_per_node}")
@@ -265,7 +302,7 @@ def static_schedule(world_size: int, workers_per_node: int, round_index: int) ->
         list(range(start, min(start + workers_per_node, world_size)))
         for start in range(0, world_size, workers_per_node)
     ]
-    phase = round_index % (2 * workers_per_node)
+    phase = round_index % PRAGUE_STATIC_PERIOD
     if phase % 2 == 1:
         return [tuple(node) for node in nodes]
     column = phase // 2
@@ -274,10 +311,14 @@ def static_schedule(world_size: int, workers_per_node: int, round_index: int) ->
     if inter:
         groups.append(tuple(inter))
     for node in nodes:
-        rest = [r for i, r in enumerate(node) if i != column]
-        shift = column % len(rest) if rest else 0
-        rest = rest[shift:] + rest[:shift]
+        size = len(node)
+        crossing = column if column < size else None
+        idle = (column + 1) % size if size > 1 and (column + 1) % size != crossing else None
+        order = [(column + 2 + i) % size for i in range(size)]  # starts after the one sitting out
+        rest = [node[i] for i in order if i not in (crossing, idle)]
         groups.extend(tuple(sorted(rest[i : i + 2])) for i in range(0, len(rest), 2))
+        if idle is not None:
+            groups.append((node[idle],))
     return groups
 
 
@@ -285,7 +326,7 @@ def prague_static(world_size: int, workers_per_node: int) -> Schedule:
     """:func:`static_schedule` as a :class:`Schedule` (plain means)."""
     rounds = [
         [WeightedGroup.uniform(g) for g in static_schedule(world_size, workers_per_node, r)]
-        for r in range(2 * workers_per_node)
+        for r in range(PRAGUE_STATIC_PERIOD)
     ]
     return Schedule(world_size, rounds, "static")
 

@@ -58,8 +58,9 @@ class DecentAdamStrategy(DecentralizedStrategy):
     Args:
         topology: ``"ring"`` (one peer, alternating sides), ``"one_peer_exp"`` (one peer at
             distance 2^r; needs a power-of-two number of workers), ``"complete"`` (exact
-            averaging), ``"alternating_exp_ring"`` (node-aware: exact intra-node averages
-            alternating with node-pair averages) or ``"static"`` (Prague's schedule); see
+            averaging), ``"alternating_exp_ring"`` (node-aware: half of each node's workers
+            average across a node pair while the other half average inside the node) or
+            ``"static"`` (Prague's schedule on the node layout); see
             :mod:`lightning_prague.core.topology`.
         schedule: a user schedule instead of a named topology: a list of rounds, each a list of
             groups, each a list of ranks or ``{"members": [...], "self_weight": w}``. Validated:
