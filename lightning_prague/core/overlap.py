@@ -207,7 +207,8 @@ class BackgroundAverager(_ThreadedExchanger):
 
     @property
     def busy(self) -> bool:
-        return not self._idle.is_set()
+        """An exchange is in flight (a thread that died with a job queued is not busy: its error is due)."""
+        return not self._idle.is_set() and self.running
 
     def _fold_in(self) -> None:
         snapshot, self._snapshot = self._snapshot, None
@@ -240,13 +241,15 @@ class BackgroundAverager(_ThreadedExchanger):
 
     def drain(self) -> None:
         start = time.monotonic()
-        finished = self._idle.wait(self.timeout)
+        deadline = start + self.timeout
+        while self.busy and time.monotonic() < deadline:
+            self._idle.wait(min(0.5, max(0.0, deadline - time.monotonic())))
         self.wait_seconds += time.monotonic() - start
-        if not finished:
+        self._raise_pending()  # the thread's own error, as it was raised, before any timeout
+        if self.busy:
             raise CoordinationTimeout(
                 f"rank {self.worker.rank}: the background group exchange did not finish within {self.timeout:.0f}s"
             )
-        self._raise_pending()
         self._fold_in()
         if self._thread is not None:
             self._jobs.put(None)

@@ -1,0 +1,66 @@
+"""An error in a communication thread surfaces at the next safe point with its own message, not as a timeout."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lightning_prague.core.averaging import BucketedTensors
+from lightning_prague.core.overlap import BackgroundAverager
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FailingWorker:
+    """Stands in for a GroupWorker whose group exchange fails (as a dead peer's would)."""
+
+    rank = 2
+    version = 0
+
+    def partial_sync(self, snapshot, version):
+        raise RuntimeError("rank 2: group [1, 2, 3] failed: peer 3 closed the connection")
+
+    def post_pause(self) -> None:
+        pass
+
+
+def averager(timeout: float = 300.0) -> BackgroundAverager:
+    live = BucketedTensors([torch.ones(4)])
+    return BackgroundAverager(FailingWorker(), live, timeout)  # type: ignore[arg-type]
+
+
+def test_an_exchange_error_is_raised_at_the_next_step_with_its_message():
+    exchanger = averager()
+    exchanger.step()  # starts the thread and hands it the first exchange, which fails
+    deadline = time.monotonic() + 10
+    while exchanger.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="peer 3 closed the connection"):
+        exchanger.step()
+    exchanger.close()
+
+
+def test_drain_raises_the_error_at_once_rather_than_waiting_for_the_timeout():
+    exchanger = averager(timeout=300.0)
+    exchanger.step()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="peer 3 closed the connection"):
+        exchanger.drain()
+    assert time.monotonic() - start < 10
+
+
+def test_a_thread_that_dies_before_taking_its_exchange_does_not_stall_drain(monkeypatch):
+    exchanger = averager(timeout=300.0)
+
+    def broken_bind() -> None:
+        raise RuntimeError("cannot bind the communication stream to cuda:1")
+
+    monkeypatch.setattr(exchanger.streams, "bind", broken_bind)
+    exchanger.step()  # the thread dies at start-up; the exchange it was given stays queued
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="cannot bind the communication stream"):
+        exchanger.drain()
+    assert time.monotonic() - start < 10
+    exchanger.close()
