@@ -198,3 +198,27 @@ def request_waves(
         if waves.requests[r] < steps:
             heapq.heappush(events, (now + rng.lognormvariate(0, sigma) * slow.get(r, 1.0), r))
     return waves
+
+
+def propagation_delays(groups: list[tuple[float, int, tuple[int, ...]]], world: int) -> list[int]:
+    """Time-respecting mixing of :func:`simulate_first_ready`'s groups, in ready reports.
+
+    A worker's model as of a group it joins reaches another worker through a chain of groups in
+    time order. For every such contribution that reached all workers, the reports between the
+    group it entered in and the group that completed its spread.
+    """
+    heard = [[0] * world for _ in range(world)]  # heard[j][i]: newest contribution of i that reached j
+    pending: list[deque[int]] = [deque() for _ in range(world)]
+    delays: list[int] = []
+    for _, reports, members in groups:
+        for m in members:
+            heard[m][m] = reports
+            pending[m].append(reports)
+        merged = [max(heard[m][i] for m in members) for i in range(world)]
+        for m in members:
+            heard[m] = list(merged)
+        for i in range(world):
+            everywhere = min(heard[j][i] for j in range(world))
+            while pending[i] and pending[i][0] <= everywhere:
+                delays.append(reports - pending[i].popleft())
+    return delays

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sim import assert_consistent_order, simulate, simulate_first_ready
+from sim import assert_consistent_order, propagation_delays, simulate, simulate_first_ready
 
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.generator import GroupGenerator
@@ -109,6 +110,22 @@ def test_a_10x_slower_worker_mixes_with_everyone_within_the_window(group_size):
     # fast workers are not held back to the slow worker's pace
     fast_groups = sum(1 for _, _, m in groups if 0 not in m)
     assert fast_groups > 5 * len(slow_groups)
+
+
+@pytest.mark.parametrize(("world", "group_size", "window"), [(16, 2, 10), (16, 4, 16), (8, 2, 8)])
+@pytest.mark.parametrize("slow", [1.0, 10.0])
+def test_every_contribution_reaches_every_worker_in_time_order_within_the_stated_bound(world, group_size, window, slow):
+    steps = [1.0 + 1e-3 * r for r in range(world - 1)] + [slow]
+    groups = simulate_first_ready(
+        GroupGenerator(world, FirstReadyPolicy(world, group_size, mixing_window=window)), steps, 300
+    )
+    delays = propagation_delays(groups, world)
+    assert len(delays) > 10 * world
+    # docs/partial_reduce.md: within N - 1 windows, each at most the window's reports plus N - 1
+    # bridging groups that wait at most one step of the slowest worker (reports made meanwhile)
+    reports_per_slowest_step = math.ceil(max(steps) * sum(1 / s for s in steps))
+    bound = (world - 1) * (window + (world - 1) * reports_per_slowest_step)
+    assert max(delays) <= bound
 
 
 @settings(max_examples=80, deadline=None)

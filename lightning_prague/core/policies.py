@@ -211,8 +211,11 @@ class FirstReadyPolicy(GroupingPolicy):
     group joins at least two components, so at most ``N - 1`` of them connect the graph, and a
     held worker waits for at most one step of a worker of another component. The window restarts
     whenever the graph becomes connected (and at synchronization points that average globally).
-    Hence every worker's model mixes, directly or through others, with every other worker's
-    within ``mixing_window`` reports plus one step of each worker.
+    The graph ignores time order; what holds in time order: a worker's model as of any moment
+    reaches every other training worker through time-ordered groups within ``N - 1`` windows,
+    since each window's connected graph joins the set of workers already reached to one more
+    (docs/partial_reduce.md states the bound in reports and what was measured). Parked workers
+    are outside the windows; synchronization points mix them.
 
     ``weighting``: ``"uniform"`` (plain mean) or ``"staleness"`` (see
     :func:`~lightning_prague.core.staleness.staleness_weights`, decay ``alpha``).
