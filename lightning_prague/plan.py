@@ -2,7 +2,8 @@
 
     lightning-prague plan --workers 8 --step-time 0.05 --sigma 0.5
     lightning-prague plan --workers 8 --step-time 0.05 --slow 0:5 --model-mb 100 --bandwidth-gbps 10
-    lightning-prague plan --timings stragglers.json   # per-worker compute_per_step from StragglerMonitor
+    lightning-prague plan --timings stragglers.json   # written by StragglerMonitor(path="stragglers.json")
+    lightning-prague plan --workers 16 --workers-per-node 4 --inter-bandwidth-gbps 10 --topology alternating_exp_ring
 
 Prints per strategy the predicted time per iteration, throughput and share of the physical limit
 (the sum of the workers' speeds), and recommends the fastest (see ``core.runtime_model``).
@@ -14,7 +15,15 @@ import argparse
 import json
 from pathlib import Path
 
-from lightning_prague.core.runtime_model import STRATEGY_MODELS, ComputeProfile, Link, Prediction, predict, recommend
+from lightning_prague.core.runtime_model import (
+    STRATEGY_MODELS,
+    Cluster,
+    ComputeProfile,
+    Link,
+    Prediction,
+    predict,
+    recommend,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,11 +33,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sigma", type=float, default=0.0, help="lognormal jitter of every step")
     parser.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR", help="a straggler (repeatable)")
     parser.add_argument(
-        "--timings", type=Path, help="JSON list of per-worker seconds per step (or StragglerMonitor rows)"
+        "--timings", type=Path, help="StragglerMonitor's file (its path option), or a JSON list of seconds per step"
     )
     parser.add_argument("--model-mb", type=float, default=1.0, help="size of the averaged model state in MB")
-    parser.add_argument("--bandwidth-gbps", type=float, default=10.0)
-    parser.add_argument("--latency-ms", type=float, default=0.1)
+    parser.add_argument("--workers-per-node", type=int, default=1, help="consecutive ranks sharing a node")
+    parser.add_argument("--bandwidth-gbps", "--inter-bandwidth-gbps", dest="bandwidth_gbps", type=float, default=10.0)
+    parser.add_argument("--latency-ms", "--inter-latency-ms", dest="latency_ms", type=float, default=0.1)
+    parser.add_argument("--intra-bandwidth-gbps", type=float, default=800.0, help="between workers of one node")
+    parser.add_argument("--intra-latency-ms", type=float, default=0.01)
+    parser.add_argument("--topology", default="ring", help="decent_adam's topology (see core.topology)")
+    parser.add_argument(
+        "--backward-fraction",
+        type=float,
+        default=2 / 3,
+        help="share of a step that is the backward pass, which DDP overlaps its all-reduce with (0: no overlap)",
+    )
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's gradient bucket size")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_MODELS), choices=STRATEGY_MODELS)
     parser.add_argument("--group-size", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -38,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def profiles_from(args: argparse.Namespace) -> list[ComputeProfile]:
     if args.timings:
         rows = json.loads(args.timings.read_text())
+        if isinstance(rows, dict):  # StragglerMonitor's file
+            rows = rows["workers"]
         seconds = [row["compute_per_step"] if isinstance(row, dict) else float(row) for row in rows]
         return [ComputeProfile(s, sigma=args.sigma) for s in seconds]
     slow = {}
@@ -60,8 +82,22 @@ def format_table(predictions: list[Prediction]) -> str:
 def main(argv: list[str] | None = None) -> list[Prediction]:
     args = parse_args(argv)
     workers = profiles_from(args)
-    link = Link(bandwidth=args.bandwidth_gbps * 1e9 / 8, latency=args.latency_ms / 1000)
-    predictions = predict(workers, int(args.model_mb * 2**20), link, args.strategies, args.group_size, seed=args.seed)
+    cluster = Cluster(
+        args.workers_per_node,
+        intra=Link(bandwidth=args.intra_bandwidth_gbps * 1e9 / 8, latency=args.intra_latency_ms / 1000),
+        inter=Link(bandwidth=args.bandwidth_gbps * 1e9 / 8, latency=args.latency_ms / 1000),
+    )
+    predictions = predict(
+        workers,
+        int(args.model_mb * 2**20),
+        strategies=args.strategies,
+        group_size=args.group_size,
+        seed=args.seed,
+        cluster=cluster,
+        topology=args.topology,
+        backward_fraction=args.backward_fraction,
+        bucket_bytes=int(args.bucket_mb * 2**20),
+    )
     print(format_table(predictions))
     best = recommend(predictions)
     print(f"physical limit: {predictions[0].limit:.1f} batches/s; recommended: {best.strategy}")

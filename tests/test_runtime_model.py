@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from lightning_prague.callbacks.straggler import StragglerMonitor, WorkerTiming
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.runtime_model import ComputeProfile, Link, predict, recommend
+from lightning_prague.core.runtime_model import Cluster, ComputeProfile, Link, predict, recommend
 from lightning_prague.plan import main as plan
 
 MB = 2**20
@@ -75,3 +76,48 @@ def test_plan_command_prints_a_table_and_recommends(tmp_path, capsys):
     timings.write_text(json.dumps([{"compute_per_step": 0.1}, {"compute_per_step": 0.02}]))
     predictions = plan(["--timings", str(timings), "--model-mb", "0", "--strategies", "ddp", "prague"])
     assert by_name(predictions)["prague"].limit == pytest.approx(10 + 50)
+
+
+def test_ddp_hides_the_all_reduce_behind_the_backward_pass_but_not_the_last_bucket():
+    link = Link(bandwidth=100 * MB, latency=0.0)
+    workers = [ComputeProfile(0.06)] * 8
+    allreduce = 2 * 7 / 8 * 10 / 100  # 10 MB in a ring of 8
+    plain = by_name(predict(workers, 10 * MB, link, ["ddp"]))["ddp"]
+    overlapped = by_name(predict(workers, 10 * MB, link, ["ddp"], backward_fraction=2 / 3, bucket_bytes=MB))["ddp"]
+    assert plain.seconds_per_iteration == pytest.approx(0.06 + allreduce)
+    assert overlapped.seconds_per_iteration == pytest.approx(0.06 + allreduce - 0.04)
+    # a backward pass longer than the all-reduce hides all of it but the last bucket's
+    hidden = by_name(predict([ComputeProfile(0.6)] * 8, 10 * MB, link, ["ddp"], backward_fraction=0.5, bucket_bytes=MB))
+    assert hidden["ddp"].seconds_per_iteration == pytest.approx(0.6 + allreduce / 10)
+
+
+def test_groups_inside_a_node_use_the_intra_node_link():
+    cluster = Cluster(4, intra=Link(bandwidth=1000 * MB, latency=0.0), inter=Link(bandwidth=10 * MB, latency=0.0))
+    assert cluster.allreduce_seconds([0, 1, 2, 3], 10 * MB) == pytest.approx(2 * 3 / 4 * 10 / 1000)
+    assert cluster.allreduce_seconds([3, 4], 10 * MB) == pytest.approx(10 / 10)
+    # a random pair of 8 workers on 2 nodes shares a node with probability 3/7
+    expected = 3 / 7 * (10 / 1000) + 4 / 7 * (10 / 10)
+    assert cluster.random_group_seconds(8, 2, 10 * MB) == pytest.approx(expected)
+
+
+def test_decent_adam_pays_for_the_links_its_topology_crosses():
+    workers = [ComputeProfile(0.01)] * 16
+    fast, slow = Link(bandwidth=float("inf"), latency=0.0), Link(bandwidth=MB, latency=0.0)  # 1 MB: 1 s across nodes
+    one_node = by_name(predict(workers, MB, strategies=["decent_adam"], cluster=Cluster(16, fast, slow)))
+    assert one_node["decent_adam"].throughput == pytest.approx(16 / 0.01, rel=0.01)
+    # the ring's pairs (3, 4), (7, 8), ... cross nodes of 4 every other round: the exchange bounds everyone
+    nodes = Cluster(4, fast, slow)
+    ring = by_name(predict(workers, MB, strategies=["decent_adam"], cluster=nodes))["decent_adam"]
+    assert ring.throughput < 0.2 * one_node["decent_adam"].throughput
+    complete = by_name(predict(workers, MB, strategies=["decent_adam"], cluster=nodes, topology="complete"))
+    assert complete["decent_adam"].throughput < ring.throughput  # everyone crosses, every round
+
+
+def test_plan_reads_the_file_straggler_monitor_writes(tmp_path, capsys):
+    monitor = StragglerMonitor(path=str(tmp_path / "stragglers.json"))
+    monitor.timings = [WorkerTiming(0, 100, 5.0, 0.1), WorkerTiming(1, 500, 5.0, 0.2), WorkerTiming(2, 500, 5.0, 0.0)]
+    monitor.write(monitor.path)
+    predictions = by_name(plan(["--timings", monitor.path, "--model-mb", "0", "--workers-per-node", "3"]))
+    assert predictions["prague"].limit == pytest.approx(1 / 0.05 + 2 / 0.01)
+    assert predictions["ddp"].seconds_per_iteration == pytest.approx(0.05, rel=0.01)  # the slowest worker's pace
+    assert "recommended:" in capsys.readouterr().out

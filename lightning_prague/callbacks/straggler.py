@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -36,15 +38,18 @@ class StragglerMonitor(Callback):
     epoch end where ranks are aligned, and logged by rank 0 as ``straggler/rank{r}/compute_ms``,
     ``straggler/rank{r}/wait_s``, ``straggler/rank{r}/batches`` and ``straggler/flagged`` (how
     many workers are flagged); without one they are gathered only at the end of fit. At the
-    end of fit rank 0 prints a per-worker table; :attr:`timings` and :attr:`flagged` keep the
-    last gathered values on every rank.
+    end of fit rank 0 prints a per-worker table and, with ``path``, writes it as JSON
+    (``{"workers": [{"rank", "batches", "compute_seconds", "wait_seconds", "compute_per_step",
+    "flagged"}, ...]}``), which ``lightning-prague plan --timings PATH`` reads; :attr:`timings`
+    and :attr:`flagged` keep the last gathered values on every rank.
     """
 
-    def __init__(self, slow_factor: float = 2.0, verbose: bool = True) -> None:
+    def __init__(self, slow_factor: float = 2.0, verbose: bool = True, path: Optional[str] = None) -> None:
         if slow_factor <= 1.0:
             raise ValueError(f"slow_factor={slow_factor} must be above 1 (a multiple of the median step time)")
         self.slow_factor = slow_factor
         self.verbose = verbose
+        self.path = path
         self.timings: list[WorkerTiming] = []
         self.flagged: list[int] = []
         self._batches = 0
@@ -90,6 +95,12 @@ class StragglerMonitor(Callback):
         self._gather(trainer, pl_module)
         if self.verbose and trainer.is_global_zero:
             print(self.table(), flush=True)
+        if self.path and trainer.is_global_zero:
+            self.write(self.path)
+
+    def write(self, path: str) -> None:
+        """The per-worker timings as JSON, for ``lightning-prague plan --timings``."""
+        Path(path).write_text(json.dumps({"workers": self.as_dicts()}, indent=1))
 
     def table(self) -> str:
         """The per-worker summary as text."""
