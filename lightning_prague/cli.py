@@ -14,11 +14,26 @@ import sys
 
 from lightning.pytorch.cli import LightningCLI
 
-import lightning_prague  # noqa: F401  (registers the strategies before the Trainer is built)
+import lightning_prague  # registers the strategies before the Trainer is built
+
+SUBCOMMANDS = """subcommands:
+  fit, validate, test, predict   LightningCLI (lightning-prague fit --help for their options)
+  plan                           predict which strategy trains fastest on a cluster (plan --help)
+  bench                          measure every strategy against DDP (bench --help)
+
+options:
+  --version                      print the version and exit
+"""
 
 
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["--version"]:
+        print(f"lightning-prague {lightning_prague.__version__}")
+        return
+    if argv[:1] in (["-h"], ["--help"]) or not argv:
+        print(f"usage: lightning-prague {{fit,validate,test,predict,plan,bench}} ... | --version\n\n{SUBCOMMANDS}")
+        return
     if argv and argv[0] == "plan":
         from lightning_prague import plan
 

@@ -109,3 +109,13 @@ def test_decent_adam_is_registered_and_allows_step_based_settings():
 def test_max_groups_is_deprecated_and_says_why():
     with pytest.warns(DeprecationWarning, match="max_groups is deprecated and has no effect"):
         PartialAllReduceStrategy(max_groups=64)
+
+
+def test_the_command_lists_every_subcommand_and_its_version(capsys):
+    from lightning_prague.cli import main
+
+    main(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("fit", "validate", "test", "predict", "plan", "bench", "--version"))
+    main(["--version"])
+    assert capsys.readouterr().out.strip() == f"lightning-prague {lightning_prague.__version__}"
