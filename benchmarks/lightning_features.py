@@ -37,10 +37,11 @@ from lightning.pytorch.callbacks import (
     Timer,
 )
 from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset
 
 import lightning_prague  # noqa: F401  (registers the strategies)
 from lightning_prague.callbacks import SlowdownInjector
+from lightning_prague.demo.synthetic import IndexedSamples, RankStream
 from lightning_prague.strategies import STRATEGIES
 
 FEATURES = 16
@@ -51,31 +52,6 @@ def sample(index: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(index)
     x = torch.randn(FEATURES, generator=g)
     return x, (x[: FEATURES // 2].sum(0, keepdim=True) > 0).float()
-
-
-class Samples(Dataset):
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int):
-        return sample(index)
-
-
-class Stream(IterableDataset):
-    """Rank r reads samples r, r + world, ... (split again among DataLoader worker processes)."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __iter__(self):
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info else (1, 0)
-        for index in range(rank + world * worker, self.length, world * workers):
-            yield sample(index)
 
 
 class Classifier(L.LightningModule):
@@ -167,8 +143,8 @@ def second_fit(trainer: L.Trainer, model: L.LightningModule, run: Run) -> None:
 
 def evaluate_all(trainer: L.Trainer, model: L.LightningModule, run: Run) -> None:
     trainer.validate(model, run.val_loaders())
-    trainer.test(model, DataLoader(Samples(64), batch_size=16))
-    predictions = trainer.predict(model, DataLoader(Samples(32), batch_size=16))
+    trainer.test(model, DataLoader(IndexedSamples(64, sample), batch_size=16))
+    predictions = trainer.predict(model, DataLoader(IndexedSamples(32, sample), batch_size=16))
     if trainer.global_rank == 0 and predictions is not None and len(predictions) == 0:
         raise AssertionError("predict returned no batches")
 
@@ -260,12 +236,14 @@ class Run:
 
     def train_loader(self) -> DataLoader:
         if self.case.streaming:
-            dataset: Dataset = Stream(self.args.samples)
+            dataset: Dataset = RankStream(self.args.samples, sample)
             return DataLoader(dataset, batch_size=8, num_workers=self.case.num_workers)
-        return DataLoader(Samples(self.args.samples), batch_size=8, shuffle=True, num_workers=self.case.num_workers)
+        return DataLoader(
+            IndexedSamples(self.args.samples, sample), batch_size=8, shuffle=True, num_workers=self.case.num_workers
+        )
 
     def val_loaders(self) -> list[DataLoader]:
-        return [DataLoader(Samples(64), batch_size=16) for _ in range(self.case.val_loaders)]
+        return [DataLoader(IndexedSamples(64, sample), batch_size=16) for _ in range(self.case.val_loaders)]
 
     def check_step(self, trainer: L.Trainer, expected: int | None) -> None:
         """Every rank ended the last fit at ``expected`` (when given) and at the same global step."""

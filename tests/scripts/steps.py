@@ -17,9 +17,10 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader
 
 from lightning_prague.callbacks import SlowdownInjector
+from lightning_prague.demo.synthetic import IndexedSamples, RankStream
 
 FEATURES = 8
 
@@ -36,31 +37,6 @@ def lr_factor(step: int, total: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-
-class Indexed(Dataset):
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int):
-        return sample(index)
-
-
-class Stream(IterableDataset):
-    """Rank r reads samples r, r + world, ... of a long stream (split again among DataLoader workers)."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __iter__(self):
-        rank, world = int(torch.distributed.get_rank()), int(torch.distributed.get_world_size())
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info else (1, 0)
-        for index in range(rank + world * worker, self.length, world * workers):
-            yield sample(index)
 
 
 class Model(L.LightningModule):
@@ -150,9 +126,9 @@ def main() -> None:
     args = parser.parse_args()
 
     L.seed_everything(0, verbose=False)
-    dataset = Stream(args.samples) if args.streaming else Indexed(args.samples)
+    dataset = RankStream(args.samples, sample) if args.streaming else IndexedSamples(args.samples, sample)
     train = DataLoader(dataset, batch_size=args.batch_size, shuffle=not args.streaming, num_workers=args.num_workers)
-    val = DataLoader(Indexed(32), batch_size=16)
+    val = DataLoader(IndexedSamples(32, sample), batch_size=16)
     callbacks = [SlowdownInjector(args.step_time, profile="straggler", slow_ranks=[args.devices - 1])]
     checkpoint = None
     if args.checkpoint_every:
