@@ -147,17 +147,9 @@ def test_two_nodes_on_localhost(tmp_path):
     assert sum(result["batches_per_worker"]) == 2 * 45
 
 
-@pytest.mark.parametrize(
-    "config_args",
-    [
-        ["--config", "examples/configs/prague_by_name.yaml", "--trainer.devices", "3"],
-        # fork: one import of Lightning, not one per rank (the strategy-name form starts ranks with popen)
-        ["--config", "examples/configs/prague_digits.yaml", "--trainer.devices", "3"]
-        + ["--trainer.strategy.init_args.start_method", "fork"],
-    ],
-    ids=["strategy-name", "class-path"],
-)
-def test_lightning_cli_selects_the_strategy_from_yaml(tmp_path, config_args):
+def test_lightning_cli_selects_the_strategy_by_name_from_yaml(tmp_path):
+    # the class_path form: tests/test_async_strategies_training.py::test_lightning_cli_configs
+    config_args = ["--config", "examples/configs/prague_by_name.yaml", "--trainer.devices", "3"]
     cmd = [
         sys.executable,
         "-m",
