@@ -56,11 +56,9 @@ def test_an_exception_in_training_stops_every_thread_and_exits(tmp_path, strateg
         assert report["threads"] == [], f"{path.name}: threads left after the exception: {report['threads']}"
 
 
-@pytest.mark.parametrize("strategy", ["decent_adam"])
+@pytest.mark.parametrize("strategy", ["adpsgd", "decent_adam"])
 def test_sigterm_on_one_worker_stops_every_rank(tmp_path, strategy):
-    # decent_adam stops at the next synchronization point (the epoch end); prague's coordinator path:
-    # tests/test_prague_training.py (adpsgd's passive rank learns of a stop through the same coordinator
-    # item, exercised by the adpsgd case of the exception test above)
+    # adpsgd: rank 1 is passive; decent_adam stops at the next synchronization point (the epoch end)
     args = ["--strategy", strategy, "--devices", "2", "--epochs", "200", "--step-time", "0.02"]
     proc, _ = run_training(tmp_path, *args, "--sigterm-rank", "1", "--sigterm-batch", "4", timeout=120)
     output = proc.stdout + proc.stderr
