@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-from conftest import STRAGGLER
 from helpers import ROOT, env, rank_results, run_training
 
 pytestmark = pytest.mark.timeout(300)
@@ -18,12 +17,13 @@ STEPS_PER_EPOCH = 12  # digits: 1437 training images in 4 equal shards of 360, b
 STEPS_PER_EPOCH_OF_2 = 23  # in 2 shards of 719
 
 
-def test_with_a_slow_worker_finishes_matches_ddp_and_replicas_agree(tmp_path, ddp_reference):
-    proc, result = run_training(tmp_path, "--strategy", "decent_adam", *STRAGGLER)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_with_a_slow_worker_finishes_matches_ddp_and_replicas_agree(straggler_runs, ddp_reference):
+    run = straggler_runs["decent_adam"]
+    assert run.status == 0, run.log[-3000:]
+    result = run.result
     assert result["val_acc"] >= ddp_reference["val_acc"] - 0.01, (result["val_acc"], ddp_reference["val_acc"])
     assert result["batches_per_worker"] == [4 * STEPS_PER_EPOCH] * 4, "equal shards: every worker runs every round"
-    ranks = rank_results(tmp_path)
+    ranks = rank_results(run.dir)
     assert len({round(r["params_checksum"], 4) for r in ranks}) == 1, "replicas must agree after fit"
     assert all(r["threads_after_fit"] == [] for r in ranks)
 

@@ -13,25 +13,25 @@ import subprocess
 import sys
 
 import pytest
-from conftest import STRAGGLER
 from helpers import ROOT, env, free_port, rank_results, run_training
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_prague_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(tmp_path, ddp_reference):
-    proc, result = run_training(tmp_path, "--strategy", "prague", *STRAGGLER)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_prague_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(straggler_runs, ddp_reference):
+    run = straggler_runs["prague"]
+    assert run.status == 0, run.log[-3000:]
+    result = run.result
     assert result["val_acc"] >= ddp_reference["val_acc"] - 0.01, (result["val_acc"], ddp_reference["val_acc"])
     slow, *fast = result["batches_per_worker"]
     assert min(fast) >= 3 * slow, result["batches_per_worker"]
     # one epoch is one pass over the data by all workers together (45 batches of 32)
     assert sum(result["batches_per_worker"]) == 4 * 45
     # after the final synchronization point every replica is the same consensus model
-    checksums = {round(r["params_checksum"], 4) for r in rank_results(tmp_path)}
+    checksums = {round(r["params_checksum"], 4) for r in rank_results(run.dir)}
     assert len(checksums) == 1, checksums
     # sync_dist logging in training_step is local, with one documented warning per rank
-    assert proc.stderr.count("uses this rank's local value instead") == 4
+    assert run.log.count("uses this rank's local value instead") == 4
 
 
 def test_static_schedule_trains_without_asking_the_coordinator(tmp_path):
