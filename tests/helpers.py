@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,3 +146,38 @@ def run_training(tmp: Path, *args: str, timeout: float = 240, script: str = "tra
 
 def rank_results(tmp: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(tmp.glob("result.rank*.json"))]
+
+
+@dataclass
+class TrainingRun:
+    """One run of :func:`run_many`: its directory, exit status, rank-0 result (``result.json``) and output."""
+
+    dir: Path
+    status: int
+    result: dict | None
+    log: str
+
+
+def run_many(root: Path, runs: dict[str, tuple[str, list[str]]], timeout: float = 600) -> dict[str, TrainingRun]:
+    """Run ``name -> (script, args)`` one after the other in one process (``scripts/run_many.py``), each
+    in ``root / name``; a script that launches ranks should fork them (one import of Lightning in all)."""
+    specs = []
+    for name, (script, args) in runs.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        specs.append({"script": str(SCRIPTS / script), "dir": str(root / name), "args": args})
+    (root / "runs.json").write_text(json.dumps(specs))
+    cmd = [sys.executable, str(SCRIPTS / "run_many.py"), str(root / "runs.json")]
+    proc = subprocess.run(cmd, env=env(), cwd=root, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = {}
+    for name in runs:
+        directory = root / name
+        result = directory / "result.json"
+        exit_file = directory / "exit"
+        out[name] = TrainingRun(
+            directory,
+            int(exit_file.read_text()) if exit_file.exists() else -1,
+            json.loads(result.read_text()) if result.exists() else None,
+            (directory / "log.txt").read_text() if (directory / "log.txt").exists() else "",
+        )
+    return out

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
-from helpers import ROOT, env, rank_results, run_training
+from helpers import ROOT, rank_results, run_many, run_training
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -68,21 +64,18 @@ def test_accum_adam_state_survives_checkpoint_and_resume(tmp_path):
 
 
 def test_language_model_example_reaches_ddp_validation_loss(tmp_path):
+    example = str(ROOT / "examples" / "textlm_decent_adam.py")
+    runs = run_many(
+        tmp_path,
+        {
+            strategy: (example, ["--strategy", strategy, "--devices", "3", "--start-method", "fork"]
+                       + ["--json", str(tmp_path / strategy / "result.json")])
+            for strategy in ("ddp", "decent_adam")
+        },
+    )  # fmt: skip
     losses = {}
-    for strategy in ("ddp", "decent_adam"):
-        out = tmp_path / f"{strategy}.json"
-        cmd = [
-            sys.executable,
-            str(ROOT / "examples" / "textlm_decent_adam.py"),
-            "--strategy",
-            strategy,
-            "--devices",
-            "3",
-            "--start-method",
-            "fork",
-        ]
-        proc = subprocess.run([*cmd, "--json", str(out)], cwd=tmp_path, env=env(), capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        losses[strategy] = json.loads(out.read_text())["val_loss"]
+    for strategy, run in runs.items():
+        assert run.status == 0, run.log[-3000:]
+        losses[strategy] = run.result["val_loss"]
     assert losses["ddp"] < 3.0, f"the model must learn (uniform guessing is 4.6): {losses}"
     assert losses["decent_adam"] <= losses["ddp"] * 1.03, losses

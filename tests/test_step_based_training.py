@@ -8,29 +8,57 @@ resumed fit continues exactly, and a streaming epoch ends when the first stream 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import SCRIPTS, env, rank_results
+from tests.helpers import TrainingRun, rank_results, run_many
 from tests.scripts.steps import lr_factor
 
 pytestmark = pytest.mark.timeout(240)
 WORLD = 4
 
 
-def run_steps(tmp: Path, *args: str) -> tuple[list[dict], dict]:
-    out = tmp / "result.json"
-    cmd = [sys.executable, str(SCRIPTS / "steps.py"), "--json", str(out), "--devices", str(WORLD), *args]
-    proc = subprocess.run(cmd, env=env(), cwd=tmp, capture_output=True, text=True, timeout=200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = rank_results(tmp)
+RUNS = {
+    "budget": ["--strategy", "partial_reduce", "--samples", "192", "--batch-size", "4", "--max-steps", "30"]
+    + ["--val-every", "7", "--checkpoint-every", "10"],
+    # prague to step 15 (a checkpoint mid-epoch), then a new fit resumed from it to step 30
+    "first": ["--strategy", "prague", "--samples", "192", "--checkpoint-every", "15", "--val-every", "7"]
+    + ["--max-steps", "15"],
+    "resumed": ["--strategy", "prague", "--samples", "192", "--checkpoint-every", "15", "--val-every", "7"]
+    + ["--max-steps", "30"],
+    # every rank reads its own stream of 50 samples (13 batches, one DataLoader worker process each);
+    # manual optimization: the module steps its scheduler once per batch, as it would under DDP
+    "stream": ["--strategy", "adpsgd", "--streaming", "--samples", "200", "--num-workers", "1", "--max-steps", "30"]
+    + ["--val-every", "5", "--checkpoint-every", "0", "--manual", "--lr", "0.05"],
+}
+
+
+@pytest.fixture(scope="module")
+def step_runs(tmp_path_factory) -> dict[str, TrainingRun]:
+    """Every run of this module, one after the other in one process (4 ranks forked from it each)."""
+    root = tmp_path_factory.mktemp("steps")
+    ckpt = root / "ckpt"
+    extra = {
+        "first": ["--checkpoint-dir", str(ckpt)],
+        "resumed": ["--checkpoint-dir", str(ckpt), "--resume", str(ckpt / "step=15.ckpt")],
+    }
+    runs = {
+        name: (
+            "steps.py",
+            ["--json", str(root / name / "result.json"), "--devices", str(WORLD), *args, *extra.get(name, [])],
+        )
+        for name, args in RUNS.items()
+    }
+    return run_many(root, runs)
+
+
+def outcome(step_runs: dict[str, TrainingRun], name: str) -> tuple[list[dict], dict]:
+    run = step_runs[name]
+    assert run.status == 0, run.log[-4000:]
+    ranks = rank_results(run.dir)
     assert [r["rank"] for r in ranks] == list(range(WORLD))
-    return ranks, json.loads(out.read_text())
+    return ranks, run.result
 
 
 def trained(ranks: list[dict]) -> list[tuple[int, int]]:
@@ -46,11 +74,8 @@ def assert_agree_at_synchronization_points(ranks: list[dict]) -> None:
             assert mine["weights"] == pytest.approx(theirs["weights"], rel=1e-5, abs=1e-6)
 
 
-def test_max_steps_validation_and_checkpoints_run_on_global_steps(tmp_path):
-    ranks, main = run_steps(
-        tmp_path, "--strategy", "partial_reduce", "--samples", "192", "--batch-size", "4", "--max-steps", "30",
-        "--val-every", "7", "--checkpoint-every", "10",
-    )  # fmt: skip
+def test_max_steps_validation_and_checkpoints_run_on_global_steps(step_runs):
+    ranks, main = outcome(step_runs, "budget")
     samples = trained(ranks)
     # the budget: 30 steps of 4 workers, as under DDP, whoever trained them
     assert len(samples) == 30 * WORLD * 4
@@ -67,15 +92,9 @@ def test_max_steps_validation_and_checkpoints_run_on_global_steps(tmp_path):
     assert max(batches[:-1]) > batches[-1] and min(batches[:-1]) > batches[-1]
 
 
-def test_a_fit_resumed_mid_epoch_continues_where_it_stopped(tmp_path):
-    common = ["--strategy", "prague", "--samples", "192", "--checkpoint-every", "15", "--val-every", "7"]
-    first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir(), second.mkdir()
-    ckpt = tmp_path / "ckpt"
-    ranks_a, _ = run_steps(first, *common, "--max-steps", "15", "--checkpoint-dir", str(ckpt))
-    ranks_b, main = run_steps(
-        second, *common, "--max-steps", "30", "--checkpoint-dir", str(ckpt), "--resume", str(ckpt / "step=15.ckpt")
-    )
+def test_a_fit_resumed_mid_epoch_continues_where_it_stopped(step_runs):
+    ranks_a, _ = outcome(step_runs, "first")
+    ranks_b, main = outcome(step_runs, "resumed")
     samples = trained(ranks_a) + trained(ranks_b)
     # step 15 is 60 batches, inside the second epoch (48 batches each): exactly the missing ones follow
     assert len(samples) == len(set(samples)) == 30 * WORLD * 4
@@ -86,13 +105,8 @@ def test_a_fit_resumed_mid_epoch_continues_where_it_stopped(tmp_path):
     assert main["checkpoints"] == ["step=15.ckpt", "step=30.ckpt"]
 
 
-def test_streaming_epochs_end_with_the_first_stream_and_the_budget_holds(tmp_path):
-    # every rank reads its own stream of 50 samples (13 batches, one DataLoader worker process each);
-    # manual optimization: the module steps its scheduler once per batch, as it would under DDP
-    ranks, _ = run_steps(
-        tmp_path, "--strategy", "adpsgd", "--streaming", "--samples", "200", "--num-workers", "1",
-        "--max-steps", "30", "--val-every", "5", "--checkpoint-every", "0", "--manual", "--lr", "0.05",
-    )  # fmt: skip
+def test_streaming_epochs_end_with_the_first_stream_and_the_budget_holds(step_runs):
+    ranks, _ = outcome(step_runs, "stream")
     batches = sum(-(-len([s for s in r["trained"] if s[0] == e]) // 4) for r in ranks for e in range(10))
     assert batches <= 30 * WORLD  # epochs are rounded up to whole steps, as DDP pads them
     samples = trained(ranks)
