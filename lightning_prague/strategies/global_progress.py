@@ -79,6 +79,8 @@ class GlobalStepScheduler:
         progress.step_schedulers_to(ticket // progress.batches_per_step)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("scheduler", "_index", "_progress"):  # copy/pickle probe a bare object
+            raise AttributeError(name)
         return getattr(self.scheduler, name)
 
 
