@@ -263,6 +263,7 @@ class Run:
             path.unlink()
 
     def __call__(self) -> dict[str, Any]:
+        L.seed_everything(0, verbose=False)  # the same initial model and data order for every strategy
         trainer = self.trainer()
         model = Classifier(**self.case.model)
         start = time.perf_counter()
