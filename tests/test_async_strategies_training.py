@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from helpers import ROOT, SCRIPTS, env, rank_results, run_training
+from helpers import ROOT, rank_results, run_many, run_training
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,27 +80,18 @@ CLI_CONFIGS = [
 
 def test_lightning_cli_configs(tmp_path):
     """Every example config trains from ``lightning-prague fit`` (all in one process: one import of Lightning)."""
-    argument_lists = [
-        [
-            "fit",
-            "--config",
-            f"examples/configs/{config}",
-            "--trainer.devices",
-            str(devices),
-            "--trainer.max_epochs",
-            "1",
-            "--trainer.default_root_dir",
-            str(tmp_path / str(i)),
-            *extra,
-            "--trainer.strategy.init_args.start_method",
-            "fork",  # ranks forked from the one process
-        ]  # fmt: skip
+    cli = str(ROOT / "lightning_prague" / "cli.py")
+    runs = {
+        f"{i}-{config}": (
+            cli,
+            ["fit", "--config", str(ROOT / "examples" / "configs" / config), "--trainer.devices", str(devices)]
+            + ["--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path / str(i)), *extra]
+            + ["--trainer.strategy.init_args.start_method", "fork"],  # ranks forked from the one process
+        )
         for i, (config, devices, extra) in enumerate(CLI_CONFIGS)
-    ]
-    out = tmp_path / "outcomes.json"
-    cmd = [sys.executable, str(SCRIPTS / "cli_configs.py"), str(out), json.dumps(argument_lists)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
-    failed = {CLI_CONFIGS[i][0]: error for i, error in enumerate(json.loads(out.read_text())) if error}
+    }
+    outcomes = run_many(tmp_path, runs, timeout=280)
+    failed = {name: run.log[-3000:] for name, run in outcomes.items() if run.status != 0}
     assert not failed, failed
-    assert proc.stdout.count("batches per worker") >= 3, "the digits configs print WorkerSummary's table"
+    printed = [name for name, run in outcomes.items() if "batches per worker" in run.log]
+    assert len(printed) == len(CLI_CONFIGS), f"WorkerSummary's table missing from {set(outcomes) - set(printed)}"
