@@ -1,17 +1,18 @@
 """``lightning-prague bench``: every strategy against Lightning's DDP, under slowdown profiles, in one run.
 
-    lightning-prague bench --preset quick --out bench-quick     # 4 workers, 2 epochs: a few minutes
+    lightning-prague bench --preset quick --out bench-quick     # 4 workers, 3 epochs, 2 profiles: about a minute
     lightning-prague bench --preset full --out bench-full       # 8 workers, 4 epochs, 3 profiles
 
-Each run trains the digits workload in its own processes (``python -m lightning_prague.demo.run``)
-with ConsensusMonitor and StragglerMonitor. Per strategy and profile it reports throughput
-(training samples per second of training time), time to ``--target-acc`` validation accuracy,
-final accuracy, consensus error before the last global average, the fraction of time workers
-spent waiting on others, the physical limit (the sum of the workers' speeds) and the throughput
-the runtime model predicts (``core.runtime_model``; the per-epoch cost of validation and
-Lightning's loop and the cost of an all-reduce are calibrated once, from the first DDP run). It
-writes ``bench.json``, ``bench.csv``, ``accuracy_vs_time.png`` and ``throughput_vs_limit.png`` to
-``--out``.
+Each run trains the digits workload (`lightning_prague.demo.run`) with ConsensusMonitor and
+StragglerMonitor, its worker processes forked from this one: Lightning is imported once for all
+the runs, not once per run. Per strategy and profile it reports throughput (training samples per
+second of training time), time to `--target-acc` validation accuracy, final accuracy, consensus
+error before the last global average, the fraction of time workers spent waiting on others, the
+physical limit (the sum of the workers' speeds) and the throughput the runtime model predicts
+(`core.runtime_model`; three costs of this machine are calibrated once, from the first DDP run:
+the per-epoch cost of validation and Lightning's loop, the host time of a training step, and an
+all-reduce). It writes `bench.json`, `bench.csv`, `accuracy_vs_time.png` and
+`throughput_vs_limit.png` to `--out`, and each run's output to `--out/logs/`.
 """
 
 from __future__ import annotations
@@ -19,17 +20,16 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from lightning_prague.callbacks.slowdown import PROFILES
 from lightning_prague.core.runtime_model import ComputeProfile, Link, predict
+from lightning_prague.demo.captured import run_captured
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "quick": {"devices": 4, "epochs": 2, "step_time": 0.03, "profiles": ["straggler", "jitter"]},
+    "quick": {"devices": 4, "epochs": 3, "step_time": 0.03, "profiles": ["straggler", "jitter"]},
     "full": {"devices": 8, "epochs": 4, "step_time": 0.05, "profiles": ["homogeneous", "straggler", "jitter"]},
 }
 STRATEGIES = ["ddp", "prague", "partial_reduce", "adpsgd", "decent_adam"]
@@ -49,55 +49,95 @@ FIELDS = [
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The bench's options, every one checked here, before any run starts."""
     parser = argparse.ArgumentParser(prog="lightning-prague bench", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
-    parser.add_argument("--strategies", nargs="+", default=STRATEGIES)
-    parser.add_argument("--profiles", nargs="+", help="override the preset's slowdown profiles")
-    parser.add_argument("--devices", type=int, help="override the preset's worker count")
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=STRATEGIES, metavar="STRATEGY",
+                        help=f"strategies to run (DDP always runs): {', '.join(STRATEGIES)}")  # fmt: skip
+    parser.add_argument("--profiles", nargs="+", choices=PROFILES, metavar="PROFILE",
+                        help=f"override the preset's slowdown profiles: {', '.join(PROFILES)}")  # fmt: skip
+    parser.add_argument("--devices", type=int, help="override the preset's worker count (at least 2)")
     parser.add_argument("--epochs", type=int, help="override the preset's epochs")
     parser.add_argument("--step-time", type=float, help="override the preset's simulated step time (s)")
     parser.add_argument("--slow-factor", type=float, default=5.0, help="the straggler's slowdown (rank 0)")
     parser.add_argument("--sigma", type=float, default=0.5, help="lognormal sigma of the jitter profile")
     parser.add_argument(
-        "--group-size", type=int, default=3, help="prague/partial_reduce group size (at most --devices)"
+        "--group-size", type=int, help="prague/partial_reduce group size, 2 to --devices (default: min(3, --devices))"
     )
     parser.add_argument("--target-acc", type=float, default=0.8, help="validation accuracy for time-to-target")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="print a line per run instead of a progress bar")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
-    args.profiles = args.profiles or preset["profiles"]
-    args.devices = args.devices or preset["devices"]
-    args.epochs = args.epochs or preset["epochs"]
-    args.step_time = args.step_time or preset["step_time"]
-    args.group_size = max(2, min(args.group_size, args.devices))
-    if "ddp" not in args.strategies:
-        args.strategies = ["ddp", *args.strategies]  # every speed-up is measured against DDP in the same run
+    args.profiles = list(dict.fromkeys(args.profiles or preset["profiles"]))
+    args.devices = preset["devices"] if args.devices is None else args.devices
+    args.epochs = preset["epochs"] if args.epochs is None else args.epochs
+    args.step_time = preset["step_time"] if args.step_time is None else args.step_time
+    args.group_size = min(3, args.devices) if args.group_size is None else args.group_size
+    problems = []
+    if args.devices < 2:
+        problems.append(f"--devices {args.devices}: the strategies need at least 2 workers")
+    if args.epochs < 1:
+        problems.append(f"--epochs {args.epochs}: train at least one epoch")
+    if args.step_time <= 0:
+        problems.append(f"--step-time {args.step_time}: must be positive (seconds)")
+    if args.slow_factor < 1:
+        problems.append(f"--slow-factor {args.slow_factor}: a straggler is at least 1x slower")
+    if args.sigma < 0:
+        problems.append(f"--sigma {args.sigma}: must not be negative")
+    if not 2 <= args.group_size <= max(2, args.devices):
+        problems.append(f"--group-size {args.group_size}: must be between 2 and --devices ({args.devices})")
+    if not 0 < args.target_acc <= 1:
+        problems.append(f"--target-acc {args.target_acc}: an accuracy in (0, 1]")
+    if args.out.exists() and not args.out.is_dir():
+        problems.append(f"--out {args.out}: exists and is not a directory")
+    if problems:
+        parser.error("; ".join(problems))
+    args.strategies = list(dict.fromkeys(["ddp", *args.strategies]))  # speed-ups are measured against DDP, run first
     return args
 
 
 def run_one(strategy: str, profile: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One training run in fresh processes (the ranks forked from one); returns rank 0's result."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [
-            sys.executable, "-m", "lightning_prague.demo.run", "--strategy", strategy, "--profile", profile,
-            "--devices", str(args.devices), "--epochs", str(args.epochs), "--step-time", str(args.step_time),
-            "--slow-factor", str(args.slow_factor), "--sigma", str(args.sigma), "--seed", str(args.seed),
-            "--group-size", str(args.group_size), "--monitors", "--json", str(out),
-            "--start-method", "fork",  # one import of Lightning per run, not one per rank
-        ]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0:
-            raise RuntimeError(f"bench run {strategy}/{profile} failed:\n{proc.stderr[-3000:]}")
-        return json.loads(out.read_text())
+    """One training run, its ranks forked from this process; returns rank 0's result.
+
+    The run's output (its ranks' included) goes to `--out/logs/<profile>-<strategy>/log.txt`.
+    """
+    from lightning_prague.demo import run as demo_run  # imports Lightning
+
+    directory = (args.out / "logs" / f"{profile}-{strategy}").resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / "result.json"
+    out.unlink(missing_ok=True)
+    argv = [
+        "--strategy", strategy, "--profile", profile, "--devices", str(args.devices), "--epochs", str(args.epochs),
+        "--step-time", str(args.step_time), "--slow-factor", str(args.slow_factor), "--sigma", str(args.sigma),
+        "--seed", str(args.seed), "--group-size", str(args.group_size), "--monitors", "--json", str(out),
+        "--start-method", "fork",
+    ]  # fmt: skip
+    status = run_captured(lambda: demo_run.main(argv), directory / "log.txt", cwd=directory)
+    if status != 0 or not out.exists():
+        tail = (directory / "log.txt").read_text()[-3000:]
+        raise RuntimeError(f"bench run {strategy}/{profile} failed (exit status {status}); its output ends:\n{tail}")
+    return json.loads(out.read_text())
 
 
-def worker_profiles(profile: str, args: argparse.Namespace) -> list[ComputeProfile]:
-    """The compute-time distributions the SlowdownInjector simulates under ``profile``."""
+def worker_profiles(profile: str, args: argparse.Namespace, overhead: float = 0.0) -> list[ComputeProfile]:
+    """The compute-time distributions the SlowdownInjector simulates under `profile`, plus `overhead`
+    seconds of host time per step."""
     slow = {0: args.slow_factor} if profile == "straggler" else {}
     sigma = args.sigma if profile == "jitter" else 0.0
-    return [ComputeProfile(args.step_time, slowdown=slow.get(r, 1.0), sigma=sigma) for r in range(args.devices)]
+    periodic = {"period": 20, "duty": 0.25, "periodic_factor": args.slow_factor}  # the demo's defaults, rank 0
+    return [
+        ComputeProfile(
+            args.step_time,
+            slowdown=slow.get(r, 1.0),
+            sigma=sigma,
+            overhead=overhead,
+            **(periodic if profile == "periodic" and r == 0 else {}),
+        )
+        for r in range(args.devices)
+    ]
 
 
 def summarize(strategy: str, profile: str, result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -122,36 +162,43 @@ def summarize(strategy: str, profile: str, result: dict[str, Any], args: argpars
         "step_seconds": result["step_seconds"],
         "batches": sum(result["batches_per_worker"]),
         "timeline": result["timeline"],
+        "measured_allreduce_seconds": result.get("allreduce_seconds"),
     }
 
 
 def add_predictions(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Predicted throughput per row, from the runtime model calibrated on the first DDP run.
 
-    Two costs of this machine are measured there, not assumed: the per-epoch cost (validation,
-    synchronization points, Lightning's loop: the training time outside training batches) and
-    the all-reduce of the whole world (DDP's time per step beyond its compute). The all-reduce
-    sets the link's per-message latency, so smaller groups cost proportionally less.
+    Three costs of this machine are measured there, not assumed: the per-epoch cost (validation,
+    synchronization points, Lightning's loop: the training time outside training batches); the
+    all-reduce of the whole model across the world (timed after training, `allreduce_seconds`),
+    which sets the link's per-message latency, so smaller groups cost proportionally less; and the
+    host time of a step (Lightning's loop, callbacks, backward and optimizer on the CPU: DDP's time
+    per step beyond the simulated compute and the all-reduce), which every worker pays every step
+    in every strategy.
     """
     model_bytes = 4 * (64 * 64 + 64 + 2 * 64 + 64 * 64 + 64 + 64 * 10 + 10)  # the digits MLP, float32
-    link, overhead = Link(bandwidth=1e9, latency=2e-4), 0.0
+    link, overhead, step_overhead = Link(bandwidth=1e9, latency=2e-4), 0.0, 0.0
     ddp = next((row for row in rows if row["strategy"] == "ddp"), None)
     if ddp is not None:
         overhead = max(0.0, ddp["train_seconds"] - ddp["step_seconds"]) / args.epochs
         free_link = Link(bandwidth=float("inf"), latency=0.0)
         compute_only = predict(worker_profiles(ddp["profile"], args), model_bytes, free_link, ["ddp"])[0]
         measured_step = ddp["step_seconds"] / (ddp["batches"] / args.devices)
-        allreduce = max(0.0, measured_step - compute_only.seconds_per_iteration)
+        beyond_compute = max(0.0, measured_step - compute_only.seconds_per_iteration)
+        measured = ddp.get("measured_allreduce_seconds")
+        allreduce = beyond_compute if measured is None else min(beyond_compute, measured)
+        step_overhead = beyond_compute - allreduce
         link = Link(bandwidth=float("inf"), latency=allreduce / (2 * (args.devices - 1)) if args.devices > 1 else 0.0)
     for row in rows:
-        models = {
-            p.strategy: p for p in predict(worker_profiles(row["profile"], args), model_bytes, link, seed=args.seed)
-        }
+        workers = worker_profiles(row["profile"], args, step_overhead)
+        models = {p.strategy: p for p in predict(workers, model_bytes, link, seed=args.seed)}
         prediction = models.get(row["strategy"], models["prague"])
         steps_seconds = row["batches"] / prediction.throughput  # batches over all workers / batches per second
         predicted_seconds = steps_seconds + overhead * args.epochs
         row["predicted_throughput"] = row["throughput"] * row["train_seconds"] / predicted_seconds
         row["overhead_per_epoch"] = overhead
+        row["step_overhead"] = step_overhead
         row["allreduce_seconds"] = link.allreduce_seconds(args.devices, model_bytes)
 
 
@@ -220,15 +267,26 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    import torch
+    from tqdm import tqdm
+
     args = parse_args(argv)
+    torch.set_num_threads(1)  # the forked workers inherit it: one compute thread per worker
     plan = [(profile, strategy) for profile in args.profiles for strategy in args.strategies]
     rows = []
     start = time.perf_counter()
-    for index, (profile, strategy) in enumerate(plan, 1):
-        print(f"[{index}/{len(plan)}] {profile} / {strategy} ...", end=" ", flush=True)
-        row = summarize(strategy, profile, run_one(strategy, profile, args), args)
-        rows.append(row)
-        print(f"{row['train_seconds']:.2f}s acc={row['final_acc']:.4f} (elapsed {time.perf_counter() - start:.0f}s)")
+    with tqdm(
+        total=len(plan), desc="bench", unit="run", disable=True if args.no_progress else None, dynamic_ncols=True
+    ) as bar:
+        for index, (profile, strategy) in enumerate(plan, 1):
+            bar.set_postfix_str(f"{profile} / {strategy}")
+            row = summarize(strategy, profile, run_one(strategy, profile, args), args)
+            rows.append(row)
+            bar.write(
+                f"[{index}/{len(plan)}] {profile} / {strategy}: {row['train_seconds']:.2f}s of training, "
+                f"acc={row['final_acc']:.4f} (elapsed {time.perf_counter() - start:.0f}s)"
+            )
+            bar.update()
     add_predictions(rows, args)
     add_speedups(rows)
     write_outputs(rows, args.out)

@@ -51,13 +51,14 @@ def test_bench_quick_preset_runs_end_to_end_and_writes_valid_outputs(tmp_path):
         assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
 
-def test_predictions_calibrate_the_epoch_cost_and_the_all_reduce_from_the_first_ddp_run():
+def test_predictions_calibrate_epoch_cost_step_overhead_and_all_reduce_from_the_first_ddp_run():
     args = argparse.Namespace(devices=4, epochs=2, step_time=0.05, slow_factor=5.0, sigma=0.5, seed=0)
-    steps, allreduce, per_epoch = 10, 0.012, 0.1  # per worker; seconds
-    step_seconds = steps * (args.step_time + allreduce)
+    steps, allreduce, host, per_epoch = 10, 0.004, 0.008, 0.1  # per worker; seconds
+    step_seconds = steps * (args.step_time + host + allreduce)
     rows = [
         {"strategy": "ddp", "profile": "homogeneous", "batches": 4 * steps, "throughput": 100.0,
-         "step_seconds": step_seconds, "train_seconds": step_seconds + args.epochs * per_epoch},
+         "step_seconds": step_seconds, "train_seconds": step_seconds + args.epochs * per_epoch,
+         "measured_allreduce_seconds": allreduce},
         {"strategy": "prague", "profile": "homogeneous", "batches": 4 * steps, "throughput": 100.0,
          "step_seconds": 0.5, "train_seconds": 0.8},
     ]  # fmt: skip
@@ -65,7 +66,30 @@ def test_predictions_calibrate_the_epoch_cost_and_the_all_reduce_from_the_first_
     ddp, prague = rows
     assert ddp["overhead_per_epoch"] == pytest.approx(per_epoch)
     assert ddp["allreduce_seconds"] == pytest.approx(allreduce, rel=1e-3)
+    assert ddp["step_overhead"] == pytest.approx(host, rel=1e-3), "DDP's step beyond compute and all-reduce"
     assert ddp["predicted_throughput"] == pytest.approx(ddp["throughput"], rel=1e-3), "DDP's own run is reproduced"
-    # prague's groups of 3 cost 4/6 of the world's all-reduce, hidden behind the 50 ms steps
-    predicted_seconds = steps * args.step_time + args.epochs * per_epoch
+    # prague pays the host time every step; its groups of 3 (4/6 of the world's all-reduce) hide behind the steps
+    predicted_seconds = steps * (args.step_time + host) + args.epochs * per_epoch
     assert prague["predicted_throughput"] == pytest.approx(100.0 * 0.8 / predicted_seconds, rel=1e-3)
+
+    del rows[0]["measured_allreduce_seconds"]  # a result without the timing: all of it is the all-reduce
+    add_predictions(rows, args)
+    assert rows[0]["allreduce_seconds"] == pytest.approx(allreduce + host, rel=1e-3) and rows[0]["step_overhead"] == 0
+
+
+def test_bench_arguments_are_checked_before_any_run(capsys):
+    from lightning_prague.bench import parse_args
+
+    for argv, expected in [
+        (["--strategies", "pragu"], "invalid choice: 'pragu'"),
+        (["--profiles", "slow"], "invalid choice: 'slow'"),
+        (["--devices", "1"], "at least 2 workers"),
+        (["--devices", "4", "--group-size", "5"], "between 2 and --devices (4)"),
+        (["--epochs", "0"], "at least one epoch"),
+        (["--step-time", "-1"], "must be positive"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            parse_args(argv)
+        assert stop.value.code == 2 and expected in capsys.readouterr().err, argv
+    args = parse_args(["--devices", "2", "--strategies", "prague", "prague"])
+    assert args.group_size == 2 and args.strategies == ["ddp", "prague"], "defaults fit the worker count"

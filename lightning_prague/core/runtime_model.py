@@ -41,7 +41,9 @@ STRATEGY_MODELS = ("ddp", "prague", "partial_reduce", "adpsgd", "decent_adam")
 @dataclass(frozen=True)
 class ComputeProfile:
     """One worker's compute time per step: ``step_time * slowdown``, times a lognormal factor with
-    ``sigma`` (median 1), times ``periodic_factor`` during ``duty`` of every ``period`` steps."""
+    ``sigma`` (median 1), times ``periodic_factor`` during ``duty`` of every ``period`` steps, plus
+    ``overhead``: host time every step pays whatever the device does (the training loop, callbacks,
+    the optimizer launch), which a slow device does not stretch."""
 
     step_time: float
     slowdown: float = 1.0
@@ -49,9 +51,10 @@ class ComputeProfile:
     period: int = 0
     duty: float = 0.0
     periodic_factor: float = 1.0
+    overhead: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.step_time <= 0 or self.slowdown <= 0 or self.sigma < 0 or not 0 <= self.duty <= 1:
+        if self.step_time <= 0 or self.slowdown <= 0 or self.sigma < 0 or not 0 <= self.duty <= 1 or self.overhead < 0:
             raise ConfigurationError(f"invalid compute profile {self}")
 
     @property
@@ -61,13 +64,13 @@ class ComputeProfile:
     @property
     def mean(self) -> float:
         periodic = 1.0 + (self.duty * (self.periodic_factor - 1.0) if self.period else 0.0)
-        return self.step_time * self.slowdown * math.exp(self.sigma**2 / 2) * periodic
+        return self.step_time * self.slowdown * math.exp(self.sigma**2 / 2) * periodic + self.overhead
 
     def sample(self, rng: random.Random, step: int, phase: int = 0) -> float:
         factor = math.exp(rng.gauss(0.0, self.sigma)) if self.sigma else 1.0
         if self.period and ((step + phase) % self.period) < self.duty * self.period:
             factor *= self.periodic_factor
-        return self.step_time * self.slowdown * factor
+        return self.step_time * self.slowdown * factor + self.overhead
 
 
 @dataclass(frozen=True)

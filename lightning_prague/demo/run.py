@@ -20,6 +20,7 @@ import lightning_prague  # noqa: F401  (registers the strategies)
 from lightning_prague.callbacks import ConsensusMonitor, SlowdownInjector, StragglerMonitor, WorkerSummary
 from lightning_prague.callbacks.slowdown import PROFILES
 from lightning_prague.demo.digits import OPTIMIZERS, DigitsClassifier, DigitsDataModule
+from lightning_prague.strategies.base import DecentralizedStrategy
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,7 +94,7 @@ class RunReport(L.Callback):
         self.args, self.summary, self.data = args, summary, data
         self.checkpoint: Any = None
         self.result: dict[str, Any] | None = None
-        self.exchange_counts: dict[str, int] = {}
+        self.measurements: dict[str, float] = {}
         self._start = time.perf_counter()
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -103,13 +104,27 @@ class RunReport(L.Callback):
         # the strategy's worker is gone by on_fit_end (teardown runs first)
         worker, exchanger = getattr(trainer.strategy, "worker", None), getattr(trainer.strategy, "exchanger", None)
         if worker is not None and exchanger is not None:
-            self.exchange_counts = {"coordinator_requests": worker.stats.requests, "exchanges": exchanger.exchanges}
+            self.measurements = {"coordinator_requests": worker.stats.requests, "exchanges": exchanger.exchanges}
+        if not isinstance(trainer.strategy, DecentralizedStrategy) and trainer.world_size > 1:
+            # lock-step ranks: a world-wide collective is safe here
+            self.measurements["allreduce_seconds"] = time_allreduce(pl_module)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         seconds = time.perf_counter() - self._start
         self.result = report(
-            self.args, trainer, pl_module, self.data, self.summary, self.checkpoint, seconds, self.exchange_counts
+            self.args, trainer, pl_module, self.data, self.summary, self.checkpoint, seconds, self.measurements
         )
+
+
+def time_allreduce(module: torch.nn.Module, repeats: int = 20) -> float:
+    """Seconds one all-reduce of all of `module`'s parameters takes across the world, on this machine:
+    the exchange DDP does every step (the bench calibrates its runtime model with it)."""
+    flat = torch.zeros(sum(p.numel() for p in module.parameters()), device=next(module.parameters()).device)
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.distributed.all_reduce(flat)
+    return (time.perf_counter() - start) / repeats
 
 
 def build(
@@ -182,11 +197,12 @@ def report(
     summary: WorkerSummary,
     checkpoint: Any,
     fit_seconds: float,
-    exchange_counts: dict[str, int] | None = None,
+    measurements: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The result of a run as a dict; rank 0 prints a line, every rank writes JSON if asked.
 
-    ``exchange_counts``: what this rank asked the coordinator for and exchanged (see :class:`RunReport`).
+    `measurements`: what this rank asked the coordinator for and exchanged, or how long an all-reduce
+    took (see `RunReport`).
     """
     result: dict[str, Any] = {
         "strategy": args.strategy,
@@ -214,7 +230,7 @@ def report(
         result["best_model_path"] = checkpoint.best_model_path
         latest = [cb for cb in trainer.checkpoint_callbacks if cb is not checkpoint and cb.monitor is None]
         result["last_model_path"] = latest[0].best_model_path if latest else checkpoint.last_model_path
-    result.update(exchange_counts or {})
+    result.update(measurements or {})
     # every rank reports its own checksum so callers can check the replicas agree
     result["rank"] = trainer.global_rank
     result["threads_after_fit"] = [t.name for t in threading.enumerate() if t.name.startswith("prague-")]

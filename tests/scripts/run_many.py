@@ -8,36 +8,19 @@ an exception) to ``dir/exit``.
 """
 
 import json
-import os
 import runpy
 import sys
-import traceback
 from pathlib import Path
+
+from lightning_prague.demo.captured import run_captured
 
 
 def run(script: str, directory: Path, args: list[str]) -> int:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with open(directory / "log.txt", "w") as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-        os.chdir(directory)
+    def target() -> None:
         sys.argv = [script, *args]
-        try:
-            runpy.run_path(script, run_name="__main__")
-            status = 0
-        except SystemExit as stop:
-            status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        except BaseException:
-            traceback.print_exc()
-            status = 1
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-    return status
+        runpy.run_path(script, run_name="__main__")
+
+    return run_captured(target, directory / "log.txt", cwd=directory)
 
 
 if __name__ == "__main__":
