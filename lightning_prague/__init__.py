@@ -1,7 +1,7 @@
 """lightning-prague: asynchronous decentralized data-parallel training for PyTorch Lightning.
 
-``import lightning_prague`` registers the strategies, so ``Trainer(strategy="prague")`` (or
-``"partial_reduce"``, ``"adpsgd"``, ``"decent_adam"``) works.
+`import lightning_prague` registers the strategies, so `Trainer(strategy="prague")` (or
+`"partial_reduce"`, `"adpsgd"`, `"decent_adam"`) works.
 """
 
 from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout, PragueError, SyncMismatchError

@@ -1,17 +1,17 @@
 """Optimizers for decentralized training.
 
-:class:`AccumAdam` is Adam with the *accumulation technique* of decentralized Adam ("From promise
+`AccumAdam` is Adam with the *accumulation technique* of decentralized Adam ("From promise
 to practice", ICLR 2025): parameters (and the gossip that mixes them) move every step, but the
-persistent moments ``m`` and ``v`` advance only every ``accum_steps`` (tau) steps, with the mean
+persistent moments `m` and `v` advance only every `accum_steps` (tau) steps, with the mean
 gradient of those steps, so the moments see a tau-times larger batch and are less noisy. With
-``k = ceil(t / tau)`` step ``t`` uses
+`k = ceil(t / tau)` step `t` uses
 
     m_hat = b1 m_{k-1} + (1 - b1) g_t,    v_hat = b2 v_{k-1} + (1 - b2) g_t^2
     x <- x - lr * (m_hat / (1 - b1^k)) / (sqrt(v_hat / (1 - b2^k)) + eps)
 
-and at every ``t`` that is a multiple of tau, with ``g_bar`` the mean gradient of the last tau
-steps, ``m_k = b1 m_{k-1} + (1 - b1) g_bar`` and ``v_k = b2 v_{k-1} + (1 - b2) g_bar^2``.
-With ``accum_steps=1`` it is exactly ``torch.optim.Adam`` (``AccumAdamW``: ``torch.optim.AdamW``).
+and at every `t` that is a multiple of tau, with `g_bar` the mean gradient of the last tau
+steps, `m_k = b1 m_{k-1} + (1 - b1) g_bar` and `v_k = b2 v_{k-1} + (1 - b2) g_bar^2`.
+With `accum_steps=1` it is exactly `torch.optim.Adam` (`AccumAdamW`: `torch.optim.AdamW`).
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ from lightning_prague.core.errors import ConfigurationError
 
 
 class AccumAdam(Optimizer):
-    """Adam whose moments advance every ``accum_steps`` steps; see the module docstring.
+    """Adam whose moments advance every `accum_steps` steps; see the module docstring.
 
     Args:
         params: parameters or parameter groups, as for any torch optimizer.
         lr: learning rate.
         betas: decay rates of the first and second moments.
         eps: added to the denominator for numerical stability.
-        weight_decay: L2 penalty added to the gradient, or with ``decoupled_weight_decay`` the
-            AdamW decay ``x <- x (1 - lr * weight_decay)``.
+        weight_decay: L2 penalty added to the gradient, or with `decoupled_weight_decay` the
+            AdamW decay `x <- x (1 - lr * weight_decay)`.
         accum_steps: tau, the steps whose mean gradient advances the moments once.
         decoupled_weight_decay: AdamW-style decay instead of an L2 penalty.
     """
@@ -118,7 +118,7 @@ class AccumAdam(Optimizer):
 
 
 class AccumAdamW(AccumAdam):
-    """:class:`AccumAdam` with decoupled (AdamW) weight decay, default ``weight_decay=1e-2`` as in AdamW."""
+    """`AccumAdam` with decoupled (AdamW) weight decay, default `weight_decay=1e-2` as in AdamW."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""How far the replicas have drifted apart: ``consensus/error`` and ``consensus/group_error``."""
+"""How far the replicas have drifted apart: `consensus/error` and `consensus/group_error`."""
 
 from __future__ import annotations
 
@@ -17,20 +17,20 @@ from lightning_prague.strategies.base import DecentralizedStrategy
 class ConsensusMonitor(Callback):
     """Logs the consensus error of the replicas.
 
-    ``consensus/error``
-        exactly ``mean_i ||x_i - x_bar||^2 / ||x_bar||^2`` over every worker's parameters and
-        floating-point buffers, measured at each synchronization point before the replicas are
-        averaged (one extra collective there, none during training). Logged at every epoch end.
-        With a lock-step strategy (DDP) it is measured at the epoch end and is 0 up to rounding.
-    ``consensus/group_error``
-        an estimate during asynchronous training, from the group averages that happen anyway:
-        the mean over this worker's recent group averages of ``||x_i - avg||^2 / ||avg||^2``. It
-        costs no communication; logged every ``log_every_n_steps`` training steps in which the
-        worker averaged with a group (loggers write rank 0's).
+    - `consensus/error`: exactly `mean_i ||x_i - x_bar||^2 / ||x_bar||^2` over every worker's
+      parameters and floating-point buffers, measured at each synchronization point before the
+      replicas are averaged (one extra collective there, none during training); the measurement
+      of the epoch-end synchronization point is logged at every epoch end. With a lock-step
+      strategy (DDP) it is measured at the epoch end and is 0 up to rounding.
+    - `consensus/group_error`: an estimate during asynchronous training, from the group averages
+      that happen anyway: the mean over this worker's recent group averages of
+      `||x_i - avg||^2 / ||avg||^2`. It costs no communication. Every rank computes its own, but
+      only rank 0 logs it (the loggers write on global rank 0), every `log_every_n_steps` training
+      steps in which rank 0 averaged with a group.
 
-    Values go straight to the trainer's loggers (any Lightning logger), at ``trainer.global_step``.
+    Values go straight to the trainer's loggers (any Lightning logger), at `trainer.global_step`.
 
-    :attr:`history` keeps ``(epoch, error)`` for the exact measurements on every rank.
+    `history` keeps `(epoch, error)` for the exact measurements on every rank.
     """
 
     def __init__(self, log_every_n_steps: int = 1) -> None:

@@ -1,10 +1,10 @@
 """Simulated heterogeneity: stretch every training step to a simulated compute time per worker.
 
 The papers measure stragglers this way: a worker's step is padded with sleep to
-``step_time * factor``, where ``factor`` comes from a per-worker profile. Sleeping (not spinning)
+`step_time * factor`, where `factor` comes from a per-worker profile. Sleeping (not spinning)
 keeps a small machine's cores out of the measurement.
 
-The sleep ends the forward pass (``on_before_backward``), so the gradient exists only once the
+The sleep ends the forward pass (`on_before_backward`), so the gradient exists only once the
 simulated compute time is over, as on a real accelerator. Padding later (after the backward pass)
 would let DDP all-reduce a gradient its slow worker had not finished computing yet, and hide the
 wait for the slowest worker inside the fast workers' padding.
@@ -30,28 +30,28 @@ PROFILES = ("homogeneous", "straggler", "jitter", "periodic")
 
 
 class SlowdownInjector(Callback):
-    """Pads each training batch (its start to its backward pass) to ``step_time * factor`` seconds.
+    """Pads each training batch (its start to its backward pass) to `step_time * factor` seconds.
 
-    The padding ends before ``backward``, so gradients (and DDP's gradient all-reduce) come only
-    after the simulated compute time. A ``training_step`` that returns ``None`` (no backward) is
+    The padding ends before `backward`, so gradients (and DDP's gradient all-reduce) come only
+    after the simulated compute time. A `training_step` that returns `None` (no backward) is
     not padded.
 
     Args:
         step_time: simulated compute time of one step on a normal worker, in seconds.
-        profile: ``homogeneous`` (factor 1), ``straggler`` (``slow_ranks`` run ``slow_factor`` times
-            slower), ``jitter`` (each step's factor is lognormal with ``sigma``, median 1) or
-            ``periodic`` (``slow_ranks`` run ``slow_factor`` times slower for ``duty`` of every
-            ``period`` steps, each rank at its own seeded phase of the cycle).
-        slow_ranks: global ranks slowed down by the ``straggler`` and ``periodic`` profiles.
+        profile: `homogeneous` (factor 1), `straggler` (`slow_ranks` run `slow_factor` times
+            slower), `jitter` (each step's factor is lognormal with `sigma`, median 1) or
+            `periodic` (`slow_ranks` run `slow_factor` times slower for `duty` of every
+            `period` steps, each rank at its own seeded phase of the cycle).
+        slow_ranks: global ranks slowed down by the `straggler` and `periodic` profiles.
         slow_factor: their slowdown.
-        sigma: lognormal sigma of the ``jitter`` profile.
-        period: length in steps of a ``periodic`` cycle.
+        sigma: lognormal sigma of the `jitter` profile.
+        period: length in steps of a `periodic` cycle.
         duty: fraction of each cycle that is slow, in [0, 1].
-        seed: makes ``jitter`` and the ``periodic`` phases reproducible (per rank).
+        seed: makes `jitter` and the `periodic` phases reproducible (per rank).
         slow_link_ranks: workers behind a slow network link (default: none).
         link_seconds_per_byte: extra seconds per byte of every synchronization that involves one
             of them: the group collectives of this package's strategies
-            (:mod:`lightning_prague.core.links`; overlapped exchanges can hide it) and, with
+            (`lightning_prague.core.links`; overlapped exchanges can hide it) and, with
             Lightning's DDP, its gradient all-reduce (through a DDP communication hook).
     """
 
@@ -102,7 +102,7 @@ class SlowdownInjector(Callback):
         self.slept = 0.0
 
     def factor(self, rank: int) -> float:
-        """The slowdown of ``rank``'s next step under this profile."""
+        """The slowdown of `rank`'s next step under this profile."""
         if self.profile == "straggler":
             return self.slow_factor if rank in self.slow_ranks else 1.0
         if self.profile == "jitter":
@@ -146,8 +146,8 @@ class SlowdownInjector(Callback):
 def _slow_link_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the real annotations
     """DDP's gradient all-reduce (the mean over all workers), completing no sooner than the slow link allows.
 
-    Untyped on purpose: DDP compares the hook's annotations with ``dist.GradBucket`` and
-    ``torch.futures.Future``, which this module's postponed (string) annotations would fail.
+    Untyped on purpose: DDP compares the hook's annotations with `dist.GradBucket` and
+    `torch.futures.Future`, which this module's postponed (string) annotations would fail.
     """
     links, world = state
     tensor = bucket.buffer()

@@ -29,19 +29,19 @@ class WorkerTiming:
 
 class StragglerMonitor(Callback):
     """Measures every worker's compute time per step, time spent waiting on others, and batches;
-    flags workers slower than ``slow_factor`` times the median compute time per step.
+    flags workers slower than `slow_factor` times the median compute time per step.
 
-    Each rank measures itself (a step is ``on_train_batch_start`` to ``on_train_batch_end``; the
+    Each rank measures itself (a step is `on_train_batch_start` to `on_train_batch_end`; the
     strategy reports how much of it, and of the synchronization points, was spent waiting on
-    other ranks: ``strategy.wait_seconds``; strategies that do not report it, like Lightning's DDP,
+    other ranks: `strategy.wait_seconds`; strategies that do not report it, like Lightning's DDP,
     count waiting as compute). With a logger, the numbers are gathered once per epoch, at the
-    epoch end where ranks are aligned, and logged by rank 0 as ``straggler/rank{r}/compute_ms``,
-    ``straggler/rank{r}/wait_s``, ``straggler/rank{r}/batches`` and ``straggler/flagged`` (how
+    epoch end where ranks are aligned, and logged by rank 0 as `straggler/rank{r}/compute_ms`,
+    `straggler/rank{r}/wait_s`, `straggler/rank{r}/batches` and `straggler/flagged` (how
     many workers are flagged); without one they are gathered only at the end of fit. At the
-    end of fit rank 0 prints a per-worker table and, with ``path``, writes it as JSON
-    (``{"workers": [{"rank", "batches", "compute_seconds", "wait_seconds", "compute_per_step",
-    "flagged"}, ...]}``), which ``lightning-prague plan --timings PATH`` reads; :attr:`timings`
-    and :attr:`flagged` keep the last gathered values on every rank.
+    end of fit rank 0 prints a per-worker table and, with `path`, writes it as JSON
+    (`{"workers": [{"rank", "batches", "compute_seconds", "wait_seconds", "compute_per_step",
+    "flagged"}, ...]}`), which `lightning-prague plan --timings PATH` reads; `timings`
+    and `flagged` keep the last gathered values on every rank.
     """
 
     def __init__(self, slow_factor: float = 2.0, verbose: bool = True, path: Optional[str] = None) -> None:
@@ -99,7 +99,7 @@ class StragglerMonitor(Callback):
             self.write(self.path)
 
     def write(self, path: str) -> None:
-        """The per-worker timings as JSON, for ``lightning-prague plan --timings``."""
+        """The per-worker timings as JSON, for `lightning-prague plan --timings`."""
         Path(path).write_text(json.dumps({"workers": self.as_dicts()}, indent=1))
 
     def table(self) -> str:
@@ -120,7 +120,7 @@ class StragglerMonitor(Callback):
 
 
 def log_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
-    """Straight to the trainer's loggers (they write on global rank 0 only), skipping ``LightningModule.log``,
+    """Straight to the trainer's loggers (they write on global rank 0 only), skipping `LightningModule.log`,
     whose epoch-level bookkeeping costs far more than these few numbers."""
     if trainer.is_global_zero:
         for logger in trainer.loggers:
@@ -133,7 +133,7 @@ def _waited(trainer: Trainer) -> float:
 
 
 def flag_slow(per_step: list[float], slow_factor: float) -> list[int]:
-    """Ranks whose time per step exceeds ``slow_factor`` times the median over all ranks."""
+    """Ranks whose time per step exceeds `slow_factor` times the median over all ranks."""
     if not per_step:
         return []
     threshold = slow_factor * median(per_step)

@@ -12,12 +12,12 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 class WorkerSummary(Callback):
     """Counts training batches per worker and gathers them at the end of fit.
 
-    :attr:`train_seconds` is the time from the start to the end of training on this rank
-    (process start-up and setup excluded); :attr:`step_seconds` is the part of it spent in
-    training batches and between consecutive ones, so ``train_seconds - step_seconds`` is what
-    validation, synchronization points and epoch boundaries cost. After ``fit`` every rank has
-    :attr:`batches_per_worker` (a list indexed by global rank); rank 0 prints it. The gather runs
-    in ``on_train_end``, after the strategy's final synchronization point, so ranks are aligned
+    `train_seconds` is the time from the start to the end of training on this rank
+    (process start-up and setup excluded); `step_seconds` is the part of it spent in
+    training batches and between consecutive ones, so `train_seconds - step_seconds` is what
+    validation, synchronization points and epoch boundaries cost. After `fit` every rank has
+    `batches_per_worker` (a list indexed by global rank); rank 0 prints it. The gather runs
+    in `on_train_end`, after the strategy's final synchronization point, so ranks are aligned
     and it cannot hang.
     """
 

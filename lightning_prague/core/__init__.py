@@ -1,8 +1,8 @@
 """The core of lightning-prague: decentralized averaging with no Lightning imports.
 
 Usable from any torch.distributed program initialised with the env:// method: create a
-:class:`CoordinatorService` on rank 0, a :class:`GroupWorker` on every rank, call
-``partial_sync()`` after each local step and ``synchronize(name)`` + ``global_average()`` where
+`CoordinatorService` on rank 0, a `GroupWorker` on every rank, call
+`partial_sync()` after each local step and `synchronize(name)` + `global_average()` where
 all ranks must agree.
 """
 

@@ -1,7 +1,7 @@
 """Averaging model state over a group, a few flat buckets at a time.
 
 One collective per tensor would cost a round trip per parameter; flattening into buckets of at
-most ``bucket_bytes`` (grouped by dtype and device) keeps it to a handful per average.
+most `bucket_bytes` (grouped by dtype and device) keeps it to a handful per average.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lightning_prague.core.groups import GroupComm
 def averaged_state(module: nn.Module) -> list[torch.Tensor]:
     """The tensors that replicas must agree on: parameters and floating-point buffers.
 
-    Integer buffers (e.g. BatchNorm's ``num_batches_tracked``) are counters, not estimates, and are
+    Integer buffers (e.g. BatchNorm's `num_batches_tracked`) are counters, not estimates, and are
     left alone.
     """
     tensors = [p.data for p in module.parameters()]
@@ -75,15 +75,15 @@ def average_(
     weight: float | None = None,
     operation: str = "average",
 ) -> torch.Tensor:
-    """In place: every member's tensors become the (weighted) average over ``members``.
+    """In place: every member's tensors become the (weighted) average over `members`.
 
-    With ``weight=None`` this is the plain mean. Otherwise each member contributes ``weight * x``
+    With `weight=None` this is the plain mean. Otherwise each member contributes `weight * x`
     and the weights of the members must sum to 1 (staleness-aware Partial Reduce).
 
-    Returns ``||x - avg||^2 / ||avg||^2`` for this member's tensors before the average, as a
+    Returns `||x - avg||^2 / ||avg||^2` for this member's tensors before the average, as a
     float64 scalar tensor on their device (reading it is left to whoever needs the number, so the
     average costs no host synchronisation): a free estimate of how far this replica had drifted
-    from its group (``consensus/group_error``).
+    from its group (`consensus/group_error`).
     """
     scale = 1.0 / len(members) if weight is None else weight
     distance = torch.zeros((), dtype=torch.float64, device=tensors.device)
@@ -100,7 +100,7 @@ def average_(
 
 
 def relative_error(distance: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
-    """``distance / norm`` (both squared norms, scalar tensors), 0 when both are 0, inf when only norm is."""
+    """`distance / norm` (both squared norms, scalar tensors), 0 when both are 0, inf when only norm is."""
     safe = torch.where(norm > 0, norm, torch.ones_like(norm))
     zero_norm = torch.where(distance == 0, torch.zeros_like(distance), torch.full_like(distance, float("inf")))
     return torch.where(norm > 0, distance / safe, zero_norm)

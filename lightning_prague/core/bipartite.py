@@ -4,10 +4,10 @@ Active workers start every exchange, always with a passive neighbour; passive wo
 An exchange therefore never waits on a worker that is itself waiting on an exchange it started.
 
 The default graph puts even ranks on the active side and odd ranks on the passive side, and links
-each rank to the ranks at ring distance 1 and ``1 + 2^i`` (3, 5, 9, ...), which are odd, so every
+each rank to the ranks at ring distance 1 and `1 + 2^i` (3, 5, 9, ...), which are odd, so every
 edge joins an even rank to an odd one. With an odd number of workers, going around the ring past
 the last rank lands on a rank of the *same* parity; those wrap-around edges are left out, so for
-odd world sizes the ring is cut open between rank ``N-1`` and rank 0 (a path, still connected
+odd world sizes the ring is cut open between rank `N-1` and rank 0 (a path, still connected
 through the distance-1 edges).
 """
 
@@ -87,7 +87,7 @@ class BipartiteGraph:
 
     @classmethod
     def from_spec(cls, world_size: int, spec: Mapping[int, Sequence[int]] | Sequence[Sequence[int]]) -> BipartiteGraph:
-        """A user's graph: a mapping ``rank -> neighbours`` or a list of ``[a, b]`` edges."""
+        """A user's graph: a mapping `rank -> neighbours` or a list of `[a, b]` edges."""
         if isinstance(spec, Mapping):
             edges = [(int(a), int(b)) for a, ns in spec.items() for b in ns]
         else:

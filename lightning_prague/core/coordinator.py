@@ -1,11 +1,11 @@
 """The coordinator service: a thread on global rank 0 that runs the Group Generator.
 
-Workers send messages over one connection each (:mod:`lightning_prague.core.transport`); the
+Workers send messages over one connection each (`lightning_prague.core.transport`); the
 service handles them one at a time in a single thread, feeds
-:class:`~lightning_prague.core.generator.GroupGenerator`, and sends the items a message produces
+`GroupGenerator`, and sends the items a message produces
 to each worker it names. A single consumer gives the one global order of assignments that makes
 group operations deadlock-free. The job's TCPStore only carries the service's address (set once)
-and the ``parked`` hint of a synchronization point.
+and the `parked` hint of a synchronization point.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from lightning_prague.core.transport import MessageLink, MessageServer
 
 log = logging.getLogger(__name__)
 
-#: the store key (under the session's prefix) that holds the service's ``host:port``
+#: the store key (under the session's prefix) that holds the service's `host:port`
 ADDRESS_KEY = "coordinator"
 
 
 class CoordinatorService:
-    """Runs a :class:`GroupGenerator` behind a :class:`MessageServer` until :meth:`close`."""
+    """Runs a `GroupGenerator` behind a `MessageServer` until `close`."""
 
     def __init__(self, address: StoreAddress, generator: GroupGenerator, poll_timeout: float = 60.0) -> None:
         self.address = address
@@ -80,7 +80,7 @@ class CoordinatorService:
     def await_departures(self, timeout: float) -> list[int]:
         """Keep serving until every rank has left after an error; returns the ranks that did not.
 
-        Rank 0 calls this before :meth:`close` when it is torn down by an error: the other ranks
+        Rank 0 calls this before `close` when it is torn down by an error: the other ranks
         leave through this service (at once if they failed too, or at their next synchronization
         point, which reports rank 0's departure), and would wait in vain if it were already gone.
         """
@@ -103,7 +103,7 @@ class CoordinatorService:
 
 
 def connect_to_coordinator(store: dist.Store, rank: int, timeout: float) -> MessageLink:
-    """Open ``rank``'s connection to the coordinator whose address rank 0 published in ``store``."""
+    """Open `rank`'s connection to the coordinator whose address rank 0 published in `store`."""
     try:
         store.wait([ADDRESS_KEY], timedelta(seconds=timeout))
         host, port = store.get(ADDRESS_KEY).decode().rsplit(":", 1)

@@ -1,6 +1,6 @@
 """Exceptions raised by lightning-prague.
 
-Every failure of a distributed wait is a :class:`CoordinationTimeout` whose message names the
+Every failure of a distributed wait is a `CoordinationTimeout` whose message names the
 ranks involved and the operation, because asynchronous training fails by hanging and a hang
 without a name is impossible to debug.
 """

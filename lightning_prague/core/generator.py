@@ -1,32 +1,31 @@
 """The Group Generator: one global order of group assignments, as pure logic.
 
-Workers send messages (``ready`` after a local step, ``arrive`` at a synchronization point,
-``stop`` to end training, ``leave`` when shutting down after an error); the generator answers by
+Workers send messages (`ready` after a local step, `arrive` at a synchronization point,
+`stop` to end training, `leave` when shutting down after an error); the generator answers by
 appending items to per-worker inboxes. Every item for every worker is produced by this one object,
 in one sequence, so two workers can never see two shared groups in opposite order, and executing
 inbox items in order cannot deadlock.
 
 Inbox items (plain dicts, JSON-serialisable):
 
-``{"t": "group", "gid", "members"[, "version", "weights"]}``
-    average with ``members`` (point-to-point on the world process group: no communicator is
-    created for a group, see :mod:`lightning_prague.core.groups`). Groups of workers that reported
-    model versions (first_ready) carry the newest ``version``, which members adopt, and, under
-    staleness weighting, per-member ``weights`` (in ``members`` order) instead of the plain mean.
-``{"t": "answer", "req", "gid"}``
-    the reply to the worker's ``ready`` number ``req``: the group it was given (already earlier in
-    its inbox) or ``None`` when no group could be formed.
-``{"t": "release", "sync", "version"}``
-    every worker arrived at synchronization point ``sync`` and every group issued before it is
-    earlier in every inbox; ``version`` is the newest model version reported so far.
-``{"t": "left"}``
-    the answer to ``leave`` (a worker shutting down after an error): nothing more will name it.
-``{"t": "stop"}`` / ``{"t": "error", "message"}``
-    training is being stopped (SIGTERM on some rank) / ranks disagree about a synchronization point.
+- `{"t": "group", "gid", "members"[, "version", "weights"]}`: average with `members` (point-to-point
+  on the world process group: no communicator is created for a group, see
+  `lightning_prague.core.groups`). Groups of workers that reported model versions (first_ready)
+  carry the newest `version`, which members adopt, and, under staleness weighting, per-member
+  `weights` (in `members` order) instead of the plain mean.
+- `{"t": "answer", "req", "gid"}`: the reply to the worker's `ready` number `req`: the group it was
+  given (already earlier in its inbox) or `None` when no group could be formed.
+- `{"t": "release", "sync", "version"}`: every worker arrived at synchronization point `sync` and
+  every group issued before it is earlier in every inbox; `version` is the newest model version
+  reported so far.
+- `{"t": "left"}`: the answer to `leave` (a worker shutting down after an error): nothing more will
+  name it.
+- `{"t": "stop"}` / `{"t": "error", "message"}`: training is being stopped (SIGTERM on some rank) /
+  ranks disagree about a synchronization point.
 
 The cost of a message does not grow with the number of workers: the set of workers that may be
 drawn into a group is kept up to date when it changes (parking, leaving, lagging) rather than
-rebuilt per request, and who is lagging is re-evaluated every ``ceil(N / 8)`` reports.
+rebuilt per request, and who is lagging is re-evaluated every `ceil(N / 8)` reports.
 """
 
 from __future__ import annotations
@@ -132,7 +131,7 @@ class GroupGenerator:
         worker into a fast worker's group would make the fast worker wait for the slow worker's
         whole step; lagging workers still mix through the groups they ask for themselves, whose
         fast members answer within one of their own short steps. The set is re-evaluated every
-        ``ceil(N / 8)`` reports (an eighth of a step of every worker), which keeps its cost per
+        `ceil(N / 8)` reports (an eighth of a step of every worker), which keeps its cost per
         report independent of N.
         """
         available = self._available()
@@ -217,10 +216,10 @@ class GroupGenerator:
         self._answer(rank, req, gid, out)
 
     def _round_group(self, round_index: int, members: Group, out: dict[int, list[Item]]) -> int:
-        """The group ``members`` share in round ``round_index``, issued by the first of them to ask.
+        """The group `members` share in round `round_index`, issued by the first of them to ask.
 
         An entry is forgotten once every member asked for it (or at the next synchronization
-        point, or when the table outgrows ``4 N`` entries: the oldest goes, and a member that still
+        point, or when the table outgrows `4 N` entries: the oldest goes, and a member that still
         asks for it gets the group issued anew), so the table stays small between synchronization
         points however long they are apart.
         """
@@ -287,7 +286,7 @@ class GroupGenerator:
     def _leave(self, rank: int, out: dict[int, list[Item]]) -> None:
         """A worker shuts down after an error: withdraw its pending request, assign it nothing more.
 
-        Its ``left`` item comes after every group already issued to it, which it still executes, so
+        Its `left` item comes after every group already issued to it, which it still executes, so
         no peer is left waiting in one of those groups. The others, once parked at a synchronization
         point, get an error naming it instead of waiting for it.
         """

@@ -1,27 +1,27 @@
 """Gossip on a fixed topology with a one-step lag (decentralized Adam's communicate-while-adapt).
 
-Each exchange is one round of a :class:`~lightning_prague.core.topology.Schedule`: the worker's
+Each exchange is one round of a `Schedule`: the worker's
 group sums the members' models (one group sum per bucket, with the same point-to-point primitive
-as every other strategy, :class:`~lightning_prague.core.groups.GroupComm`: a schedule's groups
-cost no setup, so none are pre-built) and every member takes ``x_i <- a x_i + b sum_j x_j``,
-which is row ``i`` of ``W x`` for the round's mixing matrix. The sums run in a communication
+as every other strategy, `GroupComm`: a schedule's groups
+cost no setup, so none are pre-built) and every member takes `x_i <- a x_i + b sum_j x_j`,
+which is row `i` of `W x` for the round's mixing matrix. The sums run in a communication
 thread of the worker (on CUDA, on its own stream, ordered against compute with events).
 
-:class:`LaggedGossip` issues the exchange of the parameters ``x^t`` right after update ``t`` (and
+`LaggedGossip` issues the exchange of the parameters `x^t` right after update `t` (and
 at the start of each asynchronous phase), lets it run in the backend while the next forward and
-backward pass compute the gradient at the un-averaged ``x^t``, and waits for it just before
-update ``t + 1``, so that ``x^{t+1} = sum_j w_ij x_j^t - lr d_i^t``. ``overlap=False`` waits for the
-exchange as soon as it is issued: the same parameters, without the overlap. ``lagged=False`` also
+backward pass compute the gradient at the un-averaged `x^t`, and waits for it just before
+update `t + 1`, so that `x^{t+1} = sum_j w_ij x_j^t - lr d_i^t`. `overlap=False` waits for the
+exchange as soon as it is issued: the same parameters, without the overlap. `lagged=False` also
 mixes it in at once, so the next gradient is taken at the averaged parameters (Prague's blocking
-Partial All-Reduce with its ``static`` schedule uses that).
+Partial All-Reduce with its `static` schedule uses that).
 
 Rounds are counted per worker, and each round is a collective of its group, so every worker must
-end a phase at the same round. :meth:`LaggedGossip.drain` agrees on it over the store. Normally
+end a phase at the same round. `LaggedGossip.drain` agrees on it over the store. Normally
 (equal data shards) all workers stop at the same round and end there. If a worker finds itself
-waiting ``idle_after`` seconds for the others, it switches the phase to *idle* mode and runs
+waiting `idle_after` seconds for the others, it switches the phase to *idle* mode and runs
 idle rounds (mixing only, no gradient) so that neighbours with more steps are never stuck; the
-last worker to finish then sets the final round to its own round plus the schedule's ``coverage``
-plus one, which no worker can have passed (see :attr:`Schedule.coverage`), and everyone runs idle
+last worker to finish then sets the final round to its own round plus the schedule's `coverage`
+plus one, which no worker can have passed (see `Schedule.coverage`), and everyone runs idle
 rounds up to it. The switch is a compare-and-set in the store, so all workers see one mode.
 """
 
@@ -83,7 +83,7 @@ class LaggedGossip(Exchanger):
         super().__init__(worker, live, timeout)
         self.schedule = schedule
         self.overlap = overlap
-        #: ``False``: mix each round in as soon as it is issued, so the next gradient is taken at the
+        #: `False`: mix each round in as soon as it is issued, so the next gradient is taken at the
         #: averaged parameters (Prague's blocking Partial All-Reduce); implies waiting at once
         self.lagged = lagged
         self.round = 0  #: exchanges issued so far; equal on every worker at synchronization points
@@ -92,7 +92,7 @@ class LaggedGossip(Exchanger):
         self._executor: ThreadPoolExecutor | None = None
         self._name = name  # store keys of the end-of-phase protocol: one namespace per instance
         self.idle_after = idle_after  # seconds a finished worker waits before it starts idle rounds
-        self.phases = 0  #: phases ended by :meth:`drain`
+        self.phases = 0  #: phases ended by `drain`
         self.idle_rounds = 0  #: rounds run without a gradient step while waiting for slower workers
 
     def _thread(self) -> ThreadPoolExecutor:
@@ -146,7 +146,7 @@ class LaggedGossip(Exchanger):
         self.streams.wait(done)
 
     def mix(self) -> None:
-        """Wait for the exchange in flight and fold ``W x - x`` (of the snapshot) into the live tensors."""
+        """Wait for the exchange in flight and fold `W x - x` (of the snapshot) into the live tensors."""
         flight, self._flight = self._flight, None
         if flight is None:
             return
@@ -223,7 +223,7 @@ class LaggedGossip(Exchanger):
         return int(store.get(f"{key}/final"))
 
     def _claim(self, key: str, mode: str) -> str:
-        """Set ``key`` to ``mode`` unless it is set already; returns the value it holds."""
+        """Set `key` to `mode` unless it is set already; returns the value it holds."""
         return self.worker.store.compare_set(key, "", mode).decode()
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """Sums over any subset of ranks, with no communicator per subset.
 
-A group's sum runs as batched point-to-point operations (``isend``/``irecv``) between its members
+A group's sum runs as batched point-to-point operations (`isend`/`irecv`) between its members
 over one process group that spans every rank (the world group). Nothing is created per member
 set: on gloo, point-to-point messages use the world group's pairs; on NCCL, batched
 point-to-point operations run on the world communicator. Any group of any size therefore costs
@@ -10,14 +10,14 @@ Members must run the groups they share in the same order (the coordinator's orde
 schedule's): that, and messages between two ranks being matched in the order they were sent, is
 what makes it deadlock-free.
 
-Small groups exchange all-to-all (one round of messages, ``|G| - 1`` copies of the tensor sent by
-each member); larger ones run a ring reduce-scatter and all-gather (``2 (|G| - 1)`` rounds, about
+Small groups exchange all-to-all (one round of messages, `|G| - 1` copies of the tensor sent by
+each member); larger ones run a ring reduce-scatter and all-gather (`2 (|G| - 1)` rounds, about
 twice the tensor sent by each member). A group of every rank is one all-reduce of the world group.
 In every case each member ends with bitwise the same sum.
 
 Tensors travel on the backend's device (CUDA for NCCL, the CPU for gloo); a tensor elsewhere is
 staged through a copy. Operations run on the calling thread's current CUDA stream; every wait is
-bounded by the timeout and fails with a :class:`~lightning_prague.core.errors.CoordinationTimeout`
+bounded by the timeout and fails with a `CoordinationTimeout`
 naming the ranks and the operation, on NCCL too (its wait only orders streams, so the end of each
 operation is polled with a CUDA event from the thread that issued it, never the training thread
 unless it chose to block).
@@ -48,7 +48,7 @@ def backend_device(backend: str) -> torch.device:
 
 
 def communicator_count() -> int:
-    """Process groups this process holds (the world group included): what ``GroupComm`` never adds to."""
+    """Process groups this process holds (the world group included): what `GroupComm` never adds to."""
     if not dist.is_initialized():
         return 0
     return len(dist.distributed_c10d._world.pg_map)
@@ -68,7 +68,7 @@ class GroupComm:
 
     Args:
         rank: this process's global rank.
-        world_size: the number of ranks; ``process_group`` must hold them all, in global order.
+        world_size: the number of ranks; `process_group` must hold them all, in global order.
         timeout: seconds any one group operation may take.
         process_group: default: the world group.
         all_to_all_max: the largest group that exchanges all-to-all rather than in a ring.
@@ -103,9 +103,9 @@ class GroupComm:
         self.sum_(torch.zeros(1, device=self.device), self.everyone, "warm-up of the world group")
 
     def sum_(self, tensor: torch.Tensor, members: Sequence[int], operation: str = "group sum") -> None:
-        """In place: ``tensor`` becomes the sum of the members' tensors (``members`` sorted, holding this rank).
+        """In place: `tensor` becomes the sum of the members' tensors (`members` sorted, holding this rank).
 
-        Blocks the calling thread until the sum is in ``tensor`` or the timeout has passed.
+        Blocks the calling thread until the sum is in `tensor` or the timeout has passed.
         """
         members = tuple(members)
         if self.rank not in members:

@@ -1,26 +1,26 @@
 """How a worker's group exchanges run relative to its training steps.
 
-Every strategy calls an *exchanger* at the same points of the training loop: :meth:`start` when
-an asynchronous phase begins, :meth:`step` at the safe point after each local optimizer step,
-:meth:`drain` at a synchronization point (afterwards nothing is in flight and no thread runs),
-and :meth:`close` at teardown, also after an exception.
+Every strategy calls an *exchanger* at the same points of the training loop: `start` when
+an asynchronous phase begins, `step` at the safe point after each local optimizer step,
+`drain` at a synchronization point (afterwards nothing is in flight and no thread runs),
+and `close` at teardown, also after an exception.
 
-* :class:`BlockingExchanger` - the exchange runs in the training thread (Prague's paper).
-* :class:`BackgroundAverager` - the worker's own requests run on a snapshot in a communication
-  thread while the next steps compute (Prague with ``overlap``, Partial Reduce, AD-PSGD's active
+* `BlockingExchanger` - the exchange runs in the training thread (Prague's paper).
+* `BackgroundAverager` - the worker's own requests run on a snapshot in a communication
+  thread while the next steps compute (Prague with `overlap`, Partial Reduce, AD-PSGD's active
   workers).
-* :class:`PassiveResponder` - a thread answers exchanges other workers start (AD-PSGD's passive
+* `PassiveResponder` - a thread answers exchanges other workers start (AD-PSGD's passive
   workers) on the latest published snapshot.
 
 The background ones keep AD-PSGD's atomicity without stopping compute: an exchange averages a
-snapshot ``s`` and the training thread later folds in ``x <- x + (avg(s) - s)``, so local progress
+snapshot `s` and the training thread later folds in `x <- x + (avg(s) - s)`, so local progress
 made during the exchange is kept and each exchange is applied exactly once. Under plain means the
 differences sum to zero over a group, so the sum of all replicas is conserved.
 
 Memory: a background exchange holds the snapshot and a copy of it as it was taken, two extra
 copies of the averaged state (parameters and floating-point buffers), plus the flat buffers of
 one bucket in flight. On CUDA the threads run on a stream of their own and hand snapshots and
-results over with CUDA events (:mod:`lightning_prague.core.streams`): the training thread never
+results over with CUDA events (`lightning_prague.core.streams`): the training thread never
 synchronises with the device for an exchange.
 """
 
@@ -39,7 +39,7 @@ from lightning_prague.core.streams import CommStream, Marker
 from lightning_prague.core.worker import PAUSE, GroupAnswer, GroupWorker
 
 log = logging.getLogger(__name__)
-_LEAVE = "leave"  # a job: send ``leave`` and serve what is assigned until ``left``
+_LEAVE = "leave"  # a job: send `leave` and serve what is assigned until `left`
 
 
 class Exchanger:
@@ -71,7 +71,7 @@ class Exchanger:
     def leave(self) -> None:
         """Shut down in the middle of a phase (an error): run what peers wait for, then stop.
 
-        See :meth:`GroupWorker.await_left`; afterwards no thread runs and nothing names this rank.
+        See `GroupWorker.await_left`; afterwards no thread runs and nothing names this rank.
         """
         self.worker.send_leave()
         self.worker.await_left()
@@ -233,7 +233,7 @@ class BackgroundAverager(_ThreadedExchanger):
         self.start()
         flats = [self.live.flat(bucket) for bucket in self.live.buckets]
         self._original = [f.clone() for f in flats]
-        self._snapshot = BucketedTensors(flats, bucket_bytes=0)  # one flat tensor per bucket, as in ``live``
+        self._snapshot = BucketedTensors(flats, bucket_bytes=0)  # one flat tensor per bucket, as in `live`
         self._reported = self.worker.version
         ready = self.streams.mark()
         self._idle.clear()
@@ -262,8 +262,8 @@ class BackgroundAverager(_ThreadedExchanger):
         self._idle.set()
 
     def leave(self) -> None:
-        # the thread finishes the exchange in flight and sends ``leave`` itself: on the connection
-        # that carried its requests, so the coordinator answers every one of them before ``left``
+        # the thread finishes the exchange in flight and sends `leave` itself: on the connection
+        # that carried its requests, so the coordinator answers every one of them before `left`
         if self.running:
             self._jobs.put(_LEAVE)
             self._join("its last exchange before leaving")
@@ -277,9 +277,9 @@ class PassiveResponder(_ThreadedExchanger):
 
     The training thread publishes a snapshot of the live model at every safe point. The thread
     executes this rank's inbox in order; for each group it averages the published snapshot in
-    place, adds ``avg - before`` to a pending difference, and keeps any newer published snapshot
+    place, adds `avg - before` to a pending difference, and keeps any newer published snapshot
     consistent with it. At the next safe point the pending difference is folded into the live
-    model. :meth:`drain` posts a pause marker behind everything already in the inbox, so every
+    model. `drain` posts a pause marker behind everything already in the inbox, so every
     exchange assigned before the synchronization point is served before the thread ends.
     """
 
@@ -365,7 +365,7 @@ class PassiveResponder(_ThreadedExchanger):
 
     def leave(self) -> None:
         self.worker.send_leave()
-        if self.running:  # the responder serves everything before ``left`` and ends there
+        if self.running:  # the responder serves everything before `left` and ends there
             self._join("the exchanges assigned before leaving")
         else:
             self.worker.await_left()

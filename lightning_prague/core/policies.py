@@ -1,33 +1,27 @@
 """Grouping policies: which peers a worker averages with when it asks the coordinator for a group.
 
-A policy is pure, deterministic logic (seeded ``random.Random``); it never talks to the network.
-The :class:`~lightning_prague.core.generator.GroupGenerator` calls it in one global order, which is
+A policy is pure, deterministic logic (seeded `random.Random`); it never talks to the network.
+The `GroupGenerator` calls it in one global order, which is
 what makes any policy deadlock-free.
 
-``random``
-    Prague's Group Generator: the requester plus ``group_size - 1`` peers drawn uniformly from the
-    workers that are still training.
-``buffer``
-    Group Buffer: each round (a worker's ``r``-th request since the last synchronization point)
-    has a random partition of all workers into groups of ``group_size`` (one group takes
-    ``group_size + 1`` rather than leave a worker alone); a requester gets the group of its round's
-    partition that contains it, which may already have been handed out to another member (then
-    nothing new is issued). Groups of one partition are disjoint, so workers that keep pace never
-    conflict (see :class:`BufferPolicy`).
-``division``
-    Group Division: workers are split into fixed divisions of consecutive ranks (``division_size``,
-    by default the workers per node on several nodes, otherwise half the world); groups are drawn
-    inside the requester's division, except every ``cross_period``-th request, which draws from
-    the whole world so that divisions keep mixing.
-``static``
-    A conflict-free schedule for homogeneous clusters
-    (:func:`~lightning_prague.core.topology.static_schedule`): round ``r`` partitions the workers;
-    a worker's ``r``-th request gets its group of round ``r``.
-``first_ready``
-    Partial Reduce: the first ``group_size`` workers that report ready form a group; nobody is
-    grouped while busy, and no set of workers stays isolated (see :class:`FirstReadyPolicy`).
+- `random`: Prague's Group Generator: the requester plus `group_size - 1` peers drawn uniformly from
+  the workers that are still training.
+- `buffer`: Group Buffer: each round (a worker's `r`-th request since the last synchronization
+  point) has a random partition of all workers into groups of `group_size` (one group takes
+  `group_size + 1` rather than leave a worker alone); a requester gets the group of its round's
+  partition that contains it, which may already have been handed out to another member (then nothing
+  new is issued). Groups of one partition are disjoint, so workers that keep pace never conflict
+  (see `BufferPolicy`).
+- `division`: Group Division: workers are split into fixed divisions of consecutive ranks
+  (`division_size`, by default the workers per node on several nodes, otherwise half the world);
+  groups are drawn inside the requester's division, except every `cross_period`-th request, which
+  draws from the whole world so that divisions keep mixing.
+- `static`: A conflict-free schedule for homogeneous clusters (`static_schedule`): round `r`
+  partitions the workers; a worker's `r`-th request gets its group of round `r`.
+- `first_ready`: Partial Reduce: the first `group_size` workers that report ready form a group;
+  nobody is grouped while busy, and no set of workers stays isolated (see `FirstReadyPolicy`).
 
-:class:`GossipPolicy` (AD-PSGD's active/passive pairs) is built from a graph rather than by name.
+`GossipPolicy` (AD-PSGD's active/passive pairs) is built from a graph rather than by name.
 """
 
 from __future__ import annotations
@@ -62,23 +56,23 @@ class GroupingPolicy:
         self.rng = random.Random(seed)
 
     def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
-        """Members (sorted, containing ``requester``) or ``None`` when no group can be formed.
+        """Members (sorted, containing `requester`) or `None` when no group can be formed.
 
-        ``available`` lists the workers that may be drawn (still training, not parked at a
-        synchronization point) and always contains ``requester``; the generator passes a sequence
+        `available` lists the workers that may be drawn (still training, not parked at a
+        synchronization point) and always contains `requester`; the generator passes a sequence
         with constant-time membership, so a policy's cost per request need not grow with N.
         """
         raise NotImplementedError
 
     def weights(self, versions: Sequence[int]) -> list[float] | None:
-        """Per-member averaging weights for members at these model versions; ``None`` is the plain mean."""
+        """Per-member averaging weights for members at these model versions; `None` is the plain mean."""
         return None
 
     def restart(self) -> None:
         """Every worker met at a synchronization point: rounds count from 0 again."""
 
     def _draw(self, requester: int, candidates: Sequence[int]) -> Group | None:
-        """The requester and up to ``group_size - 1`` distinct others, uniformly at random."""
+        """The requester and up to `group_size - 1` distinct others, uniformly at random."""
         others_count = len(candidates) - (1 if requester in candidates else 0)
         k = min(self.group_size - 1, others_count)
         if k <= 0:
@@ -100,14 +94,14 @@ class RandomPolicy(GroupingPolicy):
 
 
 class BufferPolicy(GroupingPolicy):
-    """Group Buffer: round ``r`` of every worker is one random partition of all workers.
+    """Group Buffer: round `r` of every worker is one random partition of all workers.
 
-    A worker's ``r``-th request (since the last synchronization point) is answered with the group
-    of partition ``r`` that contains it; the first member to ask issues it, the others' requests of
+    A worker's `r`-th request (since the last synchronization point) is answered with the group
+    of partition `r` that contains it; the first member to ask issues it, the others' requests of
     that round are answered with the same group (already in their inboxes), so a round costs one
     group per member, not one per request. Groups of one partition are disjoint: workers that keep
     pace never conflict. Partitions are drawn when first needed and only the newest
-    ``depth`` are kept; a worker far behind (a straggler) gets a freshly drawn one.
+    `depth` are kept; a worker far behind (a straggler) gets a freshly drawn one.
     """
 
     issues_per_round = True
@@ -127,7 +121,7 @@ class BufferPolicy(GroupingPolicy):
         return {rank: group for group in groups for rank in group}
 
     def partition(self, round_index: int) -> dict[int, Group]:
-        """Rank -> its group in round ``round_index``'s partition."""
+        """Rank -> its group in round `round_index`'s partition."""
         partition = self._partitions.get(round_index)
         if partition is None:
             partition = self._partitions[round_index] = self._partition()
@@ -170,8 +164,8 @@ class DivisionPolicy(GroupingPolicy):
 
 
 class SchedulePolicy(GroupingPolicy):
-    """Groups from a fixed :class:`~lightning_prague.core.topology.Schedule`: a worker's ``r``-th request
-    gets its group of round ``r``. The coordinator averages these groups with plain means."""
+    """Groups from a fixed `Schedule`: a worker's `r`-th request
+    gets its group of round `r`. The coordinator averages these groups with plain means."""
 
     issues_per_round = True
     keeps_stragglers = True
@@ -186,7 +180,7 @@ class SchedulePolicy(GroupingPolicy):
 
 
 class StaticPolicy(SchedulePolicy):
-    """Prague's static schedule (:func:`~lightning_prague.core.topology.static_schedule`)."""
+    """Prague's static schedule (`static_schedule`)."""
 
     def __init__(self, world_size: int, group_size: int, seed: int = 0, workers_per_node: int | None = None) -> None:
         # on one node there are no slow links to avoid: use virtual nodes of group_size workers
@@ -197,28 +191,28 @@ class StaticPolicy(SchedulePolicy):
 
 
 class FirstReadyPolicy(GroupingPolicy):
-    """Partial Reduce's controller: group the first ``group_size`` ready workers, in arrival order.
+    """Partial Reduce's controller: group the first `group_size` ready workers, in arrival order.
 
-    The generator keeps the FIFO of ready workers and calls :meth:`form`. A worker left waiting is
-    grouped as soon as ``group_size`` workers wait, or with whoever waits when nobody else can come.
+    The generator keeps the FIFO of ready workers and calls `form`. A worker left waiting is
+    grouped as soon as `group_size` workers wait, or with whoever waits when nobody else can come.
 
-    **No update isolation.** A :class:`~lightning_prague.core.syncgraph.SyncGraph` records which
-    workers have mixed since the current window began. Once ``mixing_window`` ready reports have
+    **No update isolation.** A `SyncGraph` records which
+    workers have mixed since the current window began. Once `mixing_window` ready reports have
     arrived in a window and the graph is still not connected, groups must *bridge* components:
     the oldest ready worker is grouped with ready workers of other components first; if every
     ready worker is in one component while a worker of another is busy, the oldest
-    ``group_size - 1`` are held for it (later arrivals still group among themselves). Each bridging
-    group joins at least two components, so at most ``N - 1`` of them connect the graph, and a
+    `group_size - 1` are held for it (later arrivals still group among themselves). Each bridging
+    group joins at least two components, so at most `N - 1` of them connect the graph, and a
     held worker waits for at most one step of a worker of another component. The window restarts
     whenever the graph becomes connected (and at synchronization points that average globally).
     The graph ignores time order; what holds in time order: a worker's model as of any moment
-    reaches every other training worker through time-ordered groups within ``N - 1`` windows,
+    reaches every other training worker through time-ordered groups within `N - 1` windows,
     since each window's connected graph joins the set of workers already reached to one more
     (docs/partial_reduce.md states the bound in reports and what was measured). Parked workers
     are outside the windows; synchronization points mix them.
 
-    ``weighting``: ``"uniform"`` (plain mean) or ``"staleness"`` (see
-    :func:`~lightning_prague.core.staleness.staleness_weights`, decay ``alpha``).
+    `weighting`: `"uniform"` (plain mean) or `"staleness"` (see
+    `staleness_weights`, decay `alpha`).
     """
 
     def __init__(
@@ -250,7 +244,7 @@ class FirstReadyPolicy(GroupingPolicy):
         raise NotImplementedError("first_ready groups are formed by GroupGenerator through FirstReadyPolicy.form")
 
     def weights(self, versions: Sequence[int]) -> list[float] | None:
-        """Per-member weights for members with these versions; ``None`` means the plain mean."""
+        """Per-member weights for members with these versions; `None` means the plain mean."""
         return staleness_weights(versions, self.alpha) if self.weighting == "staleness" else None
 
     def on_ready(self) -> None:
@@ -261,7 +255,7 @@ class FirstReadyPolicy(GroupingPolicy):
         self.reports = 0
 
     def form(self, ready: Sequence[int], busy: Sequence[int]) -> list[list[int]]:
-        """Groups to form now from ``ready`` (FIFO order); ``busy`` will report later.
+        """Groups to form now from `ready` (FIFO order); `busy` will report later.
 
         A returned group of one worker means that worker gets no group (nobody else can come).
         """
@@ -295,7 +289,7 @@ class FirstReadyPolicy(GroupingPolicy):
         return list(queue) if not busy else None
 
     def _bridge(self, queue: list[int], busy: Sequence[int]) -> list[int] | None | str:
-        """A group spanning components, ``None`` to hold the queue, or ``"normal"`` if bridging is impossible."""
+        """A group spanning components, `None` to hold the queue, or `"normal"` if bridging is impossible."""
         size = self.group_size
         find = self.graph.find
         group = [queue[0]]
@@ -320,7 +314,7 @@ class GossipPolicy(GroupingPolicy):
     """AD-PSGD's pairing: an active worker averages with a random passive neighbour.
 
     Passive workers never ask (they only answer, from a background thread), so every group is an
-    (active, passive) pair of the :class:`~lightning_prague.core.bipartite.BipartiteGraph`.
+    (active, passive) pair of the `BipartiteGraph`.
     """
 
     def __init__(self, graph: BipartiteGraph, seed: int = 0) -> None:
@@ -344,7 +338,7 @@ def make_policy(
     workers_per_node: int | None = None,
     **first_ready: Any,
 ) -> GroupingPolicy:
-    """Build a policy by name; unknown names and impossible sizes raise :class:`ConfigurationError`."""
+    """Build a policy by name; unknown names and impossible sizes raise `ConfigurationError`."""
     if world_size < 2:
         raise ConfigurationError(f"decentralized training needs at least 2 workers, got world_size={world_size}")
     if not 2 <= group_size <= world_size:

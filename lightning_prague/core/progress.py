@@ -2,7 +2,7 @@
 
 Asynchronous workers run different numbers of steps, so no per-worker step count can schedule
 anything that every worker must do together (validation every N steps, a checkpoint every N steps,
-``max_steps``, a learning-rate schedule). One count is the same on every worker: the global number
+`max_steps`, a learning-rate schedule). One count is the same on every worker: the global number
 of batches trained. Each batch gets a *ticket* (its 1-based global number) from an atomic counter
 in the job's TCPStore when the worker fetches it; tickets increase on every worker in the order its
 batches are trained.
@@ -10,11 +10,11 @@ batches are trained.
 A *boundary* is a global batch count at which every worker must meet (a synchronization point):
 every batch with a ticket up to the boundary is trained before it, none after it. A worker is at a
 boundary when the batch it just trained is its last one with a ticket up to it: its next batch has
-a larger ticket, or it has none left in the epoch (:meth:`Boundary.due`). Because a worker holds at
+a larger ticket, or it has none left in the epoch (`Boundary.due`). Because a worker holds at
 most one ticket beyond the boundary it has not passed yet (its prefetched batch), boundaries at
-least ``world_size`` batches apart are met one at a time, on every worker exactly once.
+least `world_size` batches apart are met one at a time, on every worker exactly once.
 
-``max_steps=S`` is the budget ``S x world_size x accumulate_grad_batches`` batches, the same work as
+`max_steps=S` is the budget `S x world_size x accumulate_grad_batches` batches, the same work as
 under DDP. Claims beyond the budget fail, so the budget is honoured exactly whoever trains faster.
 
 Data: a map-style epoch has a known number of batches. A streaming epoch (every worker reads its
@@ -40,7 +40,7 @@ ENDED = 1 << 40
 
 @dataclass(frozen=True)
 class Boundary:
-    """A synchronization point at ``batches`` global batches; ``step`` is the global step it stands for."""
+    """A synchronization point at `batches` global batches; `step` is the global step it stands for."""
 
     batches: int
     step: int
@@ -50,8 +50,8 @@ class Boundary:
     def due(self, next_ticket: Optional[int], epoch_end: Optional[int]) -> bool:
         """Whether a worker that just trained a batch is at this boundary.
 
-        ``next_ticket``: the ticket of its next batch (``None``: it has none left this epoch);
-        ``epoch_end``: the epoch's last ticket once the worker knows it (it has none left).
+        `next_ticket`: the ticket of its next batch (`None`: it has none left this epoch);
+        `epoch_end`: the epoch's last ticket once the worker knows it (it has none left).
         """
         if next_ticket is not None:
             return next_ticket > self.batches
@@ -64,10 +64,10 @@ class ProgressSchedule:
 
     Args:
         world_size: workers.
-        batches_per_step: global batches per global optimizer step (``world_size x accumulate``).
-        budget: batches in all (``max_steps x batches_per_step``); ``None``: no step budget.
+        batches_per_step: global batches per global optimizer step (`world_size x accumulate`).
+        budget: batches in all (`max_steps x batches_per_step`); `None`: no step budget.
         validate_every: validation every this many global batches, counted from the start of
-            training (``check_val_every_n_epoch=None``) or of each epoch (``validate_in_epoch``).
+            training (`check_val_every_n_epoch=None`) or of each epoch (`validate_in_epoch`).
         checkpoint_every: global batch intervals of step-based checkpoints (counted from the start).
     """
 
@@ -87,16 +87,16 @@ class ProgressSchedule:
                 )
 
     def step_of(self, batches: int) -> int:
-        """The global step (optimizer steps of one worker under DDP) after ``batches`` global batches."""
+        """The global step (optimizer steps of one worker under DDP) after `batches` global batches."""
         return batches // self.batches_per_step
 
     def boundaries(
         self, epoch_base: int, epoch_end: Optional[int], tail: int = 0, start: Optional[int] = None
     ) -> Iterator[Boundary]:
-        """The boundaries after ``start`` (default: ``epoch_base``, where the epoch began) in one epoch, in order.
+        """The boundaries after `start` (default: `epoch_base`, where the epoch began) in one epoch, in order.
 
-        ``epoch_end``: the epoch's last ticket when known in advance (map-style data), else ``None``.
-        Boundaries in the epoch's last ``tail`` batches (where a worker may already have run out of
+        `epoch_end`: the epoch's last ticket when known in advance (map-style data), else `None`.
+        Boundaries in the epoch's last `tail` batches (where a worker may already have run out of
         data while others still hold several batches) are merged into one at the epoch's end.
         """
         end = epoch_end
@@ -159,10 +159,10 @@ def _merge(a: Optional[Boundary], b: Boundary) -> Boundary:
 class ProgressCounter:
     """One worker's view of the global ticket counter (one store operation per batch).
 
-    ``store`` is a client of the job's store under this session's prefix. Keys: one claim counter
+    `store` is a client of the job's store under this session's prefix. Keys: one claim counter
     and one end marker per epoch (nothing grows per step). Each worker's first batch of an epoch
-    has a ticket set aside for it (``epoch start + 1 + rank``), so every worker trains in every
-    epoch. An epoch's count is rounded up to whole global steps (``batches_per_step``), as DDP pads
+    has a ticket set aside for it (`epoch start + 1 + rank`), so every worker trains in every
+    epoch. An epoch's count is rounded up to whole global steps (`batches_per_step`), as DDP pads
     an epoch to equal shards: epochs start at step boundaries and a step budget never leaves an
     epoch with fewer batches than workers.
     """
@@ -195,7 +195,7 @@ class ProgressCounter:
         self._first_taken = False
 
     def padded(self, end: int) -> int:
-        """``end`` rounded up to whole global steps from the epoch's start (then capped by the budget)."""
+        """`end` rounded up to whole global steps from the epoch's start (then capped by the budget)."""
         steps = -(-(end - self.epoch_base) // self.batches_per_step)
         padded = self.epoch_base + steps * self.batches_per_step
         return padded if self.budget is None else min(padded, self.budget)
@@ -208,7 +208,7 @@ class ProgressCounter:
         return f"progress/{self.epoch}/{name}"
 
     def claim(self) -> Optional[int]:
-        """The next global ticket, or ``None`` when the epoch's data or the budget is used up."""
+        """The next global ticket, or `None` when the epoch's data or the budget is used up."""
         if not self._first_taken:
             self._first_taken = True
             ticket = self._origin + 1 + self.rank

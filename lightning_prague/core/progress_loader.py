@@ -1,13 +1,13 @@
 """The training loader of an asynchronous worker: the user's batches, each with a global ticket.
 
-It wraps any iterable of batches: a ``DataLoader`` over a map-style dataset fed by the global work
-queue (:class:`~lightning_prague.core.sharding.WorkQueueSampler`), or over an ``IterableDataset``
+It wraps any iterable of batches: a `DataLoader` over a map-style dataset fed by the global work
+queue (`WorkQueueSampler`), or over an `IterableDataset`
 whose stream each worker reads on its own (DataLoader worker processes included). Every batch it
-yields is given a ticket from :class:`~lightning_prague.core.progress.ProgressCounter`; when a claim
+yields is given a ticket from `ProgressCounter`; when a claim
 fails (budget spent, or another worker's stream ended the epoch) it stops, and the batch it fetched
 is not trained (a streaming epoch reads every sample at most once).
 
-Its ``state_dict`` is what makes a mid-epoch resume exact: the global progress at the last
+Its `state_dict` is what makes a mid-epoch resume exact: the global progress at the last
 synchronization point and, for map-style data, the queue's cursor and the chunks handed out but not
 yet trained on every worker. Lightning saves and restores it with the checkpoint (the fit loop keeps
 the state of stateful training loaders).
@@ -27,7 +27,7 @@ from lightning_prague.core.sharding import WorkQueueSampler
 
 
 class ProgressLoader:
-    """Batches of ``loader`` with global tickets; attributes it does not have are the loader's."""
+    """Batches of `loader` with global tickets; attributes it does not have are the loader's."""
 
     def __init__(
         self,
@@ -42,14 +42,14 @@ class ProgressLoader:
         self.counter = counter
         self.current_epoch = current_epoch
         self.sampler = sampler
-        #: batches in one epoch of map-style data (``None``: a stream)
+        #: batches in one epoch of map-style data (`None`: a stream)
         self.batches_per_epoch = batches_per_epoch
         self.tickets: deque[Optional[int]] = deque()  # of the batches yielded and not yet trained, in order
         #: claims start when training does: batches a trainer fetches while it sets up get theirs then
         self.armed = False
         self.epoch: Optional[int] = None
         self.epoch_base = start
-        #: global batches trained at the last synchronization point (``start``: before this fit)
+        #: global batches trained at the last synchronization point (`start`: before this fit)
         self.progress = start
         self._restored: Optional[dict[str, Any]] = None
 
@@ -151,7 +151,7 @@ class ProgressLoader:
 
     def synchronized(self, progress: Optional[int]) -> int:
         """At a synchronization point, after the ranks met: record and return the global progress
-        (``None``: the epoch is over on every rank, read its count)."""
+        (`None`: the epoch is over on every rank, read its count)."""
         self.progress = self.counter.final_count() if progress is None else progress
         return self.progress
 

@@ -4,11 +4,11 @@ An epoch is one pass over a shuffled permutation of the dataset, cut into chunks
 Every rank first takes the chunk numbered by its rank (so nobody ends an epoch empty-handed), then
 claims further chunks from an atomic counter in the TCPStore. Fast ranks claim more chunks; nobody
 idles at the end of the epoch waiting for a slow rank's fixed shard. The permutation depends only
-on ``seed`` and the epoch, so all ranks agree on it without communicating.
+on `seed` and the epoch, so all ranks agree on it without communicating.
 
 Tail awareness: near the end of an epoch a slow rank would hold the last chunk while everyone else
 waits for it at the epoch's synchronization point. A rank therefore stops claiming when it is much
-slower than the others (``slow_ratio`` times their mean time per chunk) *and* the others will
+slower than the others (`slow_ratio` times their mean time per chunk) *and* the others will
 consume all remaining chunks within one of its steps. Both figures come from the counter values the
 rank already sees, so this costs no extra communication; ranks that are not slow never stop early,
 so every chunk is still trained on.
@@ -33,7 +33,7 @@ from lightning_prague.core.store import StoreAddress
 class WorkQueueSampler(Sampler[int]):
     """Yields dataset indices, a chunk at a time, claimed from a store-wide counter.
 
-    It deliberately has no ``__len__``: how many batches a rank gets depends on its speed, and a
+    It deliberately has no `__len__`: how many batches a rank gets depends on its speed, and a
     length would make trainers schedule per-rank events (mid-epoch validation) at batch counts that
     differ between ranks.
     """
@@ -108,13 +108,13 @@ class WorkQueueSampler(Sampler[int]):
         return self._first_claimed + int(self._connect().add(self._cursor_key, 0))
 
     def resume(self, epoch: int, cursor: int, pending: list[int]) -> None:
-        """Continue ``epoch`` where a checkpoint stopped it: the ``pending`` chunks (handed out, not
-        trained) first, shared round-robin by rank, then the queue from ``cursor``."""
+        """Continue `epoch` where a checkpoint stopped it: the `pending` chunks (handed out, not
+        trained) first, shared round-robin by rank, then the queue from `cursor`."""
         self._resume = (epoch, cursor, sorted(pending))
 
     def should_leave_tail(self, remaining: int, horizon: float, my_chunk_seconds: float, others_rate: float) -> bool:
-        """True when this rank is ``slow_ratio`` times slower than the others' mean and they will
-        consume the ``remaining`` chunks within ``horizon`` seconds (before a chunk claimed now
+        """True when this rank is `slow_ratio` times slower than the others' mean and they will
+        consume the `remaining` chunks within `horizon` seconds (before a chunk claimed now
         would be done here)."""
         if others_rate <= 0 or self.world_size < 2:
             return False

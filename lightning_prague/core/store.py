@@ -2,8 +2,8 @@
 
 The work queue's counters, the end-of-phase agreement of gossip and the coordinator's published
 address live in it (the coordinator's messages have their own connections,
-:mod:`lightning_prague.core.transport`). Every user in a process shares one client connection
-(:meth:`StoreAddress.open`): the one ``torch.distributed`` opened for the default process group
+`lightning_prague.core.transport`). Every user in a process shares one client connection
+(`StoreAddress.open`): the one `torch.distributed` opened for the default process group
 when it points at the same store, else one opened on first use. TCPStore clients serialize their
 operations, so threads may share them. New connections are avoided on purpose: when a few dozen
 clients connect to one TCPStore at the same moment (every rank at setup), some of them wait about
@@ -34,7 +34,7 @@ class StoreAddress:
 
     @classmethod
     def from_env(cls, prefix: str = "prague") -> StoreAddress:
-        """Read ``MASTER_ADDR``/``MASTER_PORT``, the variables every torch launcher sets."""
+        """Read `MASTER_ADDR`/`MASTER_PORT`, the variables every torch launcher sets."""
         try:
             return cls(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), prefix)
         except KeyError as err:
@@ -48,17 +48,17 @@ class StoreAddress:
         return StoreAddress(self.host, self.port, f"{self.prefix}/{name}")
 
     def attach(self, client: dist.Store) -> dist.Store:
-        """``client`` (a raw store client) seen under this address's prefix."""
+        """`client` (a raw store client) seen under this address's prefix."""
         return dist.PrefixStore(f"{self.prefix}/", client)
 
     def connect(self, timeout: float) -> dist.Store:
-        """Open a new client connection; every blocking call on it waits at most ``timeout`` s."""
+        """Open a new client connection; every blocking call on it waits at most `timeout` s."""
         return self.attach(_tcp_client(self.host, self.port, timeout))
 
     def open(self, timeout: float) -> dist.Store:
         """This process's shared client of the store, under this address's prefix (see the module docs).
 
-        Its default timeout is the one it was opened with, not ``timeout``: wait on keys with an
+        Its default timeout is the one it was opened with, not `timeout`: wait on keys with an
         explicit timeout.
         """
         client = _default_group_store(self.host, self.port)  # looked up, not cached: it dies with its group
@@ -80,7 +80,7 @@ def _tcp_client(host: str, port: int, timeout: float) -> dist.TCPStore:
 
 
 def _default_group_store(host: str, port: int) -> dist.TCPStore | None:
-    """The default process group's TCPStore client when it is the store at ``host:port``."""
+    """The default process group's TCPStore client when it is the store at `host:port`."""
     if not dist.is_available() or not dist.is_initialized():
         return None
     store = dist.distributed_c10d._get_default_store()

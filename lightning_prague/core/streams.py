@@ -1,7 +1,7 @@
 """Ordering a communication thread's work against the training thread's, without blocking either.
 
 On CUDA a communication thread runs on a stream of its own, bound to the rank's device (a new
-thread would otherwise default to ``cuda:0`` and the default stream). Hand-offs are CUDA events:
+thread would otherwise default to `cuda:0` and the default stream). Hand-offs are CUDA events:
 the training thread marks the point after which a snapshot is ready and the communication
 stream waits for it; the communication thread marks the point after which its result is ready
 and the compute stream waits for that before folding it in, so the optimizer never reads a
@@ -18,7 +18,7 @@ Marker = Optional["torch.cuda.Event"]
 
 
 class CommStream:
-    """The stream communication for tensors on ``device`` runs on (none on the CPU)."""
+    """The stream communication for tensors on `device` runs on (none on the CPU)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -31,7 +31,7 @@ class CommStream:
             torch.cuda.set_stream(self.stream)
 
     def mark(self) -> Marker:
-        """An event recorded on the calling thread's current stream (``None`` on the CPU)."""
+        """An event recorded on the calling thread's current stream (`None` on the CPU)."""
         if self.stream is None:
             return None
         event = torch.cuda.Event()
@@ -40,7 +40,7 @@ class CommStream:
 
     @staticmethod
     def wait(marker: Marker) -> None:
-        """Make the calling thread's current stream wait for ``marker`` (host does not block)."""
+        """Make the calling thread's current stream wait for `marker` (host does not block)."""
         if marker is not None:
             torch.cuda.current_stream().wait_event(marker)
 

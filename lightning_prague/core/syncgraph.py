@@ -1,9 +1,9 @@
 """Which workers' models have mixed, directly or through others, since a window started.
 
 Partial Reduce groups whoever is ready first, so workers of equal speed can keep meeting each
-other and never the rest ("update isolation"). :class:`SyncGraph` is a union-find over the groups
+other and never the rest ("update isolation"). `SyncGraph` is a union-find over the groups
 issued in the current window; the first-ready policy uses it to force groups that bridge
-components once a window has run long enough (see ``FirstReadyPolicy``).
+components once a window has run long enough (see `FirstReadyPolicy`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class SyncGraph:
                 self._parent[max(a, b)] = min(a, b)
 
     def components(self, among: Iterable[int] | None = None) -> int:
-        """Number of components among ``among`` (default: every rank)."""
+        """Number of components among `among` (default: every rank)."""
         ranks = range(self.world_size) if among is None else among
         return len({self.find(r) for r in ranks})
 

@@ -1,36 +1,33 @@
 """Communication topologies: fixed, time-varying schedules of weighted groups.
 
-A :class:`Schedule` is a cycle of *rounds*. Each round partitions the workers into groups, and
-a group ``R`` mixes its members' models with the weights of an edge group: ``W_ii = w`` and
-``W_ij = (1 - w) / (|R| - 1)`` for the other members ``j`` (a group of one keeps its model,
-``w = 1``). One round of gossip is then ``x <- W x`` with a symmetric, doubly stochastic ``W``,
+A `Schedule` is a cycle of *rounds*. Each round partitions the workers into groups, and
+a group `R` mixes its members' models with the weights of an edge group: `W_ii = w` and
+`W_ij = (1 - w) / (|R| - 1)` for the other members `j` (a group of one keeps its model,
+`w = 1`). One round of gossip is then `x <- W x` with a symmetric, doubly stochastic `W`,
 which is what the convergence theory of decentralized SGD and Adam needs. Every schedule is
 validated when it is built.
 
-Built-in topologies (``make_topology(name, ...)``):
+Built-in topologies (`make_topology(name, ...)`):
 
-``complete``
-    one round, one group of everybody, ``w = 1/N`` (exact averaging, like All-Reduce).
-``ring``
-    one peer per round, alternating sides: even rounds pair ``(0,1), (2,3), ...``, odd rounds
-    pair ``(1,2), (3,4), ..., (N-1,0)``. With an odd ``N`` one worker sits out each round (a
-    different one in the two rounds), ``w = 1/2``.
-``one_peer_exp``
-    one peer per round at exponentially growing distance: round ``r`` (of ``log2 N``) pairs ``j``
-    with ``j + 2^r`` for the ``j`` whose bit ``r`` is 0 (``j XOR 2^r``); after ``log2 N`` rounds every
-    model is the exact average. Needs a power of two.
-``alternating_exp_ring``
-    node-aware: workers sit on nodes of ``workers_per_node`` consecutive ranks. Even rounds
-    average each node exactly (cheap intra-node links); odd rounds average node pairs ``(n, n + 2^i)``
-    exactly, the hop ``2^i`` cycling through ``1, 2, 4, ...`` below the number of nodes: worker ``l``
-    of node ``n`` pairs with worker ``l`` of node ``n + 2^i`` (after an intra-node round both nodes'
-    workers hold their node's average, so this is the exact average of the two nodes). Nodes whose
-    partner would fall past the last node sit the round out.
-``static``
-    Prague's conflict-free static schedule for homogeneous clusters (:func:`prague_static`).
+- `complete`: one round, one group of everybody, `w = 1/N` (exact averaging, like All-Reduce).
+- `ring`: one peer per round, alternating sides: even rounds pair `(0,1), (2,3), ...`, odd rounds
+  pair `(1,2), (3,4), ..., (N-1,0)`. With an odd `N` one worker sits out each round (a different
+  one in the two rounds), `w = 1/2`.
+- `one_peer_exp`: one peer per round at exponentially growing distance: round `r` (of `log2 N`)
+  pairs `j` with `j + 2^r` for the `j` whose bit `r` is 0 (`j XOR 2^r`); after `log2 N` rounds
+  every model is the exact average. Needs a power of two.
+- `alternating_exp_ring`: node-aware: workers sit on `M` nodes of `L = workers_per_node`
+  consecutive ranks, and node pairs `(n, n + 2^i)` cycle through the `H = ceil(log2 M)` hops
+  `1, 2, 4, ...` below `M` (a node whose partner would fall past the last node sits the crossing
+  out). With `L > 2` rounds are staggered: in each round half of a node's workers (a window of
+  `floor(L / 2)` local ranks that moves by one per round) average with the workers of the same
+  local rank on the partner node while the others average inside the node; the period is
+  `lcm(H, L)`. With `L <= 2` rounds alternate an exact node average with every worker crossing
+  (period `2 H`). On one node: the node average. See `alternating_exp_ring`.
+- `static`: Prague's conflict-free static schedule for homogeneous clusters (`prague_static`).
 
-A user schedule (:func:`schedule_from_spec`) is a list of rounds; a round is a list of groups; a
-group is a list of ranks (plain mean) or ``{"members": [...], "self_weight": w}``.
+A user schedule (`schedule_from_spec`) is a list of rounds; a round is a list of groups; a
+group is a list of ranks (plain mean) or `{"members": [...], "self_weight": w}`.
 """
 
 from __future__ import annotations
@@ -49,7 +46,7 @@ TOPOLOGIES = ("complete", "ring", "one_peer_exp", "alternating_exp_ring", "stati
 
 @dataclass(frozen=True)
 class WeightedGroup:
-    """An edge group: ``members`` (sorted global ranks) and the weight each keeps of its own model."""
+    """An edge group: `members` (sorted global ranks) and the weight each keeps of its own model."""
 
     members: tuple[int, ...]
     self_weight: float
@@ -60,16 +57,16 @@ class WeightedGroup:
 
     @property
     def peer_weight(self) -> float:
-        """``W_ij`` for two different members."""
+        """`W_ij` for two different members."""
         return 0.0 if len(self.members) == 1 else (1.0 - self.self_weight) / (len(self.members) - 1)
 
     def coefficients(self) -> tuple[float, float]:
-        """``(a, b)`` with ``x_i <- a x_i + b sum_{j in R} x_j``: one sum over the group computes the mix."""
+        """`(a, b)` with `x_i <- a x_i + b sum_{j in R} x_j`: one sum over the group computes the mix."""
         return self.self_weight - self.peer_weight, self.peer_weight
 
 
 class Schedule:
-    """A validated cycle of rounds of weighted groups over ``world_size`` workers."""
+    """A validated cycle of rounds of weighted groups over `world_size` workers."""
 
     def __init__(self, world_size: int, rounds: Sequence[Sequence[WeightedGroup]], name: str = "custom") -> None:
         if world_size < 1:
@@ -141,11 +138,11 @@ class Schedule:
     def coverage(self) -> int:
         """Rounds within which every worker depends on every other one; validates connectivity.
 
-        A worker can issue round ``t`` only after mixing round ``t - 1``, which needs every member
-        of its group of round ``t - 1`` to have issued it. Going back ``coverage`` rounds from any
-        worker and any round reaches every worker, so no worker can be more than ``coverage``
+        A worker can issue round `t` only after mixing round `t - 1`, which needs every member
+        of its group of round `t - 1` to have issued it. Going back `coverage` rounds from any
+        worker and any round reaches every worker, so no worker can be more than `coverage`
         rounds ahead of any other (this bounds the rounds the end-of-phase protocol of
-        :class:`~lightning_prague.core.gossip.LaggedGossip` adds).
+        `LaggedGossip` adds).
         """
         if self._coverage is None:
             self._coverage = max(
@@ -170,7 +167,7 @@ class Schedule:
         )
 
     def mixing_matrix(self, round_index: int) -> torch.Tensor:
-        """``W`` of one round (float64, ``N x N``): one gossip round maps the stacked models ``x`` to ``W x``."""
+        """`W` of one round (float64, `N x N`): one gossip round maps the stacked models `x` to `W x`."""
         return self._matrix(self.groups(round_index))
 
     def __repr__(self) -> str:
@@ -186,7 +183,7 @@ def is_doubly_stochastic(w: torch.Tensor, tol: float = 1e-9) -> bool:
 
 
 def _pairs_at_hop(units: int, hop: int) -> list[tuple[int, ...]]:
-    """Units ``j`` and ``j + hop`` for the ``j`` with ``(j // hop)`` even; units without a partner stay alone."""
+    """Units `j` and `j + hop` for the `j` with `(j // hop)` even; units without a partner stay alone."""
     groups: list[tuple[int, ...]] = []
     for j in range(units):
         if (j // hop) % 2 == 0:
@@ -237,13 +234,13 @@ def alternating_exp_ring(world_size: int, workers_per_node: int) -> Schedule:
     """Node-aware exponential ring, staggered: half of each node's workers use the inter-node
     link at a time while the other half average inside the node.
 
-    With ``L`` workers per node and ``M`` nodes, round ``t`` uses the hop ``h = 2^(t mod H)``
-    (``H`` hops ``1, 2, 4, ...`` below ``M``) and a window of ``floor(L / 2)`` consecutive local
-    ranks starting at ``t mod L`` (cyclically): each worker in the window averages with the worker
-    of the same local rank on the partner node (node pairs ``(n, n + h)`` as in
-    :func:`_pairs_at_hop`), and the workers outside it average together inside their node. The
+    With `L` workers per node and `M` nodes, round `t` uses the hop `h = 2^(t mod H)`
+    (`H` hops `1, 2, 4, ...` below `M`) and a window of `floor(L / 2)` consecutive local
+    ranks starting at `t mod L` (cyclically): each worker in the window averages with the worker
+    of the same local rank on the partner node (node pairs `(n, n + h)` as in
+    `_pairs_at_hop`), and the workers outside it average together inside their node. The
     window moves by one local rank per round, so the halves overlap from round to round and every
-    worker mixes with its whole node; the period is ``lcm(H, L)``. With ``L <= 2`` the halves
+    worker mixes with its whole node; the period is `lcm(H, L)`. With `L <= 2` the halves
     could never meet inside a node, so rounds alternate an exact node average with every worker
     crossing (unstaggered); on one node, the node average alone.
     """
@@ -281,16 +278,16 @@ PRAGUE_STATIC_PERIOD = 4
 
 
 def static_schedule(world_size: int, workers_per_node: int, round_index: int) -> list[tuple[int, ...]]:
-    """The groups of one round of Prague's static schedule; they partition ``range(world_size)``.
+    """The groups of one round of Prague's static schedule; they partition `range(world_size)`.
 
-    Workers are laid out node by node (``workers_per_node`` = ``L`` consecutive ranks per node, the
+    Workers are laid out node by node (`workers_per_node` = `L` consecutive ranks per node, the
     last node may be smaller). The cycle has 4 rounds and is the reference schedule for 4 workers
-    per node, generalized to any ``L``:
+    per node, generalized to any `L`:
 
     * rounds 1 and 3: each node averages all its workers (cheap intra-node links);
-    * round ``2c`` (``c`` = 0, 1): the workers of local rank ``c`` on every node form one
-      inter-node group; meanwhile, on each node, local rank ``c + 1`` sits out and the others pair
-      up in local-rank order starting after it (for ``L = 4``: ``(2, 3)`` in round 0, ``(3, 0)``
+    * round `2c` (`c` = 0, 1): the workers of local rank `c` on every node form one
+      inter-node group; meanwhile, on each node, local rank `c + 1` sits out and the others pair
+      up in local-rank order starting after it (for `L = 4`: `(2, 3)` in round 0, `(3, 0)`
       in round 2, as the reference); a worker left over stays alone.
 
     Local ranks 0 and 1 carry all inter-node traffic; the others mix with them through the node
@@ -323,7 +320,7 @@ def static_schedule(world_size: int, workers_per_node: int, round_index: int) ->
 
 
 def prague_static(world_size: int, workers_per_node: int) -> Schedule:
-    """:func:`static_schedule` as a :class:`Schedule` (plain means)."""
+    """`static_schedule` as a `Schedule` (plain means)."""
     rounds = [
         [WeightedGroup.uniform(g) for g in static_schedule(world_size, workers_per_node, r)]
         for r in range(PRAGUE_STATIC_PERIOD)
@@ -332,7 +329,7 @@ def prague_static(world_size: int, workers_per_node: int) -> Schedule:
 
 
 def schedule_from_spec(world_size: int, spec: Sequence[Sequence[Any]]) -> Schedule:
-    """A user schedule: rounds of groups, each a list of ranks or ``{"members": [...], "self_weight": w}``."""
+    """A user schedule: rounds of groups, each a list of ranks or `{"members": [...], "self_weight": w}`."""
     rounds = []
     for index, round_spec in enumerate(spec):
         groups = []
@@ -362,7 +359,7 @@ def schedule_from_spec(world_size: int, spec: Sequence[Sequence[Any]]) -> Schedu
 def make_topology(
     name: str, world_size: int, workers_per_node: int = 1, schedule: Sequence[Sequence[Any]] | None = None
 ) -> Schedule:
-    """A topology by name, or the user's ``schedule`` when one is given (then ``name`` is ignored)."""
+    """A topology by name, or the user's `schedule` when one is given (then `name` is ignored)."""
     if schedule is not None:
         return schedule_from_spec(world_size, schedule)
     if name == "complete":

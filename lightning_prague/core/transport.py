@@ -9,11 +9,11 @@ per request is a few microseconds of parsing rather than a synchronous round tri
 Why not the TCPStore that every job already has: its queues serve one item per round trip, and
 the coordinator needed about four of them per request (pop the request, push each member's
 items), which capped it near 3k requests/s. The store is still used where a key-value store is
-the right tool: the server publishes its address there once (key ``coordinator``), and a
-synchronization point's ``parked`` hint lives there.
+the right tool: the server publishes its address there once (key `coordinator`), and a
+synchronization point's `parked` hint lives there.
 
-The server is :class:`MessageServer` (one thread, :mod:`selectors`); the client is
-:class:`MessageLink`. Both are pure sockets: nothing here knows what the messages mean.
+The server is `MessageServer` (one thread, `selectors`); the client is
+`MessageLink`. Both are pure sockets: nothing here knows what the messages mean.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from lightning_prague.core.errors import CoordinationTimeout
 log = logging.getLogger(__name__)
 
 Message = dict[str, Any]
-#: ``handler(message) -> {rank: [item, ...]}``: the items to send, per rank, in order
+#: `handler(message) -> {rank: [item, ...]}`: the items to send, per rank, in order
 Handler = Callable[[Message], dict[int, list[Message]]]
 HELLO = "hello"  # the first message on a connection: which rank it belongs to
 _RECV_BYTES = 1 << 20
@@ -60,13 +60,13 @@ class _Connection:
 
 
 class MessageServer:
-    """Serves :class:`MessageLink` clients from one thread; ``handler`` turns each message into items.
+    """Serves `MessageLink` clients from one thread; `handler` turns each message into items.
 
-    ``handler`` runs in the server thread, one message at a time, in the order messages arrived
+    `handler` runs in the server thread, one message at a time, in the order messages arrived
     (per connection, the order they were sent), so whatever it decides has one global order.
     Items for a rank are written to that rank's connection in the order they were produced; items
-    for a rank that has not connected yet wait for it. The ``echo`` op (``{"op": "echo", "rank",
-    "item"}``) puts ``item`` behind everything already sent to ``rank``: a thread can wake itself.
+    for a rank that has not connected yet wait for it. The `echo` op (`{"op": "echo", "rank",
+    "item"}`) puts `item` behind everything already sent to `rank`: a thread can wake itself.
     """
 
     def __init__(self, handler: Handler, host: str, name: str = "prague-coordinator") -> None:
@@ -88,7 +88,7 @@ class MessageServer:
     def _listen(host: str) -> socket.socket:
         try:
             listener = socket.create_server((host, 0), backlog=4096)
-        except OSError:  # ``host`` is not an address of this machine (e.g. a load balancer's): every interface
+        except OSError:  # `host` is not an address of this machine (e.g. a load balancer's): every interface
             listener = socket.create_server(("", 0), backlog=4096)
         listener.setblocking(False)
         return listener
@@ -231,10 +231,10 @@ class MessageServer:
 
 
 class MessageLink:
-    """One worker's connection to a :class:`MessageServer`.
+    """One worker's connection to a `MessageServer`.
 
-    Any thread may :meth:`send` (a lock keeps lines whole, and one connection keeps one order);
-    :meth:`receive` is for one thread at a time (a second lock enforces it).
+    Any thread may `send` (a lock keeps lines whole, and one connection keeps one order);
+    `receive` is for one thread at a time (a second lock enforces it).
     """
 
     def __init__(self, host: str, port: int, rank: int, timeout: float) -> None:
@@ -272,9 +272,9 @@ class MessageLink:
             self.sent += 1
 
     def receive(self, timeout: float | None = None) -> Message | None:
-        """The next message, or ``None`` if none arrived within ``timeout`` (default: the link's).
+        """The next message, or `None` if none arrived within `timeout` (default: the link's).
 
-        Raises :class:`CoordinationTimeout` if the coordinator closed the connection.
+        Raises `CoordinationTimeout` if the coordinator closed the connection.
         """
         with self._recv_lock:
             if not self._lines:

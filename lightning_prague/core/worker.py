@@ -1,7 +1,7 @@
 """The worker side of decentralized training: ask for groups, run them in order, meet at sync points.
 
-A :class:`GroupWorker` belongs to one rank. After a local step it sends ``ready`` and executes its
-inbox in order until the coordinator's answer; at a synchronization point it sends ``arrive`` and
+A `GroupWorker` belongs to one rank. After a local step it sends `ready` and executes its
+inbox in order until the coordinator's answer; at a synchronization point it sends `arrive` and
 keeps executing its inbox (other workers may still average with it) until everyone has arrived.
 Then nothing is in flight anywhere, and a world-wide average is safe.
 """
@@ -29,7 +29,7 @@ PAUSE = {"t": "pause"}  # a worker posts this to its own inbox to stop a thread 
 
 @dataclass(frozen=True)
 class GroupAnswer:
-    """The outcome of one group request: the group id (``None``: no group) and the adopted model version."""
+    """The outcome of one group request: the group id (`None`: no group) and the adopted model version."""
 
     gid: int | None
     version: int | None = None
@@ -49,7 +49,7 @@ class WorkerStats:
     messages: int = 0
     #: seconds from each of the latest group requests to the coordinator's first reply (its group or answer)
     reply_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
-    #: sum and count of ``||x_i - avg||^2 / ||avg||^2`` over the group averages this worker took part in;
+    #: sum and count of `||x_i - avg||^2 / ||avg||^2` over the group averages this worker took part in;
     #: the sum stays a tensor on the model's device until it is read (no host synchronisation per step)
     group_error_sum: torch.Tensor | None = None
     group_error_count: int = 0
@@ -59,7 +59,7 @@ class WorkerStats:
         self.group_error_count += 1
 
     def take_group_error(self) -> float | None:
-        """Mean group error since the last call (``None`` if there was no group average)."""
+        """Mean group error since the last call (`None` if there was no group average)."""
         total, count = self.group_error_sum, self.group_error_count
         self.group_error_sum, self.group_error_count = None, 0
         if total is None or not count:
@@ -103,7 +103,7 @@ class GroupWorker:
     # -- messaging -------------------------------------------------------------------------
     @property
     def link(self) -> MessageLink:
-        """This rank's one connection to the coordinator, opened on first use (or by :meth:`connect`).
+        """This rank's one connection to the coordinator, opened on first use (or by `connect`).
 
         Any thread may send on it; one thread at a time receives. A worker that only gossips on a
         fixed schedule never opens it.
@@ -123,7 +123,7 @@ class GroupWorker:
         self.stats.messages += 1
 
     def poll_item(self) -> dict[str, Any] | None:
-        """The next item of this rank's inbox, or ``None`` if none came within the timeout."""
+        """The next item of this rank's inbox, or `None` if none came within the timeout."""
         item = self.link.receive()
         if item is not None:
             self.stats.messages += 1
@@ -147,7 +147,7 @@ class GroupWorker:
         return f" (ranks not at the synchronization point: {missing})" if parked else ""
 
     def execute(self, item: dict[str, Any], tensors: BucketedTensors | None = None) -> int | None:
-        """Carry out one inbox item on ``tensors`` (default: the live tensors); returns an adopted version."""
+        """Carry out one inbox item on `tensors` (default: the live tensors); returns an adopted version."""
         kind = item["t"]
         if kind == "group":
             members = tuple(item["members"])
@@ -172,9 +172,9 @@ class GroupWorker:
     def partial_sync(self, tensors: BucketedTensors | None = None, version: int | None = None) -> GroupAnswer:
         """Report ready after a local step and average with the group the coordinator forms.
 
-        Groups are averaged over ``tensors`` (default: the live tensors given at construction),
-        which lets :class:`~lightning_prague.core.overlap.BackgroundAverager` work on a snapshot.
-        ``version`` (default :attr:`version`) is the model version reported with the request; the
+        Groups are averaged over `tensors` (default: the live tensors given at construction),
+        which lets `BackgroundAverager` work on a snapshot.
+        `version` (default `version`) is the model version reported with the request; the
         answer carries the newest version among the members of this request's group, if any. The
         caller decides how to adopt it (a snapshot's version is not the live one).
         """
@@ -201,7 +201,7 @@ class GroupWorker:
                 versions[item["gid"]] = newest
 
     def synchronize(self, name: str) -> bool:
-        """Wait until every rank reached ``name`` with nothing in flight; True if training is stopping."""
+        """Wait until every rank reached `name` with nothing in flight; True if training is stopping."""
         start = time.monotonic()
         target = STOP_SYNC if self.stop_seen else name
         self._send("arrive", sync=target)
@@ -230,20 +230,20 @@ class GroupWorker:
             self._send("stop")
 
     def send_leave(self) -> None:
-        """Tell the coordinator this rank shuts down after an error (see :meth:`await_left`)."""
+        """Tell the coordinator this rank shuts down after an error (see `await_left`)."""
         self._send("leave")
 
     def leave(self) -> None:
-        """:meth:`send_leave` and :meth:`await_left` from the thread that owns this rank's connection.
+        """`send_leave` and `await_left` from the thread that owns this rank's connection.
 
-        Sent on the same connection as this thread's earlier group requests, the ``leave`` reaches
-        the coordinator after them, so every request gets its answer before ``left``.
+        Sent on the same connection as this thread's earlier group requests, the `leave` reaches
+        the coordinator after them, so every request gets its answer before `left`.
         """
         self._send("leave")
         self.await_left()
 
     def await_left(self) -> None:
-        """Execute what was already assigned to this rank until the coordinator's ``left`` item.
+        """Execute what was already assigned to this rank until the coordinator's `left` item.
 
         Call from the thread that owns the inbox once no other thread reads it. Every group already
         issued to this rank is executed (its peers are waiting in it); the coordinator assigns
@@ -258,7 +258,7 @@ class GroupWorker:
                 self.execute(item)
 
     def post_pause(self) -> None:
-        """Put :data:`PAUSE` at the end of this rank's own inbox (see ``PassiveResponder``).
+        """Put `PAUSE` at the end of this rank's own inbox (see `PassiveResponder`).
 
         The coordinator echoes it behind everything it already assigned to this rank.
         """
@@ -275,9 +275,9 @@ class GroupWorker:
             self.synchronize(STOP_SYNC)
 
     def consensus_error(self) -> float:
-        """Exactly ``mean_i ||x_i - x_bar||^2 / ||x_bar||^2`` over all replicas; a collective of every rank.
+        """Exactly `mean_i ||x_i - x_bar||^2 / ||x_bar||^2` over all replicas; a collective of every rank.
 
-        Call only where ranks are aligned (right after :meth:`synchronize`); it changes no tensor.
+        Call only where ranks are aligned (right after `synchronize`); it changes no tensor.
         The sums run on the backend's device; the one number is read once, at the end.
         """
         everyone = self.comm.everyone
@@ -295,5 +295,5 @@ class GroupWorker:
         return float(relative_error(distance[0] / self.world_size, norm))
 
     def global_average(self) -> None:
-        """Average over all ranks; call only right after :meth:`synchronize` returned."""
+        """Average over all ranks; call only right after `synchronize` returned."""
         average_(self.tensors, self.comm, self.comm.everyone, operation="global average")
