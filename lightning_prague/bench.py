@@ -195,7 +195,8 @@ def add_predictions(rows: list[dict[str, Any]], args: argparse.Namespace) -> Non
         models = {p.strategy: p for p in predict(workers, model_bytes, link, seed=args.seed)}
         prediction = models.get(row["strategy"], models["prague"])
         steps_seconds = row["batches"] / prediction.throughput  # batches over all workers / batches per second
-        predicted_seconds = steps_seconds + overhead * args.epochs
+        # one synchronization point per epoch (validation at its end) waits for the steps in flight
+        predicted_seconds = steps_seconds + (overhead + prediction.sync_wait) * args.epochs
         row["predicted_throughput"] = row["throughput"] * row["train_seconds"] / predicted_seconds
         row["overhead_per_epoch"] = overhead
         row["step_overhead"] = step_overhead

@@ -5,8 +5,9 @@
     lightning-prague plan --timings stragglers.json   # written by StragglerMonitor(path="stragglers.json")
     lightning-prague plan --workers 16 --workers-per-node 4 --inter-bandwidth-gbps 10 --topology alternating_exp_ring
 
-Prints per strategy the predicted time per iteration, throughput and share of the physical limit
-(the sum of the workers' speeds), and recommends the fastest (see ``core.runtime_model``).
+Prints per strategy the predicted time per iteration, throughput, share of the physical limit
+(the sum of the workers' speeds) and the extra wait at each synchronization point, and recommends
+the fastest (see `core.runtime_model`). Every option is checked before anything is computed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
+from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.runtime_model import (
     STRATEGY_MODELS,
     Cluster,
@@ -24,6 +26,7 @@ from lightning_prague.core.runtime_model import (
     predict,
     recommend,
 )
+from lightning_prague.core.topology import TOPOLOGIES, make_topology
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--latency-ms", "--inter-latency-ms", dest="latency_ms", type=float, default=0.1)
     parser.add_argument("--intra-bandwidth-gbps", type=float, default=800.0, help="between workers of one node")
     parser.add_argument("--intra-latency-ms", type=float, default=0.01)
-    parser.add_argument("--topology", default="ring", help="decent_adam's topology (see core.topology)")
+    parser.add_argument("--topology", default="ring", choices=sorted(TOPOLOGIES), help="decent_adam's topology")
     parser.add_argument(
         "--backward-fraction",
         type=float,
@@ -50,9 +53,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's gradient bucket size")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_MODELS), choices=STRATEGY_MODELS)
-    parser.add_argument("--group-size", type=int, default=3)
+    parser.add_argument("--group-size", type=int, default=3, help="prague/partial_reduce group size")
+    parser.add_argument(
+        "--step-overhead",
+        type=float,
+        default=0.0,
+        help="host seconds every step pays that a slow device does not stretch",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    problems = check(args)
+    if not problems:
+        try:
+            args.profiles = profiles_from(args)
+        except (OSError, ValueError, KeyError, TypeError, ConfigurationError) as err:
+            problems.append(f"--timings {args.timings}: {err}" if args.timings else str(err))
+    if not problems:
+        workers = len(args.profiles)
+        if not 2 <= args.group_size <= max(2, workers):
+            problems.append(f"--group-size {args.group_size}: must be between 2 and the worker count ({workers})")
+        if "decent_adam" in args.strategies:
+            try:
+                make_topology(args.topology, workers, args.workers_per_node)
+            except ConfigurationError as err:
+                problems.append(f"--topology {args.topology}: {err}")
+    if problems:
+        parser.error("; ".join(problems))
+    return args
+
+
+def check(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the options, each problem naming its option."""
+    problems = []
+    positive = {"--workers": args.workers, "--step-time": args.step_time, "--model-mb": args.model_mb,
+                "--workers-per-node": args.workers_per_node, "--bandwidth-gbps": args.bandwidth_gbps,
+                "--intra-bandwidth-gbps": args.intra_bandwidth_gbps, "--bucket-mb": args.bucket_mb}  # fmt: skip
+    problems += [f"{name} {value}: must be positive" for name, value in positive.items() if value <= 0]
+    not_negative = {"--sigma": args.sigma, "--latency-ms": args.latency_ms, "--intra-latency-ms": args.intra_latency_ms,
+                    "--step-overhead": args.step_overhead}  # fmt: skip
+    problems += [f"{name} {value}: must not be negative" for name, value in not_negative.items() if value < 0]
+    if not 0 <= args.backward_fraction <= 1:
+        problems.append(f"--backward-fraction {args.backward_fraction}: a share between 0 and 1")
+    for spec in args.slow:
+        rank, colon, factor = spec.partition(":")
+        try:
+            if not colon or not 0 <= int(rank) < args.workers or float(factor) <= 0:
+                raise ValueError
+        except ValueError:
+            problems.append(f"--slow {spec}: expected RANK:FACTOR with 0 <= RANK < --workers and FACTOR > 0")
+    if args.timings is not None and not args.timings.is_file():
+        problems.append(f"--timings {args.timings}: no such file")
+    return problems
 
 
 def profiles_from(args: argparse.Namespace) -> list[ComputeProfile]:
@@ -61,27 +112,32 @@ def profiles_from(args: argparse.Namespace) -> list[ComputeProfile]:
         if isinstance(rows, dict):  # StragglerMonitor's file
             rows = rows["workers"]
         seconds = [row["compute_per_step"] if isinstance(row, dict) else float(row) for row in rows]
-        return [ComputeProfile(s, sigma=args.sigma) for s in seconds]
+        if not seconds:
+            raise ValueError("lists no worker")
+        return [ComputeProfile(s, sigma=args.sigma, overhead=args.step_overhead) for s in seconds]
     slow = {}
     for spec in args.slow:
         rank, _, factor = spec.partition(":")
         slow[int(rank)] = float(factor)
-    return [ComputeProfile(args.step_time, slowdown=slow.get(r, 1.0), sigma=args.sigma) for r in range(args.workers)]
+    return [
+        ComputeProfile(args.step_time, slowdown=slow.get(r, 1.0), sigma=args.sigma, overhead=args.step_overhead)
+        for r in range(args.workers)
+    ]
 
 
 def format_table(predictions: list[Prediction]) -> str:
-    lines = [f"{'strategy':<15} {'s/iteration':>12} {'batches/s':>10} {'of limit':>9}  method"]
+    lines = [f"{'strategy':<15} {'s/iteration':>12} {'batches/s':>10} {'of limit':>9} {'sync wait':>10}  method"]
     for p in predictions:
         lines.append(
             f"{p.strategy:<15} {p.seconds_per_iteration:>12.4f} {p.throughput:>10.1f} "
-            f"{p.throughput / p.limit:>8.0%}  {p.method}"
+            f"{p.throughput / p.limit:>8.0%} {p.sync_wait:>9.3f}s  {p.method}"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> list[Prediction]:
     args = parse_args(argv)
-    workers = profiles_from(args)
+    workers = args.profiles
     cluster = Cluster(
         args.workers_per_node,
         intra=Link(bandwidth=args.intra_bandwidth_gbps * 1e9 / 8, latency=args.intra_latency_ms / 1000),

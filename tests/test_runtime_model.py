@@ -121,3 +121,38 @@ def test_plan_reads_the_file_straggler_monitor_writes(tmp_path, capsys):
     assert predictions["prague"].limit == pytest.approx(1 / 0.05 + 2 / 0.01)
     assert predictions["ddp"].seconds_per_iteration == pytest.approx(0.05, rel=0.01)  # the slowest worker's pace
     assert "recommended:" in capsys.readouterr().out
+
+
+def test_work_queue_strategies_wait_at_sync_points_for_the_steps_in_flight_and_lock_step_ones_do_not():
+    step = 0.1
+    alone = by_name(predict([ComputeProfile(step)] * 2, 1000, Link(float("inf"), 0.0)))
+    # a random moment falls uniformly inside a step; equal deterministic workers that started together
+    # stay in phase, so each, and the slowest of them, has half a step left on average
+    assert alone["prague"].sync_wait == pytest.approx(step / 2, rel=0.15)
+    assert alone["ddp"].sync_wait == 0.0 and alone["decent_adam"].sync_wait == 0.0, "lock-step: nothing in flight"
+    straggler = by_name(predict([ComputeProfile(step, slowdown=5.0)] + [ComputeProfile(step)] * 3, 1000))
+    assert 2.5 * step < straggler["partial_reduce"].sync_wait < 5 * step, "the straggler's long step dominates"
+    assert straggler["adpsgd"].sync_wait == straggler["prague"].sync_wait, "one work queue, one wait"
+
+
+def test_host_overhead_is_paid_every_step_and_not_stretched_by_a_slow_device():
+    slow = ComputeProfile(0.1, slowdown=3.0, overhead=0.02)
+    assert slow.mean == pytest.approx(0.32) and ComputeProfile(0.1, overhead=0.02).mean == pytest.approx(0.12)
+    with pytest.raises(ConfigurationError):
+        ComputeProfile(0.1, overhead=-0.01)
+
+
+def test_plan_checks_every_option_before_computing(capsys):
+    for argv, expected in [
+        (["--workers", "4", "--slow", "7:5"], "--slow 7:5: expected RANK:FACTOR"),
+        (["--workers", "4", "--slow", "1"], "--slow 1: expected RANK:FACTOR"),
+        (["--step-time", "0"], "--step-time 0.0: must be positive"),
+        (["--backward-fraction", "2"], "a share between 0 and 1"),
+        (["--workers", "6", "--topology", "one_peer_exp"], "--topology one_peer_exp:"),
+        (["--workers", "2"], "--group-size 3: must be between 2 and the worker count (2)"),
+        (["--timings", "no-such-file.json"], "no such file"),
+        (["--strategies", "dp"], "invalid choice: 'dp'"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            plan(argv)
+        assert stop.value.code == 2 and expected in capsys.readouterr().err, argv

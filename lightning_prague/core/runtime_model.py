@@ -15,7 +15,10 @@ per-strategy :class:`Prediction` s of throughput in batches per second over all 
 ``prague``, ``partial_reduce``, ``adpsgd``
     nobody waits for a busy worker and exchanges overlap computation (work queue: fast workers
     take more batches), so each worker runs at ``1 / E[max(c_i, exchange)]`` and the throughput is
-    the sum (Monte Carlo when step times vary).
+    the sum (Monte Carlo when step times vary). What they pay instead is at synchronization
+    points: the epoch ends when the work queue runs dry, mid-step for every worker, and the
+    synchronization point waits until each has finished its step (``sync_wait``: the expected
+    largest remaining step time, by Monte Carlo).
 ``decent_adam``
     gossip on its topology (``ring`` by default; any name of :func:`~lightning_prague.core.topology.make_topology`)
     with a one-step lag and equal shards: the max-plus recursion
@@ -128,6 +131,9 @@ class Prediction:
     seconds_per_iteration: float  # N / throughput: the time for every worker to do one step, on average
     limit: float  # the physical limit, batches per second
     method: str  # "closed form" or "monte carlo"
+    #: extra seconds each synchronization point costs beyond a lock-step strategy's: a work-queue
+    #: epoch ends when the queue runs dry, and every worker first finishes the step it is in
+    sync_wait: float = 0.0
 
 
 def _ddp(
@@ -160,6 +166,23 @@ def _independent(workers: Sequence[ComputeProfile], comm: float, steps: int, rng
     for r, w in enumerate(workers):
         rate += steps / sum(max(w.sample(rng, t, r), comm) for t in range(steps))
     return rate, "monte carlo"
+
+
+def _residual_wait(workers: Sequence[ComputeProfile], rng: random.Random, trials: int = 200) -> float:
+    """Expected time from a random moment until every worker has finished the step it is in."""
+    horizon = 20 * max(w.mean for w in workers)
+    total = 0.0
+    for _ in range(trials):
+        moment = rng.uniform(horizon / 2, horizon)
+        worst = 0.0
+        for r, w in enumerate(workers):
+            t, step = 0.0, 0
+            while t <= moment:
+                t += w.sample(rng, step, r)
+                step += 1
+            worst = max(worst, t - moment)
+        total += worst
+    return total / trials
 
 
 def _lagged_gossip(
@@ -211,8 +234,10 @@ def predict(
     everyone = range(n)
     limit = sum(1.0 / w.mean for w in workers)
     out = []
+    residual: float | None = None  # shared by the work-queue strategies
     for name in strategies:
         rng = random.Random(seed)
+        sync_wait = 0.0
         if name == "ddp":
             allreduce = cluster.allreduce_seconds(everyone, model_bytes)
             last_bucket = cluster.allreduce_seconds(everyone, min(bucket_bytes, model_bytes))
@@ -226,7 +251,10 @@ def predict(
             size = 2 if name == "adpsgd" else min(group_size, n)
             exchange = cluster.random_group_seconds(n, size, model_bytes)
             throughput, method = _independent(workers, exchange, steps, rng)
-        out.append(Prediction(name, throughput, n / throughput, limit, method))
+            if residual is None:
+                residual = _residual_wait(workers, random.Random(seed))
+            sync_wait = residual
+        out.append(Prediction(name, throughput, n / throughput, limit, method, sync_wait))
     return out
 
 
