@@ -19,7 +19,7 @@ STRATEGIES: dict[str, tuple[type[DecentralizedStrategy], str]] = {
 
 
 def register_strategies() -> None:
-    """Make ``Trainer(strategy="prague")`` (and the other names in :data:`STRATEGIES`) resolve to our classes."""
+    """Make `Trainer(strategy="prague")` (and the other names in `STRATEGIES`) resolve to our classes."""
     for name, (cls, description) in STRATEGIES.items():
         StrategyRegistry.register(name, cls, description=description, override=True)
 

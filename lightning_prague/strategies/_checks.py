@@ -9,11 +9,11 @@ from lightning_prague.core.errors import ConfigurationError
 
 
 def check_trainer(trainer: pl.Trainer, strategy_name: str) -> None:
-    """Raise :class:`ConfigurationError` for options that need ranks to run equal numbers of steps.
+    """Raise `ConfigurationError` for options that need ranks to run equal numbers of steps.
 
-    Step-based options (``max_steps``, ``val_check_interval`` in steps or as a fraction,
-    ``check_val_every_n_epoch=None``, ``ModelCheckpoint(every_n_train_steps=...)``) run on global
-    progress (:mod:`lightning_prague.strategies.global_progress`); time-based ones cannot, because
+    Step-based options (`max_steps`, `val_check_interval` in steps or as a fraction,
+    `check_val_every_n_epoch=None`, `ModelCheckpoint(every_n_train_steps=...)`) run on global
+    progress (`lightning_prague.strategies.global_progress`); time-based ones cannot, because
     workers reach a moment in time at different points of the data.
     """
     why = (

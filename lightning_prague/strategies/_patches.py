@@ -1,17 +1,17 @@
 """The places where Lightning would put asynchronous ranks back in lock-step, redirected.
 
-1. ``_TrainingEpochLoop._broadcast_sigterm_tensor`` broadcasts a flag on the world group before
+1. `_TrainingEpochLoop._broadcast_sigterm_tensor` broadcasts a flag on the world group before
    every batch; it becomes a local check of the coordinator's stop announcement.
-2. ``_SignalConnector._sigterm_notifier_fn`` broadcasts from inside the SIGTERM handler; it
+2. `_SignalConnector._sigterm_notifier_fn` broadcasts from inside the SIGTERM handler; it
    becomes a local flag that the next batch turns into a coordinated stop.
-3. ``_DataConnector._prepare_dataloader`` injects a static ``DistributedSampler`` into the training
+3. `_DataConnector._prepare_dataloader` injects a static `DistributedSampler` into the training
    loader; it gets the work-queue sampler instead.
 4. The training epoch loop's validation decision, per-step LR updates and end-of-epoch test, and the
    fit loop's data setup, count this worker's batches; they follow global progress instead
-   (:mod:`lightning_prague.strategies.global_progress`).
+   (`lightning_prague.strategies.global_progress`).
 
-The patches are instance attributes on this trainer's objects, installed in ``Strategy.setup`` and
-removed in ``teardown``; nothing global is changed.
+The patches are instance attributes on this trainer's objects, installed in `Strategy.setup` and
+removed in `teardown`; nothing global is changed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""AD-PSGD as a Lightning strategy (``strategy="adpsgd"``)."""
+"""AD-PSGD as a Lightning strategy (`strategy="adpsgd"`)."""
 
 from __future__ import annotations
 
@@ -19,21 +19,21 @@ class ADPSGDStrategy(DecentralizedStrategy):
 
     Workers form a bipartite graph of *active* and *passive* workers. After each local step an
     active worker starts, from a communication thread, an exchange with a random passive
-    neighbour: ``x_i, x_j <- (x_i + x_j) / 2``. Passive workers only answer, from a thread of
+    neighbour: `x_i, x_j <- (x_i + x_j) / 2`. Passive workers only answer, from a thread of
     their own. Both sides average a snapshot while training goes on and fold the difference in at
     the next step, so the gradient computed meanwhile is applied to the averaged model and no
     local progress is lost. An exchange never waits on a worker that waits on an exchange itself,
     so gossip cannot deadlock.
 
     Args:
-        graph: the neighbour graph, as a list of ``[a, b]`` edges or a mapping
-            ``rank -> neighbours``; it must be connected and bipartite, and the side containing
-            rank 0 is active. Default: :meth:`BipartiteGraph.ring` (even ranks active, ring hops
+        graph: the neighbour graph, as a list of `[a, b]` edges or a mapping
+            `rank -> neighbours`; it must be connected and bipartite, and the side containing
+            rank 0 is active. Default: `BipartiteGraph.ring` (even ranks active, ring hops
             +-1 and +-(1 + 2^i); for odd world sizes the wrap-around edges, which would join two
             ranks of the same parity, are left out).
-        **kwargs: the options every asynchronous strategy shares (``sync_every``, ``seed``,
-            ``timeout``, ``average_at_sync``, ``bucket_mb``) and Lightning's
-            plugins; see :class:`~lightning_prague.strategies.base.DecentralizedStrategy`.
+        **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`,
+            `timeout`, `average_at_sync`, `bucket_mb`) and Lightning's
+            plugins; see `DecentralizedStrategy`.
     """
 
     strategy_name = "adpsgd"

@@ -1,17 +1,17 @@
 """Shared Lightning machinery of the asynchronous strategies.
 
-:class:`DecentralizedStrategy` takes Lightning's DDP launcher, rank bookkeeping and process-group
-setup, but never wraps the model in ``DistributedDataParallel``. Subclasses decide what happens
-after each local step (:meth:`after_local_step`). This class owns what every asynchronous
-strategy needs from Lightning:
+`DecentralizedStrategy` takes Lightning's DDP launcher, rank bookkeeping and process-group
+setup, but never wraps the model in `DistributedDataParallel`. It is abstract: a subclass decides
+who averages with whom (`make_policy`) and how an exchange runs relative to the local steps
+(`make_exchanger`). This class owns what every asynchronous strategy needs from Lightning:
 
 * **phases** - between the first training batch of an epoch and the next synchronization point
-  the ranks are *unaligned* (at different steps). Then ``barrier``/``broadcast``/``reduce``/
-  ``all_gather`` act locally (a local value and one warning per operation) instead of hanging.
+  the ranks are *unaligned* (at different steps). Then `barrier`/`broadcast`/`reduce`/
+  `all_gather` act locally (a local value and one warning per operation) instead of hanging.
   At synchronization points they are real collectives again.
 * **synchronization points** - validation during fit, epoch end, end of fit: every rank drains
-  its group operations, meets the others, and (``average_at_sync``) the replicas are averaged so
-  validation, checkpoints and ``trainer.test`` see one consensus model.
+  its group operations, meets the others, and (`average_at_sync`) the replicas are averaged so
+  validation, checkpoints and `trainer.test` see one consensus model.
 * **work-queue sharding** of the training loader, and a **coordinated SIGTERM** that drains
   in-flight groups on every rank before all of them stop.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from abc import abstractmethod
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -97,11 +98,16 @@ class SyncPoints(Callback):
 
 
 class DecentralizedStrategy(DDPStrategy):
-    """Base class of the asynchronous strategies; see the module docstring."""
+    """Abstract base class of the asynchronous strategies; not usable by itself.
+
+    Select one of its subclasses (`PartialAllReduceStrategy`, `PartialReduceStrategy`,
+    `ADPSGDStrategy`, `DecentAdamStrategy`); a subclass implements `make_policy` and
+    `make_exchanger`. See the module docstring for what this class does.
+    """
 
     #: the name users select it by, used in messages
     strategy_name = "decentralized"
-    #: training batches come from one global work queue (fast workers take more); ``False`` keeps
+    #: training batches come from one global work queue (fast workers take more); `False` keeps
     #: Lightning's distributed sampler (equal shards, equal step counts on every worker)
     shards_by_work_queue = True
 
@@ -133,8 +139,15 @@ class DecentralizedStrategy(DDPStrategy):
             max_groups: deprecated and ignored: groups no longer have communicators of their own
                 (every group runs on the world process group), so there is nothing to bound.
             bucket_mb: size of the flat buffers averaged in one collective.
-
-        The remaining arguments are Lightning's ``DDPStrategy`` plugins.
+            accelerator: Lightning's; the Trainer sets it from its `accelerator`, leave it unset.
+            parallel_devices: Lightning's; the Trainer sets it from its `devices`, leave it unset.
+            cluster_environment: Lightning's; the Trainer detects it (torchrun, SLURM, ...).
+            checkpoint_io: Lightning's checkpoint plugin; unset: the default one.
+            precision_plugin: Lightning's; the Trainer sets it from its `precision`, leave it unset.
+            process_group_backend: `"gloo"`, `"nccl"`, ...; unset: the device's default (`nccl` on CUDA, `gloo` on CPU).
+            start_method: how Lightning starts the ranks of one node: `"popen"` (a new interpreter
+                per rank), `"spawn"`, `"fork"` (forked from this process, the fastest start) or
+                `"forkserver"`.
         """
         if sync_every < 1:
             raise ConfigurationError(f"sync_every={sync_every} is invalid: it must be at least 1 local step")
@@ -166,7 +179,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.sync_timeout = float(timeout)
         self.average_at_sync = average_at_sync
         self.bucket_mb = bucket_mb
-        #: leave workers that lag far behind out of other workers' groups (``GroupGenerator.lagging``)
+        #: leave workers that lag far behind out of other workers' groups (`GroupGenerator.lagging`)
         self.avoid_stragglers = False
         self.exchanger: Exchanger | None = None
         self.worker: GroupWorker | None = None
@@ -190,12 +203,17 @@ class DecentralizedStrategy(DDPStrategy):
         self.consensus_error: float | None = None
 
     # -- hooks for subclasses ----------------------------------------------------------------
+    @abstractmethod
     def make_policy(self) -> GroupingPolicy:
-        raise NotImplementedError
+        """Who averages with whom: the coordinator's grouping policy for this fit.
 
+        Called at setup with `world_size` known; raise `ConfigurationError` for options the
+        world cannot satisfy (before any process group or thread starts).
+        """
+
+    @abstractmethod
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
-        """How this rank's exchanges run relative to its steps (see :mod:`lightning_prague.core.overlap`)."""
-        raise NotImplementedError
+        """How this rank's exchanges run relative to its steps (see `lightning_prague.core.overlap`)."""
 
     # -- setup / teardown ---------------------------------------------------------------------
     @property
@@ -336,10 +354,10 @@ class DecentralizedStrategy(DDPStrategy):
 
     # -- synchronization points ---------------------------------------------------------------
     def synchronize(self, name: str, progress: Optional[int] = None) -> None:
-        """Drain, meet every rank, then average (if ``average_at_sync``). No-op when already aligned.
+        """Drain, meet every rank, then average (if `average_at_sync`). No-op when already aligned.
 
-        ``progress``: the global batch count this synchronization point stands at (a boundary), or
-        ``None`` where it is read after the ranks met (the end of an epoch).
+        `progress`: the global batch count this synchronization point stands at (a boundary), or
+        `None` where it is read after the ranks met (the end of an epoch).
         """
         if self.worker is None or (self._aligned and not self.owes_sync):
             return

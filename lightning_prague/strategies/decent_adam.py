@@ -1,8 +1,8 @@
-"""Decentralized Adam with overlapped gossip as a Lightning strategy (``strategy="decent_adam"``)."""
+"""Decentralized Adam with overlapped gossip as a Lightning strategy (`strategy="decent_adam"`)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.optim import Optimizer
@@ -12,15 +12,18 @@ from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.gossip import LaggedGossip
 from lightning_prague.core.overlap import Exchanger
 from lightning_prague.core.policies import GroupingPolicy, SchedulePolicy
-from lightning_prague.core.topology import TOPOLOGIES, Schedule, make_topology
+from lightning_prague.core.topology import Schedule, make_topology
 from lightning_prague.core.worker import GroupWorker
 from lightning_prague.strategies.base import DecentralizedStrategy
+
+Topology = Literal["complete", "ring", "one_peer_exp", "alternating_exp_ring", "static"]
+"""The named topologies of `DecentAdamStrategy` (its `topology` option); see `lightning_prague.core.topology`."""
 
 
 class MixPoint(Callback):
     """Mixes the gossip round in flight into the parameters just before the optimizer update.
 
-    It runs after every other callback's ``on_before_optimizer_step`` (it is appended last at
+    It runs after every other callback's `on_before_optimizer_step` (it is appended last at
     setup), so the exchange overlaps the whole forward and backward pass and anything callbacks do
     after the backward pass.
     """
@@ -37,41 +40,41 @@ class DecentAdamStrategy(DecentralizedStrategy):
     """Decentralized training with communicate-while-adapt ("From promise to practice", ICLR 2025).
 
     Every worker runs the optimizer its LightningModule configures (Adam, AdamW, SGD,
-    :class:`~lightning_prague.optim.AccumAdam`, with any LR scheduler) on its own replica, and
+    `lightning_prague.optim.AccumAdam`, with any LR scheduler) on its own replica, and
     mixes replicas by gossip on a fixed, time-varying topology:
-    ``x_i^{t+1} = sum_j w_ij x_j^t - lr * d_i^t``. The exchange of ``x^t`` is issued right after
-    update ``t`` (one all-reduce per bucket, within the worker's group of that round), runs while
-    the next forward and backward pass compute the gradient at the un-averaged ``x^t``, and is
+    `x_i^{t+1} = sum_j w_ij x_j^t - lr * d_i^t`. The exchange of `x^t` is issued right after
+    update `t` (one all-reduce per bucket, within the worker's group of that round), runs while
+    the next forward and backward pass compute the gradient at the un-averaged `x^t`, and is
     waited for just before the next update (one-step lag). A worker waits only for the members
     of its group, never for the slowest of all.
 
     Workers advance round by round together (none can get more than the topology's
-    ``coverage`` rounds ahead of another), so a work queue would not let fast workers take more
+    `coverage` rounds ahead of another), so a work queue would not let fast workers take more
     batches; this strategy keeps Lightning's distributed sampler (equal shards, as with DDP), and
-    step-based settings (``max_steps``, ``val_check_interval``) are allowed. The end of a phase
+    step-based settings (`max_steps`, `val_check_interval`) are allowed. The end of a phase
     runs a short protocol that tolerates unequal step counts anyway: a worker out of batches runs
     idle rounds (mixing only) until every worker has reached the same final round (see
-    :mod:`lightning_prague.core.gossip`). Synchronization points (validation, epoch end, end of
-    fit) then average all replicas (``average_at_sync``). A SIGTERM stops training at the next
+    `lightning_prague.core.gossip`). Synchronization points (validation, epoch end, end of
+    fit) then average all replicas (`average_at_sync`). A SIGTERM stops training at the next
     synchronization point.
 
     Args:
-        topology: ``"ring"`` (one peer, alternating sides), ``"one_peer_exp"`` (one peer at
-            distance 2^r; needs a power-of-two number of workers), ``"complete"`` (exact
-            averaging), ``"alternating_exp_ring"`` (node-aware: half of each node's workers
+        topology: `"ring"` (one peer, alternating sides), `"one_peer_exp"` (one peer at
+            distance 2^r; needs a power-of-two number of workers), `"complete"` (exact
+            averaging), `"alternating_exp_ring"` (node-aware: half of each node's workers
             average across a node pair while the other half average inside the node) or
-            ``"static"`` (Prague's schedule on the node layout); see
-            :mod:`lightning_prague.core.topology`.
+            `"static"` (Prague's schedule on the node layout); see
+            `lightning_prague.core.topology`.
         schedule: a user schedule instead of a named topology: a list of rounds, each a list of
-            groups, each a list of ranks or ``{"members": [...], "self_weight": w}``. Validated:
-            every round must put every rank in exactly one group.
+            groups, each a list of ranks or `{"members": [...], "self_weight": w}`. Validated:
+            every round must put every rank in exactly one group. Given, it replaces `topology`.
         workers_per_node: the node size the node-aware topologies assume; default: the devices
             per node Lightning runs.
         overlap: issue each exchange in the background and wait just before the next update;
-            ``False`` waits at once (the same parameters, no overlap).
-        **kwargs: the options every asynchronous strategy shares (``sync_every``, ``seed``,
-            ``timeout``, ``average_at_sync``, ``bucket_mb``) and Lightning's
-            plugins; see :class:`~lightning_prague.strategies.base.DecentralizedStrategy`.
+            `False` waits at once (the same parameters, no overlap).
+        **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`,
+            `timeout`, `average_at_sync`, `bucket_mb`) and Lightning's
+            plugins; see `DecentralizedStrategy`.
     """
 
     strategy_name = "decent_adam"
@@ -79,16 +82,16 @@ class DecentAdamStrategy(DecentralizedStrategy):
 
     def __init__(
         self,
-        topology: str = "ring",
+        topology: Topology = "ring",
         schedule: Optional[list[list[Any]]] = None,
         workers_per_node: Optional[int] = None,
         overlap: bool = True,
         **kwargs: Any,
     ) -> None:
-        if schedule is None and topology not in TOPOLOGIES:
+        if schedule is None and topology not in get_args(Topology):
             raise ConfigurationError(
                 f"topology={topology!r} is not a topology of strategy='decent_adam'; choose one of "
-                f"{', '.join(TOPOLOGIES)} or pass a schedule"
+                f"{', '.join(get_args(Topology))} or pass a schedule"
             )
         if workers_per_node is not None and workers_per_node < 1:
             raise ConfigurationError(f"workers_per_node={workers_per_node} is invalid: it must be at least 1")

@@ -1,22 +1,22 @@
-"""Lightning's step-based features driven by global progress (see :mod:`lightning_prague.core.progress`).
+"""Lightning's step-based features driven by global progress (see `lightning_prague.core.progress`).
 
 Under an asynchronous strategy with the work queue, every per-step schedule of the trainer follows
 the global number of batches trained instead of this worker's own step count:
 
-* ``trainer.global_step`` is the global step: exact at every synchronization point (the same on
+* `trainer.global_step` is the global step: exact at every synchronization point (the same on
   every worker) and, between them, this worker's estimate from its tickets, never reaching the
   next synchronization point's step early (so step-based callbacks fire only there);
-* ``max_steps``, ``val_check_interval`` in steps or as a fraction of an epoch (with
-  ``check_val_every_n_epoch`` or ``None``) and ``ModelCheckpoint(every_n_train_steps=...)`` are
+* `max_steps`, `val_check_interval` in steps or as a fraction of an epoch (with
+  `check_val_every_n_epoch` or `None`) and `ModelCheckpoint(every_n_train_steps=...)` are
   boundaries: every worker drains, meets and averages there, then validation and checkpoints see
   one model;
-* learning-rate schedulers with ``interval="step"`` are stepped to the global step: a fast worker
+* learning-rate schedulers with `interval="step"` are stepped to the global step: a fast worker
   does not anneal faster than a slow one, and all agree at every synchronization point. Under
-  manual optimization the module steps them itself (``self.lr_schedulers().step()``, once per
+  manual optimization the module steps them itself (`self.lr_schedulers().step()`, once per
   batch): each such call advances the scheduler to the global step instead of by one;
-* ``trainer.estimated_stepping_batches`` counts the steps one worker would take under DDP.
+* `trainer.estimated_stepping_batches` counts the steps one worker would take under DDP.
 
-The methods below replace Lightning's on this trainer's loop instances only (see ``_patches``).
+The methods below replace Lightning's on this trainer's loop instances only (see `_patches`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 
 def set_global_step(trainer: Trainer, step: int) -> None:
-    """Make ``trainer.global_step`` read ``step`` (Lightning counts it in its optimizer-step progress)."""
+    """Make `trainer.global_step` read `step` (Lightning counts it in its optimizer-step progress)."""
     loop = trainer.fit_loop.epoch_loop
     module = trainer.lightning_module
     if module is None or module.automatic_optimization:
@@ -58,9 +58,9 @@ def prefetch_depth(loader: Any) -> int:
 class GlobalStepScheduler:
     """Stands in for a per-step LR scheduler that a manually optimizing module steps itself.
 
-    ``step()`` without arguments advances the scheduler to the global step of the batch being
+    `step()` without arguments advances the scheduler to the global step of the batch being
     trained (what one call per batch reaches under DDP), so a fast worker calling it more often
-    does not anneal faster. Everything else (``state_dict``, ``get_last_lr``, ...) is the
+    does not anneal faster. Everything else (`state_dict`, `get_last_lr`, ...) is the
     scheduler's own.
     """
 
@@ -93,7 +93,7 @@ class GlobalProgress:
         world = strategy.world_size
         self.batches_per_step = world * trainer.accumulate_grad_batches
         max_steps = trainer.max_steps
-        #: global batches in all (``max_steps`` under DDP), ``None`` without a step budget
+        #: global batches in all (`max_steps` under DDP), `None` without a step budget
         self.budget = max_steps * self.batches_per_step if max_steps not in (-1, None) else None
         self.loader: Optional[ProgressLoader] = None
         self.schedule: Optional[ProgressSchedule] = None
@@ -249,7 +249,7 @@ class GlobalProgress:
                 config.scheduler = config.scheduler.scheduler
 
     def step_schedulers_to(self, step: int) -> None:
-        """Step every per-step LR scheduler until it has taken ``step // frequency`` steps."""
+        """Step every per-step LR scheduler until it has taken `step // frequency` steps."""
         for i, config in enumerate(self.trainer.lr_scheduler_configs):
             if config.interval != "step" or config.reduce_on_plateau:
                 continue
@@ -304,7 +304,7 @@ class GlobalProgress:
         set_global_step(self.trainer, max(self._step_floor, step))
 
     def at_synchronization(self, progress: int, step: Optional[int] = None) -> None:
-        """Every worker stands at ``progress`` global batches: one global step and one LR everywhere."""
+        """Every worker stands at `progress` global batches: one global step and one LR everywhere."""
         assert self.schedule is not None
         exact = self.schedule.step_of(progress)
         self._step_floor = max(self._step_floor, exact if step is None else step)
@@ -313,7 +313,7 @@ class GlobalProgress:
 
 
 def batches_per_epoch(loader: DataLoader) -> int:
-    """Batches of one pass over a map-style loader's dataset (``drop_last`` honoured)."""
+    """Batches of one pass over a map-style loader's dataset (`drop_last` honoured)."""
     size = len(loader.dataset)  # type: ignore[arg-type]
     assert loader.batch_size is not None
     return size // loader.batch_size if loader.drop_last else math.ceil(size / loader.batch_size)

@@ -1,8 +1,8 @@
-"""Prague's Partial All-Reduce as a Lightning strategy (``strategy="prague"``)."""
+"""Prague's Partial All-Reduce as a Lightning strategy (`strategy="prague"`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 from lightning_prague.core.averaging import BucketedTensors
 from lightning_prague.core.errors import ConfigurationError
@@ -13,7 +13,10 @@ from lightning_prague.core.topology import Schedule
 from lightning_prague.core.worker import GroupWorker
 from lightning_prague.strategies.base import DecentralizedStrategy
 
-PRAGUE_POLICIES = ("random", "buffer", "division", "static")
+Grouping = Literal["random", "buffer", "division", "static"]
+"""The grouping policies of `PartialAllReduceStrategy` (its `grouping` option)."""
+
+PRAGUE_POLICIES: tuple[str, ...] = get_args(Grouping)
 
 
 def check_group_size(group_size: int) -> None:
@@ -24,28 +27,28 @@ def check_group_size(group_size: int) -> None:
 class PartialAllReduceStrategy(DecentralizedStrategy):
     """Asynchronous decentralized training with Partial All-Reduce (Prague, ASPLOS 2020).
 
-    After every ``sync_every`` local optimizer steps a worker asks the coordinator for a group and
+    After every `sync_every` local optimizer steps a worker asks the coordinator for a group and
     averages its parameters and floating-point buffers with the group's members. Nobody waits for
-    workers outside its group, and with ``overlap`` (the default) nobody waits for its group
+    workers outside its group, and with `overlap` (the default) nobody waits for its group
     either: the exchange runs on a snapshot while the next step computes.
 
     Args:
         group_size: workers per group (2 to the number of workers).
-        grouping: ``"random"`` (Prague's Group Generator), ``"buffer"`` (Group Buffer),
-            ``"division"`` (Group Division) or ``"static"`` (conflict-free schedule for
-            homogeneous clusters); see :mod:`lightning_prague.core.policies`. With ``"static"``
+        grouping: `"random"` (Prague's Group Generator), `"buffer"` (Group Buffer),
+            `"division"` (Group Division) or `"static"` (conflict-free schedule for
+            homogeneous clusters); see `lightning_prague.core.policies`. With `"static"`
             every worker knows its group of every round, so no exchange asks the coordinator: the
-            rounds run as gossip (:class:`~lightning_prague.core.gossip.LaggedGossip`) and, since
-            a worker's group waits for it every round, training keeps Lightning's distributed
-            sampler (equal shards, step-based settings allowed), as ``decent_adam`` does.
+            rounds run as gossip (`lightning_prague.core.gossip.LaggedGossip`) and, since a
+            worker's group waits for it every round, training keeps Lightning's distributed
+            sampler (equal shards, step-based settings allowed), as `decent_adam` does.
         avoid_stragglers: leave workers that lag far behind out of other workers' groups (they
-            still average through the groups they ask for); see ``GroupGenerator.lagging``.
+            still average through the groups they ask for); see `GroupGenerator.lagging`.
         overlap: run each group exchange on a snapshot in a background thread and fold the result
-            in at the next step (no worker ever blocks on its group); ``False`` blocks the training
+            in at the next step (no worker ever blocks on its group); `False` blocks the training
             thread until the group is averaged, as in the paper.
-        **kwargs: the options every asynchronous strategy shares (``sync_every``, ``seed``,
-            ``timeout``, ``average_at_sync``, ``bucket_mb``) and Lightning's
-            plugins; see :class:`~lightning_prague.strategies.base.DecentralizedStrategy`.
+        **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`,
+            `timeout`, `average_at_sync`, `bucket_mb`) and Lightning's
+            plugins; see `DecentralizedStrategy`.
     """
 
     strategy_name = "prague"
@@ -53,7 +56,7 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
     def __init__(
         self,
         group_size: int = 3,
-        grouping: str = "random",
+        grouping: Grouping = "random",
         avoid_stragglers: bool = True,
         overlap: bool = True,
         **kwargs: Any,

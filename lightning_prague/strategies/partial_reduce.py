@@ -1,4 +1,4 @@
-"""Partial Reduce as a Lightning strategy (``strategy="partial_reduce"``)."""
+"""Partial Reduce as a Lightning strategy (`strategy="partial_reduce"`)."""
 
 from __future__ import annotations
 
@@ -11,30 +11,33 @@ from lightning_prague.core.worker import GroupWorker
 from lightning_prague.strategies.base import DecentralizedStrategy
 from lightning_prague.strategies.partial_all_reduce import check_group_size
 
+Weighting = Literal["uniform", "staleness"]
+"""How `PartialReduceStrategy` weighs a group's models (its `weighting` option)."""
+
 
 class PartialReduceStrategy(DecentralizedStrategy):
     """Asynchronous decentralized training with Partial Reduce (P-Reduce, SIGMOD 2021).
 
     After every local step a worker reports ready to the coordinator with its model version (its
-    number of local updates). The coordinator groups the first ``group_size`` ready workers;
+    number of local updates). The coordinator groups the first `group_size` ready workers;
     disjoint groups run concurrently and nobody waits for a busy worker. Members average their
     models and adopt the newest version. The coordinator also guarantees that no set of workers
-    stays isolated (see ``mixing_window``).
+    stays isolated (see `mixing_window`).
 
     Args:
         group_size: P, the workers per group (2 to the number of workers).
-        weighting: ``"uniform"`` (``x_i <- mean of the group``) or ``"staleness"`` (fresher
-            models weigh more; :func:`~lightning_prague.core.staleness.staleness_weights`).
-        alpha: the staleness decay of ``weighting="staleness"`` (0 < alpha < 1).
+        weighting: `"uniform"` (`x_i <- mean of the group`) or `"staleness"` (fresher
+            models weigh more; `lightning_prague.core.staleness.staleness_weights`).
+        alpha: the staleness decay of `weighting="staleness"` (0 < alpha < 1).
         mixing_window: ready reports after which, if some workers' models have not mixed with
             the others' (directly or through others) since the window began, the coordinator
-            only forms groups that bridge them. Default ``10 * number of workers``.
+            only forms groups that bridge them. Default `10 * number of workers`.
         overlap: report ready and average on a snapshot in a background thread, folding the
             result in at the next step, so the training thread never waits for its group;
-            ``False`` waits in the training thread, as in the paper.
-        **kwargs: the options every asynchronous strategy shares (``sync_every``, ``seed``,
-            ``timeout``, ``average_at_sync``, ``bucket_mb``) and Lightning's
-            plugins; see :class:`~lightning_prague.strategies.base.DecentralizedStrategy`.
+            `False` waits in the training thread, as in the paper.
+        **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`,
+            `timeout`, `average_at_sync`, `bucket_mb`) and Lightning's
+            plugins; see `DecentralizedStrategy`.
     """
 
     strategy_name = "partial_reduce"
@@ -42,7 +45,7 @@ class PartialReduceStrategy(DecentralizedStrategy):
     def __init__(
         self,
         group_size: int = 3,
-        weighting: Literal["uniform", "staleness"] = "uniform",
+        weighting: Weighting = "uniform",
         alpha: float = 0.9,
         mixing_window: Optional[int] = None,
         overlap: bool = True,
