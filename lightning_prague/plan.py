@@ -53,7 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's gradient bucket size")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_MODELS), choices=STRATEGY_MODELS)
-    parser.add_argument("--group-size", type=int, default=3, help="prague/partial_reduce group size")
+    parser.add_argument(
+        "--group-size", type=int, help="prague/partial_reduce group size (default: 3, at most the worker count)"
+    )
     parser.add_argument(
         "--step-overhead",
         type=float,
@@ -70,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             problems.append(f"--timings {args.timings}: {err}" if args.timings else str(err))
     if not problems:
         workers = len(args.profiles)
+        args.group_size = min(3, workers) if args.group_size is None else args.group_size
         if not 2 <= args.group_size <= max(2, workers):
             problems.append(f"--group-size {args.group_size}: must be between 2 and the worker count ({workers})")
         if "decent_adam" in args.strategies:
@@ -85,12 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check(args: argparse.Namespace) -> list[str]:
     """What is wrong with the options, each problem naming its option."""
     problems = []
-    positive = {"--workers": args.workers, "--step-time": args.step_time, "--model-mb": args.model_mb,
+    positive = {"--workers": args.workers, "--step-time": args.step_time,
                 "--workers-per-node": args.workers_per_node, "--bandwidth-gbps": args.bandwidth_gbps,
                 "--intra-bandwidth-gbps": args.intra_bandwidth_gbps, "--bucket-mb": args.bucket_mb}  # fmt: skip
     problems += [f"{name} {value}: must be positive" for name, value in positive.items() if value <= 0]
-    not_negative = {"--sigma": args.sigma, "--latency-ms": args.latency_ms, "--intra-latency-ms": args.intra_latency_ms,
-                    "--step-overhead": args.step_overhead}  # fmt: skip
+    not_negative = {"--sigma": args.sigma, "--model-mb": args.model_mb, "--latency-ms": args.latency_ms,
+                    "--intra-latency-ms": args.intra_latency_ms, "--step-overhead": args.step_overhead}  # fmt: skip
     problems += [f"{name} {value}: must not be negative" for name, value in not_negative.items() if value < 0]
     if not 0 <= args.backward_fraction <= 1:
         problems.append(f"--backward-fraction {args.backward_fraction}: a share between 0 and 1")

@@ -149,7 +149,7 @@ def test_plan_checks_every_option_before_computing(capsys):
         (["--step-time", "0"], "--step-time 0.0: must be positive"),
         (["--backward-fraction", "2"], "a share between 0 and 1"),
         (["--workers", "6", "--topology", "one_peer_exp"], "--topology one_peer_exp:"),
-        (["--workers", "2"], "--group-size 3: must be between 2 and the worker count (2)"),
+        (["--workers", "2", "--group-size", "3"], "--group-size 3: must be between 2 and the worker count (2)"),
         (["--timings", "no-such-file.json"], "no such file"),
         (["--strategies", "dp"], "invalid choice: 'dp'"),
     ]:
