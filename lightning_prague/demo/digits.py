@@ -76,14 +76,26 @@ class DigitsDataModule(L.LightningDataModule):
 
 
 class DigitsClassifier(L.LightningModule):
-    """A small MLP with BatchNorm (so floating-point buffers are averaged too)."""
+    """A small MLP with BatchNorm (so floating-point buffers are averaged too).
+
+    Args:
+        hidden: width of the two hidden layers.
+        lr: learning rate.
+        momentum: SGD momentum.
+        sync_dist_train_loss: log each step's training loss reduced across ranks, as under DDP.
+            Asynchronous strategies cannot reduce between synchronization points (ranks are at
+            different steps): they log the local value instead and warn once.
+        optimizer: one of `OPTIMIZERS` (`sgd`, `adam`, `accum_adam`, `accum_adamw`, ...).
+        accum_steps: tau of `accum_adam` / `accum_adamw`.
+        lr_decay: multiply the LR by this after every epoch.
+    """
 
     def __init__(
         self,
         hidden: int = 64,
         lr: float = 0.05,
         momentum: float = 0.9,
-        sync_dist_train_loss: bool = True,
+        sync_dist_train_loss: bool = False,
         optimizer: str = "sgd",
         accum_steps: int = 4,
         lr_decay: float = 1.0,
@@ -108,7 +120,7 @@ class DigitsClassifier(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
-        self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=self.hparams.sync_dist_train_loss)
+        self.log("train_loss", loss, on_step=True, sync_dist=self.hparams.sync_dist_train_loss)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

@@ -246,10 +246,10 @@ def report(
     return result
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-    """Train; returns this process's result (``None`` in the parent of forked ranks)."""
+def main(argv: list[str] | None = None, extra_callbacks: list[L.Callback] | None = None) -> dict[str, Any] | None:
+    """Train; returns this process's result (`None` in the parent of forked ranks)."""
     args = parse_args(argv)
-    trainer, model, data, summary, checkpoint = build(args)
+    trainer, model, data, summary, checkpoint = build(args, extra_callbacks)
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)
     result = next(cb for cb in trainer.callbacks if isinstance(cb, RunReport)).result
     if args.test:
