@@ -131,8 +131,11 @@ def test_work_queue_strategies_wait_at_sync_points_for_the_steps_in_flight_and_l
     assert alone["prague"].sync_wait == pytest.approx(step / 2, rel=0.15)
     assert alone["ddp"].sync_wait == 0.0 and alone["decent_adam"].sync_wait == 0.0, "lock-step: nothing in flight"
     straggler = by_name(predict([ComputeProfile(step, slowdown=5.0)] + [ComputeProfile(step)] * 3, 1000))
-    assert 2.5 * step < straggler["partial_reduce"].sync_wait < 5 * step, "the straggler's long step dominates"
+    # the straggler leaves the epoch's tail to the others (as the work queue does): only their steps are in flight
+    assert straggler["partial_reduce"].sync_wait == pytest.approx(step / 2, rel=0.15)
     assert straggler["adpsgd"].sync_wait == straggler["prague"].sync_wait, "one work queue, one wait"
+    slower = by_name(predict([ComputeProfile(step, slowdown=1.5)] + [ComputeProfile(step)] * 3, 1000))
+    assert slower["prague"].sync_wait > 0.55 * step, "a worker only 1.5x slower still trains to the end"
 
 
 def test_host_overhead_is_paid_every_step_and_not_stretched_by_a_slow_device():

@@ -18,7 +18,8 @@ per-strategy :class:`Prediction` s of throughput in batches per second over all 
     the sum (Monte Carlo when step times vary). What they pay instead is at synchronization
     points: the epoch ends when the work queue runs dry, mid-step for every worker, and the
     synchronization point waits until each has finished its step (``sync_wait``: the expected
-    largest remaining step time, by Monte Carlo).
+    largest remaining step time, by Monte Carlo; a worker far slower than the others leaves the
+    epoch's tail to them, as the work queue does, so it is not in flight then).
 ``decent_adam``
     gossip on its topology (``ring`` by default; any name of :func:`~lightning_prague.core.topology.make_topology`)
     with a one-step lag and equal shards: the max-plus recursion
@@ -168,14 +169,29 @@ def _independent(workers: Sequence[ComputeProfile], comm: float, steps: int, rng
     return rate, "monte carlo"
 
 
-def _residual_wait(workers: Sequence[ComputeProfile], rng: random.Random, trials: int = 200) -> float:
-    """Expected time from a random moment until every worker has finished the step it is in."""
-    horizon = 20 * max(w.mean for w in workers)
+def _residual_wait(
+    workers: Sequence[ComputeProfile], rng: random.Random, trials: int = 200, slow_ratio: float = 2.0
+) -> float:
+    """Expected time from the moment the work queue runs dry until every worker has finished its step.
+
+    A worker `slow_ratio` times slower than the others' mean leaves the epoch's tail to them
+    (`WorkQueueSampler`): it claims no batch it would still be training when the queue runs dry,
+    so only the other workers can be mid-step then.
+    """
+    means = [w.mean for w in workers]
+    rates = sum(1.0 / m for m in means)
+
+    def leaves_tail(mean: float) -> bool:
+        others = rates - 1.0 / mean
+        return len(means) > 1 and others > 0 and mean > slow_ratio * (len(means) - 1) / others
+
+    in_flight = [(r, w) for r, w in enumerate(workers) if not leaves_tail(w.mean)] or list(enumerate(workers))
+    horizon = 20 * max(w.mean for _, w in in_flight)
     total = 0.0
     for _ in range(trials):
         moment = rng.uniform(horizon / 2, horizon)
         worst = 0.0
-        for r, w in enumerate(workers):
+        for r, w in in_flight:
             t, step = 0.0, 0
             while t <= moment:
                 t += w.sample(rng, step, r)
