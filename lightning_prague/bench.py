@@ -1,4 +1,4 @@
-"""``lightning-prague bench``: every strategy against Lightning's DDP, under slowdown profiles, in one run.
+"""`lightning-prague bench`: every strategy against Lightning's DDP, under slowdown profiles, in one run.
 
     lightning-prague bench --preset quick --out bench-quick     # 4 workers, 3 epochs, 2 profiles: about a minute
     lightning-prague bench --preset full --out bench-full       # 8 workers, 4 epochs, 3 profiles

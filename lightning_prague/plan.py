@@ -1,4 +1,4 @@
-"""``lightning-prague plan``: predict which strategy trains fastest on a cluster, before running it.
+"""`lightning-prague plan`: predict which strategy trains fastest on a cluster, before running it.
 
     lightning-prague plan --workers 8 --step-time 0.05 --sigma 0.5
     lightning-prague plan --workers 8 --step-time 0.05 --slow 0:5 --model-mb 100 --bandwidth-gbps 10

@@ -1,32 +1,31 @@
 """A runtime model: how fast All-Reduce and each strategy train on a given cluster, before you run them.
 
-Inputs are per-worker compute-time distributions (:class:`ComputeProfile`, as measured by
-``StragglerMonitor`` or assumed), the model size and the :class:`Cluster`: workers per node and
+Inputs are per-worker compute-time distributions (`ComputeProfile`, as measured by
+`StragglerMonitor` or assumed), the model size and the `Cluster`: workers per node and
 two link kinds, intra-node and inter-node (bandwidth, latency); a group inside one node uses the
 intra-node link, a group spanning nodes is a ring bounded by the inter-node link. Outputs are
-per-strategy :class:`Prediction` s of throughput in batches per second over all workers:
+per-strategy `Prediction`s of throughput in batches per second over all workers:
 
-``ddp`` (All-Reduce)
-    every iteration waits for the slowest worker; the gradients are all-reduced (ring) in
-    buckets during its backward pass (``backward_fraction`` of its compute time), so only what
-    does not fit behind the backward pass is exposed, and at least the last bucket's all-reduce:
-    ``N / (E[max_i c_i] + max(allreduce(bucket), allreduce(model) - backward_fraction * E[max_i c_i]))``.
-    ``backward_fraction=0`` is no overlap. Closed form when no worker varies.
-``prague``, ``partial_reduce``, ``adpsgd``
-    nobody waits for a busy worker and exchanges overlap computation (work queue: fast workers
-    take more batches), so each worker runs at ``1 / E[max(c_i, exchange)]`` and the throughput is
-    the sum (Monte Carlo when step times vary). What they pay instead is at synchronization
-    points: the epoch ends when the work queue runs dry, mid-step for every worker, and the
-    synchronization point waits until each has finished its step (``sync_wait``: the expected
-    largest remaining step time, by Monte Carlo; a worker far slower than the others leaves the
-    epoch's tail to them, as the work queue does, so it is not in flight then).
-``decent_adam``
-    gossip on its topology (``ring`` by default; any name of :func:`~lightning_prague.core.topology.make_topology`)
-    with a one-step lag and equal shards: the max-plus recursion
-    ``T_i(t) = max(T_i(t-1) + c_i(t), max_{j in G_i(t)} T_j(t-1) + exchange(G_i(t)))`` simulated
-    by Monte Carlo, each round's group costing its own link.
+- `ddp` (All-Reduce): every iteration waits for the slowest worker; the gradients are
+  all-reduced (ring) in buckets during its backward pass (`backward_fraction` of its compute
+  time), so only what does not fit behind the backward pass is exposed, and at least the last
+  bucket's all-reduce:
+  `N / (E[max_i c_i] + max(allreduce(bucket), allreduce(model) - backward_fraction * E[max_i c_i]))`.
+  `backward_fraction=0` is no overlap. Closed form when no worker varies.
+- `prague`, `partial_reduce`, `adpsgd`: nobody waits for a busy worker and exchanges overlap
+  computation (work queue: fast workers take more batches), so each worker runs at
+  `1 / E[max(c_i, exchange)]` and the throughput is the sum (Monte Carlo when step times vary).
+  What they pay instead is at synchronization points: the epoch ends when the work queue runs
+  dry, mid-step for every worker, and the synchronization point waits until each has finished
+  its step (`sync_wait`: the expected largest remaining step time, by Monte Carlo; a worker far
+  slower than the others leaves the epoch's tail to them, as the work queue does, so it is not
+  in flight then).
+- `decent_adam`: gossip on its topology (`ring` by default; any name of `make_topology`) with a
+  one-step lag and equal shards: the max-plus recursion
+  `T_i(t) = max(T_i(t-1) + c_i(t), max_{j in G_i(t)} T_j(t-1) + exchange(G_i(t)))` simulated by
+  Monte Carlo, each round's group costing its own link.
 
-The physical limit is the sum of the workers' speeds, ``sum_i 1 / E[c_i]``.
+The physical limit is the sum of the workers' speeds, `sum_i 1 / E[c_i]`.
 """
 
 from __future__ import annotations
@@ -44,9 +43,9 @@ STRATEGY_MODELS = ("ddp", "prague", "partial_reduce", "adpsgd", "decent_adam")
 
 @dataclass(frozen=True)
 class ComputeProfile:
-    """One worker's compute time per step: ``step_time * slowdown``, times a lognormal factor with
-    ``sigma`` (median 1), times ``periodic_factor`` during ``duty`` of every ``period`` steps, plus
-    ``overhead``: host time every step pays whatever the device does (the training loop, callbacks,
+    """One worker's compute time per step: `step_time * slowdown`, times a lognormal factor with
+    `sigma` (median 1), times `periodic_factor` during `duty` of every `period` steps, plus
+    `overhead`: host time every step pays whatever the device does (the training loop, callbacks,
     the optimizer launch), which a slow device does not stretch."""
 
     step_time: float
@@ -79,13 +78,13 @@ class ComputeProfile:
 
 @dataclass(frozen=True)
 class Link:
-    """A network link: ``latency`` seconds per message and ``bandwidth`` bytes per second."""
+    """A network link: `latency` seconds per message and `bandwidth` bytes per second."""
 
     bandwidth: float = 1e9
     latency: float = 1e-4
 
     def allreduce_seconds(self, members: int, nbytes: int) -> float:
-        """A ring all-reduce among ``members``: ``2 (n-1)/n * bytes / bandwidth + 2 (n-1) latency``."""
+        """A ring all-reduce among `members`: `2 (n-1)/n * bytes / bandwidth + 2 (n-1) latency`."""
         if members < 2:
             return 0.0
         return 2 * (members - 1) / members * nbytes / self.bandwidth + 2 * (members - 1) * self.latency
@@ -93,8 +92,8 @@ class Link:
 
 @dataclass(frozen=True)
 class Cluster:
-    """Where the workers are: ``workers_per_node`` consecutive ranks share a node and its ``intra``
-    link; groups that span nodes use the ``inter`` link (a ring runs at its slowest link)."""
+    """Where the workers are: `workers_per_node` consecutive ranks share a node and its `intra`
+    link; groups that span nodes use the `inter` link (a ring runs at its slowest link)."""
 
     workers_per_node: int = 1
     intra: Link = Link(bandwidth=100e9, latency=1e-5)
@@ -106,17 +105,17 @@ class Cluster:
 
     @classmethod
     def uniform(cls, link: Link) -> Cluster:
-        """Every pair of workers joined by the same ``link``."""
+        """Every pair of workers joined by the same `link`."""
         return cls(1, link, link)
 
     def allreduce_seconds(self, members: Sequence[int], nbytes: int) -> float:
-        """An all-reduce among ``members`` (global ranks)."""
+        """An all-reduce among `members` (global ranks)."""
         nodes = {m // self.workers_per_node for m in members}
         link = self.intra if len(nodes) == 1 else self.inter
         return link.allreduce_seconds(len(members), nbytes)
 
     def random_group_seconds(self, world: int, size: int, nbytes: int) -> float:
-        """Expected all-reduce time of a group of ``size`` drawn uniformly from ``world`` workers."""
+        """Expected all-reduce time of a group of `size` drawn uniformly from `world` workers."""
         if size < 2:
             return 0.0
         same_node = math.comb(min(self.workers_per_node, world) - 1, size - 1) / math.comb(world - 1, size - 1)
@@ -233,10 +232,10 @@ def predict(
 ) -> list[Prediction]:
     """Predicted throughput of each strategy on this cluster (see the module docstring).
 
-    ``link``: one link kind between every pair of workers (ignored when ``cluster`` is given).
-    ``topology``: decent_adam's. ``backward_fraction``: the share of a step's compute that is the
+    `link`: one link kind between every pair of workers (ignored when `cluster` is given).
+    `topology`: decent_adam's. `backward_fraction`: the share of a step's compute that is the
     backward pass DDP overlaps its bucketed all-reduce with (about 2/3 on accelerators; 0 when the
-    step time is padding, as with ``SlowdownInjector``).
+    step time is padding, as with `SlowdownInjector`).
     """
     if not workers:
         raise ConfigurationError("the runtime model needs at least one worker")

@@ -1,8 +1,8 @@
 """Small, download-free workloads for the demos, tests and benchmarks.
 
 Digits classification (scikit-learn's bundled digits) and a character-level Transformer language
-model on CPython's own help text (``pydoc_data``); synthetic datasets indexed by sample
-(:mod:`lightning_prague.demo.synthetic`).
+model on CPython's own help text (`pydoc_data`); synthetic datasets indexed by sample
+(`lightning_prague.demo.synthetic`).
 """
 
 from lightning_prague.demo.digits import DigitsClassifier, DigitsDataModule

@@ -29,7 +29,7 @@ def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's digits as (images scaled to [0, 1], labels).
 
     Read straight from the CSV file scikit-learn ships, without importing scikit-learn (about 2 s
-    of CPU in every rank of every run); ``sklearn.datasets.load_digits`` if the file is not where
+    of CPU in every rank of every run); `sklearn.datasets.load_digits` if the file is not where
     it is expected.
     """
     spec = importlib.util.find_spec("sklearn")  # locates the package without running its __init__
@@ -48,7 +48,7 @@ def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class DigitsDataModule(L.LightningDataModule):
-    """Train/validation split of scikit-learn's digits, standardized, split reproducibly from ``split_seed``."""
+    """Train/validation split of scikit-learn's digits, standardized, split reproducibly from `split_seed`."""
 
     def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, split_seed: int = 0, num_workers: int = 0):
         super().__init__()
@@ -135,8 +135,8 @@ class DigitsClassifier(L.LightningModule):
         self.log("test_acc", (self(x).argmax(-1) == y).float().mean(), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
-        """``optimizer`` picks SGD with momentum or an Adam variant; ``lr_decay`` < 1 multiplies the LR by it
-        after every epoch (``StepLR``)."""
+        """`optimizer` picks SGD with momentum or an Adam variant; `lr_decay` < 1 multiplies the LR by it
+        after every epoch (`StepLR`)."""
         kind, hp = self.hparams.optimizer, self.hparams
         if kind == "sgd":
             optimizer = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum)

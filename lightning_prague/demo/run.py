@@ -1,6 +1,6 @@
 """One training run of the digits workload, shared by the demo script, the tests and the benchmark.
 
-Run as ``python -m lightning_prague.demo.run --strategy prague --devices 4``; every rank re-runs
+Run as `python -m lightning_prague.demo.run --strategy prague --devices 4`; every rank re-runs
 this module (Lightning's launcher), rank 0 prints the result and can write it as JSON.
 """
 
@@ -86,8 +86,8 @@ def build_strategy(args: argparse.Namespace) -> Any:
 class RunReport(L.Callback):
     """Writes each rank's result at the end of fit, inside the rank's own process.
 
-    With ``--start-method fork`` the ranks are children of the process that called ``fit``, so
-    the result must be taken where the training state lives, not after ``fit`` returns.
+    With `--start-method fork` the ranks are children of the process that called `fit`, so
+    the result must be taken where the training state lives, not after `fit` returns.
     """
 
     def __init__(self, args: argparse.Namespace, summary: WorkerSummary, data: DigitsDataModule) -> None:
@@ -130,7 +130,7 @@ def time_allreduce(module: torch.nn.Module, repeats: int = 20) -> float:
 def build(
     args: argparse.Namespace, extra_callbacks: list[L.Callback] | None = None
 ) -> tuple[L.Trainer, DigitsClassifier, DigitsDataModule, WorkerSummary, Any]:
-    """Trainer, model, data, the per-worker summary and the checkpoint callback (or None) for ``args``."""
+    """Trainer, model, data, the per-worker summary and the checkpoint callback (or None) for `args`."""
     L.seed_everything(args.seed, workers=True, verbose=False)
     summary = WorkerSummary(verbose=True)
     data = DigitsDataModule(batch_size=args.batch_size, num_workers=args.num_workers)

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 
 class IndexedSamples(Dataset):
-    """``sample(i)`` for ``i`` in ``range(size)``."""
+    """`sample(i)` for `i` in `range(size)`."""
 
     def __init__(self, size: int, sample: Callable[[int], Any]) -> None:
         self.size = size
@@ -28,7 +28,7 @@ class IndexedSamples(Dataset):
 
 
 class RankStream(IterableDataset):
-    """Rank ``r``'s own stream: ``sample(i)`` for ``i = r, r + world, ...`` below ``length``, split again
+    """Rank `r`'s own stream: `sample(i)` for `i = r, r + world, ...` below `length`, split again
     among the DataLoader's worker processes, as a sharded streaming dataset reads its shards."""
 
     def __init__(self, length: int, sample: Callable[[int], Any]) -> None:

@@ -1,9 +1,9 @@
 """A small character-level Transformer language model on text that ships with Python.
 
-The corpus is the help text of CPython's ``pydoc_data.topics`` (about 450k characters of
+The corpus is the help text of CPython's `pydoc_data.topics` (about 450k characters of
 English prose and Python code, installed with every CPython), so nothing is downloaded. Text is
-cut into non-overlapping windows of ``context + 1`` characters; the model predicts each next
-character. Validation uses the last ``val_fraction`` of the text.
+cut into non-overlapping windows of `context + 1` characters; the model predicts each next
+character. Validation uses the last `val_fraction` of the text.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_prague.optim import AccumAdam, AccumAdamW
 
-#: characters the model knows; anything else in the corpus becomes ``UNKNOWN``
+#: characters the model knows; anything else in the corpus becomes `UNKNOWN`
 ALPHABET = string.printable
 UNKNOWN = "?"
 
@@ -47,7 +47,7 @@ def encode(text: str) -> torch.Tensor:
 
 
 class CharWindows(Dataset):
-    """Non-overlapping windows of ``context + 1`` characters: inputs and next-character targets."""
+    """Non-overlapping windows of `context + 1` characters: inputs and next-character targets."""
 
     def __init__(self, codes: torch.Tensor, context: int) -> None:
         self.codes = codes
@@ -62,7 +62,7 @@ class CharWindows(Dataset):
 
 
 class PythonHelpText(L.LightningDataModule):
-    """The pydoc corpus as character windows; the last ``val_fraction`` of the text is validation."""
+    """The pydoc corpus as character windows; the last `val_fraction` of the text is validation."""
 
     def __init__(self, context: int = 64, batch_size: int = 32, max_chars: int = 120_000, val_fraction: float = 0.1):
         super().__init__()
@@ -85,7 +85,7 @@ class PythonHelpText(L.LightningDataModule):
 
 
 class TinyTransformerLM(L.LightningModule):
-    """A causal Transformer over characters; logs ``val_loss`` (nats per character) and ``val_ppl``."""
+    """A causal Transformer over characters; logs `val_loss` (nats per character) and `val_ppl`."""
 
     def __init__(
         self,
@@ -100,8 +100,8 @@ class TinyTransformerLM(L.LightningModule):
         warmup_steps: int = 0,
         lr_schedule: str = "constant",
     ) -> None:
-        """``lr_schedule``: ``"constant"`` (after ``warmup_steps`` of linear warm-up) or ``"cosine"``
-        (warm-up, then cosine decay to zero at ``trainer.estimated_stepping_batches``); stepped every
+        """`lr_schedule`: `"constant"` (after `warmup_steps` of linear warm-up) or `"cosine"`
+        (warm-up, then cosine decay to zero at `trainer.estimated_stepping_batches`); stepped every
         optimizer step, which under the asynchronous strategies means every global step."""
         super().__init__()
         if lr_schedule not in ("constant", "cosine"):
