@@ -90,3 +90,28 @@ def test_the_last_rank_taking_chunks_never_leaves_the_tail_to_nobody(address):
     flat = [i for part in taken for i in part]
     assert sorted(flat) == list(range(200)), "every index is trained once even if every rank wants to leave"
     assert sum(s.chunks_left_to_others > 0 for s in samplers) == 3, [s.chunks_left_to_others for s in samplers]
+
+
+class _CountingStore:
+    """A store client that counts the operations a sampler sends."""
+
+    def __init__(self, store):
+        self.store, self.ops = store, 0
+
+    def add(self, key, value):
+        self.ops += 1
+        return self.store.add(key, value)
+
+
+def test_one_store_operation_per_claimed_chunk_tail_awareness_included(address):
+    samplers = [WorkQueueSampler(400, 4, r, 4, address, seed=3) for r in range(4)]  # tail awareness on
+    clients = []
+    for s in samplers:
+        clients.append(_CountingStore(address.open(10.0)))
+        s._store = clients[-1]
+    taken = _interleaved(samplers, [1, 5, 5, 5])  # rank 0 is 5x slower
+    assert sorted(i for part in taken for i in part) == list(range(400))
+    for s, client in zip(samplers, clients):
+        # every chunk after the pre-assigned one is one claim; plus the claim that found the queue
+        # dry (or the one 'left' report of a rank that left the tail to the others)
+        assert client.ops <= s.chunks_taken, (s.rank, client.ops, s.chunks_taken)

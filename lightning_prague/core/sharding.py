@@ -65,6 +65,7 @@ class WorkQueueSampler(Sampler[int]):
         self.lookahead = lookahead
         self._my_seconds: float | None = None
         self._others_rate: float | None = None
+        self._epoch_started = 0.0  # when this rank began the current epoch (monotonic)
         self.chunks_left_to_others = 0  # chunks this rank declined at the end of the last epoch
         self.epoch = 0
         self.chunks_taken = 0  # in the current epoch
@@ -141,6 +142,7 @@ class WorkQueueSampler(Sampler[int]):
             first = pending[self.rank :: self.world_size]
         self._resume = None
         previous: tuple[float, int] | None = None  # (time, chunk) of this rank's previous claim
+        self._epoch_started = time.monotonic()
         chunk = first.pop(0) if first else self._claim()
         while chunk < self.num_chunks:
             self.chunks_taken += 1
@@ -154,31 +156,43 @@ class WorkQueueSampler(Sampler[int]):
                 return
             claimed_at = time.monotonic()
             chunk = self._claim()
+            self._observe(previous, claimed_at, chunk)
             previous = (claimed_at, chunk)
 
     @property
     def _cursor_key(self) -> str:
         return f"epoch/{self.epoch}/cursor"
 
-    def _leave_tail(self, previous: tuple[float, int] | None) -> bool:
-        """Update the speed estimates from the counter and decide whether to leave the rest to others.
+    def _observe(self, previous: tuple[float, int] | None, claimed_at: float, chunk: int) -> None:
+        """Update the speed estimates from two consecutive claims of this rank.
 
-        Two store operations per chunk: this read of the counter and the claim.
+        Between them this rank trained one chunk and the others claimed the ones in between; the
+        estimates carry over epochs, so the first decision of an epoch (after the pre-assigned
+        chunk, which a slow rank may be the only one it should take) is informed too. An interval
+        in which the queue ran dry says nothing about the others' speed.
         """
-        now = time.monotonic()
-        cursor = self.cursor()  # the next chunk to hand out
-        # since this rank's last claim it trained one chunk and the others claimed the ones in between;
-        # estimates carry over epochs, so the first decision of an epoch (after the pre-assigned chunk,
-        # which a slow rank may be the only one it should take) is informed too, and an interval in
-        # which the queue ran dry says nothing about the others' speed
-        if previous is not None and cursor < self.num_chunks:
-            elapsed = max(now - previous[0], 1e-6)
-            self._my_seconds = self._ema(self._my_seconds, elapsed)
-            self._others_rate = self._ema(self._others_rate, max(cursor - previous[1] - 1, 0) / elapsed)
+        if previous is None or chunk >= self.num_chunks:
+            return
+        elapsed = max(claimed_at - previous[0], 1e-6)
+        self._my_seconds = self._ema(self._my_seconds, elapsed)
+        self._others_rate = self._ema(self._others_rate, max(chunk - previous[1] - 1, 0) / elapsed)
+
+    def _leave_tail(self, previous: tuple[float, int] | None) -> bool:
+        """Whether to leave the rest of the epoch to the others, judged from this rank's own claims.
+
+        The queue's position now is extrapolated from this rank's last claim at the others' rate,
+        so the decision costs no store operation (the claim that follows is the only one per chunk).
+        """
         if self._my_seconds is None or not self._others_rate:
             return False
+        now = time.monotonic()
+        if previous is None:  # the pre-assigned chunk: the others took theirs, then claimed at their rate
+            since, position = self._epoch_started, self._first_claimed
+        else:
+            since, position = previous[0], previous[1] + 1
+        cursor = position + self._others_rate * (now - since)
         horizon = self._my_seconds * (1 + self.lookahead)  # a claimed chunk is trained after the prefetched ones
-        remaining = self.num_chunks - cursor
+        remaining = max(0, math.ceil(self.num_chunks - cursor))
         if not self.should_leave_tail(remaining, horizon, self._my_seconds, self._others_rate):
             return False
         if not self.may_leave_tail():
