@@ -68,9 +68,12 @@ def test_predictions_calibrate_epoch_cost_step_overhead_and_all_reduce_from_the_
     assert ddp["allreduce_seconds"] == pytest.approx(allreduce, rel=1e-3)
     assert ddp["step_overhead"] == pytest.approx(host, rel=1e-3), "DDP's step beyond compute and all-reduce"
     assert ddp["predicted_throughput"] == pytest.approx(ddp["throughput"], rel=1e-3), "DDP's own run is reproduced"
-    # prague pays the host time every step; its groups of 3 (4/6 of the world's all-reduce) hide behind the steps
-    predicted_seconds = steps * (args.step_time + host) + args.epochs * per_epoch
-    assert prague["predicted_throughput"] == pytest.approx(100.0 * 0.8 / predicted_seconds, rel=1e-3)
+    # prague pays the host time every step; its groups of 3 (4/6 of the world's all-reduce) hide behind the steps;
+    # each epoch's synchronization point also waits for the steps in flight (less than one step)
+    step = args.step_time + host
+    fastest = steps * step + args.epochs * per_epoch
+    predicted_seconds = 100.0 * 0.8 / prague["predicted_throughput"]
+    assert fastest < predicted_seconds < fastest + args.epochs * step
 
     del rows[0]["measured_allreduce_seconds"]  # a result without the timing: all of it is the all-reduce
     add_predictions(rows, args)
