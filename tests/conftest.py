@@ -10,7 +10,7 @@ STRAGGLER = ["--devices", "4", "--epochs", "4", "--profile", "straggler", "--slo
 #: the straggler workload's runs, with each strategy's options
 STRAGGLER_RUNS = {
     "ddp": [],
-    "prague": [],
+    "prague": ["--sync-dist-train-loss"],  # a per-step collective: the strategy warns and logs locally
     "partial_reduce": ["--weighting", "staleness"],
     "adpsgd": [],
     "decent_adam": [],

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from helpers import ROOT, env, free_port, rank_results, run_training
 
 pytestmark = pytest.mark.timeout(300)
@@ -163,7 +164,9 @@ def test_lightning_cli_selects_the_strategy_by_name_from_yaml(tmp_path):
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "batches per worker" in proc.stdout or "prague" in proc.stderr
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())  # what LightningCLI ran, as it saves it
+    assert saved["trainer"]["strategy"]["class_path"] == "lightning_prague.PartialAllReduceStrategy"
+    assert saved["trainer"]["strategy"]["init_args"]["group_size"] == 3, "the registered name's defaults"
 
 
 def test_torchrun_launch_with_dataloader_worker_processes(tmp_path):

@@ -49,6 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZERS))
     parser.add_argument("--accum-steps", type=int, default=4, help="tau of accum_adam / accum_adamw")
     parser.add_argument("--lr-decay", type=float, default=1.0, help="multiply the LR by this after every epoch")
+    parser.add_argument(
+        "--sync-dist-train-loss",
+        action="store_true",
+        help="log each step's loss reduced across ranks (asynchronous strategies warn and log it unreduced)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the result of rank 0 here")
@@ -182,7 +187,13 @@ def build(
     )
     return (
         trainer,
-        DigitsClassifier(lr=args.lr, optimizer=args.optimizer, accum_steps=args.accum_steps, lr_decay=args.lr_decay),
+        DigitsClassifier(
+            lr=args.lr,
+            optimizer=args.optimizer,
+            accum_steps=args.accum_steps,
+            lr_decay=args.lr_decay,
+            sync_dist_train_loss=args.sync_dist_train_loss,
+        ),
         data,
         summary,
         checkpoint,
