@@ -42,7 +42,8 @@ class TerminalProgress(L.Callback):
         if trainer.is_global_zero:
             terminal = os.fdopen(os.dup(self.terminal_fd), "w")
             total = int(trainer.estimated_stepping_batches)
-            self._bar = tqdm(total=total, desc=f"{self.label:<15}", unit="step", file=terminal, mininterval=0.25)
+            interval = 0.25 if terminal.isatty() else 2.0  # a log file gets a line every few seconds
+            self._bar = tqdm(total=total, desc=f"{self.label:<15}", unit="step", file=terminal, mininterval=interval)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self._bar is not None:
