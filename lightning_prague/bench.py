@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     plan = [(profile, strategy) for profile in args.profiles for strategy in args.strategies]
     rows = []
     start = time.perf_counter()
+    tqdm.monitor_interval = 0  # no monitor thread: the runs fork this process, and forks should find no threads
     with tqdm(
         total=len(plan), desc="bench", unit="run", disable=True if args.no_progress else None, dynamic_ncols=True
     ) as bar:
