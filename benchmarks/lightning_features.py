@@ -111,7 +111,9 @@ class StepRecorder(L.Callback):
         self.root = root
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        (self.root / f"step.rank{trainer.global_rank}").write_text(str(trainer.global_step))
+        staged = self.root / f".step.rank{trainer.global_rank}"  # renamed into place: rank 0 never reads half a file
+        staged.write_text(str(trainer.global_step))
+        staged.replace(self.root / f"step.rank{trainer.global_rank}")
 
     def steps(self) -> list[int]:
         return [int(path.read_text()) for path in sorted(self.root.glob("step.rank*"))]
