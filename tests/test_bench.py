@@ -96,3 +96,21 @@ def test_bench_arguments_are_checked_before_any_run(capsys):
         assert stop.value.code == 2 and expected in capsys.readouterr().err, argv
     args = parse_args(["--devices", "2", "--strategies", "prague", "prague"])
     assert args.group_size == 2 and args.strategies == ["ddp", "prague"], "defaults fit the worker count"
+
+
+def test_a_failing_run_stops_the_bench_with_the_end_of_its_output(tmp_path, monkeypatch):
+    from lightning_prague import bench
+    from lightning_prague.demo import run as demo_run
+
+    def broken(argv):
+        print("training started")
+        raise RuntimeError("rank 2 lost its group")
+
+    monkeypatch.setattr(demo_run, "main", broken)
+    args = bench.parse_args(["--out", str(tmp_path), "--devices", "2"])
+    with pytest.raises(RuntimeError) as failure:
+        bench.run_one("prague", "straggler", args)
+    message = str(failure.value)
+    assert "bench run prague/straggler failed (exit status 1)" in message
+    assert "training started" in message and "rank 2 lost its group" in message, "the run's own output is shown"
+    assert (tmp_path / "logs" / "straggler-prague" / "log.txt").exists()
