@@ -19,21 +19,24 @@ from typing import Any
 
 @contextmanager
 def output_to(log: Path, cwd: Path | None = None) -> Any:
-    """Send file descriptors 1 and 2 to `log` (and optionally work in `cwd`) for the duration."""
+    """Send file descriptors 1 and 2, and `sys.stdout`/`sys.stderr`, to `log` (and optionally work
+    in `cwd`) for the duration."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
+    streams = sys.stdout, sys.stderr  # not always the file descriptors (pytest, notebooks)
     previous = os.getcwd()
-    with open(log, "w") as handle:
+    with open(log, "w", buffering=1) as handle:
         os.dup2(handle.fileno(), 1)
         os.dup2(handle.fileno(), 2)
+        sys.stdout = sys.stderr = handle
         try:
             if cwd is not None:
                 os.chdir(cwd)
             yield
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            handle.flush()
+            sys.stdout, sys.stderr = streams
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
             os.close(saved[0])

@@ -86,7 +86,8 @@ def describe(options: argparse.Namespace) -> str:
         "periodic": f"worker {slow} {options.slow_factor:g}x slower {options.duty:.0%} of the time",
         "homogeneous": "no slow worker",
     }[options.profile]
-    return f"digits, {options.devices} CPU workers, {slowdown}, {options.epochs} epochs"
+    epochs = f"{options.epochs} epoch{'s' if options.epochs != 1 else ''}"
+    return f"digits, {options.devices} CPU workers, {slowdown}, {epochs}"
 
 
 def format_comparison(results: dict[str, dict[str, Any]]) -> str:
