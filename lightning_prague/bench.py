@@ -26,7 +26,6 @@ from typing import Any
 
 from lightning_prague.callbacks.slowdown import PROFILES
 from lightning_prague.core.runtime_model import ComputeProfile, Link, predict
-from lightning_prague.demo.captured import run_captured
 
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {"devices": 4, "epochs": 3, "step_time": 0.03, "profiles": ["straggler", "jitter"]},
@@ -105,21 +104,12 @@ def run_one(strategy: str, profile: str, args: argparse.Namespace) -> dict[str, 
     """
     from lightning_prague.demo import run as demo_run  # imports Lightning
 
-    directory = (args.out / "logs" / f"{profile}-{strategy}").resolve()
-    directory.mkdir(parents=True, exist_ok=True)
-    out = directory / "result.json"
-    out.unlink(missing_ok=True)
     argv = [
         "--strategy", strategy, "--profile", profile, "--devices", str(args.devices), "--epochs", str(args.epochs),
         "--step-time", str(args.step_time), "--slow-factor", str(args.slow_factor), "--sigma", str(args.sigma),
-        "--seed", str(args.seed), "--group-size", str(args.group_size), "--monitors", "--json", str(out),
-        "--start-method", "fork",
+        "--seed", str(args.seed), "--group-size", str(args.group_size), "--monitors",
     ]  # fmt: skip
-    status = run_captured(lambda: demo_run.main(argv), directory / "log.txt", cwd=directory)
-    if status != 0 or not out.exists():
-        tail = (directory / "log.txt").read_text()[-3000:]
-        raise RuntimeError(f"bench run {strategy}/{profile} failed (exit status {status}); its output ends:\n{tail}")
-    return json.loads(out.read_text())
+    return demo_run.run_logged(argv, args.out / "logs" / f"{profile}-{strategy}", f"bench run {strategy}/{profile}")
 
 
 def worker_profiles(profile: str, args: argparse.Namespace, overhead: float = 0.0) -> list[ComputeProfile]:

@@ -102,7 +102,7 @@ def test_a_failing_run_stops_the_bench_with_the_end_of_its_output(tmp_path, monk
     from lightning_prague import bench
     from lightning_prague.demo import run as demo_run
 
-    def broken(argv):
+    def broken(argv, extra_callbacks=None):
         print("training started")
         raise RuntimeError("rank 2 lost its group")
 

@@ -13,11 +13,9 @@ validation accuracy and batches per worker of each run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,6 @@ import torch
 from tqdm import tqdm
 
 from lightning_prague.demo import run as single_run
-from lightning_prague.demo.captured import run_captured
 
 
 class TerminalProgress(L.Callback):
@@ -120,17 +117,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     results = {}
     try:
         for name in names:
-            directory = (logs / name).resolve()
-            directory.mkdir(parents=True, exist_ok=True)
-            out = directory / "result.json"
-            out.unlink(missing_ok=True)
-            argv_run = [*rest, "--strategy", name, "--json", str(out), "--start-method", "fork"]
-            train = partial(single_run.main, argv_run, [TerminalProgress(terminal, name)])
-            status = run_captured(train, directory / "log.txt", cwd=directory)
-            if status != 0 or not out.exists():
-                tail = (directory / "log.txt").read_text()[-3000:]
-                raise SystemExit(f"the {name} run failed (exit status {status}); its output ends:\n{tail}")
-            results[name] = json.loads(out.read_text())
+            progress = [TerminalProgress(terminal, name)]
+            try:
+                results[name] = single_run.run_logged(
+                    [*rest, "--strategy", name], logs / name, f"the {name} run", progress
+                )
+            except RuntimeError as failure:
+                raise SystemExit(str(failure)) from None
     finally:
         os.close(terminal)
     print()

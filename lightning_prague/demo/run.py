@@ -10,6 +10,7 @@ import argparse
 import json
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 import lightning_prague  # noqa: F401  (registers the strategies)
 from lightning_prague.callbacks import ConsensusMonitor, SlowdownInjector, StragglerMonitor, WorkerSummary
 from lightning_prague.callbacks.slowdown import PROFILES
+from lightning_prague.demo.captured import run_captured
 from lightning_prague.demo.digits import OPTIMIZERS, DigitsClassifier, DigitsDataModule
 from lightning_prague.strategies.base import DecentralizedStrategy
 
@@ -268,6 +270,27 @@ def main(argv: list[str] | None = None, extra_callbacks: list[L.Callback] | None
         if trainer.is_global_zero:
             print(f"test_acc={test_acc:.4f}", flush=True)
     return result
+
+
+def run_logged(
+    argv: list[str], directory: Path, label: str, extra_callbacks: list[L.Callback] | None = None
+) -> dict[str, Any]:
+    """Train as `main(argv)` does, the ranks forked from this process, its output (the ranks'
+    included) in `directory/log.txt`; returns rank 0's result.
+
+    Raises `RuntimeError` naming `label`, the exit status and the end of the run's output when
+    the run fails. Lightning is imported once for any number of such runs.
+    """
+    directory = directory.resolve()  # the run works in it: paths relative to here would break
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / "result.json"
+    out.unlink(missing_ok=True)
+    train = partial(main, [*argv, "--json", str(out), "--start-method", "fork"], extra_callbacks)
+    status = run_captured(train, directory / "log.txt", cwd=directory)
+    if status != 0 or not out.exists():
+        tail = (directory / "log.txt").read_text()[-3000:]
+        raise RuntimeError(f"{label} failed (exit status {status}); its output ends:\n{tail}")
+    return json.loads(out.read_text())
 
 
 if __name__ == "__main__":
