@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     if "--help" in rest or "-h" in rest:
         parser.print_help()
         raise SystemExit(0)
-    single_run.parse_args(["--strategy", args.strategy, *rest])  # every option checked before the first run
+    # every option of the runs checked before the first one starts
+    args.run_options = single_run.parse_args(["--strategy", args.strategy, *rest])
     return args, rest
 
 
@@ -109,7 +110,7 @@ def format_comparison(results: dict[str, dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     args, rest = parse_args(argv)
     torch.set_num_threads(1)  # the forked workers inherit it: one compute thread each
-    options = single_run.parse_args(["--strategy", args.strategy, *rest])
+    options = args.run_options
     logs = args.logs or Path(tempfile.mkdtemp(prefix="lightning-prague-demo-"))
     names = [args.strategy] if args.baseline == "none" else [args.baseline, args.strategy]
     print(describe(options), flush=True)
