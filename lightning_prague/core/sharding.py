@@ -10,7 +10,8 @@ Tail awareness: near the end of an epoch a slow rank would hold the last chunk w
 waits for it at the epoch's synchronization point. A rank therefore stops claiming when it is much
 slower than the others (`slow_ratio` times their mean time per chunk) *and* the others will
 consume all remaining chunks within one of its steps. Both figures come from the counter values the
-rank already sees, so this costs no extra communication; ranks that are not slow never stop early,
+rank already sees (plus one read of the counter per rank, in the first epoch, before any estimate
+exists), so this costs no extra communication per chunk; ranks that are not slow never stop early,
 so every chunk is still trained on.
 """
 
@@ -50,6 +51,7 @@ class WorkQueueSampler(Sampler[int]):
         timeout: float = 300.0,
         slow_ratio: float = 2.0,
         lookahead: int = 1,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if chunk_size < 1:
             raise ConfigurationError(f"chunk_size (the batch size) must be at least 1, got {chunk_size}")
@@ -63,6 +65,7 @@ class WorkQueueSampler(Sampler[int]):
         self.timeout = timeout
         self.slow_ratio = slow_ratio
         self.lookahead = lookahead
+        self.clock = clock  # seconds, for the speed estimates; injectable so tests can run a schedule
         self._my_seconds: float | None = None
         self._others_rate: float | None = None
         self._epoch_started = 0.0  # when this rank began the current epoch (monotonic)
@@ -142,7 +145,7 @@ class WorkQueueSampler(Sampler[int]):
             first = pending[self.rank :: self.world_size]
         self._resume = None
         previous: tuple[float, int] | None = None  # (time, chunk) of this rank's previous claim
-        self._epoch_started = time.monotonic()
+        self._epoch_started = self.clock()
         chunk = first.pop(0) if first else self._claim()
         while chunk < self.num_chunks:
             self.chunks_taken += 1
@@ -154,7 +157,7 @@ class WorkQueueSampler(Sampler[int]):
                 continue
             if self.slow_ratio > 0 and self._leave_tail(previous):
                 return
-            claimed_at = time.monotonic()
+            claimed_at = self.clock()
             chunk = self._claim()
             self._observe(previous, claimed_at, chunk)
             previous = (claimed_at, chunk)
@@ -183,9 +186,19 @@ class WorkQueueSampler(Sampler[int]):
         The queue's position now is extrapolated from this rank's last claim at the others' rate,
         so the decision costs no store operation (the claim that follows is the only one per chunk).
         """
-        if self._my_seconds is None or not self._others_rate:
+        now = self.clock()
+        if self._my_seconds is None or self._others_rate is None:
+            if previous is None:
+                return False
+            # no estimates yet (this job's first epoch): one read of the queue's position, once,
+            # rather than a second claim, so a slow rank does not take a chunk it cannot finish
+            cursor = self.cursor()
+            if cursor >= self.num_chunks:
+                return False  # the queue ran dry: the claim that follows ends the epoch
+            self._observe(previous, now, cursor)
+            previous = (now, cursor - 1)
+        if not self._others_rate:
             return False
-        now = time.monotonic()
         if previous is None:  # the pre-assigned chunk: the others took theirs, then claimed at their rate
             since, position = self._epoch_started, self._first_claimed
         else:
