@@ -107,7 +107,7 @@ def test_decent_adam_is_registered_and_allows_step_based_settings():
 
 
 def test_max_groups_is_deprecated_and_says_why():
-    with pytest.warns(DeprecationWarning, match="max_groups is deprecated and has no effect"):
+    with pytest.warns(FutureWarning, match="max_groups is deprecated and has no effect"):
         PartialAllReduceStrategy(max_groups=64)
 
 

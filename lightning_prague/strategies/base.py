@@ -159,7 +159,7 @@ class DecentralizedStrategy(DDPStrategy):
             warnings.warn(
                 "max_groups is deprecated and has no effect: groups run point-to-point on the world process group "
                 "and no longer create communicators; remove the option",
-                DeprecationWarning,
+                FutureWarning,  # shown by default: it is meant for the user who set the option
                 stacklevel=2,
             )
         super().__init__(
