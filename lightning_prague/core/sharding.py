@@ -184,7 +184,8 @@ class WorkQueueSampler(Sampler[int]):
         """Whether to leave the rest of the epoch to the others, judged from this rank's own claims.
 
         The queue's position now is extrapolated from this rank's last claim at the others' rate,
-        so the decision costs no store operation (the claim that follows is the only one per chunk).
+        so once the estimates exist the decision costs no store operation (the claim that follows
+        is the only one per chunk); before, it reads the queue's position once.
         """
         now = self.clock()
         if self._my_seconds is None or self._others_rate is None:
