@@ -19,6 +19,7 @@ def test_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(straggle
     slow, *fast = result["batches_per_worker"]
     assert min(fast) >= 3 * slow, result["batches_per_worker"]
     assert sum(result["batches_per_worker"]) == 4 * 45, "every batch is trained exactly once per epoch"
+    assert result["epochs_in_store"] == [3], "finished epochs' keys are deleted: the store does not grow"
     ranks = rank_results(run.dir)
     assert len({round(r["params_checksum"], 4) for r in ranks}) == 1, "replicas must agree after fit"
     for r in ranks:

@@ -98,3 +98,9 @@ def test_consensus_error_of_known_replicas_is_exact_and_group_errors_match_the_g
         (error,) = run["complete"]["group_errors"]
         assert error == pytest.approx(float(((x[rank] - mean) ** 2).sum() / (mean**2).sum()), rel=1e-12)
     assert schedule.period == 1
+
+
+def test_the_store_keeps_only_the_last_phase_of_the_end_of_phase_agreement(gossip_runs):
+    # each phase's agreement writes one key per rank and three more; the worker that decides a
+    # phase deletes the previous phase's, so the store does not grow with the number of phases
+    assert gossip_runs[0]["phase_keys"] == [False, False, False, True]

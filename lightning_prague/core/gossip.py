@@ -202,6 +202,7 @@ class LaggedGossip(Exchanger):
                 self._claim(f"{key}/mode", "idle")
                 final = self.round + self.schedule.coverage + 1  # nobody can be past it (Schedule.coverage)
             store.set(f"{key}/final", str(final))
+            self._forget_phase(self.phases - 1)
         start = time.monotonic()
         pause = 0.001  # polls of the store back off to 20 ms: N workers polling must not flood rank 0's store
         while not store.check([f"{key}/final"]):
@@ -221,6 +222,18 @@ class LaggedGossip(Exchanger):
                 time.sleep(pause)
                 pause = min(2 * pause, 0.02)
         return int(store.get(f"{key}/final"))
+
+    def _forget_phase(self, phase: int) -> None:
+        """Delete the keys of an earlier phase's agreement, so the store stays bounded.
+
+        Only the last worker to finish phase `phase + 1` calls it: every worker has then left
+        `phase`'s agreement (it read that phase's final round before training this one).
+        """
+        if phase < 0:
+            return
+        store, key = self.worker.store, f"{self._name}/phase{phase}"
+        for suffix in [*(f"done/{r}" for r in range(self.worker.world_size)), "done", "mode", "final"]:
+            store.delete_key(f"{key}/{suffix}")
 
     def _claim(self, key: str, mode: str) -> str:
         """Set `key` to `mode` unless it is set already; returns the value it holds."""

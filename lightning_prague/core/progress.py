@@ -236,6 +236,11 @@ class ProgressCounter:
         """This worker's data ran out at a known last ticket (map-style data): nothing to tell the others."""
         self.epoch_end = self.padded(epoch_end)
 
+    def forget_epoch(self, epoch: int) -> None:
+        """Delete `epoch`'s keys from the store; call once every rank is done with that epoch."""
+        for name in ("claims", "enders", "end"):
+            self.store.delete_key(f"progress/{epoch}/{name}")
+
     def final_count(self) -> int:
         """Global batches trained when this epoch is over (call when every worker has stopped claiming)."""
         value = int(self.store.add(self._key("claims"), 0))

@@ -52,6 +52,7 @@ class ProgressLoader:
         #: global batches trained at the last synchronization point (`start`: before this fit)
         self.progress = start
         self._restored: Optional[dict[str, Any]] = None
+        self._first_epoch: Optional[int] = None  # the oldest epoch whose store keys may still exist
 
     def __getattr__(self, name: str) -> Any:
         if name == "loader":
@@ -99,6 +100,8 @@ class ProgressLoader:
         elif self.epoch is not None and epoch != self.epoch:
             self.epoch_base = self.counter.final_count()
         self.epoch = epoch
+        if self._first_epoch is None:
+            self._first_epoch = epoch
         if self.sampler is not None:  # the trainer sets it after its first fetch of a (resumed) fit
             self.sampler.set_epoch(epoch)
         self.counter.begin_epoch(epoch, self.epoch_base, offset)
@@ -154,6 +157,36 @@ class ProgressLoader:
         (`None`: the epoch is over on every rank, read its count)."""
         self.progress = self.counter.final_count() if progress is None else progress
         return self.progress
+
+    def forget_finished_epochs(self) -> None:
+        """Delete the store keys of the epochs before the current one (one rank calls it, right
+        after the ranks met): so the store holds a bounded number of keys however long the run.
+
+        Every rank reads an epoch's keys for the last time right after the meeting that ends it,
+        before it trains the next epoch; a meeting in a later epoch comes after those reads on
+        every rank.
+        """
+        if self.epoch is None or self._first_epoch is None:
+            return
+        for epoch in range(self._first_epoch, self.epoch):
+            self.counter.forget_epoch(epoch)
+            if self.sampler is not None:
+                self.sampler.forget_epoch(epoch)
+        self._first_epoch = self.epoch
+
+    def epochs_in_store(self) -> list[int]:
+        """The epochs up to the current one that still have keys in the store (a diagnostic: after
+        a synchronization point of epoch `e`, only `e`'s)."""
+        if self.epoch is None:
+            return []
+        kept = []
+        for epoch in range(self.epoch + 1):
+            keys = self.counter.store.check([f"progress/{epoch}/claims"])
+            if self.sampler is not None:
+                keys = keys or self.sampler.has_keys(epoch)
+            if keys:
+                kept.append(epoch)
+        return kept
 
     def state_dict(self) -> dict[str, Any]:
         """Where training stands; complete on rank 0 (which writes checkpoints) at a synchronization point."""

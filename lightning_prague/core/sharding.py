@@ -166,6 +166,17 @@ class WorkQueueSampler(Sampler[int]):
     def _cursor_key(self) -> str:
         return f"epoch/{self.epoch}/cursor"
 
+    def has_keys(self, epoch: int) -> bool:
+        """Whether `epoch` still has keys in the store."""
+        store = self._connect()
+        return any(store.check([f"epoch/{epoch}/{name}"]) for name in ("cursor", "left"))
+
+    def forget_epoch(self, epoch: int) -> None:
+        """Delete `epoch`'s keys from the store; call once every rank is done with that epoch."""
+        store = self._connect()
+        for name in ("cursor", "left"):
+            store.delete_key(f"epoch/{epoch}/{name}")
+
     def _observe(self, previous: tuple[float, int] | None, claimed_at: float, chunk: int) -> None:
         """Update the speed estimates from two consecutive claims of this rank.
 

@@ -101,7 +101,7 @@ class RunReport(L.Callback):
         self.args, self.summary, self.data = args, summary, data
         self.checkpoint: Any = None
         self.result: dict[str, Any] | None = None
-        self.measurements: dict[str, float] = {}
+        self.measurements: dict[str, Any] = {}
         self._start = time.perf_counter()
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -112,6 +112,9 @@ class RunReport(L.Callback):
         worker, exchanger = getattr(trainer.strategy, "worker", None), getattr(trainer.strategy, "exchanger", None)
         if worker is not None and exchanger is not None:
             self.measurements = {"coordinator_requests": worker.stats.requests, "exchanges": exchanger.exchanges}
+        progress = getattr(trainer.strategy, "progress", None)
+        if progress is not None and progress.loader is not None and trainer.is_global_zero:
+            self.measurements["epochs_in_store"] = progress.loader.epochs_in_store()
         if not isinstance(trainer.strategy, DecentralizedStrategy) and trainer.world_size > 1:
             # lock-step ranks: a world-wide collective is safe here
             self.measurements["allreduce_seconds"] = time_allreduce(pl_module)
@@ -210,12 +213,12 @@ def report(
     summary: WorkerSummary,
     checkpoint: Any,
     fit_seconds: float,
-    measurements: dict[str, float] | None = None,
+    measurements: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The result of a run as a dict; rank 0 prints a line, every rank writes JSON if asked.
 
-    `measurements`: what this rank asked the coordinator for and exchanged, or how long an all-reduce
-    took (see `RunReport`).
+    `measurements`: what this rank asked the coordinator for and exchanged, the epochs that still
+    have keys in the store (rank 0), or how long an all-reduce took (see `RunReport`).
     """
     result: dict[str, Any] = {
         "strategy": args.strategy,

@@ -370,6 +370,8 @@ class DecentralizedStrategy(DDPStrategy):
             self.worker.request_stop()
         if self.worker.synchronize(name):
             self._raise_stop()
+        if loader is not None and self.global_rank == 0:
+            loader.forget_finished_epochs()
         if self.measure_consensus:
             self.consensus_error = self.worker.consensus_error()
         if self.average_at_sync:

@@ -9,7 +9,7 @@ steps of gradient descent on a quadratic with the exchange overlapped ("overlapp
 at once ("blocking") and mixed in at once ("averaged_first"), each with the number of rounds run
 including the end-of-phase idle rounds; and ("uneven") the same with rank r running STEPS + 2r
 steps. Also the exact consensus error of the starting values and the group error each round's
-mix recorded.
+mix recorded, and ("phase_keys", rank 0) which of four phases still have keys in the store.
 """
 
 import json
@@ -57,6 +57,21 @@ def train(
     return {"params": torch.cat([t.reshape(-1) for t in tensors.tensors]).tolist(), "rounds": gossip.round}
 
 
+def phase_keys(worker: GroupWorker, schedule, phases: int) -> list[bool] | None:
+    """Run `phases` phases of uneven length; on rank 0, whether each phase's keys are still in the store."""
+    gossip = LaggedGossip(worker, worker.tensors, schedule, timeout=60, name="phases", idle_after=0.1)
+    for phase in range(phases):
+        gossip.start()
+        for _ in range(1 + (worker.rank + phase) % 3):
+            gossip.step()
+        gossip.drain()
+    dist.barrier()
+    if worker.rank != 0:
+        return None
+    keys = [f"done/{r}" for r in range(worker.world_size)] + ["done", "mode", "final"]
+    return [any(worker.store.check([f"phases/phase{p}/{k}"]) for k in keys) for p in range(phases)]
+
+
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     cases, steps = json.loads(sys.argv[5]), int(sys.argv[6])
@@ -93,6 +108,7 @@ def main() -> None:
             # rank r runs steps + 2r steps: the end-of-phase protocol must still end every rank together
             "uneven": train(worker, tensors, schedule, steps + 2 * rank, overlap=True, name=f"{case}-uneven"),
         }
+    result["phase_keys"] = phase_keys(worker, make_topology("ring", world), phases=4)
     with open(out, "w") as f:
         json.dump(result, f)
     dist.barrier()
