@@ -22,7 +22,8 @@ from lightning_prague import (
     PartialAllReduceStrategy,
     PartialReduceStrategy,
 )
-from lightning_prague.cli import PragueCLI, main, rewrite_config, rewrite_strategy_args, strategy_spec
+from lightning_prague.cli import PragueCLI, main
+from lightning_prague.cli_names import rewrite_config, rewrite_strategy_args, strategy_spec
 from lightning_prague.core.policies import WEIGHTINGS
 from lightning_prague.core.topology import TOPOLOGIES
 from lightning_prague.strategies import STRATEGIES
