@@ -18,18 +18,21 @@ WORLD = 16
 
 
 def cases(world: int) -> list[dict]:
-    """Groups of 2 to 8 members (all-to-all and ring), plain and weighted, then the whole world."""
+    """Groups of 2 to 8 members and of 12 and 13, plain and weighted, then the whole world; those
+    beyond 4 members once by recursive doubling (powers of two and not) and once in a ring (the
+    whole world: once by recursive doubling, once by gloo's all-reduce)."""
     rng = random.Random(3)
-    out = []
-    for size in range(2, 9):
+    out = [{"members": list(range(world)), "weights": None, "ring": True}]  # first: later ones change it
+    for size in [*range(2, 9), 12, 13]:
         for weighted in (False, True):
-            members = sorted(rng.sample(range(world), size))
-            weights = None
-            if weighted:
-                raw = [rng.uniform(0.1, 1.0) for _ in members]
-                weights = [w / sum(raw) for w in raw]
-            out.append({"members": members, "weights": weights})
-    out.append({"members": list(range(world)), "weights": None})
+            for ring in (False, True) if size > 4 else (False,):
+                members = sorted(rng.sample(range(world), size))
+                weights = None
+                if weighted:
+                    raw = [rng.uniform(0.1, 1.0) for _ in members]
+                    weights = [w / sum(raw) for w in raw]
+                out.append({"members": members, "weights": weights, "ring": ring})
+    out.append({"members": list(range(world)), "weights": None, "ring": False})
     return out
 
 

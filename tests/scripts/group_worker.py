@@ -2,11 +2,13 @@
 
 Usage: group_worker.py RANK WORLD PORT OUT_JSON CASES_JSON
 
-CASES_JSON is a list of ``{"members": [...], "weights": [...] | null}``, the same on every rank.
-Each rank holds two tensors (37 and 3 elements: a ring with uneven chunks, and a tensor smaller
-than a large group) starting at known values, and runs, in order, the cases it is a member of
-with ``average_``. It writes its tensors after every case it took part in, its final tensors,
-and how many communicators exist after the warm-up compared with the end.
+CASES_JSON is a list of ``{"members": [...], "weights": [...] | null, "ring": bool}``, the same on
+every rank. Each rank holds two tensors (37 and 3 elements: a ring with uneven chunks, and a tensor
+smaller than a large group) starting at known values, and runs, in order, the cases it is a member
+of with ``average_``: by default groups beyond four members sum by recursive doubling (and the
+whole world too, on gloo), with ``"ring": true`` in a ring (the whole world: gloo's all-reduce).
+It writes its tensors after every case it took part in, its final tensors, and how many
+communicators exist after the warm-up compared with the end.
 """
 
 import json
@@ -30,6 +32,7 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     comm = GroupComm(rank, world, timeout=60)
+    ring_comm = GroupComm(rank, world, timeout=60, doubling_max_bytes=0)
     comm.warm_up()
     communicators = communicator_count()
     tensors = start(rank)
@@ -41,14 +44,15 @@ def main() -> None:
             continue
         weights = case["weights"]
         weight = None if weights is None else weights[members.index(rank)]
-        average_(bucketed, comm, members, weight=weight, operation=f"case {index}")
+        chosen = ring_comm if case.get("ring") else comm
+        average_(bucketed, chosen, members, weight=weight, operation=f"case {index}")
         after[index] = [t.tolist() for t in tensors]
     result = {
         "rank": rank,
         "after": after,
         "final": [t.tolist() for t in tensors],
         "new_communicators": communicator_count() - communicators,
-        "messages": comm.stats.messages,
+        "messages": comm.stats.messages + ring_comm.stats.messages,
     }
     with open(out, "w") as f:
         json.dump(result, f)
