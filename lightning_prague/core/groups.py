@@ -144,10 +144,12 @@ class GroupComm:
             if len(members) == self.world_size and (self.device.type != "cpu" or not small):
                 work = dist.all_reduce(staged, group=self.pg, async_op=True)  # NCCL's own, or gloo's ring
                 self._wait(work, deadline)
-            elif len(members) <= self.all_to_all_max or staged.numel() < len(members):
+            elif len(members) <= self.all_to_all_max:
                 self._all_to_all(staged, members, deadline)
             elif small:
                 self._doubling(staged, members, deadline)
+            elif staged.numel() < len(members):  # too few elements for a ring's chunks
+                self._all_to_all(staged, members, deadline)
             else:
                 self._ring(staged, members, deadline)
             self._finish(staged, deadline)
