@@ -157,3 +157,29 @@ def test_a_slow_rank_leaves_the_tail_in_its_first_epoch_before_any_estimate(addr
     # a third would keep the others waiting for it at the end of the epoch
     assert len(trained[0]) == 2, {r: len(c) for r, c in trained.items()}
     assert finish[0] <= max(finish[r] for r in (1, 2, 3)), finish
+
+
+def test_with_everyone_s_speeds_a_slow_rank_takes_only_its_first_chunk_of_a_short_epoch(address):
+    # 16 ranks, 45 chunks: the fast ranks empty the queue before rank 0 finishes one chunk, so
+    # rank 0 never sees the queue running and cannot tell how fast the others are on its own
+    samplers = [WorkQueueSampler(45 * 4, 4, r, 16, address, seed=5) for r in range(16)]
+    seconds = [1.0] + [0.2] * 15
+    first, _ = _run_epoch_on_a_clock(samplers, seconds)
+    assert len(first[0]) == 2  # its first chunk and the one fetched with it
+    shared = [s.seconds_per_chunk for s in samplers]
+    assert shared[0] == pytest.approx(1.0) and all(s == pytest.approx(0.2) for s in shared[1:]), shared
+    for s in samplers:  # as at the synchronization point that ends the epoch
+        s.set_speeds(shared)
+        s.set_epoch(1)
+    trained, finish = _run_epoch_on_a_clock(samplers, seconds)
+    flat = [i for chunks in trained.values() for chunk in chunks for i in chunk]
+    assert sorted(flat) == list(range(45 * 4)), "every index is trained once"
+    assert len(trained[0]) == 1, {r: len(c) for r, c in trained.items()}
+
+
+def test_speeds_are_ignored_until_every_rank_has_one(address):
+    sampler = WorkQueueSampler(100, 4, 1, 3, address)
+    sampler.set_speeds([0.5, 0.0, 0.1])
+    assert sampler.seconds_per_chunk == 0.0
+    sampler.set_speeds([0.5, 0.1, 0.25])
+    assert sampler.seconds_per_chunk == 0.1 and sampler._others_rate == pytest.approx(2 + 4)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -183,13 +183,33 @@ class WorkQueueSampler(Sampler[int]):
         Between them this rank trained one chunk and the others claimed the ones in between; the
         estimates carry over epochs, so the first decision of an epoch (after the pre-assigned
         chunk, which a slow rank may be the only one it should take) is informed too. An interval
-        in which the queue ran dry says nothing about the others' speed.
+        in which the queue ran dry still times this rank's step but says nothing about the others'
+        speed (`share_speeds` supplies it where this rank never sees the queue running).
         """
-        if previous is None or chunk >= self.num_chunks:
+        if previous is None:
             return
         elapsed = max(claimed_at - previous[0], 1e-6)
         self._my_seconds = self._ema(self._my_seconds, elapsed)
-        self._others_rate = self._ema(self._others_rate, max(chunk - previous[1] - 1, 0) / elapsed)
+        if chunk < self.num_chunks:
+            self._others_rate = self._ema(self._others_rate, max(chunk - previous[1] - 1, 0) / elapsed)
+
+    @property
+    def seconds_per_chunk(self) -> float:
+        """This rank's estimated seconds per chunk (0.0 before it has timed one)."""
+        return self._my_seconds or 0.0
+
+    def set_speeds(self, seconds_per_chunk: Sequence[float]) -> None:
+        """Every rank's `seconds_per_chunk`, as exchanged at a synchronization point.
+
+        A slow rank in an epoch of few chunks per rank may never see the queue running (it is
+        dry whenever this rank comes back for more), so it could not tell how fast the others
+        are; with everyone's times it can. Nothing changes while any rank has no time yet (0).
+        """
+        others = [s for rank, s in enumerate(seconds_per_chunk) if rank != self.rank]
+        if len(seconds_per_chunk) != self.world_size or min(seconds_per_chunk) <= 0:
+            return
+        self._my_seconds = float(seconds_per_chunk[self.rank])
+        self._others_rate = sum(1.0 / s for s in others)
 
     def _leave_tail(self, previous: tuple[float, int] | None) -> bool:
         """Whether to leave the rest of the epoch to the others, judged from this rank's own claims.

@@ -377,11 +377,23 @@ class DecentralizedStrategy(DDPStrategy):
         if self.average_at_sync:
             self.worker.global_average()
             self.worker.version = self.worker.released_version  # one model again: one version
+        if loader is not None and loader.sampler is not None:
+            self._share_speeds(loader.sampler)
         self._aligned = True
         if loader is not None and self.progress is not None and self.progress.schedule is not None:
             reached = loader.synchronized(progress)
             if progress is None:
                 self.progress.at_synchronization(reached)
+
+    def _share_speeds(self, sampler: WorkQueueSampler) -> None:
+        """Tell every rank every rank's time per batch (one sum of `world_size` numbers, at a
+        synchronization point), for the work queue's tail decisions (`WorkQueueSampler.set_speeds`)."""
+        assert self.worker is not None
+        comm = self.worker.comm
+        speeds = torch.zeros(self.world_size, dtype=torch.float64, device=comm.device)
+        speeds[self.global_rank] = sampler.seconds_per_chunk
+        comm.sum_(speeds, comm.everyone, "exchange of the workers' speeds")
+        sampler.set_speeds(speeds.tolist())  # one host read per synchronization point
 
     @property
     def wait_seconds(self) -> float:
