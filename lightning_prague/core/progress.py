@@ -36,6 +36,8 @@ from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout
 
 #: added to an epoch's claim counter when its first stream ends: later claims see a value above it
 ENDED = 1 << 40
+#: the names of the store keys of one epoch's progress
+EPOCH_KEYS = ("claims", "enders", "end")
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,7 @@ class ProgressCounter:
         return self.epoch_base + self.offset
 
     def _key(self, name: str) -> str:
-        return f"progress/{self.epoch}/{name}"
+        return self._epoch_key(self.epoch, name)
 
     def claim(self) -> Optional[int]:
         """The next global ticket, or `None` when the epoch's data or the budget is used up."""
@@ -236,10 +238,18 @@ class ProgressCounter:
         """This worker's data ran out at a known last ticket (map-style data): nothing to tell the others."""
         self.epoch_end = self.padded(epoch_end)
 
+    @staticmethod
+    def _epoch_key(epoch: int, name: str) -> str:
+        return f"progress/{epoch}/{name}"
+
+    def has_keys(self, epoch: int) -> bool:
+        """Whether `epoch` still has keys in the store."""
+        return any(self.store.check([self._epoch_key(epoch, name)]) for name in EPOCH_KEYS)
+
     def forget_epoch(self, epoch: int) -> None:
         """Delete `epoch`'s keys from the store; call once every rank is done with that epoch."""
-        for name in ("claims", "enders", "end"):
-            self.store.delete_key(f"progress/{epoch}/{name}")
+        for name in EPOCH_KEYS:
+            self.store.delete_key(self._epoch_key(epoch, name))
 
     def final_count(self) -> int:
         """Global batches trained when this epoch is over (call when every worker has stopped claiming)."""

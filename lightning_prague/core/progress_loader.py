@@ -179,14 +179,12 @@ class ProgressLoader:
         a synchronization point of epoch `e`, only `e`'s)."""
         if self.epoch is None:
             return []
-        kept = []
-        for epoch in range(self.epoch + 1):
-            keys = self.counter.store.check([f"progress/{epoch}/claims"])
-            if self.sampler is not None:
-                keys = keys or self.sampler.has_keys(epoch)
-            if keys:
-                kept.append(epoch)
-        return kept
+        sampler = self.sampler
+        return [
+            epoch
+            for epoch in range(self.epoch + 1)
+            if self.counter.has_keys(epoch) or (sampler is not None and sampler.has_keys(epoch))
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         """Where training stands; complete on rank 0 (which writes checkpoints) at a synchronization point."""

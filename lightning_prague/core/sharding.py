@@ -164,18 +164,23 @@ class WorkQueueSampler(Sampler[int]):
 
     @property
     def _cursor_key(self) -> str:
-        return f"epoch/{self.epoch}/cursor"
+        return self._epoch_keys(self.epoch)[0]
+
+    @staticmethod
+    def _epoch_keys(epoch: int) -> list[str]:
+        """Every store key the queue may write in `epoch`."""
+        return [f"epoch/{epoch}/cursor", f"epoch/{epoch}/left"]
 
     def has_keys(self, epoch: int) -> bool:
         """Whether `epoch` still has keys in the store."""
         store = self._connect()
-        return any(store.check([f"epoch/{epoch}/{name}"]) for name in ("cursor", "left"))
+        return any(store.check([key]) for key in self._epoch_keys(epoch))
 
     def forget_epoch(self, epoch: int) -> None:
         """Delete `epoch`'s keys from the store; call once every rank is done with that epoch."""
         store = self._connect()
-        for name in ("cursor", "left"):
-            store.delete_key(f"epoch/{epoch}/{name}")
+        for key in self._epoch_keys(epoch):
+            store.delete_key(key)
 
     def _observe(self, previous: tuple[float, int] | None, claimed_at: float, chunk: int) -> None:
         """Update the speed estimates from two consecutive claims of this rank.
@@ -244,7 +249,7 @@ class WorkQueueSampler(Sampler[int]):
             return False
         # the last rank still taking chunks must not leave, whatever its estimates say: the rest
         # of the epoch would be trained by nobody (one store operation per leaving rank and epoch)
-        if int(self._connect().add(f"epoch/{self.epoch}/left", 1)) >= self.world_size:
+        if int(self._connect().add(self._epoch_keys(self.epoch)[1], 1)) >= self.world_size:
             return False
         self.chunks_left_to_others = remaining
         return True
