@@ -47,10 +47,10 @@ def test_a_long_run_creates_no_communicator_and_the_store_does_not_grow(tmp_path
         assert r["new_communicators"] == 0, "a group created a communicator"
     distinct = {tuple(m) for _, m in results[0]["issued"]}
     assert len(distinct) >= 15, "the run must have used many different member sets"
-    # keys at a quarter, half, three quarters of the steps and at the last one: besides fixed keys only
-    # the queues (requests and one inbox per rank) come and go, whatever the number of steps
+    # keys at a quarter, half, three quarters of the steps and at the last one, in the job's store and in
+    # the session's counters: group requests write nothing there, whatever the number of steps
     keys = results[0]["store_keys"]
-    assert max(keys) - min(keys) <= world + 1, f"the store grew over 120 steps: {keys} keys"
+    assert len({tuple(k) for k in keys}) == 1, f"the store or the counters grew over 160 steps: {keys} keys"
 
 
 def test_a_slow_rank_neither_hangs_nor_breaks_consensus(tmp_path):

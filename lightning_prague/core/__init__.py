@@ -1,19 +1,27 @@
 """The core of lightning-prague: decentralized averaging with no Lightning imports.
 
-Usable from any torch.distributed program initialised with the env:// method: create a
-`CoordinatorService` on rank 0, a `GroupWorker` on every rank, call
-`partial_sync()` after each local step and `synchronize(name)` + `global_average()` where
-all ranks must agree.
+Usable from any program started like a torch.distributed one (`MASTER_ADDR`/`MASTER_PORT` set):
+every rank calls `init_job` (rank 0's call starts the supervisor process that hosts the store and
+the control plane), opens a session with `job.open_session(SessionConfig(...))`, builds a
+`GroupWorker` on it, calls `partial_sync()` after each local step and `synchronize(name)` +
+`global_average()` where all ranks must agree, and `close()` at the end.
 """
 
 from lightning_prague.core.averaging import BucketedTensors, average_, averaged_state
-from lightning_prague.core.coordinator import CoordinatorService
-from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout, PragueError, SyncMismatchError
+from lightning_prague.core.control import ControlClient, Session
+from lightning_prague.core.coordinator import ControlPlane, SessionConfig
+from lightning_prague.core.errors import (
+    ConfigurationError,
+    CoordinationTimeout,
+    MemberLost,
+    PragueError,
+    SyncMismatchError,
+)
 from lightning_prague.core.generator import GroupGenerator
 from lightning_prague.core.groups import GroupComm, communicator_count
 from lightning_prague.core.policies import POLICY_NAMES, GroupingPolicy, SchedulePolicy, make_policy
 from lightning_prague.core.sharding import WorkQueueSampler
-from lightning_prague.core.store import StoreAddress
+from lightning_prague.core.job import Job, current_job, init_job
 from lightning_prague.core.streams import CommStream
 from lightning_prague.core.topology import TOPOLOGIES, Schedule, WeightedGroup, make_topology, static_schedule
 from lightning_prague.core.worker import GroupWorker, WorkerStats
@@ -29,13 +37,19 @@ __all__ = [
     "CommStream",
     "ConfigurationError",
     "CoordinationTimeout",
-    "CoordinatorService",
+    "ControlClient",
+    "ControlPlane",
+    "Job",
+    "MemberLost",
+    "Session",
+    "SessionConfig",
+    "current_job",
+    "init_job",
     "GroupComm",
     "GroupGenerator",
     "GroupWorker",
     "GroupingPolicy",
     "PragueError",
-    "StoreAddress",
     "SyncMismatchError",
     "WorkQueueSampler",
     "WorkerStats",

@@ -1,114 +1,213 @@
-"""The coordinator service: a thread on global rank 0 that runs the Group Generator.
+"""The control plane: every training session's coordinator, its counters, and who is in the job.
 
-Workers send messages over one connection each (`lightning_prague.core.transport`); the
-service handles them one at a time in a single thread, feeds
-`GroupGenerator`, and sends the items a message produces
-to each worker it names. A single consumer gives the one global order of assignments that makes
-group operations deadlock-free. The job's TCPStore only carries the service's address (set once)
-and the `parked` hint of a synchronization point.
+It runs in the supervisor process (`lightning_prague.core.supervisor`), never in a training
+process, behind one `MessageServer`. Each training process keeps one connection to it
+(`lightning_prague.core.control.ControlClient`); everything that coordinates ranks goes over that
+connection, in one global order (the server handles one message at a time):
+
+* **sessions** - one per fit (`join` with the session's configuration, `close` at its end). A
+  session holds a `GroupGenerator` (groups, synchronization points, stops) and a small key-value
+  table of counters (the work queue's claims, global-progress tickets, gossip phase ends), deleted
+  with the session, so nothing outlives a fit.
+* **membership** - the ranks that joined a session and have neither closed it nor gone. When a
+  rank's connection closes while it is in a session (its process ended: exit, exception, kill -9),
+  or it leaves after an error, every other member gets a `departed` item naming it at once.
+
+Messages of a session carry `"s"` (its number) and `"rank"`; items sent back carry `"s"` too, and
+replies to requests (`"req"`) are `{"t": "reply", "req", "value"}`.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
-import socket
-import time
-from datetime import timedelta
+import pickle
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
 
-import torch.distributed as dist
-
-from lightning_prague.core.errors import CoordinationTimeout
 from lightning_prague.core.generator import GroupGenerator, Item
-from lightning_prague.core.store import StoreAddress, encode
-from lightning_prague.core.transport import MessageLink, MessageServer
+from lightning_prague.core.policies import GroupingPolicy
 
 log = logging.getLogger(__name__)
 
-#: the store key (under the session's prefix) that holds the service's `host:port`
-ADDRESS_KEY = "coordinator"
+Out = dict[int, list[Item]]
 
 
-class CoordinatorService:
-    """Runs a `GroupGenerator` behind a `MessageServer` until `close`."""
+@dataclass
+class SessionConfig:
+    """What the coordinator of one session needs; every rank sends the same one with `join`."""
 
-    def __init__(self, address: StoreAddress, generator: GroupGenerator, poll_timeout: float = 60.0) -> None:
-        self.address = address
-        self.generator = generator
-        self.poll_timeout = poll_timeout
-        self.handled = 0
-        self._store: dist.Store | None = None
-        self._server: MessageServer | None = None
+    world_size: int
+    policy: GroupingPolicy
+    avoid_stragglers: bool = True
+    sync_averages: bool = False
+    record_history: bool = False
 
-    def start(self) -> None:
-        """Listen, publish the address in the store, and serve from a daemon thread."""
-        self._store = self.address.open(self.poll_timeout)  # in the caller: fail early, not in the thread
-        self._server = MessageServer(self._handle, self.address.host)
-        host, port = self._server.address
-        if host in ("0.0.0.0", "::"):  # listening on every interface: the workers reach us by this host's name
-            host = self.address.host if self.address.host in ("127.0.0.1", "localhost") else socket.getfqdn()
+    def encode(self) -> str:
+        return base64.b64encode(pickle.dumps(self)).decode()
+
+    @staticmethod
+    def decode(text: str) -> SessionConfig:
+        config = pickle.loads(base64.b64decode(text))
+        if not isinstance(config, SessionConfig):
+            raise TypeError(f"not a session configuration: {type(config).__name__}")
+        return config
+
+
+class CoordinatorSession:
+    """One fit's coordinator: its generator, members and counters."""
+
+    def __init__(self, number: int, config: SessionConfig) -> None:
+        self.number = number
+        self.world_size = config.world_size
+        self.generator = GroupGenerator(
+            config.world_size, config.policy, config.avoid_stragglers, sync_averages=config.sync_averages
+        )
+        self.generator.record_history = config.record_history
+        self.members: set[int] = set()
+        self.closed: set[int] = set()
+        self.departed: dict[int, str] = {}
+        self.values: dict[str, Any] = {}
+        self._waits: dict[str, list[tuple[int, int]]] = defaultdict(list)
+
+    @property
+    def over(self) -> bool:
+        """Every rank closed the session or departed: it can be deleted."""
+        return len(self.closed | set(self.departed)) >= self.world_size
+
+    def depart(self, rank: int, reason: str, out: Out) -> None:
+        """`rank` is gone: tell every other member, and assign it nothing more."""
+        if rank in self.departed or rank in self.closed:
+            return
+        self.members.discard(rank)
+        self.departed[rank] = reason
+        log.warning("session %d: rank %d departed (%s)", self.number, rank, reason)
+        self.generator.depart(rank, out)
+        for member in sorted(self.members):
+            out.setdefault(member, []).append(
+                {"t": "departed", "rank": rank, "reason": reason, "members": sorted(self.members)}
+            )
+
+    # -- the key-value table --------------------------------------------------------------------
+    def kv(self, rank: int, req: int, message: dict[str, Any], out: Out) -> None:
+        do, key = message["do"], message.get("key", "")
+        values = self.values
+        if do == "add":
+            values[key] = int(values.get(key, 0)) + int(message["amount"])
+            self._reply(rank, req, values[key], out)
+            self._wake(key, out)
+        elif do == "set":
+            values[key] = message["value"]
+            self._reply(rank, req, None, out)
+            self._wake(key, out)
+        elif do == "cas":  # as TCPStore.compare_set: set if absent (expected "") or equal; return the value
+            current = values.get(key)
+            if (current is None and message["expected"] == "") or current == message["expected"]:
+                values[key] = current = message["desired"]
+                self._wake(key, out)
+            self._reply(rank, req, current if current is not None else message["expected"], out)
+        elif do == "get":  # waits for the key, as TCPStore.get does
+            if key in values:
+                self._reply(rank, req, values[key], out)
+            else:
+                self._waits[key].append((rank, req))
+        elif do == "check":
+            self._reply(rank, req, all(k in values for k in message["keys"]), out)
+        elif do == "delete":
+            self._reply(rank, req, values.pop(key, None) is not None, out)
+        elif do == "keys":
+            self._reply(rank, req, len(values), out)
         else:
-            host = self.address.host
-        self._store.set(ADDRESS_KEY, f"{host}:{port}")
-        self._server.start()
+            raise ValueError(f"unknown key-value operation {do!r}")
 
-    def _handle(self, message: dict) -> dict[int, list[Item]]:
+    def _wake(self, key: str, out: Out) -> None:
+        for rank, req in self._waits.pop(key, ()):
+            self._reply(rank, req, self.values[key], out)
+
+    @staticmethod
+    def _reply(rank: int, req: int, value: Any, out: Out) -> None:
+        out.setdefault(rank, []).append({"t": "reply", "req": req, "value": value})
+
+
+class ControlPlane:
+    """The message handler of the supervisor's `MessageServer` (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[int, CoordinatorSession] = {}
+        self.handled = 0
+
+    # -- MessageServer hooks ----------------------------------------------------------------------
+    def handle(self, message: dict[str, Any]) -> Out:
+        out: Out = {}
+        rank = int(message.get("rank", -1))
         try:
-            items = self.generator.handle(message)
-        except Exception as err:  # a malformed message must not kill the service silently
-            log.exception("coordinator rejected message %s", message)
-            items = {int(message.get("rank", 0)): [{"t": "error", "message": f"coordinator: {err}"}]}
-        if message.get("op") == "arrive" and self._store is not None:
-            # lets a timed-out worker name the ranks it waited for (once per rank and synchronization point)
-            self._store.set("parked", encode(sorted(self.generator.parked)))
+            self._handle(message, rank, out)
+        except Exception as err:  # a malformed message must not kill the control plane
+            log.exception("control plane rejected message %s", message)
+            item: Item = {"t": "error", "message": f"control plane: {err}"}
+            if "req" in message:
+                item = {"t": "reply", "req": message["req"], "error": f"control plane: {err}"}
+            elif "s" in message:
+                item["s"] = message["s"]
+            out = {rank: [item]}
         self.handled += 1
-        return items
+        return out
 
-    @property
-    def error(self) -> BaseException | None:
-        return None if self._server is None else self._server.error
+    def on_connect(self, rank: int) -> Out:
+        log.debug("control plane: rank %d connected", rank)
+        return {}
 
-    @property
-    def messages(self) -> int:
-        """Messages received plus items sent by the service so far."""
-        return 0 if self._server is None else self._server.messages_in + self._server.messages_out
+    def on_disconnect(self, rank: int) -> Out:
+        """A rank's process closed its connection: it departs from every session it is in."""
+        out: Out = {}
+        for session in list(self.sessions.values()):
+            if rank in session.members:
+                session.depart(rank, "its process ended (its connection to the control plane closed)", out)
+                self._tag(session, out)
+            self._maybe_delete(session)
+        return out
 
-    @property
-    def writes(self) -> int:
-        """Socket writes of the service so far (one per worker and batch of items)."""
-        return 0 if self._server is None else self._server.writes
+    # -- messages -------------------------------------------------------------------------------
+    def _handle(self, message: dict[str, Any], rank: int, out: Out) -> None:
+        op = message["op"]
+        number = int(message["s"])
+        session = self.sessions.get(number)
+        if op == "join":
+            if session is None:
+                session = self.sessions[number] = CoordinatorSession(number, SessionConfig.decode(message["config"]))
+                log.debug("control plane: session %d opened by rank %d", number, rank)
+            session.members.add(rank)
+            return
+        if session is None:
+            raise ValueError(f"rank {rank} sent {op!r} for session {number}, which is not open")
+        if op == "kv":
+            session.kv(rank, int(message["req"]), message, out)
+        elif op == "close":
+            session.members.discard(rank)
+            session.closed.add(rank)
+            self._maybe_delete(session)
+        elif op == "parked":
+            CoordinatorSession._reply(rank, int(message["req"]), sorted(session.generator.parked), out)
+        elif op == "history":
+            history = [[gid, list(members)] for gid, members in session.generator.issued]
+            CoordinatorSession._reply(rank, int(message["req"]), history, out)
+        elif op == "leave":
+            out.update(session.generator.handle(message))
+            session.depart(rank, "it stopped after an error", out)
+        else:
+            for r, items in session.generator.handle(message).items():
+                out.setdefault(r, []).extend(items)
+        self._tag(session, out)
 
-    def await_departures(self, timeout: float) -> list[int]:
-        """Keep serving until every rank has left after an error; returns the ranks that did not.
+    @staticmethod
+    def _tag(session: CoordinatorSession, out: Out) -> None:
+        for items in out.values():
+            for item in items:
+                if item["t"] != "reply":
+                    item["s"] = session.number
 
-        Rank 0 calls this before `close` when it is torn down by an error: the other ranks
-        leave through this service (at once if they failed too, or at their next synchronization
-        point, which reports rank 0's departure), and would wait in vain if it were already gone.
-        """
-        deadline = time.monotonic() + timeout
-        while self.alive and time.monotonic() < deadline:
-            if len(self.generator.left) == self.generator.world_size:
-                return []
-            time.sleep(0.01)
-        return sorted(set(range(self.generator.world_size)) - self.generator.left)
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop the thread; safe to call twice. Call only after every worker is done with it."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.close(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._server is not None and self._server.alive
-
-
-def connect_to_coordinator(store: dist.Store, rank: int, timeout: float) -> MessageLink:
-    """Open `rank`'s connection to the coordinator whose address rank 0 published in `store`."""
-    try:
-        store.wait([ADDRESS_KEY], timedelta(seconds=timeout))
-        host, port = store.get(ADDRESS_KEY).decode().rsplit(":", 1)
-    except dist.DistStoreError as err:
-        raise CoordinationTimeout(
-            f"rank {rank}: the coordinator of rank 0 did not publish its address within {timeout:.0f}s ({err})"
-        ) from None
-    return MessageLink(host, int(port), rank, timeout)
+    def _maybe_delete(self, session: CoordinatorSession) -> None:
+        if session.over and self.sessions.get(session.number) is session:
+            del self.sessions[session.number]
+            log.debug("control plane: session %d is over", session.number)

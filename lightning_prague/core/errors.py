@@ -26,3 +26,10 @@ class SyncMismatchError(PragueError):
 
 class ExchangeInterrupted(PragueError):
     """A communication thread was told to stop while it waited (shutdown after an error elsewhere)."""
+
+
+class MemberLost(PragueError):
+    """A rank left the job (its process ended, or it stopped after an error) while others needed it.
+
+    The message names the rank, why it left, and what this rank was doing.
+    """

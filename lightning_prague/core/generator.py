@@ -1,7 +1,8 @@
 """The Group Generator: one global order of group assignments, as pure logic.
 
 Workers send messages (`ready` after a local step, `arrive` at a synchronization point,
-`stop` to end training, `leave` when shutting down after an error); the generator answers by
+`stop` to end training, `leave` when shutting down after an error); the control plane calls
+`depart` for a rank whose process is gone. The generator answers by
 appending items to per-worker inboxes. Every item for every worker is produced by this one object,
 in one sequence, so two workers can never see two shared groups in opposite order, and executing
 inbox items in order cannot deadlock.
@@ -15,13 +16,17 @@ Inbox items (plain dicts, JSON-serialisable):
   `weights` (in `members` order) instead of the plain mean.
 - `{"t": "answer", "req", "gid"}`: the reply to the worker's `ready` number `req`: the group it was
   given (already earlier in its inbox) or `None` when no group could be formed.
-- `{"t": "release", "sync", "version"}`: every worker arrived at synchronization point `sync` and
-  every group issued before it is earlier in every inbox; `version` is the newest model version
-  reported so far.
+- `{"t": "release", "sync", "version", "stop", "speeds", "pending"}`: every worker arrived at
+  synchronization point `sync` and every group issued before it is earlier in every inbox;
+  `version` is the newest model version reported so far; `stop`: some rank asked the job to stop
+  (every rank stops here, together); `speeds`: every rank's seconds per batch and `pending`: the
+  work-queue chunks every rank holds untrained, as they reported them with `arrive`.
 - `{"t": "left"}`: the answer to `leave` (a worker shutting down after an error): nothing more will
   name it.
-- `{"t": "stop"}` / `{"t": "error", "message"}`: training is being stopped (SIGTERM on some rank) /
-  ranks disagree about a synchronization point.
+- `{"t": "stop", "reason"}`: training is being stopped: `"sigterm"` (SIGTERM on some rank: every
+  rank drains and meets at the stop point at once) or `"request"` (a rank decided to stop, e.g.
+  `trainer.should_stop`: every rank ends its epoch early, and the next release says `stop`).
+- `{"t": "error", "message"}`: ranks disagree about a synchronization point.
 
 The cost of a message does not grow with the number of workers: the set of workers that may be
 drawn into a group is kept up to date when it changes (parking, leaving, lagging) rather than
@@ -81,8 +86,11 @@ class GroupGenerator:
         self.next_gid = 0
         self.rounds = [0] * world_size
         self.parked: dict[int, str] = {}  # rank -> name of the sync point it waits at
-        self.stopping = False
-        self.left: set[int] = set()  # ranks that shut down after an error
+        self.stopping = False  # SIGTERM: every rank drains to the stop point
+        self.stop_requested = False  # a rank asked the job to stop at the next synchronization point
+        self.left: set[int] = set()  # ranks that shut down after an error or departed
+        self._speeds: list[float] = [0.0] * world_size  # seconds per batch, as reported with `arrive`
+        self._untrained: dict[int, list[int]] = {}
         #: groups shared by a round (static, buffer): (round, members) -> [gid, members yet to ask for it]
         self._per_round: dict[tuple[int, Group], list[int]] = {}
         self._ready: deque[tuple[int, int, int]] = deque()  # first_ready: FIFO of (rank, req, version)
@@ -106,9 +114,18 @@ class GroupGenerator:
         if op == "ready":
             self._ready_msg(rank, int(message["req"]), int(message.get("version", 0)), out)
         elif op == "arrive":
+            if "speed" in message:
+                self._speeds[rank] = float(message["speed"])
+            if "untrained" in message:
+                self._untrained[rank] = [int(c) for c in message["untrained"]]
+            if message.get("stop"):
+                self._request_stop(out)
             self._arrive(rank, str(message["sync"]), out)
         elif op == "stop":
-            self._stop(out)
+            if message.get("reason", "sigterm") == "sigterm":
+                self._stop(out)
+            else:
+                self._request_stop(out)
         elif op == "leave":
             self._leave(rank, out)
         else:
@@ -261,8 +278,16 @@ class GroupGenerator:
         if self.stopping and names != {STOP_SYNC}:
             return  # every rank sees the stop item and arrives at the stop point; wait for all of them
         if len(names) == 1:
+            release: Item = {
+                "t": "release",
+                "sync": sync,
+                "version": self.newest_version,
+                "stop": self.stop_requested or self.stopping,
+                "speeds": list(self._speeds),
+                "pending": sorted(c for chunks in self._untrained.values() for c in chunks),
+            }
             for r in range(self.world_size):
-                self._push(out, r, {"t": "release", "sync": sync, "version": self.newest_version})
+                self._push(out, r, release)
             if self.sync_averages and isinstance(self.policy, FirstReadyPolicy):
                 self.policy.restart_window()  # the global average mixed everyone
         else:
@@ -277,6 +302,7 @@ class GroupGenerator:
             for r in range(self.world_size):
                 self._push(out, r, {"t": "error", "message": message})
         self.parked.clear()
+        self._untrained = {}
         self.rounds = [0] * self.world_size
         self._per_round.clear()
         self.policy.restart()
@@ -298,12 +324,33 @@ class GroupGenerator:
         self._arrive(rank, LEFT_SYNC, out)
         self._push(out, rank, {"t": "left"})
 
+    def depart(self, rank: int, out: dict[int, list[Item]]) -> None:
+        """`rank`'s process is gone: withdraw its pending request and assign it nothing more.
+
+        Unlike `leave`, nothing is sent to it. A synchronization point that waits for it ends
+        with an error naming it (every other rank has been told of the departure already).
+        """
+        if rank in self.left:
+            return
+        self.left.add(rank)
+        self._ready = deque(entry for entry in self._ready if entry[0] != rank)
+        self._arrive(rank, LEFT_SYNC, out)
+
+    def _request_stop(self, out: dict[int, list[Item]]) -> None:
+        """A rank decided to stop: every rank ends its epoch at its next batch; the release says stop."""
+        if self.stop_requested:
+            return
+        self.stop_requested = True
+        for r in range(self.world_size):
+            if r not in self.left:
+                self._push(out, r, {"t": "stop", "reason": "request"})
+
     def _stop(self, out: dict[int, list[Item]]) -> None:
         if self.stopping:
             return
         self.stopping = True
         for r in range(self.world_size):
-            self._push(out, r, {"t": "stop"})
+            self._push(out, r, {"t": "stop", "reason": "sigterm"})
         # waiting first_ready workers get their answer now, so they can reach the stop drain
         while self._ready:
             r, req, _ = self._ready.popleft()

@@ -191,7 +191,7 @@ class LaggedGossip(Exchanger):
         self._phase_open = False
 
     def _agree_on_final_round(self) -> int:
-        store, rank, world = self.worker.store, self.worker.rank, self.worker.world_size
+        store, rank, world = self.worker.counters, self.worker.rank, self.worker.world_size
         key = f"{self._name}/phase{self.phases}"
         store.set(f"{key}/done/{rank}", str(self.round))
         if int(store.add(f"{key}/done", 1)) == world:  # the last worker to run out of steps decides
@@ -231,13 +231,13 @@ class LaggedGossip(Exchanger):
         """
         if phase < 0:
             return
-        store, key = self.worker.store, f"{self._name}/phase{phase}"
+        store, key = self.worker.counters, f"{self._name}/phase{phase}"
         for suffix in [*(f"done/{r}" for r in range(self.worker.world_size)), "done", "mode", "final"]:
             store.delete_key(f"{key}/{suffix}")
 
     def _claim(self, key: str, mode: str) -> str:
         """Set `key` to `mode` unless it is set already; returns the value it holds."""
-        return self.worker.store.compare_set(key, "", mode).decode()
+        return self.worker.counters.compare_set(key, "", mode).decode()
 
     def close(self) -> None:
         self._flight = None  # an unfinished sum ends at its peers' exit or its timeout

@@ -36,7 +36,7 @@ import torch
 from lightning_prague.core.averaging import BucketedTensors
 from lightning_prague.core.errors import CoordinationTimeout, ExchangeInterrupted
 from lightning_prague.core.streams import CommStream, Marker
-from lightning_prague.core.worker import PAUSE, GroupAnswer, GroupWorker
+from lightning_prague.core.worker import GroupAnswer, GroupWorker
 
 log = logging.getLogger(__name__)
 _LEAVE = "leave"  # a job: send `leave` and serve what is assigned until `left`
@@ -312,7 +312,7 @@ class PassiveResponder(_ThreadedExchanger):
             item = self.worker.poll_item()
             if item is None:
                 continue  # nobody exchanged with us for a while: keep listening
-            if item == PAUSE or item["t"] == "left":
+            if item["t"] in ("pause", "left"):
                 return
             if item["t"] != "group":
                 self.worker.execute(item)

@@ -4,7 +4,7 @@ Asynchronous workers run different numbers of steps, so no per-worker step count
 anything that every worker must do together (validation every N steps, a checkpoint every N steps,
 `max_steps`, a learning-rate schedule). One count is the same on every worker: the global number
 of batches trained. Each batch gets a *ticket* (its 1-based global number) from an atomic counter
-in the job's TCPStore when the worker fetches it; tickets increase on every worker in the order its
+of the session's coordinator (`Session.counters`) when the worker fetches it; tickets increase on every worker in the order its
 batches are trained.
 
 A *boundary* is a global batch count at which every worker must meet (a synchronization point):
@@ -28,9 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Optional
-
-import torch.distributed as dist
+from typing import Any, Optional
 
 from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout
 
@@ -38,7 +36,6 @@ from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout
 ENDED = 1 << 40
 #: the names of the store keys of one epoch's progress
 EPOCH_KEYS = ("claims", "enders", "end")
-
 
 @dataclass(frozen=True)
 class Boundary:
@@ -58,7 +55,6 @@ class Boundary:
         if next_ticket is not None:
             return next_ticket > self.batches
         return epoch_end is not None and self.batches <= epoch_end
-
 
 @dataclass(frozen=True)
 class ProgressSchedule:
@@ -145,10 +141,8 @@ class ProgressSchedule:
             checkpoint=any(c[2] for c in hits),
         )
 
-
 def _next_multiple(position: int, origin: int, every: int) -> int:
     return origin + (math.floor((position - origin) / every) + 1) * every
-
 
 def _merge(a: Optional[Boundary], b: Boundary) -> Boundary:
     if a is None:
@@ -156,7 +150,6 @@ def _merge(a: Optional[Boundary], b: Boundary) -> Boundary:
     return Boundary(
         max(a.batches, b.batches), max(a.step, b.step), a.validate or b.validate, a.checkpoint or b.checkpoint
     )
-
 
 class ProgressCounter:
     """One worker's view of the global ticket counter (one store operation per batch).
@@ -171,7 +164,7 @@ class ProgressCounter:
 
     def __init__(
         self,
-        store: dist.Store,
+        store: Any,
         timeout: float,
         budget: Optional[int] = None,
         rank: int = 0,
@@ -269,7 +262,6 @@ class ProgressCounter:
                 f"(operation: read the epoch's end from the store; ranks 0-{self.world_size - 1} share it)"
             ) from err
         return self.padded(int(self.store.get(key)))
-
 
 def _timedelta(seconds: float):  # noqa: ANN202 - datetime.timedelta
     from datetime import timedelta

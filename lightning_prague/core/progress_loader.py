@@ -15,12 +15,9 @@ the state of stateful training loaders).
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
-
-import torch.distributed as dist
 
 from lightning_prague.core.progress import ProgressCounter
 from lightning_prague.core.sharding import WorkQueueSampler
@@ -52,6 +49,8 @@ class ProgressLoader:
         #: global batches trained at the last synchronization point (`start`: before this fit)
         self.progress = start
         self._restored: Optional[dict[str, Any]] = None
+        #: chunks every rank held untrained at the last synchronization point (for checkpoints)
+        self.pending: list[int] = []
         self._first_epoch: Optional[int] = None  # the oldest epoch whose store keys may still exist
 
     def __getattr__(self, name: str) -> Any:
@@ -63,7 +62,7 @@ class ProgressLoader:
         raise TypeError("a ProgressLoader has no length")
 
     @property
-    def store(self) -> dist.Store:
+    def store(self) -> Any:
         return self.counter.store
 
     @property
@@ -146,11 +145,9 @@ class ProgressLoader:
         return self.tickets[0] if self.tickets else None
 
     # -- synchronization points and checkpoints ---------------------------------------------------
-    def publish_untrained(self) -> None:
-        """At a synchronization point, before the ranks meet: tell rank 0 which chunks this rank
-        holds untrained (one key per rank, overwritten at every synchronization point)."""
-        if self.sampler is not None:
-            self.store.set(f"pending/{self.rank}", json.dumps(list(self.sampler.untrained)))
+    def untrained(self) -> list[int]:
+        """The chunks this rank holds untrained (reported when the ranks meet, for checkpoints)."""
+        return list(self.sampler.untrained) if self.sampler is not None else []
 
     def synchronized(self, progress: Optional[int]) -> int:
         """At a synchronization point, after the ranks met: record and return the global progress
@@ -190,12 +187,7 @@ class ProgressLoader:
         """Where training stands; complete on rank 0 (which writes checkpoints) at a synchronization point."""
         state: dict[str, Any] = {"epoch": self.epoch, "epoch_base": self.epoch_base, "progress": self.progress}
         if self.sampler is not None and self.rank == 0:
-            pending: list[int] = []
-            for rank in range(self.counter.world_size):
-                key = f"pending/{rank}"
-                if self.store.check([key]):
-                    pending += json.loads(self.store.get(key))
-            state["pending"] = sorted(pending)
+            state["pending"] = sorted(self.pending)
             state["cursor"] = self.sampler.cursor()
         return state
 

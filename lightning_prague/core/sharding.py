@@ -2,7 +2,7 @@
 
 An epoch is one pass over a shuffled permutation of the dataset, cut into chunks of one batch.
 Every rank first takes the chunk numbered by its rank (so nobody ends an epoch empty-handed), then
-claims further chunks from an atomic counter in the TCPStore. Fast ranks claim more chunks; nobody
+claims further chunks from an atomic counter of the session's coordinator (`Session.counters`). Fast ranks claim more chunks; nobody
 idles at the end of the epoch waiting for a slow rank's fixed shard. The permutation depends only
 on `seed` and the epoch, so all ranks agree on it without communicating.
 
@@ -24,15 +24,16 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.store import StoreAddress
 
 
 class WorkQueueSampler(Sampler[int]):
-    """Yields dataset indices, a chunk at a time, claimed from a store-wide counter.
+    """Yields dataset indices, a chunk at a time, claimed from a counter every rank shares.
+
+    `store`: where the counters live, with TCPStore's `add`/`check`/`delete_key` (the session's
+    `Counters` in training; a TCPStore works too).
 
     It deliberately has no `__len__`: how many batches a rank gets depends on its speed, and a
     length would make trainers schedule per-rank events (mid-epoch validation) at batch counts that
@@ -45,7 +46,7 @@ class WorkQueueSampler(Sampler[int]):
         chunk_size: int,
         rank: int,
         world_size: int,
-        address: StoreAddress,
+        store: Any,
         shuffle: bool = True,
         seed: int = 0,
         timeout: float = 300.0,
@@ -59,7 +60,6 @@ class WorkQueueSampler(Sampler[int]):
         self.chunk_size = chunk_size
         self.rank = rank
         self.world_size = world_size
-        self.address = address
         self.shuffle = shuffle
         self.seed = seed
         self.timeout = timeout
@@ -79,13 +79,12 @@ class WorkQueueSampler(Sampler[int]):
         self.may_leave_tail: Callable[[], bool] = lambda: True
         self._resume: Optional[tuple[int, int, list[int]]] = None  # (epoch, cursor, chunks to hand out first)
         self._first_claimed = world_size  # chunk number of this epoch's first claim
-        self._store: dist.Store | None = None
+        self._store = store
         if self.num_chunks < world_size:
             raise ConfigurationError(
                 f"the training set has {dataset_size} samples, {self.num_chunks} batches of {chunk_size}, fewer than "
                 f"the {world_size} workers; use a smaller batch size or fewer devices"
             )
-        self._connect()  # now, at setup: a connection opened mid-epoch can stall the first batch
 
     @property
     def num_chunks(self) -> int:
@@ -96,12 +95,12 @@ class WorkQueueSampler(Sampler[int]):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_store"] = None  # a socket does not pickle; reconnect lazily
+        state["_store"] = None  # a connection does not pickle; a copy (in another process) cannot claim
         return state
 
-    def _connect(self) -> dist.Store:
+    def _connect(self) -> Any:
         if self._store is None:
-            self._store = self.address.open(self.timeout)
+            raise RuntimeError("a copy of a WorkQueueSampler in another process cannot claim chunks")
         return self._store
 
     def _claim(self) -> int:

@@ -1,6 +1,7 @@
-"""The coordinator's message transport: one TCP connection per worker, newline-delimited JSON.
+"""The control plane's message transport: one TCP connection per process, newline-delimited JSON.
 
-Every worker keeps one connection to the coordinator on rank 0 for the whole fit. A message is
+Every training process keeps one connection to the control plane (the supervisor process,
+`lightning_prague.core.supervisor`) for as long as it lives. A message is
 one JSON object on one line. The server handles everything that arrived on any connection in one
 pass of its event loop, in arrival order, and sends each worker what that pass produced for it
 in one write: under load, requests and replies are batched by the transport itself, so the cost
@@ -8,18 +9,21 @@ per request is a few microseconds of parsing rather than a synchronous round tri
 
 Why not the TCPStore that every job already has: its queues serve one item per round trip, and
 the coordinator needed about four of them per request (pop the request, push each member's
-items), which capped it near 3k requests/s. The store is still used where a key-value store is
-the right tool: the server publishes its address there once (key `coordinator`), and a
-synchronization point's `parked` hint lives there.
+items), which capped it near 3k requests/s. The store only carries the server's address.
 
-The server is `MessageServer` (one thread, `selectors`); the client is
-`MessageLink`. Both are pure sockets: nothing here knows what the messages mean.
+The server is `MessageServer` (one thread, `selectors`); it tells its owner when a rank connects
+and when a rank's connection closes (a process that ends, however it ends, closes its sockets: this
+is how the control plane sees a lost worker within milliseconds). The client is `MessageLink`: a
+reader thread takes every line off the socket as it arrives and hands it to a router, so a
+worker learns of a departure or a stop even while no thread of it waits on the link. Both are pure
+sockets: nothing here knows what the messages mean.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import queue
 import selectors
 import socket
 import threading
@@ -35,6 +39,8 @@ log = logging.getLogger(__name__)
 Message = dict[str, Any]
 #: `handler(message) -> {rank: [item, ...]}`: the items to send, per rank, in order
 Handler = Callable[[Message], dict[int, list[Message]]]
+#: `on_connect(rank)` / `on_disconnect(rank)`: the items to send, per rank, in order
+RankEvent = Callable[[int], dict[int, list[Message]]]
 HELLO = "hello"  # the first message on a connection: which rank it belongs to
 _RECV_BYTES = 1 << 20
 
@@ -69,27 +75,41 @@ class MessageServer:
     "item"}`) puts `item` behind everything already sent to `rank`: a thread can wake itself.
     """
 
-    def __init__(self, handler: Handler, host: str, name: str = "prague-coordinator") -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        host: str,
+        name: str = "prague-coordinator",
+        port: int = 0,
+        on_connect: RankEvent | None = None,
+        on_disconnect: RankEvent | None = None,
+    ) -> None:
         self.handler = handler
         self.name = name
+        self.on_connect = on_connect
+        self.on_disconnect = on_disconnect
+        #: ranks with an open connection now, and every rank that ever connected
+        self.connected: set[int] = set()
+        self.ever_connected: set[int] = set()
         self.messages_in = 0
         self.messages_out = 0
         self.writes = 0  # socket writes (one per rank and pass of the loop, unless the kernel buffer fills)
         self.error: BaseException | None = None
-        self._listener = self._listen(host)
+        self._listener = self._listen(host, port)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._wake_r, self._wake_w = socket.socketpair()
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         self._by_rank: dict[int, _Connection] = {}
         self._waiting: dict[int, bytearray] = {}  # items for ranks that have not connected yet
+        self._dropped: list[int] = []  # ranks whose connection closed in this pass of the loop
 
     @staticmethod
-    def _listen(host: str) -> socket.socket:
+    def _listen(host: str, port: int) -> socket.socket:
         try:
-            listener = socket.create_server((host, 0), backlog=4096)
+            listener = socket.create_server((host, port), backlog=4096)
         except OSError:  # `host` is not an address of this machine (e.g. a load balancer's): every interface
-            listener = socket.create_server(("", 0), backlog=4096)
+            listener = socket.create_server(("", port), backlog=4096)
         listener.setblocking(False)
         return listener
 
@@ -135,6 +155,10 @@ class MessageServer:
                 touched: dict[int, _Connection] = {}
                 for conn, message in arrived:
                     self._dispatch(conn, message, touched)
+                while self._dropped:
+                    rank = self._dropped.pop(0)
+                    if self.on_disconnect is not None and rank not in self.connected:
+                        self._route(self.on_disconnect(rank), touched)
                 for conn in touched.values():
                     self._flush(selector, conn)
         except BaseException as err:  # surfaced through .error and the workers' timeouts
@@ -183,6 +207,9 @@ class MessageServer:
         conn.sock.close()
         if conn.rank is not None and self._by_rank.get(conn.rank) is conn:
             del self._by_rank[conn.rank]
+            self.connected.discard(conn.rank)
+            self._dropped.append(conn.rank)
+            log.debug("%s: rank %d's connection closed", self.name, conn.rank)
 
     def _dispatch(self, conn: _Connection, message: Message, touched: dict[int, _Connection]) -> None:
         op = message.get("op")
@@ -190,15 +217,22 @@ class MessageServer:
             rank = int(message["rank"])
             conn.rank = rank
             self._by_rank[rank] = conn
+            self.connected.add(rank)
+            self.ever_connected.add(rank)
             waiting = self._waiting.pop(rank, None)
             if waiting:
                 conn.outbuf += waiting
                 touched[rank] = conn
+            if self.on_connect is not None:
+                self._route(self.on_connect(rank), touched)
             return
         if op == "echo":
             out = {int(message["rank"]): [message["item"]]}
         else:
             out = self.handler(message)
+        self._route(out, touched)
+
+    def _route(self, out: dict[int, list[Message]], touched: dict[int, _Connection]) -> None:
         encoded: dict[int, bytes] = {}  # a group item is one object shared by its members: encode it once
         for rank, items in out.items():
             buffer = self._by_rank.get(rank)
@@ -230,34 +264,49 @@ class MessageServer:
             selector.modify(conn.sock, events, conn)
 
 
-class MessageLink:
-    """One worker's connection to a `MessageServer`.
+#: what a router returns for a message it has taken care of (it is not queued for `receive`)
+ROUTED = True
 
-    Any thread may `send` (a lock keeps lines whole, and one connection keeps one order);
-    `receive` is for one thread at a time (a second lock enforces it).
+
+class MessageLink:
+    """One process's connection to a `MessageServer`, read by a thread of its own.
+
+    Any thread may `send` (a lock keeps lines whole, and one connection keeps one order). The
+    reader thread passes every message to `router` (if given) as it arrives; what the router does
+    not take (returns a false value) is queued for `receive`. When the server closes the
+    connection, `on_close(error)` runs once and `receive` raises `CoordinationTimeout`.
     """
 
-    def __init__(self, host: str, port: int, rank: int, timeout: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        timeout: float,
+        router: Callable[[Message], bool] | None = None,
+        on_close: Callable[[str], None] | None = None,
+        peer: str = "the control plane",
+    ) -> None:
         self.rank = rank
         self.timeout = timeout
+        self.peer = peer
+        self.router = router
+        self.on_close = on_close
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as err:
-            raise CoordinationTimeout(
-                f"rank {rank}: cannot connect to the coordinator of rank 0 at {host}:{port} ({err})"
-            ) from None
+            raise CoordinationTimeout(f"rank {rank}: cannot connect to {peer} at {host}:{port} ({err})") from None
         _nodelay(self._sock)
-        self._sock.settimeout(timeout)  # bounds sendall; receive waits through its own selector
-        self._readable = selectors.DefaultSelector()
-        self._readable.register(self._sock, selectors.EVENT_READ)
+        self._sock.settimeout(timeout)  # bounds sendall; the reader blocks in recv without a timeout
         self._send_lock = threading.Lock()
-        self._recv_lock = threading.Lock()
-        self._buffer = bytearray()
-        self._lines: list[bytes] = []
+        self._queue: queue.Queue[Message | None] = queue.Queue()
         self.sent = 0
         self.received = 0
         self.closed = False
+        self.close_error: str | None = None
         self.send({"op": HELLO, "rank": rank})
+        self._reader = threading.Thread(target=self._read_forever, name=f"prague-control-{rank}", daemon=True)
+        self._reader.start()
 
     def send(self, message: Message) -> None:
         line = encode_line(message)
@@ -266,52 +315,58 @@ class MessageLink:
                 self._sock.sendall(line)
             except OSError as err:
                 raise CoordinationTimeout(
-                    f"rank {self.rank}: cannot send {message.get('op')!r} to the coordinator of rank 0 ({err}); "
-                    "rank 0 may have stopped"
+                    f"rank {self.rank}: cannot send {message.get('op')!r} to {self.peer} ({err}); it may have stopped"
                 ) from None
             self.sent += 1
 
-    def receive(self, timeout: float | None = None) -> Message | None:
-        """The next message, or `None` if none arrived within `timeout` (default: the link's).
+    def _read_forever(self) -> None:
+        buffer = bytearray()
+        error = ""
+        while True:
+            try:
+                data = self._sock.recv(_RECV_BYTES)
+            except OSError as err:
+                data, error = b"", f" ({err})"
+            if not data:
+                break
+            buffer += data
+            end = buffer.rfind(b"\n")
+            if end < 0:
+                continue
+            lines = bytes(buffer[:end]).split(b"\n")
+            del buffer[: end + 1]
+            for line in lines:
+                message = json.loads(line)
+                self.received += 1
+                if self.router is None or not self.router(message):
+                    self._queue.put(message)
+        self.closed = True
+        self.close_error = f"rank {self.rank}: {self.peer} closed the connection{error}; it stopped or failed"
+        if self.on_close is not None:
+            try:
+                self.on_close(self.close_error)
+            except Exception:
+                log.exception("rank %d: error while handling the closed connection", self.rank)
+        self._queue.put(None)
 
-        Raises `CoordinationTimeout` if the coordinator closed the connection.
-        """
-        with self._recv_lock:
-            if not self._lines:
-                deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-                while not self._lines:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return None
-                    if not self._readable.select(remaining):
-                        return None
-                    try:
-                        data = self._sock.recv(_RECV_BYTES)
-                    except OSError as err:
-                        data, error = b"", err
-                    else:
-                        error = None
-                    if not data:
-                        self.closed = True
-                        raise CoordinationTimeout(
-                            f"rank {self.rank}: the coordinator of rank 0 closed the connection"
-                            + (f" ({error})" if error else "")
-                            + "; rank 0 stopped or failed"
-                        )
-                    self._buffer += data
-                    end = self._buffer.rfind(b"\n")
-                    if end >= 0:
-                        self._lines = bytes(self._buffer[:end]).split(b"\n")
-                        self._lines.reverse()
-                        del self._buffer[: end + 1]
-            self.received += 1
-            return json.loads(self._lines.pop())
+    def receive(self, timeout: float | None = None) -> Message | None:
+        """The next message not taken by the router, or `None` if none arrived within `timeout`
+        (default: the link's). Raises `CoordinationTimeout` once the server closed the connection."""
+        try:
+            message = self._queue.get(timeout=self.timeout if timeout is None else max(0.0, timeout))
+        except queue.Empty:
+            return None
+        if message is None:
+            self._queue.put(None)  # every later receive fails the same way
+            raise CoordinationTimeout(self.close_error or f"rank {self.rank}: the connection to {self.peer} closed")
+        return message
 
     def close(self) -> None:
-        self.closed = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._sock.close()
-        self._readable.close()
+        if threading.current_thread() is not self._reader:
+            self._reader.join(5.0)
+        self.closed = True

@@ -8,7 +8,7 @@ Then nothing is in flight anywhere, and a world-wide average is safe.
 
 from __future__ import annotations
 
-import threading
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,12 +17,13 @@ from typing import Any
 import torch
 
 from lightning_prague.core.averaging import BucketedTensors, average_, relative_error
-from lightning_prague.core.coordinator import connect_to_coordinator
+from lightning_prague.core.control import Session
 from lightning_prague.core.errors import CoordinationTimeout, ExchangeInterrupted, SyncMismatchError
 from lightning_prague.core.generator import STOP_SYNC
 from lightning_prague.core.groups import GroupComm
-from lightning_prague.core.store import StoreAddress, decode
-from lightning_prague.core.transport import MessageLink
+from lightning_prague.core.job import current_job
+
+log = logging.getLogger(__name__)
 
 PAUSE = {"t": "pause"}  # a worker posts this to its own inbox to stop a thread that serves it
 
@@ -68,28 +69,35 @@ class WorkerStats:
 
 
 class GroupWorker:
-    """One rank's client of the coordinator, executing the groups it is assigned."""
+    """One rank's client of its session's coordinator, executing the groups it is assigned.
+
+    Args:
+        session: this rank's session of the control plane (`ControlClient.open_session`).
+        tensors: the live tensors that group averages change.
+        timeout: seconds any one wait may take.
+        comm: the group sums; default: over the library's process group of this process's job
+            (`lightning_prague.core.job`), or the world group where there is no job.
+    """
 
     def __init__(
         self,
-        address: StoreAddress,
-        rank: int,
-        world_size: int,
+        session: Session,
         tensors: BucketedTensors,
-        backend: str,
         timeout: float,
+        comm: GroupComm | None = None,
     ) -> None:
-        self.rank = rank
-        self.world_size = world_size
+        self.session = session
+        self.rank = session.rank
+        self.world_size = session.world_size
         self.tensors = tensors
         self.timeout = timeout
-        self.address = address
-        #: the job's TCPStore under this session's prefix: rarely used (end-of-phase agreement, hints)
-        self.store = address.open(timeout)
-        self._link: MessageLink | None = None
-        self._link_lock = threading.Lock()
-        #: sums over any group on the world process group; no communicator is ever created for a group
-        self.comm = GroupComm(rank, world_size, timeout)
+        #: the session's counters in the coordinator (the end-of-phase agreement of gossip)
+        self.counters = session.counters
+        if comm is None:
+            job = current_job()
+            comm = GroupComm(self.rank, self.world_size, timeout, job.group if job is not None else None)
+        #: sums over any group on one process group that spans every rank; no communicator per group
+        self.comm = comm
         self.comm.warm_up()
         self.stats = WorkerStats()
         self.stop_seen = False
@@ -99,32 +107,18 @@ class GroupWorker:
         self.version = 0
         #: the newest version any worker had reported when the last synchronization point was released
         self.released_version = 0
+        #: the last synchronization point's release (`GroupGenerator`'s item), `None` before the first
+        self.release: dict[str, Any] | None = None
+        self._doing = "training"  # what this rank waits on, for error messages
 
     # -- messaging -------------------------------------------------------------------------
-    @property
-    def link(self) -> MessageLink:
-        """This rank's one connection to the coordinator, opened on first use (or by `connect`).
-
-        Any thread may send on it; one thread at a time receives. A worker that only gossips on a
-        fixed schedule never opens it.
-        """
-        if self._link is None:
-            with self._link_lock:
-                if self._link is None:
-                    self._link = connect_to_coordinator(self.store, self.rank, self.timeout)
-        return self._link
-
-    def connect(self) -> None:
-        """Open the connection to the coordinator now (fail at setup rather than at the first step)."""
-        self.link  # noqa: B018
-
     def _send(self, op: str, **fields: Any) -> None:
-        self.link.send({"op": op, "rank": self.rank, **fields})
+        self.session.send(op, **fields)
         self.stats.messages += 1
 
-    def poll_item(self) -> dict[str, Any] | None:
+    def poll_item(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The next item of this rank's inbox, or `None` if none came within the timeout."""
-        item = self.link.receive()
+        item = self.session.receive(timeout)
         if item is not None:
             self.stats.messages += 1
         return item
@@ -134,17 +128,21 @@ class GroupWorker:
         if item is None:
             raise CoordinationTimeout(
                 f"rank {self.rank}: waited {self.timeout:.0f}s for {waiting_for}{self._parked_hint()}; "
-                "a rank may have died or stalled, or the coordinator on rank 0 stopped"
+                "a rank may have stalled"
             )
         return item
 
     def _parked_hint(self) -> str:
         try:
-            parked = decode(self.store.get("parked")) if self.store.check(["parked"]) else []
+            parked = self.session.request("parked", "the ranks at the synchronization point", timeout=5.0)
         except Exception:  # the hint is best effort; the timeout is the error
             return ""
         missing = sorted(set(range(self.world_size)) - set(parked))
         return f" (ranks not at the synchronization point: {missing})" if parked else ""
+
+    def check_members(self, during: str) -> None:
+        """Raise `MemberLost` naming the ranks that left the job, if any did."""
+        self.session.check_members(during)
 
     def execute(self, item: dict[str, Any], tensors: BucketedTensors | None = None) -> int | None:
         """Carry out one inbox item on `tensors` (default: the live tensors); returns an adopted version."""
@@ -162,8 +160,11 @@ class GroupWorker:
             return item.get("version")
         if kind in ("pause", "left"):
             raise ExchangeInterrupted(f"rank {self.rank}: exchange interrupted at shutdown")
+        if kind == "departed":
+            raise self.session.lost_error(self._doing)
         if kind == "stop":
-            self.stop_seen = True
+            if item.get("reason", "sigterm") == "sigterm":
+                self.stop_seen = True
         elif kind == "error":
             raise SyncMismatchError(f"rank {self.rank}: {item['message']}")
         return None
@@ -180,6 +181,7 @@ class GroupWorker:
         """
         self._req += 1
         req = self._req
+        self._doing = f"group request #{req}"
         self.stats.requests += 1
         reported = self.version if version is None else version
         sent = time.monotonic()
@@ -200,34 +202,43 @@ class GroupWorker:
             if item["t"] == "group":
                 versions[item["gid"]] = newest
 
-    def synchronize(self, name: str) -> bool:
-        """Wait until every rank reached `name` with nothing in flight; True if training is stopping."""
+    def synchronize(self, name: str, **report: Any) -> bool:
+        """Wait until every rank reached `name` with nothing in flight; True if training is stopping (SIGTERM).
+
+        `report`: what this rank tells the others at the meeting (`stop`: it wants the job to stop;
+        `speed`: its seconds per batch; `untrained`: the work-queue chunks it holds untrained); the
+        release (`release`) carries everyone's.
+        """
         start = time.monotonic()
         target = STOP_SYNC if self.stop_seen else name
-        self._send("arrive", sync=target)
+        self._doing = f"synchronization point {target!r}"
+        self._send("arrive", sync=target, **report)
         while True:
             item = self._next_item(f"the other ranks at synchronization point {target!r}")
             if item["t"] == "release" and item["sync"] == target:
                 self.released_version = int(item.get("version", 0))
+                self.release = item
                 break
-            if item != PAUSE:  # a pause left over from a communication thread that ended on its own
+            if item["t"] != "pause":  # a pause left over from a communication thread that ended on its own
                 self.execute(item)
             if self.stop_seen and target != STOP_SYNC:
                 target = STOP_SYNC
-                self._send("arrive", sync=target)
+                self._doing = f"synchronization point {target!r}"
+                self._send("arrive", sync=target, **report)
         self.stats.syncs += 1
         self.stats.sync_seconds += time.monotonic() - start
         if target == STOP_SYNC:
             self._stopped = True
         return target == STOP_SYNC
 
-    def request_stop(self) -> None:
-        """Ask every rank to stop; they drain their groups at the next step and leave together.
+    def request_stop(self, reason: str = "sigterm") -> None:
+        """Ask every rank to stop. `"sigterm"`: they drain their groups at the next step and leave
+        together; `"request"`: they end their epochs early and the next release says stop.
 
         Safe to call from the training thread while a communication thread uses the worker.
         """
-        if not self.stop_seen:
-            self._send("stop")
+        if self.session.stop_reason is None or (reason == "sigterm" and not self.stop_seen):
+            self._send("stop", reason=reason)
 
     def send_leave(self) -> None:
         """Tell the coordinator this rank shuts down after an error (see `await_left`)."""
@@ -250,24 +261,27 @@ class GroupWorker:
         nothing more, and the other ranks get an error naming this one at their next
         synchronization point instead of waiting for it.
         """
+        self._doing = "leaving after an error"
         while True:
             item = self._next_item("the coordinator's acknowledgement of this rank leaving")
             if item["t"] == "left":
                 return
             if item["t"] == "group":
-                self.execute(item)
+                try:
+                    self.execute(item)
+                except CoordinationTimeout:  # a member of it is gone too: it failed on every member
+                    log.debug("rank %d: group %s failed while leaving", self.rank, item.get("gid"), exc_info=True)
 
     def post_pause(self) -> None:
         """Put `PAUSE` at the end of this rank's own inbox (see `PassiveResponder`).
 
         The coordinator echoes it behind everything it already assigned to this rank.
         """
-        self.link.send({"op": "echo", "rank": self.rank, "item": PAUSE})
+        self.session.post(PAUSE)
 
     def close(self) -> None:
-        """Close the connection to the coordinator (teardown; the worker is not used afterwards)."""
-        if self._link is not None:
-            self._link.close()
+        """This rank is done with its session (teardown; the worker is not used afterwards)."""
+        self.session.close()
 
     def drain_for_stop(self) -> None:
         """Meet every other rank at the stop point (idempotent)."""

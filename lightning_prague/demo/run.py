@@ -249,7 +249,7 @@ def report(
     result.update(measurements or {})
     # every rank reports its own checksum so callers can check the replicas agree
     result["rank"] = trainer.global_rank
-    result["threads_after_fit"] = [t.name for t in threading.enumerate() if t.name.startswith("prague-")]
+    result["threads_after_fit"] = [t.name for t in threading.enumerate() if t.name.startswith("prague-") and not t.name.startswith("prague-control")]
     if trainer.is_global_zero:
         print(
             f"{args.strategy}: val_acc={result['val_acc']:.4f} train={summary.train_seconds:.2f}s "

@@ -36,20 +36,21 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.fabric.utilities.seed import reset_seed
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_prague.core.averaging import BucketedTensors, averaged_state
-from lightning_prague.core.coordinator import CoordinatorService
-from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.generator import GroupGenerator
+from lightning_prague.core.control import Session
+from lightning_prague.core.coordinator import SessionConfig
+from lightning_prague.core.errors import ConfigurationError, MemberLost
+from lightning_prague.core.job import Job, init_job
 from lightning_prague.core.overlap import Exchanger
 from lightning_prague.core.policies import GroupingPolicy
 from lightning_prague.core.progress import ProgressCounter
 from lightning_prague.core.progress_loader import ProgressLoader
 from lightning_prague.core.sharding import WorkQueueSampler
-from lightning_prague.core.store import StoreAddress
 from lightning_prague.core.worker import GroupWorker
 from lightning_prague.strategies import _patches
 from lightning_prague.strategies._checks import check_trainer
@@ -183,8 +184,10 @@ class DecentralizedStrategy(DDPStrategy):
         self.avoid_stragglers = False
         self.exchanger: Exchanger | None = None
         self.worker: GroupWorker | None = None
-        self.coordinator: CoordinatorService | None = None
-        self.session: StoreAddress | None = None
+        #: this process's membership of the job (store, control plane, our process group)
+        self.job: Job | None = None
+        #: this fit's session of the control plane
+        self.session: Session | None = None
         self.sampler: WorkQueueSampler | None = None
         #: per-step schedules on global progress (work-queue strategies during fit)
         self.progress: GlobalProgress | None = None
@@ -229,6 +232,13 @@ class DecentralizedStrategy(DDPStrategy):
         self._trainer = trainer
         self._aligned = True
         asynchronous = fitting and self.world_size >= 2
+        if asynchronous and getattr(self, "_layer_sync", None) is not None:
+            raise ConfigurationError(
+                f"sync_batchnorm=True cannot be honoured with strategy={self.strategy_name!r}: SyncBatchNorm runs a "
+                "collective of every rank in every forward pass, but workers run different numbers of steps and would "
+                "wait for each other forever. Use plain BatchNorm (each replica keeps its own statistics, averaged "
+                "with the parameters at synchronization points) or GroupNorm/LayerNorm"
+            )
         if asynchronous:
             # before Lightning's setup: configure_optimizers may read trainer.estimated_stepping_batches,
             # which loads the training data (through the work queue) there
@@ -250,42 +260,49 @@ class DecentralizedStrategy(DDPStrategy):
             trainer.callbacks.insert(0, SyncPoints(self))
 
     def _open_session(self, policy: GroupingPolicy) -> None:
-        """A fresh store namespace per fit, agreed on by broadcast while the ranks are still aligned."""
-        number = 0
-        if self.global_rank == 0:
-            number = int(dist.distributed_c10d._get_default_store().add("prague/sessions", 1))
-        number = self.broadcast(number)
-        self.session = StoreAddress.from_env().child(f"s{number}")
-        if self.global_rank == 0:
-            generator = GroupGenerator(
-                self.world_size, policy, avoid_stragglers=self.avoid_stragglers, sync_averages=self.average_at_sync
+        """This fit's session of the control plane (every rank opens its sessions in the same order)."""
+        if self.job is None:
+            raise ConfigurationError(
+                f"strategy={self.strategy_name!r} found no job: its setup_distributed did not run (was "
+                "torch.distributed initialised by a subclass that overrides it?)"
             )
-            self.coordinator = CoordinatorService(self.session, generator)
-            self.coordinator.start()
+        config = SessionConfig(self.world_size, policy, self.avoid_stragglers, sync_averages=self.average_at_sync)
+        self.session = self.job.open_session(config)
 
     def _start_worker(self) -> None:
         """This rank's side of the session, over the parameters on their final device."""
         assert self.session is not None
         tensors = BucketedTensors(averaged_state(self.lightning_module), int(self.bucket_mb * 2**20))
-        self.worker = GroupWorker(
-            self.session,
-            self.global_rank,
-            self.world_size,
-            tensors,
-            self._get_process_group_backend(),
-            self.sync_timeout,
-        )
-        self.worker.connect()  # every rank meets the coordinator at synchronization points
+        self.worker = GroupWorker(self.session, tensors, self.sync_timeout)
         self.exchanger = self.make_exchanger(self.worker, tensors)
         self.local_steps = 0
         self.batches_done = 0
 
     def setup_distributed(self) -> None:
-        if "nccl" in self._get_process_group_backend():
+        """Lightning's rank bookkeeping, then `init_job`: the supervisor (started by global rank 0)
+        hosts the store and the control plane, and our exchanges get a process group of their own."""
+        backend = self._get_process_group_backend()
+        if "nccl" in backend:
             # a collective that outlives the watchdog's timeout aborts the communicator and ends the
             # process with an error instead of leaving it hanging (our own timeout fires first)
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        super().setup_distributed()
+        if self.world_size < 2 and not dist.is_initialized():
+            super().setup_distributed()
+            return
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        self.job = init_job(
+            self.global_rank,
+            self.world_size,
+            backend,
+            self.sync_timeout,
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
+            pg_timeout=self._timeout,
+        )
 
     def configure_ddp(self) -> None:
         # no DistributedDataParallel: replicas only have to start equal
@@ -307,17 +324,6 @@ class DecentralizedStrategy(DDPStrategy):
                     log.warning("rank %d: could not leave the coordinator cleanly", self.global_rank, exc_info=True)
             self.exchanger.close()
             self.exchanger = None
-        if self.coordinator is not None:
-            if interrupted:  # the other ranks leave through the coordinator: keep it until they have
-                missing = self.coordinator.await_departures(self.sync_timeout)
-                if missing:
-                    log.warning(
-                        "rank 0: ranks %s did not leave within %.0fs after the error; stopping the coordinator",
-                        missing,
-                        self.sync_timeout,
-                    )
-            self.coordinator.close()
-            self.coordinator = None
         if self.worker is not None:
             self.worker.close()
         self.worker = None
@@ -364,12 +370,20 @@ class DecentralizedStrategy(DDPStrategy):
         self.owes_sync = False
         self.drain()
         loader = self.progress.loader if self.progress is not None else None
-        if loader is not None:
-            loader.publish_untrained()
+        sampler = loader.sampler if loader is not None else None
         if self._local_sigterm:
             self.worker.request_stop()
-        if self.worker.synchronize(name):
+        assert self._trainer is not None
+        report: dict[str, Any] = {"stop": bool(self._trainer.should_stop)}
+        if loader is not None:
+            report["untrained"] = loader.untrained()
+        if sampler is not None:
+            report["speed"] = sampler.seconds_per_chunk
+        if self.worker.synchronize(name, **report):
             self._raise_stop()
+        release = self.worker.release or {}
+        if release.get("stop"):  # some rank decided to stop: every rank stops here, together
+            self._trainer.should_stop = True
         if loader is not None and self.global_rank == 0:
             loader.forget_finished_epochs()
         if self.measure_consensus:
@@ -377,23 +391,16 @@ class DecentralizedStrategy(DDPStrategy):
         if self.average_at_sync:
             self.worker.global_average()
             self.worker.version = self.worker.released_version  # one model again: one version
-        if loader is not None and loader.sampler is not None:
-            self._share_speeds(loader.sampler)
+        if sampler is not None and "speeds" in release:
+            # every rank's time per batch, for the work queue's tail decisions
+            sampler.set_speeds(release["speeds"])
         self._aligned = True
-        if loader is not None and self.progress is not None and self.progress.schedule is not None:
-            reached = loader.synchronized(progress)
-            if progress is None:
-                self.progress.at_synchronization(reached)
-
-    def _share_speeds(self, sampler: WorkQueueSampler) -> None:
-        """Tell every rank every rank's time per batch (one sum of `world_size` numbers, at a
-        synchronization point), for the work queue's tail decisions (`WorkQueueSampler.set_speeds`)."""
-        assert self.worker is not None
-        comm = self.worker.comm
-        speeds = torch.zeros(self.world_size, dtype=torch.float64, device=comm.device)
-        speeds[self.global_rank] = sampler.seconds_per_chunk
-        comm.sum_(speeds, comm.everyone, "exchange of the workers' speeds")
-        sampler.set_speeds(speeds.tolist())  # one host read per synchronization point
+        if loader is not None:
+            loader.pending = list(release.get("pending", []))
+            if self.progress is not None and self.progress.schedule is not None:
+                reached = loader.synchronized(progress)
+                if progress is None:
+                    self.progress.at_synchronization(reached)
 
     @property
     def wait_seconds(self) -> float:
@@ -415,8 +422,21 @@ class DecentralizedStrategy(DDPStrategy):
         self._local_sigterm = True
 
     def _check_stop(self) -> None:
+        """Before every training batch (where Lightning would broadcast its SIGTERM flag): local checks
+        of what the control plane announced. A lost member ends the fit with an error naming it; a
+        stop asked for by any rank (`trainer.should_stop`) ends this rank's epoch after this batch,
+        so that every rank stops at the same synchronization point; SIGTERM drains and stops now."""
         if self.worker is None:
             return
+        session = self.worker.session
+        session.check_members("training")
+        trainer = self._trainer
+        if trainer is not None:
+            if trainer.should_stop and session.stop_reason is None:
+                self.worker.request_stop("request")
+            elif session.stop_reason == "request" and not trainer.should_stop:
+                log.debug("rank %d: the job is stopping; ending this epoch", self.global_rank)
+                trainer.should_stop = True
         if self._local_sigterm:
             self.worker.request_stop()
         if self.worker.stop_seen:
@@ -449,7 +469,7 @@ class DecentralizedStrategy(DDPStrategy):
     def _progress_loader(self, loader: Any, batches_per_epoch: Optional[int], start: int) -> ProgressLoader:
         assert self.session is not None and self.progress is not None and self._trainer is not None
         counter = ProgressCounter(
-            self.session.child("progress").open(self.sync_timeout),
+            self.session.counters,
             self.sync_timeout,
             self.progress.budget,
             self.global_rank,
@@ -488,7 +508,7 @@ class DecentralizedStrategy(DDPStrategy):
             dataloader.batch_size,
             self.global_rank,
             self.world_size,
-            self.session.child("data"),
+            self.session.counters,
             shuffle=shuffle,
             seed=self.seed,
             timeout=self.sync_timeout,

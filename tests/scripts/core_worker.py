@@ -12,15 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from lightning_prague.core import (
-    BucketedTensors,
-    CoordinatorService,
-    GroupGenerator,
-    GroupWorker,
-    StoreAddress,
-    communicator_count,
-    make_policy,
-)
+from lightning_prague.core import BucketedTensors, GroupWorker, SessionConfig, communicator_count, init_job, make_policy
 
 
 def main() -> None:
@@ -29,17 +21,12 @@ def main() -> None:
     slow_rank = int(sys.argv[8]) if len(sys.argv) > 8 else -1
     slow_seconds = float(sys.argv[9]) if len(sys.argv) > 9 else 0.0
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    address = StoreAddress.from_env().child("test")
-    service = None
-    if rank == 0:
-        generator = GroupGenerator(world, make_policy(policy, world, group_size, seed=1))
-        generator.record_history = True
-        service = CoordinatorService(address, generator)
-        service.start()
+    job = init_job(rank, world, "gloo", timeout=60)
+    config = SessionConfig(world, make_policy(policy, world, group_size, seed=1), record_history=True)
+    session = job.open_session(config)
     params = torch.full((5,), float(rank))
     buffer = torch.full((3,), float(rank) * 10)
-    worker = GroupWorker(address, rank, world, BucketedTensors([params, buffer], bucket_bytes=16), "gloo", timeout=60)
+    worker = GroupWorker(session, BucketedTensors([params, buffer], bucket_bytes=16), timeout=60)
     rng = random.Random(rank)
     history = []
     communicators = communicator_count()  # after warm-up (GroupWorker's construction)
@@ -47,7 +34,7 @@ def main() -> None:
     keys = []
     for step in range(steps):
         if step in (steps // 4, steps // 2, 3 * steps // 4, steps - 1):
-            keys.append(raw.num_keys())
+            keys.append([raw.num_keys(), session.counters.num_keys()])
         time.sleep(slow_seconds if rank == slow_rank else rng.uniform(0.0, 0.01))
         before = params.clone()
         gid = worker.partial_sync().gid
@@ -65,9 +52,9 @@ def main() -> None:
         "new_communicators": communicator_count() - communicators,
         "store_keys": keys,
     }
-    if service is not None:
-        result["issued"] = [[gid, list(m)] for gid, m in service.generator.issued]
-        service.close()
+    if rank == 0:
+        result["issued"] = session.request("history", "the group history")
+    worker.close()
     with open(out, "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

@@ -20,14 +20,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from lightning_prague.core import BucketedTensors, CoordinatorService, GroupGenerator, GroupWorker, StoreAddress
+from lightning_prague.core import BucketedTensors, GroupWorker, SessionConfig, init_job
 from lightning_prague.core.bipartite import BipartiteGraph
 from lightning_prague.core.overlap import BackgroundAverager, PassiveResponder
 from lightning_prague.core.policies import GossipPolicy, make_policy
 
 
 def comm_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("prague-") and "coordinator" not in t.name]
+    return [t.name for t in threading.enumerate() if t.name.startswith("prague-") and "control" not in t.name]
 
 
 def main() -> None:
@@ -38,24 +38,18 @@ def main() -> None:
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    address = StoreAddress.from_env().child("test")
+    job = init_job(rank, world, "gloo", timeout=60)
     graph = BipartiteGraph.ring(world)
     if mode == "gossip":
         policy = GossipPolicy(graph, seed=1)
     else:
         weighting = "staleness" if mode.endswith("staleness") else "uniform"
         policy = make_policy("first_ready", world, 2, seed=1, weighting=weighting, mixing_window=4 * world)
-    service = None
-    if rank == 0:
-        generator = GroupGenerator(world, policy, avoid_stragglers=False)
-        generator.record_history = True
-        service = CoordinatorService(address, generator)
-        service.start()
+    session = job.open_session(SessionConfig(world, policy, avoid_stragglers=False, record_history=True))
     params = torch.full((6,), float(rank), dtype=torch.float64)
     start_sum = float(params.sum())
     tensors = BucketedTensors([params], bucket_bytes=16)
-    worker = GroupWorker(address, rank, world, tensors, "gloo", timeout=60)
+    worker = GroupWorker(session, tensors, timeout=60)
     passive = mode == "gossip" and not graph.is_active(rank)
     exchanger = (PassiveResponder if passive else BackgroundAverager)(worker, tensors, timeout=60)
     rng = random.Random(rank)
@@ -100,10 +94,9 @@ def main() -> None:
         "threads_after_drain": threads_after_drain,
         "threads_at_end": comm_threads(),
     }
-    if service is not None:
-        result["issued"] = [list(m) for _, m in service.generator.issued]
-        result["windows_closed"] = getattr(policy, "windows_closed", None)
-        service.close()
+    if rank == 0:
+        result["issued"] = [members for _, members in session.request("history", "the group history")]
+    worker.close()
     with open(out, "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

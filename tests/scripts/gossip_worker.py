@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lightning_prague.core import BucketedTensors, GroupWorker, StoreAddress, make_topology
+from lightning_prague.core import BucketedTensors, GroupWorker, SessionConfig, init_job, make_policy, make_topology
 from lightning_prague.core.gossip import LaggedGossip
 
 DIM, LR = 7, 0.3
@@ -69,17 +69,18 @@ def phase_keys(worker: GroupWorker, schedule, phases: int) -> list[bool] | None:
     if worker.rank != 0:
         return None
     keys = [f"done/{r}" for r in range(worker.world_size)] + ["done", "mode", "final"]
-    return [any(worker.store.check([f"phases/phase{p}/{k}"]) for k in keys) for p in range(phases)]
+    return [any(worker.counters.check([f"phases/phase{p}/{k}"]) for k in keys) for p in range(phases)]
 
 
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     cases, steps = json.loads(sys.argv[5]), int(sys.argv[6])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    job = init_job(rank, world, "gloo", timeout=60)
+    session = job.open_session(SessionConfig(world, make_policy("random", world, 2)))
     params = [torch.zeros(4, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)]
     tensors = BucketedTensors(params, bucket_bytes=32)  # two buckets
-    worker = GroupWorker(StoreAddress.from_env().child("gossip-test"), rank, world, tensors, "gloo", timeout=60)
+    worker = GroupWorker(session, tensors, timeout=60)
     result = {"rank": rank, "start": torch.cat(start_values(rank)).tolist()}
     for t, v in zip(params, start_values(rank)):
         t.copy_(v)

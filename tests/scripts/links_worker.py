@@ -17,16 +17,17 @@ import torch.distributed as dist
 from lightning_prague.core import BucketedTensors, GroupComm, make_topology
 from lightning_prague.core.gossip import LaggedGossip
 from lightning_prague.core.links import SlowLinks, simulate_slow_links
-from lightning_prague.core.store import StoreAddress
+from lightning_prague.core import SessionConfig, init_job, make_policy
 from lightning_prague.core.worker import GroupWorker
 
 
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    job = init_job(rank, world, "gloo", timeout=30)
+    session = job.open_session(SessionConfig(world, make_policy("random", world, 2)))
     tensor = torch.ones(1000)  # 4000 bytes
-    worker = GroupWorker(StoreAddress.from_env().child("links"), rank, world, BucketedTensors([tensor]), "gloo", 30)
+    worker = GroupWorker(session, BucketedTensors([tensor]), timeout=30)
     comm: GroupComm = worker.comm
     result = {}
     simulate_slow_links(SlowLinks(frozenset({1}), 0.3 / 4000))  # 0.3 s for this tensor

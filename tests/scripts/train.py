@@ -41,7 +41,7 @@ class RaiseAt(L.Callback):
 
 
 def prague_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("prague-")]
+    return [t.name for t in threading.enumerate() if t.name.startswith("prague-") and not t.name.startswith("prague-control")]
 
 
 def main() -> None:
@@ -70,7 +70,7 @@ def main() -> None:
         stacks = {
             t.name: "".join(traceback.format_stack(frames[t.ident]))
             for t in threading.enumerate()
-            if t.name.startswith("prague-") and t.ident in frames
+            if t.name.startswith("prague-") and not t.name.startswith("prague-control") and t.ident in frames
         }
         path.write_text(json.dumps({"error": str(err), "threads": prague_threads(), "stacks": stacks}))
         if trainer.global_rank != 0:

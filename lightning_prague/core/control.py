@@ -1,0 +1,244 @@
+"""A training process's side of the control plane: one connection, sessions over it, requests.
+
+`ControlClient` is the process's one connection to the control plane (the supervisor process).
+Its reader thread routes what arrives: replies to the request that asked (`request`), items of a
+session to that session's inbox (`Session.receive`), and raises the session's flags at once:
+`Session.departed` (ranks that left the job) and `Session.stop_reason` (the job is stopping). So
+the training thread learns of a lost worker or a stop by reading a flag, even while no thread
+waits on the connection (a worker that gossips on a fixed schedule never does).
+
+`Session` is one fit's view: it sends the session's messages, reads its inbox, and offers
+`Session.counters`, a key-value table in the coordinator with the subset of TCPStore's interface
+the work queue, global progress and gossip use (`add`, `set`, `get`, `check`, `wait`,
+`compare_set`, `delete_key`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from lightning_prague.core.coordinator import SessionConfig
+from lightning_prague.core.errors import CoordinationTimeout, MemberLost
+from lightning_prague.core.transport import ROUTED, Message, MessageLink
+
+log = logging.getLogger(__name__)
+
+_CLOSED: Message = {"t": "__closed__"}
+
+
+class ControlClient:
+    """This process's connection to the control plane (see the module docstring)."""
+
+    def __init__(self, host: str, port: int, rank: int, timeout: float) -> None:
+        self.rank = rank
+        self.timeout = timeout
+        self.address = f"{host}:{port}"
+        #: the supervisor's process id (as it published it with its address)
+        self.supervisor_pid = 0
+        self._sessions: dict[int, Session] = {}
+        self._replies: dict[int, queue.Queue[Message]] = {}
+        self._lock = threading.Lock()
+        self._req = itertools.count(1)
+        self.link = MessageLink(
+            host, port, rank, timeout, router=self._route, on_close=self._closed, peer=f"the control plane at {host}:{port}"
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self.link.closed
+
+    # -- the reader thread ------------------------------------------------------------------------
+    def _route(self, message: Message) -> bool:
+        if message.get("t") == "reply":
+            with self._lock:
+                waiter = self._replies.pop(int(message["req"]), None)
+            if waiter is not None:
+                waiter.put(message)
+            return ROUTED
+        number = message.get("s")
+        session = self._sessions.get(int(number)) if number is not None else None
+        if session is None:
+            log.debug("rank %d: dropped an item of no open session: %s", self.rank, message)
+            return ROUTED
+        session.deliver(message)
+        return ROUTED
+
+    def _closed(self, error: str) -> None:
+        with self._lock:
+            waiters, self._replies = list(self._replies.values()), {}
+        for waiter in waiters:
+            waiter.put({"t": "reply", "error": error})
+        for session in list(self._sessions.values()):
+            session.deliver(_CLOSED)
+
+    # -- requests ------------------------------------------------------------------------------
+    def send(self, message: Message) -> None:
+        self.link.send(message)
+
+    def request(self, message: Message, what: str, timeout: float | None = None) -> Any:
+        """Send `message` with a fresh `req` number and return the reply's value."""
+        req = next(self._req)
+        waiter: queue.Queue[Message] = queue.Queue(maxsize=1)
+        with self._lock:
+            if self.link.closed:
+                raise CoordinationTimeout(self.link.close_error or f"rank {self.rank}: the control plane is gone")
+            self._replies[req] = waiter
+        self.link.send({**message, "req": req, "rank": self.rank})
+        limit = self.timeout if timeout is None else timeout
+        try:
+            reply = waiter.get(timeout=limit)
+        except queue.Empty:
+            with self._lock:
+                self._replies.pop(req, None)
+            raise CoordinationTimeout(
+                f"rank {self.rank}: the control plane at {self.address} did not answer {what} within {limit:.0f}s"
+            ) from None
+        if "error" in reply:
+            raise CoordinationTimeout(f"rank {self.rank}: {what} failed: {reply['error']}")
+        return reply.get("value")
+
+    # -- sessions ------------------------------------------------------------------------------
+    def open_session(self, number: int, config: SessionConfig) -> Session:
+        """Join session `number` (one fit); every rank of the session must join it with the same config."""
+        session = Session(self, number, config.world_size)
+        self._sessions[number] = session
+        self.send({"op": "join", "s": number, "rank": self.rank, "config": config.encode()})
+        log.debug("rank %d: joined session %d", self.rank, number)
+        return session
+
+    def forget(self, session: Session) -> None:
+        self._sessions.pop(session.number, None)
+
+    def close(self) -> None:
+        self.link.close()
+
+
+class Session:
+    """One fit's messages, inbox, flags and counters (see the module docstring)."""
+
+    def __init__(self, client: ControlClient, number: int, world_size: int) -> None:
+        self.client = client
+        self.number = number
+        self.rank = client.rank
+        self.world_size = world_size
+        self.timeout = client.timeout
+        self._inbox: queue.Queue[Message] = queue.Queue()
+        #: rank -> why it left the job, as the control plane announced it
+        self.departed: dict[int, str] = {}
+        #: `None`, or why the job is stopping (`"sigterm"`, `"request"`), as soon as it is announced
+        self.stop_reason: str | None = None
+        self.counters = Counters(self)
+        self.open = True
+
+    def deliver(self, item: Message) -> None:
+        """Called by the reader thread for every item of this session."""
+        kind = item["t"]
+        if kind == "departed":
+            self.departed[int(item["rank"])] = str(item["reason"])
+            log.error(
+                "rank %d: rank %d left the job (%s); remaining members %s",
+                self.rank,
+                item["rank"],
+                item["reason"],
+                item.get("members"),
+            )
+        elif kind == "stop" and self.stop_reason is None:
+            self.stop_reason = str(item.get("reason", "sigterm"))
+            log.debug("rank %d: the job is stopping (%s)", self.rank, self.stop_reason)
+        self._inbox.put(item)
+
+    def send(self, op: str, **fields: Any) -> None:
+        self.client.send({"op": op, "s": self.number, "rank": self.rank, **fields})
+
+    def request(self, op: str, what: str, timeout: float | None = None, **fields: Any) -> Any:
+        return self.client.request({"op": op, "s": self.number, **fields}, what, timeout)
+
+    def receive(self, timeout: float | None = None) -> Message | None:
+        """The next item of this session's inbox, or `None` if none came within `timeout`."""
+        try:
+            item = self._inbox.get(timeout=self.timeout if timeout is None else max(0.0, timeout))
+        except queue.Empty:
+            return None
+        if item is _CLOSED:
+            self._inbox.put(_CLOSED)
+            raise CoordinationTimeout(
+                self.client.link.close_error or f"rank {self.rank}: the connection to the control plane closed"
+            )
+        return item
+
+    def post(self, item: Message) -> None:
+        """Put `item` at the end of this rank's inbox, behind everything the coordinator already sent it."""
+        self.client.send({"op": "echo", "rank": self.rank, "item": {**item, "s": self.number}})
+
+    def lost_error(self, during: str) -> MemberLost:
+        """The error a rank raises when members departed (naming them and why)."""
+        names = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.departed.items()))
+        return MemberLost(
+            f"rank {self.rank}: rank{'s' if len(self.departed) > 1 else ''} {sorted(self.departed)} left the job "
+            f"during {during} ({names}); this job cannot go on without them"
+        )
+
+    def check_members(self, during: str) -> None:
+        """Raise `MemberLost` if any rank has left the job."""
+        if self.departed:
+            raise self.lost_error(during)
+
+    def close(self) -> None:
+        """This rank is done with the session (its fit ended normally)."""
+        if self.open:
+            self.open = False
+            try:
+                self.send("close")
+            except CoordinationTimeout:
+                pass
+            self.client.forget(self)
+
+
+class Counters:
+    """A key-value table in the coordinator's session, with TCPStore's interface (what we use of it).
+
+    Values are kept as the coordinator got them; `get` returns bytes, as TCPStore does.
+    """
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def _kv(self, do: str, what: str, timeout: float | None = None, **fields: Any) -> Any:
+        return self.session.request("kv", what, timeout, do=do, **fields)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._kv("add", f"the counter {key!r}", key=key, amount=int(amount)))
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._kv("set", f"setting {key!r}", key=key, value=_text(value))
+
+    def get(self, key: str) -> bytes:
+        return str(self._kv("get", f"reading {key!r}", key=key)).encode()
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        seconds = None if timeout is None else timeout.total_seconds()
+        for key in keys:
+            self._kv("get", f"waiting for {key!r}", seconds, key=key)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return bool(self._kv("check", f"checking {list(keys)}", keys=list(keys)))
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        value = self._kv("cas", f"compare-and-set of {key!r}", key=key, expected=_text(expected), desired=_text(desired))
+        return str(value).encode()
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._kv("delete", f"deleting {key!r}", key=key))
+
+    def num_keys(self) -> int:
+        return int(self._kv("keys", "counting the keys"))
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

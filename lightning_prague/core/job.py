@@ -1,0 +1,142 @@
+"""A training process's membership of a job: the store, the control plane, and our process group.
+
+`init_job` is called once per process, by every rank, where `torch.distributed.init_process_group`
+would be (the strategies call it from `setup_distributed`; a script without Lightning calls it
+itself). It
+
+1. has global rank 0 start the supervisor (`lightning_prague.core.supervisor`), which hosts the
+   store and the control plane in a process of its own; under torchrun the agent's store is used
+   (`TORCHELASTIC_USE_AGENT_STORE`) and the supervisor hosts the control plane only;
+2. initialises the default process group with every rank a client of that store;
+3. connects this process to the control plane (`ControlClient`);
+4. builds the library's own process group over every rank, once: every exchange of ours runs on
+   it, so collectives that users or Lightning run on the world group never interleave with ours
+   (one communicator more on NCCL, whatever the number of groups).
+
+If the default process group exists already (initialised by the user), steps 1 and 3-4 still run,
+with the supervisor as a client of that group's store.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import subprocess
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_prague.core import supervisor
+from lightning_prague.core.control import ControlClient, Session
+from lightning_prague.core.coordinator import SessionConfig
+from lightning_prague.core.errors import CoordinationTimeout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """What `init_job` set up for this process."""
+
+    rank: int
+    world_size: int
+    backend: str
+    control: ControlClient
+    #: the library's process group over every rank (see the module docstring)
+    group: dist.ProcessGroup
+    #: the supervisor process (on global rank 0 only)
+    supervisor: Optional[subprocess.Popen] = None
+    sessions: int = field(default=0)
+
+    @property
+    def supervisor_pid(self) -> int:
+        return self.control.supervisor_pid
+
+    def open_session(self, config: SessionConfig) -> Session:
+        """A new session (one fit). Every rank opens its sessions in the same order, so they agree on
+        the number without communicating."""
+        self.sessions += 1
+        return self.control.open_session(self.sessions, config)
+
+
+_JOB: Optional[Job] = None
+
+
+def current_job() -> Optional[Job]:
+    """This process's job, if `init_job` ran and its process group still exists."""
+    if _JOB is not None and dist.is_initialized():
+        return _JOB
+    return None
+
+
+def raw_store() -> dist.TCPStore:
+    """The default process group's TCPStore client, without prefixes."""
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        raise CoordinationTimeout(f"the default process group's store is a {type(store).__name__}, not a TCPStore")
+    return store
+
+
+def init_job(
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: float,
+    device_id: Optional[torch.device] = None,
+    pg_timeout: Optional[timedelta] = None,
+) -> Job:
+    """Join the job (see the module docstring); returns this process's `Job` (the same one when called again)."""
+    global _JOB
+    job = current_job()
+    if job is not None:
+        return job
+    try:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except KeyError as err:
+        raise CoordinationTimeout(
+            f"rank {rank}: environment variable {err.args[0]} is not set; launch with torchrun or Lightning, or set "
+            "MASTER_ADDR and MASTER_PORT"
+        ) from None
+    proc: Optional[subprocess.Popen] = None
+    pg_timeout = pg_timeout or timedelta(seconds=timeout)
+    if not dist.is_initialized():
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+        if rank == 0:
+            proc = supervisor.launch(host, port, world_size, timeout, host_store=not agent_store)
+            if not agent_store:
+                supervisor.wait_until_listening(proc, host, port, timeout)
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=pg_timeout, wait_for_workers=False)
+        kwargs = {"device_id": device_id} if device_id is not None else {}
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout, **kwargs)
+    else:
+        store = raw_store()
+        if rank == 0:
+            proc = supervisor.launch(store.host, store.port, world_size, timeout, host_store=False)
+    control = _connect(raw_store(), rank, timeout, proc)
+    group = dist.new_group(list(range(world_size)), backend=backend, timeout=pg_timeout)
+    _JOB = Job(rank, world_size, backend, control, group, proc)
+    atexit.register(control.close)
+    log.debug("rank %d: joined the job (%d ranks, supervisor pid %d)", rank, world_size, control.supervisor_pid)
+    return _JOB
+
+
+def _connect(store: dist.TCPStore, rank: int, timeout: float, proc: Optional[subprocess.Popen]) -> ControlClient:
+    key = supervisor.address_key()
+    try:
+        store.wait([key], timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistStoreError) as err:
+        status = "" if proc is None or proc.poll() is None else f"; the supervisor exited with status {proc.returncode}"
+        raise CoordinationTimeout(
+            f"rank {rank}: the supervisor did not publish the control plane's address within {timeout:.0f}s "
+            f"({err}{status})"
+        ) from None
+    host, port, pid = store.get(key).decode().rsplit(":", 2)
+    client = ControlClient(host, int(port), rank, timeout)
+    client.supervisor_pid = int(pid)
+    return client
