@@ -4,7 +4,9 @@
     python benchmarks/scaling.py --sizes 16 --profiles straggler --seconds 20
 
 Each run forks N worker processes (gloo on 127.0.0.1) that train a parameter vector with the
-core's exchangers exactly as the strategies configure them: ``prague`` (random groups of 3,
+core's exchangers exactly as the strategies configure them (every rank calls ``init_job``, which
+on rank 0 starts the supervisor process that hosts the store and the control plane, opens a
+session with the strategy's policy and builds a ``GroupWorker`` on it): ``prague`` (random groups of 3,
 overlapped), ``partial_reduce`` (first ready groups of 3, overlapped), ``adpsgd`` (active/passive
 pairs on the bipartite ring), ``decent_adam`` (lagged gossip on the ring), and ``ddp`` (a
 world all-reduce of the gradient after every step, as DistributedDataParallel does). A step is
@@ -15,8 +17,9 @@ cheap and what is measured is the communication layer.
 Reported per run: throughput (steps per second, all workers) as a fraction of the physical limit
 (the sum of the workers' speeds), communicators created after warm-up (must be 0), the
 coordinator's reply latency (p50/p99 of request to first reply), messages to and from the
-coordinator per step, TCPStore operations per step (counted on every worker's store client
-during the window), and the peak RSS of a worker.
+coordinator per step (as the workers count them: sent and received), operations on the session's
+counters per step (the key-value table in the control plane that the gossip's end-of-phase
+agreement uses; counted on every worker during the window), and the peak RSS of a worker.
 """
 
 from __future__ import annotations
@@ -38,11 +41,10 @@ import torch.distributed as dist
 
 from lightning_prague.core import (
     BucketedTensors,
-    CoordinatorService,
-    GroupGenerator,
     GroupWorker,
-    StoreAddress,
+    SessionConfig,
     communicator_count,
+    init_job,
     make_policy,
     make_topology,
 )
@@ -81,15 +83,15 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-class CountingStore:
-    """A store client that counts the operations made through it (the benchmark's meter)."""
+class CountingCounters:
+    """A session's counters (`Counters`) that count the operations made through them (the benchmark's meter)."""
 
-    def __init__(self, store: dist.Store) -> None:
-        self._store = store
+    def __init__(self, counters: Any) -> None:
+        self._counters = counters
         self.operations = 0
 
     def __getattr__(self, name: str) -> Any:
-        method = getattr(self._store, name)
+        method = getattr(self._counters, name)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.operations += 1
@@ -102,7 +104,11 @@ def worker_main(rank: int, world: int, port: int, config: dict[str, Any], out: s
     """One worker process: warm up, train for the window, drain, report."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    job = None
+    if config["strategy"] == "ddp":  # no control plane: a plain process group
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    else:  # rank 0 starts the supervisor (store and control plane); everyone joins the job
+        job = init_job(rank, world, "gloo", timeout=120)
     strategy, step_time, seconds = config["strategy"], config["step_time"], config["seconds"]
     slow = SLOW_FACTOR if config["profile"] == "straggler" and rank == 0 else 1.0
     params = torch.zeros(config["dim"])
@@ -119,19 +125,15 @@ def worker_main(rank: int, world: int, port: int, config: dict[str, Any], out: s
             dist.all_reduce(grad)  # lock-step: everyone waits for the slowest every step
             params.add_(grad, alpha=-1e-6)
         elapsed = time.monotonic() - start
-        result.update(steps=steps, elapsed=elapsed, messages=0, store_ops=0, reply=[])
+        result.update(steps=steps, elapsed=elapsed, messages=0, counter_ops=0, reply=[])
     else:
-        address = StoreAddress.from_env().child("scaling")
-        service = None
-        if rank == 0:
-            generator = GroupGenerator(world, _policy(strategy, world, config["group_size"]), avoid_stragglers=True)
-            service = CoordinatorService(address, generator)
-            service.start()
-        worker = GroupWorker(address, rank, world, tensors, "gloo", timeout=120)  # warms up the world group
+        assert job is not None
+        policy = _policy(strategy, world, config["group_size"])
+        session = job.open_session(SessionConfig(world, policy, avoid_stragglers=True))
+        worker = GroupWorker(session, tensors, timeout=120)  # warms up the job's process group
         communicators = communicator_count()
         exchanger = _exchanger(strategy, worker, tensors)
-        worker.connect()
-        worker.store = counted = CountingStore(worker.store)  # store operations from here on
+        worker.counters = counted = CountingCounters(worker.counters)  # counter operations from here on
         dist.barrier()
         start = time.monotonic()
         deadline = start + seconds
@@ -153,17 +155,17 @@ def worker_main(rank: int, world: int, port: int, config: dict[str, Any], out: s
             steps=steps,
             elapsed=elapsed,
             messages=worker.stats.messages,
-            store_ops=counted.operations,
+            counter_ops=counted.operations,
             reply=list(worker.stats.reply_seconds),
         )
-        if service is not None:
-            result["coordinator_messages"] = service.messages
-            service.close()
+        worker.close()
     result["new_communicators"] = communicator_count() - communicators
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(out).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+    if job is not None:  # the supervisor exits once every rank's connection closed
+        job.control.close()
 
 
 def _free_port() -> int:
@@ -199,7 +201,7 @@ def run(world: int, config: dict[str, Any], tmp: Path, timeout: float) -> dict[s
     throughput = sum(r["steps"] for r in reports) / elapsed
     steps = sum(r["steps"] for r in reports)
     replies = [x for r in reports for x in r["reply"]]
-    messages = sum(r["messages"] for r in reports) + sum(r.get("coordinator_messages", 0) for r in reports)
+    messages = sum(r["messages"] for r in reports)
     return {
         "strategy": config["strategy"],
         "profile": config["profile"],
@@ -211,7 +213,7 @@ def run(world: int, config: dict[str, Any], tmp: Path, timeout: float) -> dict[s
         "reply_p50_ms": 1000 * _percentile(replies, 0.5),
         "reply_p99_ms": 1000 * _percentile(replies, 0.99),
         "messages_per_step": messages / max(steps, 1),
-        "store_ops_per_step": sum(r["store_ops"] for r in reports) / max(steps, 1),
+        "counter_ops_per_step": sum(r["counter_ops"] for r in reports) / max(steps, 1),
         "peak_rss_mb": max(r["peak_rss_mb"] for r in reports),
         "fast_steps_median": statistics.median(r["steps"] for r in reports[1:]),
         "slow_steps": reports[0]["steps"],
@@ -221,7 +223,7 @@ def run(world: int, config: dict[str, Any], tmp: Path, timeout: float) -> dict[s
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"| {'strategy':<14} | profile     |   N | steps/s | limit | of limit | vs DDP | new comms |"
-        " reply p50/p99 (ms) | msgs/step | store ops/step | peak RSS (MB) |"
+        " reply p50/p99 (ms) | msgs/step | counter ops/step | peak RSS (MB) |"
     )
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     ddp = {(r["profile"], r["workers"]): r["throughput"] for r in rows if r["strategy"] == "ddp"}
@@ -232,7 +234,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['strategy']:<14} | {r['profile']:<11} | {r['workers']:>3} | {r['throughput']:7.1f} | "
             f"{r['limit']:5.1f} | {r['fraction_of_limit']:8.0%} | {versus} | {r['new_communicators']:>9} | "
             f"{r['reply_p50_ms']:8.1f} / {r['reply_p99_ms']:<7.1f} | {r['messages_per_step']:9.1f} | "
-            f"{r['store_ops_per_step']:14.2f} | "
+            f"{r['counter_ops_per_step']:16.2f} | "
             f"{r['peak_rss_mb']:13.0f} |"
         )
     return "\n".join(lines)

@@ -181,3 +181,41 @@ def run_many(root: Path, runs: dict[str, tuple[str, list[str]]], timeout: float 
             (directory / "log.txt").read_text() if (directory / "log.txt").exists() else "",
         )
     return out
+
+
+def run_external_ranks(tmp: Path, world: int, *args: str, timeout: float = 120) -> tuple[list[int | None], list[str]]:
+    """Run ``scripts/train.py`` as ``world`` processes started from outside Lightning, one per rank, with
+    the variables a cluster launcher sets (as torchrun or SLURM would; no launcher kills the others
+    when one dies). They are forked from the test process. Returns each rank's exit code (``None``:
+    still running at the timeout, then killed) and output."""
+    ctx = multiprocessing.get_context("fork")
+    base = env(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
+    logs = [tmp / f"rank{r}.log" for r in range(world)]
+    argv = [*args, "--devices", str(world), "--json", str(tmp / "result.json")]
+    procs = [
+        ctx.Process(
+            target=_run_script_in_child,
+            args=(SCRIPTS / "train.py", argv, {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, logs[r]),
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    codes: list[int | None] = []
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+        codes.append(p.exitcode)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return codes, [log.read_text() for log in logs]
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists (and is not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

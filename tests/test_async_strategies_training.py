@@ -48,8 +48,9 @@ def test_an_exception_in_training_stops_every_thread_and_exits(tmp_path, strateg
         report = json.loads(path.read_text())
         if failing in (None, rank):
             assert "injected failure" in report["error"]
-        else:  # the others stop at their next synchronization point with an error that names the failed rank
-            assert "ranks [0] at '__left_after_an_error__'" in report["error"], report["error"]
+        else:  # the others stop at once with an error that names the failed rank and why
+            assert "rank [0] left the job" in report["error"], report["error"]
+            assert "rank 0: it stopped after an error" in report["error"], report["error"]
         assert report["threads"] == [], f"{path.name}: threads left after the exception: {report['threads']}"
 
 

@@ -88,12 +88,13 @@ def test_stop_releases_everyone_only_after_all_arrive_at_the_stop_point():
     generator = GroupGenerator(3, make_policy("random", 3, 2))
     generator.handle({"op": "arrive", "rank": 0, "sync": "epoch_end"})
     out = generator.handle({"op": "stop", "rank": 1})
-    assert all(out[r] == [{"t": "stop"}] for r in range(3))
+    assert all(out[r] == [{"t": "stop", "reason": "sigterm"}] for r in range(3))
     # rank 0 was parked at epoch_end: no release for it until everyone arrives at the stop point
     assert not generator.handle({"op": "arrive", "rank": 1, "sync": STOP_SYNC})
     assert not generator.handle({"op": "arrive", "rank": 2, "sync": STOP_SYNC})
     out = generator.handle({"op": "arrive", "rank": 0, "sync": STOP_SYNC})
-    assert all(out[r] == [{"t": "release", "sync": STOP_SYNC, "version": 0}] for r in range(3))
+    release = {"t": "release", "sync": STOP_SYNC, "version": 0, "stop": True, "speeds": [0.0] * 3, "pending": []}
+    assert all(out[r] == [release] for r in range(3))
     # requests after a stop are answered without a group
     out = generator.handle({"op": "ready", "rank": 2, "req": 7})
     assert out == {2: [{"t": "answer", "req": 7, "gid": None}]}

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
-import torch.distributed as dist
-from helpers import free_port
 
+from lightning_prague.core import ControlClient, ControlPlane, SessionConfig, make_policy
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.sharding import WorkQueueSampler
-from lightning_prague.core.store import StoreAddress
+from lightning_prague.core.transport import MessageServer
 
 
 @pytest.fixture()
-def address():
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
-    yield StoreAddress("127.0.0.1", port, "test")
-    del server
+def counters():
+    """The counters of a control-plane session (served from a thread here), where training keeps the queue."""
+    plane = ControlPlane()
+    server = MessageServer(plane.handle, "127.0.0.1")
+    server.start()
+    client = ControlClient(*server.address, rank=0, timeout=10)
+    session = client.open_session(1, SessionConfig(16, make_policy("random", 16, 2)))
+    yield session.counters
+    client.close()
+    server.close()
 
 
 def _interleaved(samplers, speeds):
@@ -37,8 +39,8 @@ def _interleaved(samplers, speeds):
     return taken
 
 
-def test_every_index_once_per_epoch_and_fast_ranks_take_more(address):
-    samplers = [WorkQueueSampler(103, 4, r, 3, address, seed=5, slow_ratio=0) for r in range(3)]
+def test_every_index_once_per_epoch_and_fast_ranks_take_more(counters):
+    samplers = [WorkQueueSampler(103, 4, r, 3, counters, seed=5, slow_ratio=0) for r in range(3)]
     taken = _interleaved(samplers, [1, 4, 4])
     flat = [i for part in taken for i in part]
     assert sorted(flat) == list(range(103)), "an index was lost or trained on twice"
@@ -46,28 +48,28 @@ def test_every_index_once_per_epoch_and_fast_ranks_take_more(address):
     assert all(len(t) > 0 for t in taken), "every rank gets at least its first chunk"
 
 
-def test_reshuffled_each_epoch_from_the_seed(address):
-    a = WorkQueueSampler(50, 5, 0, 2, address, seed=1)
-    b = WorkQueueSampler(50, 5, 1, 2, address, seed=1)
+def test_reshuffled_each_epoch_from_the_seed(counters):
+    a = WorkQueueSampler(50, 5, 0, 2, counters, seed=1)
+    b = WorkQueueSampler(50, 5, 1, 2, counters, seed=1)
     first = a.permutation()
     assert first == b.permutation(), "ranks must agree on the order without communicating"
     a.set_epoch(1)
     assert a.permutation() != first and sorted(a.permutation()) == list(range(50))
-    assert WorkQueueSampler(50, 5, 0, 2, address, shuffle=False).permutation() == list(range(50))
+    assert WorkQueueSampler(50, 5, 0, 2, counters, shuffle=False).permutation() == list(range(50))
 
 
-def test_has_no_length_so_trainers_cannot_schedule_per_rank_step_counts(address):
+def test_has_no_length_so_trainers_cannot_schedule_per_rank_step_counts(counters):
     with pytest.raises(TypeError):
-        len(WorkQueueSampler(50, 5, 0, 2, address))
+        len(WorkQueueSampler(50, 5, 0, 2, counters))
 
 
-def test_too_small_a_dataset_is_a_clear_error(address):
+def test_too_small_a_dataset_is_a_clear_error(counters):
     with pytest.raises(ConfigurationError, match="fewer than the 8 workers"):
-        WorkQueueSampler(20, 4, 0, 8, address)
+        WorkQueueSampler(20, 4, 0, 8, counters)
 
 
-def test_only_a_much_slower_rank_leaves_the_tail_to_the_others(address):
-    sampler = WorkQueueSampler(1000, 10, 0, 8, address)
+def test_only_a_much_slower_rank_leaves_the_tail_to_the_others(counters):
+    sampler = WorkQueueSampler(1000, 10, 0, 8, counters)
     # others: 7 ranks at 0.05 s/chunk -> 140 chunks/s
     assert sampler.should_leave_tail(remaining=30, horizon=0.5, my_chunk_seconds=0.25, others_rate=140)
     assert not sampler.should_leave_tail(remaining=300, horizon=0.5, my_chunk_seconds=0.25, others_rate=140)
@@ -82,8 +84,8 @@ class _AlwaysSlow(WorkQueueSampler):
         return True
 
 
-def test_the_last_rank_taking_chunks_never_leaves_the_tail_to_nobody(address):
-    samplers = [_AlwaysSlow(200, 4, r, 4, address, seed=2) for r in range(4)]
+def test_the_last_rank_taking_chunks_never_leaves_the_tail_to_nobody(counters):
+    samplers = [_AlwaysSlow(200, 4, r, 4, counters, seed=2) for r in range(4)]
     for s in samplers:  # estimates as after a few claims, so the tail decision is taken
         s._my_seconds, s._others_rate = 1.0, 100.0
     taken = _interleaved(samplers, [1, 1, 1, 1])
@@ -103,11 +105,11 @@ class _CountingStore:
         return self.store.add(key, value)
 
 
-def test_one_store_operation_per_claimed_chunk_tail_awareness_included(address):
-    samplers = [WorkQueueSampler(400, 4, r, 4, address, seed=3) for r in range(4)]  # tail awareness on
+def test_one_store_operation_per_claimed_chunk_tail_awareness_included(counters):
+    samplers = [WorkQueueSampler(400, 4, r, 4, counters, seed=3) for r in range(4)]  # tail awareness on
     clients = []
     for s in samplers:
-        clients.append(_CountingStore(address.open(10.0)))
+        clients.append(_CountingStore(counters))
         s._store = clients[-1]
     taken = _interleaved(samplers, [1, 5, 5, 5])  # rank 0 is 5x slower
     assert sorted(i for part in taken for i in part) == list(range(400))
@@ -148,8 +150,8 @@ def _run_epoch_on_a_clock(samplers, seconds_per_chunk):
     return trained, finish
 
 
-def test_a_slow_rank_leaves_the_tail_in_its_first_epoch_before_any_estimate(address):
-    samplers = [WorkQueueSampler(160, 4, r, 4, address, seed=4) for r in range(4)]
+def test_a_slow_rank_leaves_the_tail_in_its_first_epoch_before_any_estimate(counters):
+    samplers = [WorkQueueSampler(160, 4, r, 4, counters, seed=4) for r in range(4)]
     trained, finish = _run_epoch_on_a_clock(samplers, [1.0, 0.2, 0.2, 0.2])  # rank 0 is 5x slower
     flat = [i for chunks in trained.values() for chunk in chunks for i in chunk]
     assert sorted(flat) == list(range(160)), "every index is trained once"
@@ -159,10 +161,10 @@ def test_a_slow_rank_leaves_the_tail_in_its_first_epoch_before_any_estimate(addr
     assert finish[0] <= max(finish[r] for r in (1, 2, 3)), finish
 
 
-def test_with_everyone_s_speeds_a_slow_rank_takes_only_its_first_chunk_of_a_short_epoch(address):
+def test_with_everyone_s_speeds_a_slow_rank_takes_only_its_first_chunk_of_a_short_epoch(counters):
     # 16 ranks, 45 chunks: the fast ranks empty the queue before rank 0 finishes one chunk, so
     # rank 0 never sees the queue running and cannot tell how fast the others are on its own
-    samplers = [WorkQueueSampler(45 * 4, 4, r, 16, address, seed=5) for r in range(16)]
+    samplers = [WorkQueueSampler(45 * 4, 4, r, 16, counters, seed=5) for r in range(16)]
     seconds = [1.0] + [0.2] * 15
     first, _ = _run_epoch_on_a_clock(samplers, seconds)
     assert len(first[0]) == 2  # its first chunk and the one fetched with it
@@ -177,8 +179,8 @@ def test_with_everyone_s_speeds_a_slow_rank_takes_only_its_first_chunk_of_a_shor
     assert len(trained[0]) == 1, {r: len(c) for r, c in trained.items()}
 
 
-def test_speeds_are_ignored_until_every_rank_has_one(address):
-    sampler = WorkQueueSampler(100, 4, 1, 3, address)
+def test_speeds_are_ignored_until_every_rank_has_one(counters):
+    sampler = WorkQueueSampler(100, 4, 1, 3, counters)
     sampler.set_speeds([0.5, 0.0, 0.1])
     assert sampler.seconds_per_chunk == 0.0
     sampler.set_speeds([0.5, 0.1, 0.25])

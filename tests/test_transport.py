@@ -1,18 +1,15 @@
-"""The coordinator's message transport, in one process: order, batching, echo, timeouts, closing."""
+"""The control plane in one process: the transport (order, batching, echo, timeouts, closing) and the
+coordinator's sessions, counters and membership, driven through real connections."""
 
 from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
-from helpers import free_port
 
-from lightning_prague.core import CoordinatorService, GroupGenerator, StoreAddress, make_policy
-from lightning_prague.core.coordinator import connect_to_coordinator
-from lightning_prague.core.errors import CoordinationTimeout
+from lightning_prague.core import ControlClient, ControlPlane, SessionConfig, make_policy
+from lightning_prague.core.errors import CoordinationTimeout, MemberLost
 from lightning_prague.core.transport import MessageLink, MessageServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,7 +57,7 @@ def test_an_echo_comes_behind_everything_already_sent_and_wakes_a_blocked_receiv
         server.close()
 
 
-def test_receive_times_out_with_none_and_a_closed_coordinator_is_an_error_naming_rank_0():
+def test_receive_times_out_with_none_and_a_closed_server_is_an_error_naming_the_rank():
     server = _echo_server()
     host, port = server.address
     link = MessageLink(host, port, 2, timeout=10)
@@ -68,41 +65,115 @@ def test_receive_times_out_with_none_and_a_closed_coordinator_is_an_error_naming
     assert link.receive(timeout=0.2) is None
     assert time.monotonic() - start < 5
     server.close()
-    with pytest.raises(CoordinationTimeout, match="rank 2: the coordinator of rank 0 closed the connection"):
+    with pytest.raises(CoordinationTimeout, match="rank 2: the control plane closed the connection"):
         link.receive(timeout=5)
 
 
-def test_a_coordinator_that_is_not_there_is_an_error_naming_the_rank_and_the_address():
+def test_a_server_that_is_not_there_is_an_error_naming_the_rank_and_the_address():
     server = _echo_server()
     host, port = server.address
     server.close()
-    with pytest.raises(CoordinationTimeout, match=f"rank 5: cannot connect to the coordinator of rank 0 at {host}"):
+    with pytest.raises(CoordinationTimeout, match=f"rank 5: cannot connect to the control plane at {host}"):
         MessageLink(host, port, 5, timeout=2)
 
 
-def test_workers_find_the_coordinator_through_the_store_and_get_groups():
-    port = free_port()
-    server_store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
-    address = StoreAddress("127.0.0.1", port, "transport-test")
-    generator = GroupGenerator(4, make_policy("random", 4, 2, seed=0))
-    service = CoordinatorService(address, generator)
-    service.start()
-    try:
-        links = [connect_to_coordinator(address.connect(10), rank, timeout=10) for rank in range(4)]
-        links[1].send({"op": "ready", "rank": 1, "req": 1, "version": 0})
-        group = links[1].receive()
-        answer = links[1].receive()
-        assert group["t"] == "group" and 1 in group["members"] and len(group["members"]) == 2
-        assert answer == {"t": "answer", "req": 1, "gid": group["gid"]}
-        partner = next(r for r in group["members"] if r != 1)
-        assert links[partner].receive() == group  # the same item, in the partner's inbox
-        before = server_store.num_keys()
-        for req in range(2, 50):
-            links[1].send({"op": "ready", "rank": 1, "req": req, "version": 0})
-        while links[1].receive(timeout=10)["t"] != "answer" or service.handled < 49:
-            pass
-        assert server_store.num_keys() == before  # requests and groups never touch the store
-        for link in links:
-            link.close()
-    finally:
-        service.close()
+@pytest.fixture
+def plane():
+    """A control plane served from a thread of this process (in a job: the supervisor process)."""
+    control = ControlPlane()
+    server = MessageServer(
+        control.handle, "127.0.0.1", on_connect=control.on_connect, on_disconnect=control.on_disconnect
+    )
+    server.start()
+    yield control, server
+    server.close()
+
+
+def _clients(server: MessageServer, world: int) -> list[ControlClient]:
+    host, port = server.address
+    return [ControlClient(host, port, rank, timeout=10) for rank in range(world)]
+
+
+def _config(world: int) -> SessionConfig:
+    return SessionConfig(world, make_policy("random", world, 2, seed=0))
+
+
+def test_ranks_of_a_session_get_groups_and_share_counters_that_vanish_with_the_session(plane):
+    control, server = plane
+    clients = _clients(server, 4)
+    sessions = [c.open_session(1, _config(4)) for c in clients]
+    sessions[1].send("ready", req=1, version=0)
+    group = sessions[1].receive()
+    answer = sessions[1].receive()
+    assert group["t"] == "group" and 1 in group["members"] and len(group["members"]) == 2
+    assert answer == {"t": "answer", "req": 1, "gid": group["gid"], "s": 1}
+    partner = next(r for r in group["members"] if r != 1)
+    assert sessions[partner].receive() == group  # the same item, in the partner's inbox
+    # counters: atomic across ranks, TCPStore's interface
+    claims = [s.counters.add("epoch/0/cursor", 1) for s in sessions for _ in range(5)]
+    assert sorted(claims) == list(range(1, 21))
+    assert sessions[0].counters.compare_set("mode", "", "idle") == b"idle"
+    assert sessions[3].counters.compare_set("mode", "", "fast") == b"idle"  # the first one wins
+    waiter = threading.Thread(target=lambda: sessions[2].counters.wait(["end"]))
+    waiter.start()
+    time.sleep(0.1)
+    sessions[0].counters.set("end", "17")
+    waiter.join(5)
+    assert not waiter.is_alive() and sessions[2].counters.get("end") == b"17"
+    assert control.sessions[1].values  # the counters live in the session...
+    for s in sessions:
+        s.close()
+    time.sleep(0.2)
+    assert control.sessions == {}  # ...and go with it
+    for c in clients:
+        c.close()
+
+
+def test_a_rank_whose_connection_closes_is_named_to_every_other_member_at_once(plane):
+    _, server = plane
+    clients = _clients(server, 3)
+    sessions = [c.open_session(7, _config(3)) for c in clients]
+    sessions[0].send("arrive", sync="epoch_end")  # rank 0 waits at a synchronization point
+    clients[2].close()  # rank 2's process ends (kill -9 closes its sockets the same way)
+    item = sessions[0].receive(timeout=5)
+    assert item["t"] == "departed" and item["rank"] == 2 and item["members"] == [0, 1]
+    assert sessions[1].receive(timeout=5)["t"] == "departed"
+    assert sessions[1].departed == {2: "its process ended: its connection to the control plane closed"}
+    with pytest.raises(MemberLost, match=r"rank 1: rank \[2\] left the job during training \(rank 2: its process"):
+        sessions[1].check_members("training")
+    for c in clients[:2]:
+        c.close()
+
+
+def test_a_rank_that_leaves_after_an_error_is_named_and_a_closed_session_reports_nobody(plane):
+    _, server = plane
+    clients = _clients(server, 2)
+    first = [c.open_session(1, _config(2)) for c in clients]
+    for s in first:
+        s.close()
+    second = [c.open_session(2, _config(2)) for c in clients]
+    clients[0].close()  # gone after the first session ended: only the second one hears of it
+    assert second[1].receive(timeout=5)["t"] == "departed"
+    assert first[1].departed == {}
+    second[1].send("leave")
+    kinds = [second[1].receive(timeout=5)["t"] for _ in range(2)]
+    assert kinds[-1] == "left", kinds  # after the release of the (empty) job's last meeting
+    clients[1].close()
+
+
+def test_a_stop_asked_by_one_rank_reaches_every_rank_and_the_release_says_stop(plane):
+    _, server = plane
+    clients = _clients(server, 3)
+    sessions = [c.open_session(1, _config(3)) for c in clients]
+    sessions[2].send("arrive", sync="epoch_end@epoch0", stop=True, speed=0.5, untrained=[7])
+    for rank in (0, 1):
+        assert sessions[rank].receive(timeout=5) == {"t": "stop", "reason": "request", "s": 1}
+        assert sessions[rank].stop_reason == "request"
+        sessions[rank].send("arrive", sync="epoch_end@epoch0", stop=False, speed=0.1 * (rank + 1), untrained=[rank])
+    releases = [s.receive(timeout=5) for s in sessions[:2]] + [sessions[2].receive(timeout=5)]
+    releases[2] = releases[2] if releases[2]["t"] == "release" else sessions[2].receive(timeout=5)
+    for release in releases:
+        assert release["t"] == "release" and release["stop"] is True
+        assert release["speeds"] == [0.1, 0.2, 0.5] and release["pending"] == [0, 1, 7]
+    for c in clients:
+        c.close()

@@ -135,12 +135,14 @@ class Session:
         self.stop_reason: str | None = None
         self.counters = Counters(self)
         self.open = True
+        self._departure = threading.Event()
 
     def deliver(self, item: Message) -> None:
         """Called by the reader thread for every item of this session."""
         kind = item["t"]
         if kind == "departed":
             self.departed[int(item["rank"])] = str(item["reason"])
+            self._departure.set()
             log.error(
                 "rank %d: rank %d left the job (%s); remaining members %s",
                 self.rank,
@@ -178,11 +180,21 @@ class Session:
 
     def lost_error(self, during: str) -> MemberLost:
         """The error a rank raises when members departed (naming them and why)."""
-        names = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.departed.items()))
+        # in the order the control plane saw them go: the first is the cause, later ones may have followed it
+        names = "; ".join(f"rank {r}: {why}" for r, why in self.departed.items())
         return MemberLost(
-            f"rank {self.rank}: rank{'s' if len(self.departed) > 1 else ''} {sorted(self.departed)} left the job "
+            f"rank {self.rank}: rank{'s' if len(self.departed) > 1 else ''} {list(self.departed)} left the job "
             f"during {during} ({names}); this job cannot go on without them"
         )
+
+    def explain(self, error: BaseException, during: str, wait: float = 2.0) -> BaseException:
+        """The error to raise for `error` (a failed exchange): `MemberLost` if a member departed (the
+        control plane's notice may trail the failed connection by a moment: wait up to `wait` s)."""
+        if self._departure.wait(wait):
+            lost = self.lost_error(during)
+            lost.__cause__ = error
+            return lost
+        return error
 
     def check_members(self, during: str) -> None:
         """Raise `MemberLost` if any rank has left the job."""

@@ -163,7 +163,7 @@ class ControlPlane:
         out: Out = {}
         for session in list(self.sessions.values()):
             if rank in session.members:
-                session.depart(rank, "its process ended (its connection to the control plane closed)", out)
+                session.depart(rank, "its process ended: its connection to the control plane closed", out)
                 self._tag(session, out)
             self._maybe_delete(session)
         return out

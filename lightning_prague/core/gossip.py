@@ -137,6 +137,8 @@ class LaggedGossip(Exchanger):
         limit = self.timeout if timeout is None else timeout
         try:
             done = future.result(limit + 5.0)  # the sums time out on their own after self.timeout
+        except CoordinationTimeout as err:
+            raise self.worker.session.explain(err, flight.operation(self.worker.rank)) from err
         except FutureTimeout:
             raise CoordinationTimeout(
                 f"rank {self.worker.rank}: {flight.operation(self.worker.rank)} did not finish within {limit:.0f}s"
@@ -206,6 +208,7 @@ class LaggedGossip(Exchanger):
         start = time.monotonic()
         pause = 0.001  # polls of the store back off to 20 ms: N workers polling must not flood rank 0's store
         while not store.check([f"{key}/final"]):
+            self.worker.check_members(f"the end of gossip phase {self.phases}")
             waited = time.monotonic() - start
             if waited > self.timeout:
                 missing = [r for r in range(world) if not store.check([f"{key}/done/{r}"])]

@@ -151,9 +151,11 @@ class GroupWorker:
             members = tuple(item["members"])
             weights = item.get("weights")
             weight = None if weights is None else float(weights[members.index(self.rank)])
-            error = average_(
-                tensors or self.tensors, self.comm, members, weight=weight, operation=f"group average #{item['gid']}"
-            )
+            operation = f"group average #{item['gid']}"
+            try:
+                error = average_(tensors or self.tensors, self.comm, members, weight=weight, operation=operation)
+            except CoordinationTimeout as err:
+                raise self.session.explain(err, f"{operation} over ranks {list(members)}") from err
             self.stats.record_group_error(error)
             self.stats.groups_executed += 1
             self.stats.group_sizes.append(len(members))
@@ -310,4 +312,7 @@ class GroupWorker:
 
     def global_average(self) -> None:
         """Average over all ranks; call only right after `synchronize` returned."""
-        average_(self.tensors, self.comm, self.comm.everyone, operation="global average")
+        try:
+            average_(self.tensors, self.comm, self.comm.everyone, operation="global average")
+        except CoordinationTimeout as err:
+            raise self.session.explain(err, "the global average") from err

@@ -33,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--limit-train-batches", type=int, help="training batches per worker and epoch")
     parser.add_argument("--step-time", type=float, default=0.05, help="simulated compute time per step (s)")
     parser.add_argument("--profile", default="straggler", choices=list(PROFILES))
     parser.add_argument("--slow-rank", type=int, action="append", dest="slow_ranks", help="rank to slow (repeatable)")
@@ -112,6 +113,9 @@ class RunReport(L.Callback):
         worker, exchanger = getattr(trainer.strategy, "worker", None), getattr(trainer.strategy, "exchanger", None)
         if worker is not None and exchanger is not None:
             self.measurements = {"coordinator_requests": worker.stats.requests, "exchanges": exchanger.exchanges}
+        job = getattr(trainer.strategy, "job", None)
+        if job is not None:
+            self.measurements["supervisor_pid"] = job.supervisor_pid
         progress = getattr(trainer.strategy, "progress", None)
         if progress is not None and progress.loader is not None and trainer.is_global_zero:
             self.measurements["epochs_in_store"] = progress.loader.epochs_in_store()
@@ -182,6 +186,7 @@ def build(
         num_nodes=args.num_nodes,
         strategy=build_strategy(args),
         max_epochs=args.epochs,
+        limit_train_batches=args.limit_train_batches,
         callbacks=callbacks,
         logger=L.pytorch.loggers.CSVLogger(args.csv_dir, name="", version="") if args.csv_dir else False,
         log_every_n_steps=1,
@@ -224,6 +229,8 @@ def report(
         "strategy": args.strategy,
         "devices": args.devices * args.num_nodes,
         "epochs_run": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "should_stop": bool(trainer.should_stop),
         "fit_seconds": fit_seconds,
         "train_seconds": summary.train_seconds,
         "step_seconds": summary.step_seconds,

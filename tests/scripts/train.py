@@ -4,7 +4,11 @@ Extra options: --sigterm-rank R --sigterm-batch N (rank R sends itself SIGTERM a
 --refit-epochs E (call trainer.fit again to E epochs), --test (trainer.test after fit),
 --raise-at-batch N (every rank, or only --raise-rank R, raises at its N-th batch; each rank then
 writes the error it got and the names of the communication threads still alive to result.rankR.json,
-and rank 0 exits with status 3).
+and rank 0 exits with status 3), --kill-rank R --kill-batch N (rank R kills itself with SIGKILL at
+its N-th batch, after writing the time to killed.json; the others report as with --raise-at-batch),
+--timer SECONDS (Lightning's Timer stops the fit), --module-stop-rank R --module-stop-batch N (the
+LightningModule sets trainer.should_stop on rank R only, at its N-th batch), --user-allreduce (every
+training step all-reduces a tensor on the world group, as a user's step may, and checks the sum).
 """
 
 import argparse
@@ -13,9 +17,11 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import lightning as L
 import torch
+import torch.distributed as dist
 
 from lightning_prague.demo import run
 
@@ -40,6 +46,58 @@ class RaiseAt(L.Callback):
             raise RuntimeError(f"injected failure on rank {trainer.global_rank}")
 
 
+class KillAt(L.Callback):
+    def __init__(self, rank: int, batch: int, path) -> None:
+        self.rank, self.batch, self.path, self.seen = rank, batch, path, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen += 1
+        if trainer.global_rank == self.rank and self.seen == self.batch:
+            self.path.write_text(json.dumps({"rank": self.rank, "time": time.time()}))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stop_in_module(model, rank: int, batch: int) -> None:
+    """The module itself sets trainer.should_stop, on one rank only (as a module's own logic may)."""
+    step = model.training_step
+    seen = [0]
+
+    def training_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        seen[0] += 1
+        if model.trainer.global_rank == rank and seen[0] == batch:
+            model.trainer.should_stop = True
+        return out
+
+    model.training_step = training_step
+
+
+def all_reduce_in_step(model) -> list[float]:
+    """Every training step all-reduces a tensor on the world group; returns the sums it got."""
+    step = model.training_step
+    sums: list[float] = []
+
+    def training_step(*args, **kwargs):
+        value = torch.ones(1)
+        dist.all_reduce(value)
+        sums.append(float(value))
+        return step(*args, **kwargs)
+
+    model.training_step = training_step
+    return sums
+
+
+class WriteSums(L.Callback):
+    """Writes the sums a rank's steps got from their all-reduces, in the rank's own process."""
+
+    def __init__(self, sums: list[float], json_path) -> None:
+        self.sums, self.path = sums, json_path
+
+    def on_train_end(self, trainer, pl_module):
+        path = self.path.with_suffix(f".allreduce{trainer.global_rank}.json")
+        path.write_text(json.dumps({"sums": self.sums, "world_size": trainer.world_size}))
+
+
 def prague_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("prague-") and not t.name.startswith("prague-control")]
 
@@ -51,18 +109,33 @@ def main() -> None:
     extra.add_argument("--refit-epochs", type=int)
     extra.add_argument("--raise-at-batch", type=int)
     extra.add_argument("--raise-rank", type=int, help="only this rank raises (default: every rank)")
+    extra.add_argument("--kill-rank", type=int)
+    extra.add_argument("--kill-batch", type=int, default=5)
+    extra.add_argument("--timer", type=float)
+    extra.add_argument("--module-stop-rank", type=int)
+    extra.add_argument("--module-stop-batch", type=int, default=5)
+    extra.add_argument("--user-allreduce", action="store_true")
     own, rest = extra.parse_known_args()
     args = run.parse_args(rest)
     callbacks = [SelfSigterm(own.sigterm_rank, own.sigterm_batch)] if own.sigterm_rank is not None else []
     if own.raise_at_batch:
         callbacks.append(RaiseAt(own.raise_at_batch, own.raise_rank))
+    if own.kill_rank is not None:
+        callbacks.append(KillAt(own.kill_rank, own.kill_batch, args.json.parent / "killed.json"))
+    if own.timer is not None:
+        callbacks.append(L.pytorch.callbacks.Timer(duration={"seconds": own.timer}))
     trainer, model, data, summary, checkpoint = run.build(args, callbacks)
+    if own.module_stop_rank is not None:
+        stop_in_module(model, own.module_stop_rank, own.module_stop_batch)
+    if own.user_allreduce:
+        trainer.callbacks.append(WriteSums(all_reduce_in_step(model), args.json))
     reporter = next(cb for cb in trainer.callbacks if isinstance(cb, run.RunReport))
     try:
         trainer.fit(model, datamodule=data, ckpt_path=args.resume)
     except RuntimeError as err:
-        if not own.raise_at_batch:
+        if not (own.raise_at_batch or own.kill_rank is not None):
             raise
+        failed_at = time.time()
         path = args.json.with_suffix(f".rank{trainer.global_rank}.json")
         import traceback
 
@@ -72,7 +145,10 @@ def main() -> None:
             for t in threading.enumerate()
             if t.name.startswith("prague-") and not t.name.startswith("prague-control") and t.ident in frames
         }
-        path.write_text(json.dumps({"error": str(err), "threads": prague_threads(), "stacks": stacks}))
+        job = getattr(trainer.strategy, "job", None)
+        report = {"error": str(err), "threads": prague_threads(), "stacks": stacks, "time": failed_at}
+        report["supervisor_pid"] = job.supervisor_pid if job is not None else None
+        path.write_text(json.dumps(report))
         if trainer.global_rank != 0:
             sys.exit(0)  # Lightning's launcher kills every rank when one exits non-zero; the report has the error
         for proc in getattr(trainer.strategy.launcher, "procs", []):  # rank 0 waits for the ranks it launched
