@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_prague
 from lightning_prague import ConfigurationError, PartialAllReduceStrategy
-from lightning_prague.strategies._checks import check_trainer
+from lightning_prague.strategies._checks import check_layer_sync, check_trainer
 
 
 @pytest.mark.parametrize(
@@ -119,3 +119,12 @@ def test_the_command_lists_every_subcommand_and_its_version(capsys):
     assert all(name in out for name in ("fit", "validate", "test", "predict", "plan", "bench", "--version"))
     main(["--version"])
     assert capsys.readouterr().out.strip() == f"lightning-prague {lightning_prague.__version__}"
+
+
+def test_sync_batchnorm_is_rejected_with_what_to_use_instead():
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="prague", sync_batchnorm=True, logger=False, enable_progress_bar=False
+    )
+    with pytest.raises(ConfigurationError, match="sync_batchnorm=True cannot be honoured.*GroupNorm"):
+        check_layer_sync(trainer.strategy, "prague")
+    check_layer_sync(L.Trainer(accelerator="cpu", devices=2, strategy="prague", logger=False).strategy, "prague")

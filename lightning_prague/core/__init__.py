@@ -19,9 +19,9 @@ from lightning_prague.core.errors import (
 )
 from lightning_prague.core.generator import GroupGenerator
 from lightning_prague.core.groups import GroupComm, communicator_count
+from lightning_prague.core.job import Job, current_job, init_job
 from lightning_prague.core.policies import POLICY_NAMES, GroupingPolicy, SchedulePolicy, make_policy
 from lightning_prague.core.sharding import WorkQueueSampler
-from lightning_prague.core.job import Job, current_job, init_job
 from lightning_prague.core.streams import CommStream
 from lightning_prague.core.topology import TOPOLOGIES, Schedule, WeightedGroup, make_topology, static_schedule
 from lightning_prague.core.worker import GroupWorker, WorkerStats

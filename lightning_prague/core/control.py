@@ -46,7 +46,13 @@ class ControlClient:
         self._lock = threading.Lock()
         self._req = itertools.count(1)
         self.link = MessageLink(
-            host, port, rank, timeout, router=self._route, on_close=self._closed, peer=f"the control plane at {host}:{port}"
+            host,
+            port,
+            rank,
+            timeout,
+            router=self._route,
+            on_close=self._closed,
+            peer=f"the control plane at {host}:{port}",
         )
 
     @property
@@ -242,7 +248,9 @@ class Counters:
         return bool(self._kv("check", f"checking {list(keys)}", keys=list(keys)))
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        value = self._kv("cas", f"compare-and-set of {key!r}", key=key, expected=_text(expected), desired=_text(desired))
+        value = self._kv(
+            "cas", f"compare-and-set of {key!r}", key=key, expected=_text(expected), desired=_text(desired)
+        )
         return str(value).encode()
 
     def delete_key(self, key: str) -> bool:

@@ -189,8 +189,12 @@ class ControlPlane:
             self._maybe_delete(session)
         elif op == "parked":
             CoordinatorSession._reply(rank, int(message["req"]), sorted(session.generator.parked), out)
-        elif op == "history":
-            history = [[gid, list(members)] for gid, members in session.generator.issued]
+        elif op == "history":  # for tests and benchmarks (SessionConfig.record_history)
+            generator = session.generator
+            history = {
+                "issued": [[gid, list(members)] for gid, members in generator.issued],
+                "windows_closed": getattr(generator.policy, "windows_closed", None),
+            }
             CoordinatorSession._reply(rank, int(message["req"]), history, out)
         elif op == "leave":
             out.update(session.generator.handle(message))

@@ -42,6 +42,12 @@ log = logging.getLogger(__name__)
 _LEAVE = "leave"  # a job: send `leave` and serve what is assigned until `left`
 
 
+def communication_threads() -> list[str]:
+    """Names of this process's exchange threads now alive (not the control connection's reader, which
+    lives as long as the process): after a synchronization point or teardown there must be none."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("prague-") and "control" not in t.name]
+
+
 class Exchanger:
     """The interface every strategy drives; see the module docstring."""
 

@@ -4,8 +4,8 @@ Asynchronous workers run different numbers of steps, so no per-worker step count
 anything that every worker must do together (validation every N steps, a checkpoint every N steps,
 `max_steps`, a learning-rate schedule). One count is the same on every worker: the global number
 of batches trained. Each batch gets a *ticket* (its 1-based global number) from an atomic counter
-of the session's coordinator (`Session.counters`) when the worker fetches it; tickets increase on every worker in the order its
-batches are trained.
+of the session's coordinator (`Session.counters`) when the worker fetches it; tickets increase on
+every worker in the order its batches are trained.
 
 A *boundary* is a global batch count at which every worker must meet (a synchronization point):
 every batch with a ticket up to the boundary is trained before it, none after it. A worker is at a
@@ -37,6 +37,7 @@ ENDED = 1 << 40
 #: the names of the store keys of one epoch's progress
 EPOCH_KEYS = ("claims", "enders", "end")
 
+
 @dataclass(frozen=True)
 class Boundary:
     """A synchronization point at `batches` global batches; `step` is the global step it stands for."""
@@ -55,6 +56,7 @@ class Boundary:
         if next_ticket is not None:
             return next_ticket > self.batches
         return epoch_end is not None and self.batches <= epoch_end
+
 
 @dataclass(frozen=True)
 class ProgressSchedule:
@@ -141,8 +143,10 @@ class ProgressSchedule:
             checkpoint=any(c[2] for c in hits),
         )
 
+
 def _next_multiple(position: int, origin: int, every: int) -> int:
     return origin + (math.floor((position - origin) / every) + 1) * every
+
 
 def _merge(a: Optional[Boundary], b: Boundary) -> Boundary:
     if a is None:
@@ -150,6 +154,7 @@ def _merge(a: Optional[Boundary], b: Boundary) -> Boundary:
     return Boundary(
         max(a.batches, b.batches), max(a.step, b.step), a.validate or b.validate, a.checkpoint or b.checkpoint
     )
+
 
 class ProgressCounter:
     """One worker's view of the global ticket counter (one store operation per batch).
@@ -262,6 +267,7 @@ class ProgressCounter:
                 f"(operation: read the epoch's end from the store; ranks 0-{self.world_size - 1} share it)"
             ) from err
         return self.padded(int(self.store.get(key)))
+
 
 def _timedelta(seconds: float):  # noqa: ANN202 - datetime.timedelta
     from datetime import timedelta

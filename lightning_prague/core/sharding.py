@@ -2,9 +2,10 @@
 
 An epoch is one pass over a shuffled permutation of the dataset, cut into chunks of one batch.
 Every rank first takes the chunk numbered by its rank (so nobody ends an epoch empty-handed), then
-claims further chunks from an atomic counter of the session's coordinator (`Session.counters`). Fast ranks claim more chunks; nobody
-idles at the end of the epoch waiting for a slow rank's fixed shard. The permutation depends only
-on `seed` and the epoch, so all ranks agree on it without communicating.
+claims further chunks from an atomic counter of the session's coordinator (`Session.counters`).
+Fast ranks claim more chunks; nobody idles at the end of the epoch waiting for a slow rank's fixed
+shard. The permutation depends only on `seed` and the epoch, so all ranks agree on it without
+communicating.
 
 Tail awareness: near the end of an epoch a slow rank would hold the last chunk while everyone else
 waits for it at the epoch's synchronization point. A rank therefore stops claiming when it is much

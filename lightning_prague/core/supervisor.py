@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     server.start()
     store.set(address_key(), f"{args.host}:{server.address[1]}:{os.getpid()}")
-    log.info("serving %d ranks: store %s:%d, control plane port %d", args.world_size, args.host, args.port, server.address[1])
+    log.info(
+        "serving %d ranks: store %s:%d, control plane port %d", args.world_size, args.host, args.port, server.address[1]
+    )
     started = time.monotonic()
     while server.alive:
         time.sleep(0.05)

@@ -27,7 +27,6 @@ import queue
 import selectors
 import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any

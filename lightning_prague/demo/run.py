@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 import lightning_prague  # noqa: F401  (registers the strategies)
 from lightning_prague.callbacks import ConsensusMonitor, SlowdownInjector, StragglerMonitor, WorkerSummary
 from lightning_prague.callbacks.slowdown import PROFILES
+from lightning_prague.core.overlap import communication_threads
 from lightning_prague.demo.captured import run_captured
 from lightning_prague.demo.digits import OPTIMIZERS, DigitsClassifier, DigitsDataModule
 from lightning_prague.strategies.base import DecentralizedStrategy
@@ -256,7 +256,7 @@ def report(
     result.update(measurements or {})
     # every rank reports its own checksum so callers can check the replicas agree
     result["rank"] = trainer.global_rank
-    result["threads_after_fit"] = [t.name for t in threading.enumerate() if t.name.startswith("prague-") and not t.name.startswith("prague-control")]
+    result["threads_after_fit"] = communication_threads()
     if trainer.is_global_zero:
         print(
             f"{args.strategy}: val_acc={result['val_acc']:.4f} train={summary.train_seconds:.2f}s "

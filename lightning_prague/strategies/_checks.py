@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -47,4 +49,15 @@ def check_trainer(trainer: pl.Trainer, strategy_name: str) -> None:
             f"limit_train_batches={limit} cannot be combined with step-based validation or checkpoints: each "
             "worker would stop its epoch on its own count, so nobody knows where the epoch's global progress "
             "ends. Train on a subset of the dataset instead"
+        )
+
+
+def check_layer_sync(strategy: Any, strategy_name: str) -> None:
+    """Raise `ConfigurationError` for `Trainer(sync_batchnorm=True)` (the strategy's `_layer_sync` is set)."""
+    if getattr(strategy, "_layer_sync", None) is not None:
+        raise ConfigurationError(
+            f"sync_batchnorm=True cannot be honoured with strategy={strategy_name!r}: SyncBatchNorm runs a "
+            "collective of every rank in every forward pass, but workers run different numbers of steps and would "
+            "wait for each other forever. Use plain BatchNorm (each replica keeps its own statistics, averaged "
+            "with the parameters at synchronization points) or GroupNorm/LayerNorm"
         )

@@ -29,6 +29,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
@@ -36,7 +37,6 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.fabric.utilities.seed import reset_seed
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 from lightning_prague.core.averaging import BucketedTensors, averaged_state
 from lightning_prague.core.control import Session
 from lightning_prague.core.coordinator import SessionConfig
-from lightning_prague.core.errors import ConfigurationError, MemberLost
+from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.job import Job, init_job
 from lightning_prague.core.overlap import Exchanger
 from lightning_prague.core.policies import GroupingPolicy
@@ -53,7 +53,7 @@ from lightning_prague.core.progress_loader import ProgressLoader
 from lightning_prague.core.sharding import WorkQueueSampler
 from lightning_prague.core.worker import GroupWorker
 from lightning_prague.strategies import _patches
-from lightning_prague.strategies._checks import check_trainer
+from lightning_prague.strategies._checks import check_layer_sync, check_trainer
 from lightning_prague.strategies.global_progress import GlobalProgress, batches_per_epoch
 
 log = logging.getLogger(__name__)
@@ -232,14 +232,8 @@ class DecentralizedStrategy(DDPStrategy):
         self._trainer = trainer
         self._aligned = True
         asynchronous = fitting and self.world_size >= 2
-        if asynchronous and getattr(self, "_layer_sync", None) is not None:
-            raise ConfigurationError(
-                f"sync_batchnorm=True cannot be honoured with strategy={self.strategy_name!r}: SyncBatchNorm runs a "
-                "collective of every rank in every forward pass, but workers run different numbers of steps and would "
-                "wait for each other forever. Use plain BatchNorm (each replica keeps its own statistics, averaged "
-                "with the parameters at synchronization points) or GroupNorm/LayerNorm"
-            )
         if asynchronous:
+            check_layer_sync(self, self.strategy_name)
             # before Lightning's setup: configure_optimizers may read trainer.estimated_stepping_batches,
             # which loads the training data (through the work queue) there
             self._open_session(policy)

@@ -53,7 +53,7 @@ def main() -> None:
         "store_keys": keys,
     }
     if rank == 0:
-        result["issued"] = session.request("history", "the group history")
+        result["issued"] = session.request("history", "the group history")["issued"]
     worker.close()
     with open(out, "w") as f:
         json.dump(result, f)

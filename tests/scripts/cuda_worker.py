@@ -19,11 +19,10 @@ import torch.distributed as dist
 
 from lightning_prague.core import (
     BucketedTensors,
-    CoordinatorService,
-    GroupGenerator,
     GroupWorker,
-    StoreAddress,
+    SessionConfig,
     average_,
+    init_job,
     make_policy,
     make_topology,
 )
@@ -35,17 +34,13 @@ def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(0)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    job = init_job(rank, world, "gloo", timeout=60)
+    session = job.open_session(SessionConfig(world, make_policy("first_ready", world, 2)))
     device = torch.device("cuda", 0)
-    address = StoreAddress.from_env().child("cuda")
-    service = None
-    if rank == 0:
-        service = CoordinatorService(address, GroupGenerator(world, make_policy("first_ready", world, 2)))
-        service.start()
     params = torch.full((1000,), float(rank), device=device)
     half = torch.full((10,), float(rank), device=device, dtype=torch.bfloat16)
     tensors = BucketedTensors([params, half])
-    worker = GroupWorker(address, rank, world, tensors, "gloo", timeout=60)
+    worker = GroupWorker(session, tensors, timeout=60)
     result = {"rank": rank, "buckets": len(tensors.buckets)}
 
     average_(tensors, worker.comm, list(range(world)), operation="test average")
@@ -84,8 +79,7 @@ def main() -> None:
     gossip.close()
     result["gossip_mean"] = float(params.mean())
     result["thread"] = seen
-    if service is not None:
-        service.close()
+    worker.close()
     with open(out, "w") as f:
         json.dump(result, f)
     dist.barrier()

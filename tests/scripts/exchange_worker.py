@@ -14,7 +14,6 @@ applied twice.
 import json
 import random
 import sys
-import threading
 import time
 
 import torch
@@ -22,12 +21,12 @@ import torch.distributed as dist
 
 from lightning_prague.core import BucketedTensors, GroupWorker, SessionConfig, init_job
 from lightning_prague.core.bipartite import BipartiteGraph
-from lightning_prague.core.overlap import BackgroundAverager, PassiveResponder
+from lightning_prague.core.overlap import BackgroundAverager, PassiveResponder, communication_threads
 from lightning_prague.core.policies import GossipPolicy, make_policy
 
 
 def comm_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("prague-") and "control" not in t.name]
+    return communication_threads()
 
 
 def main() -> None:
@@ -53,7 +52,7 @@ def main() -> None:
     passive = mode == "gossip" and not graph.is_active(rank)
     exchanger = (PassiveResponder if passive else BackgroundAverager)(worker, tensors, timeout=60)
     rng = random.Random(rank)
-    control = address.child("control").connect(60)
+    control = session.counters  # the slow rank tells the others it is done
     added = 0.0
     threads_during = []
     for phase in range(2):  # two asynchronous phases: threads must stop and start again around the sync point
@@ -95,7 +94,9 @@ def main() -> None:
         "threads_at_end": comm_threads(),
     }
     if rank == 0:
-        result["issued"] = [members for _, members in session.request("history", "the group history")]
+        history = session.request("history", "the group history")
+        result["issued"] = [members for _, members in history["issued"]]
+        result["windows_closed"] = history["windows_closed"]
     worker.close()
     with open(out, "w") as f:
         json.dump(result, f)

@@ -14,10 +14,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from lightning_prague.core import BucketedTensors, GroupComm, make_topology
+from lightning_prague.core import BucketedTensors, GroupComm, SessionConfig, init_job, make_policy, make_topology
 from lightning_prague.core.gossip import LaggedGossip
 from lightning_prague.core.links import SlowLinks, simulate_slow_links
-from lightning_prague.core import SessionConfig, init_job, make_policy
 from lightning_prague.core.worker import GroupWorker
 
 

@@ -23,6 +23,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from lightning_prague.core.overlap import communication_threads
 from lightning_prague.demo import run
 
 
@@ -99,7 +100,7 @@ class WriteSums(L.Callback):
 
 
 def prague_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("prague-") and not t.name.startswith("prague-control")]
+    return communication_threads()
 
 
 def main() -> None:
