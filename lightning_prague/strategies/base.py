@@ -47,10 +47,12 @@ from lightning_prague.core.coordinator import SessionConfig
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.job import Job, init_job
 from lightning_prague.core.overlap import Exchanger
+from lightning_prague.core.phases import SyncController
 from lightning_prague.core.policies import GroupingPolicy
 from lightning_prague.core.progress import ProgressCounter
 from lightning_prague.core.progress_loader import ProgressLoader
 from lightning_prague.core.sharding import WorkQueueSampler
+from lightning_prague.core.training import SessionPlan, TrainingSession
 from lightning_prague.core.worker import GroupWorker
 from lightning_prague.strategies import _patches
 from lightning_prague.strategies._checks import check_layer_sync, check_trainer
@@ -84,10 +86,8 @@ class SyncPoints(Callback):
             self.strategy.progress.after_batch()  # a boundary: meet before step-based callbacks run
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        progress = self.strategy.progress
-        if progress is not None and progress.validating_at_boundary:
-            progress.validating_at_boundary = False  # the ranks met at the boundary just before
-            return
+        if not self.strategy.controller.validation_starts():
+            return  # the ranks met at the boundary just before
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             self.strategy.synchronize(f"validation@epoch{trainer.current_epoch}")
 
@@ -182,28 +182,36 @@ class DecentralizedStrategy(DDPStrategy):
         self.bucket_mb = bucket_mb
         #: leave workers that lag far behind out of other workers' groups (`GroupGenerator.lagging`)
         self.avoid_stragglers = False
-        self.exchanger: Exchanger | None = None
-        self.worker: GroupWorker | None = None
         #: this process's membership of the job (store, control plane, our process group)
         self.job: Job | None = None
-        #: this fit's session of the control plane
-        self.session: Session | None = None
+        #: this fit's session: control session, worker, exchanger (`None` outside an asynchronous fit)
+        self.training: TrainingSession | None = None
+        #: this rank's phase between synchronization points
+        self.controller = SyncController()
         self.sampler: WorkQueueSampler | None = None
         #: per-step schedules on global progress (work-queue strategies during fit)
         self.progress: GlobalProgress | None = None
         self.local_steps = 0
         self.batches_done = 0
-        self._aligned = True
-        #: this rank met the others at a boundary inside an epoch that others go on training in:
-        #: it owes them the epoch's next synchronization point even if it trains no further batch
-        self.owes_sync = False
-        self._local_sigterm = False
         self._warned: set[str] = set()
         self._trainer: Trainer | None = None
         #: measure the replicas' exact consensus error at every synchronization point (ConsensusMonitor)
         self.measure_consensus = False
         #: the last measurement: mean_i ||x_i - x_bar||^2 / ||x_bar||^2 before the global average
         self.consensus_error: float | None = None
+
+    # -- this fit's session (None outside an asynchronous fit) ------------------------------------
+    @property
+    def session(self) -> Session | None:
+        return self.training.session if self.training is not None else None
+
+    @property
+    def worker(self) -> GroupWorker | None:
+        return self.training.worker if self.training is not None else None
+
+    @property
+    def exchanger(self) -> Exchanger | None:
+        return self.training.exchanger if self.training is not None else None
 
     # -- hooks for subclasses ----------------------------------------------------------------
     @abstractmethod
@@ -230,47 +238,45 @@ class DecentralizedStrategy(DDPStrategy):
                 check_trainer(trainer, self.strategy_name)
             policy = self.make_policy()  # validates group_size against the world before anything starts
         self._trainer = trainer
-        self._aligned = True
+        self.controller.reset()
         asynchronous = fitting and self.world_size >= 2
         if asynchronous:
             check_layer_sync(self, self.strategy_name)
             # before Lightning's setup: configure_optimizers may read trainer.estimated_stepping_batches,
             # which loads the training data (through the work queue) there
-            self._open_session(policy)
+            self.training = TrainingSession(self._require_job(), self.session_plan(policy))
+            self.training.open()
             replacements: dict[str, Callable[..., Any]] = {
                 "_broadcast_sigterm_tensor": self._check_stop,
                 "_sigterm_notifier_fn": self._on_sigterm,
                 "_prepare_dataloader": self._wrap_prepare_dataloader(trainer._data_connector._prepare_dataloader),
             }
             if self.shards_by_work_queue:
-                self.progress = GlobalProgress(self, trainer)
+                self.progress = GlobalProgress(trainer, self.world_size, self.controller, self._meet_at_boundary)
                 replacements.update(self.progress.replacements())
             _patches.install(trainer, replacements)
         super().setup(trainer)
         if not asynchronous:
             return
-        self._start_worker()
+        assert self.training is not None
+        self.training.start(averaged_state(self.lightning_module))  # the parameters on their final device
+        self.local_steps = 0
+        self.batches_done = 0
         if not any(isinstance(cb, SyncPoints) and cb.strategy is self for cb in trainer.callbacks):
             trainer.callbacks.insert(0, SyncPoints(self))
 
-    def _open_session(self, policy: GroupingPolicy) -> None:
-        """This fit's session of the control plane (every rank opens its sessions in the same order)."""
+    def session_plan(self, policy: GroupingPolicy) -> SessionPlan:
+        """The factory of this fit's session: what it needs, from this strategy's options (starts nothing)."""
+        config = SessionConfig(self.world_size, policy, self.avoid_stragglers, sync_averages=self.average_at_sync)
+        return SessionPlan(config, self.make_exchanger, self.sync_timeout, int(self.bucket_mb * 2**20))
+
+    def _require_job(self) -> Job:
         if self.job is None:
             raise ConfigurationError(
                 f"strategy={self.strategy_name!r} found no job: its setup_distributed did not run (was "
                 "torch.distributed initialised by a subclass that overrides it?)"
             )
-        config = SessionConfig(self.world_size, policy, self.avoid_stragglers, sync_averages=self.average_at_sync)
-        self.session = self.job.open_session(config)
-
-    def _start_worker(self) -> None:
-        """This rank's side of the session, over the parameters on their final device."""
-        assert self.session is not None
-        tensors = BucketedTensors(averaged_state(self.lightning_module), int(self.bucket_mb * 2**20))
-        self.worker = GroupWorker(self.session, tensors, self.sync_timeout)
-        self.exchanger = self.make_exchanger(self.worker, tensors)
-        self.local_steps = 0
-        self.batches_done = 0
+        return self.job
 
     def setup_distributed(self) -> None:
         """Lightning's rank bookkeeping, then `init_job`: the supervisor (started by global rank 0)
@@ -309,20 +315,10 @@ class DecentralizedStrategy(DDPStrategy):
         if self._trainer is not None:
             _patches.remove(self._trainer)
             self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks if not isinstance(cb, SyncPoints)]
-        interrupted = not self._aligned  # torn down mid-phase: an error
-        if self.exchanger is not None:
-            if interrupted:  # do not strand peers in our groups
-                try:
-                    self.exchanger.leave()
-                except Exception:
-                    log.warning("rank %d: could not leave the coordinator cleanly", self.global_rank, exc_info=True)
-            self.exchanger.close()
-            self.exchanger = None
-        if self.worker is not None:
-            self.worker.close()
-        self.worker = None
-        self.session = None
-        self._aligned = True
+        if self.training is not None:
+            self.training.close(interrupted=not self.controller.aligned)  # torn down mid-phase: an error
+            self.training = None
+        self.controller.reset()
         super().teardown()
 
     # -- training step ------------------------------------------------------------------------
@@ -342,8 +338,8 @@ class DecentralizedStrategy(DDPStrategy):
         return output
 
     def enter_async_phase(self) -> None:
-        if self.worker is not None and self.exchanger is not None:
-            self._aligned = False
+        if self.exchanger is not None:
+            self.controller.batch_starts()
             self.batches_done += 1
             self.exchanger.start()
 
@@ -353,19 +349,24 @@ class DecentralizedStrategy(DDPStrategy):
             self.exchanger.drain()
 
     # -- synchronization points ---------------------------------------------------------------
-    def synchronize(self, name: str, progress: Optional[int] = None) -> None:
+    def _meet_at_boundary(self, name: str, progress: int, inside_epoch: bool, validate: bool) -> None:
+        self.synchronize(name, progress, inside_epoch=inside_epoch, validate=validate)
+
+    def synchronize(
+        self, name: str, progress: Optional[int] = None, inside_epoch: bool = False, validate: bool = False
+    ) -> None:
         """Drain, meet every rank, then average (if `average_at_sync`). No-op when already aligned.
 
         `progress`: the global batch count this synchronization point stands at (a boundary), or
-        `None` where it is read after the ranks met (the end of an epoch).
+        `None` where it is read after the ranks met (the end of an epoch); `inside_epoch` and
+        `validate`: see `SyncController.met`.
         """
-        if self.worker is None or (self._aligned and not self.owes_sync):
+        if self.worker is None or not self.controller.must_meet:
             return
-        self.owes_sync = False
         self.drain()
         loader = self.progress.loader if self.progress is not None else None
         sampler = loader.sampler if loader is not None else None
-        if self._local_sigterm:
+        if self.controller.sigterm:
             self.worker.request_stop()
         assert self._trainer is not None
         report: dict[str, Any] = {"stop": bool(self._trainer.should_stop)}
@@ -388,7 +389,7 @@ class DecentralizedStrategy(DDPStrategy):
         if sampler is not None and "speeds" in release:
             # every rank's time per batch, for the work queue's tail decisions
             sampler.set_speeds(release["speeds"])
-        self._aligned = True
+        self.controller.met(inside_epoch, validate)
         if loader is not None:
             loader.pending = list(release.get("pending", []))
             if self.progress is not None and self.progress.schedule is not None:
@@ -407,13 +408,13 @@ class DecentralizedStrategy(DDPStrategy):
     @property
     def aligned(self) -> bool:
         """True when every rank is at the same point of the training loop (collectives are safe)."""
-        return self._aligned
+        return self.controller.aligned
 
     # -- SIGTERM --------------------------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if not self._local_sigterm and self.launcher is not None:
+        if not self.controller.sigterm and self.launcher is not None:
             self.launcher.kill(signum)  # forward to this node's other processes, as Lightning does
-        self._local_sigterm = True
+        self.controller.sigterm = True
 
     def _check_stop(self) -> None:
         """Before every training batch (where Lightning would broadcast its SIGTERM flag): local checks
@@ -431,7 +432,7 @@ class DecentralizedStrategy(DDPStrategy):
             elif session.stop_reason == "request" and not trainer.should_stop:
                 log.debug("rank %d: the job is stopping; ending this epoch", self.global_rank)
                 trainer.should_stop = True
-        if self._local_sigterm:
+        if self.controller.sigterm:
             self.worker.request_stop()
         if self.worker.stop_seen:
             self.drain()
@@ -442,7 +443,7 @@ class DecentralizedStrategy(DDPStrategy):
         log.warning("rank %d: stopping on SIGTERM; every rank drained its group operations first", self.global_rank)
         assert self._trainer is not None
         self._trainer._signal_connector.received_sigterm = True
-        self._aligned = True
+        self.controller.met()  # every rank drained and met at the stop point
         raise SIGTERMException()
 
     # -- data ---------------------------------------------------------------------------------
@@ -511,7 +512,7 @@ class DecentralizedStrategy(DDPStrategy):
 
     # -- collectives that must not run while ranks are unaligned ------------------------------
     def _local_instead(self, operation: str) -> bool:
-        if self._aligned:
+        if self.controller.aligned:
             return False
         if operation not in self._warned:
             self._warned.add(operation)
@@ -544,7 +545,7 @@ class DecentralizedStrategy(DDPStrategy):
         return super().all_gather(tensor, group, sync_grads)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if not self._aligned and self.is_global_zero and "save_checkpoint" not in self._warned:
+        if not self.controller.aligned and self.is_global_zero and "save_checkpoint" not in self._warned:
             self._warned.add("save_checkpoint")
             warnings.warn(
                 "a checkpoint was saved between synchronization points: it holds rank 0's replica, not the "

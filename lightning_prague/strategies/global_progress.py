@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -31,11 +31,13 @@ from lightning.pytorch.trainer import call
 from torch.utils.data import DataLoader
 
 from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.phases import SyncController
 from lightning_prague.core.progress import Boundary, ProgressSchedule
 from lightning_prague.core.progress_loader import ProgressLoader
 
-if TYPE_CHECKING:
-    from lightning_prague.strategies.base import DecentralizedStrategy
+#: `meet(name, progress, inside_epoch, validate)`: every rank meets at a boundary (the strategy's
+#: synchronization point, which tells the `SyncController` it met)
+Meet = Callable[[str, int, bool, bool], None]
 
 
 def set_global_step(trainer: Trainer, step: int) -> None:
@@ -85,12 +87,20 @@ class GlobalStepScheduler:
 
 
 class GlobalProgress:
-    """Runs one fit's per-step schedules on global progress; owned by the strategy."""
+    """Runs one fit's per-step schedules on global progress; owned by the strategy.
 
-    def __init__(self, strategy: DecentralizedStrategy, trainer: Trainer) -> None:
-        self.strategy = strategy
+    Args:
+        trainer: the trainer whose loops it drives.
+        world_size: the number of workers.
+        controller: this rank's phases (it reads which validation a boundary asked for).
+        meet: how every rank meets at a boundary (see `Meet`).
+    """
+
+    def __init__(self, trainer: Trainer, world_size: int, controller: SyncController, meet: Meet) -> None:
         self.trainer = trainer
-        world = strategy.world_size
+        self.world_size = world = world_size
+        self.controller = controller
+        self.meet = meet
         self.batches_per_step = world * trainer.accumulate_grad_batches
         max_steps = trainer.max_steps
         #: global batches in all (`max_steps` under DDP), `None` without a step budget
@@ -105,9 +115,6 @@ class GlobalProgress:
         self._epoch_batches: Optional[float] = None  # a DDP-equivalent epoch length held back while restarting
         self._scheduler_steps: dict[int, int] = {}
         self._step_floor = 0  # the global step at the last synchronization point
-        self.validate_now = False
-        #: the validation about to run is a boundary's (the ranks just met; no synchronization point)
-        self.validating_at_boundary = False
         #: (global batches, global step, validated) of every boundary this worker met, in order
         self.met: list[tuple[int, int, bool]] = []
 
@@ -119,12 +126,12 @@ class GlobalProgress:
         self.loader = build(
             loader, batches_per_epoch=batches_per_epoch, start=self.trainer.global_step * self.batches_per_step
         )
-        self._tail = self.strategy.world_size * (prefetch_depth(loader) + 2)
+        self._tail = self.world_size * (prefetch_depth(loader) + 2)
         return self.loader
 
     def make_schedule(self) -> ProgressSchedule:
         trainer = self.trainer
-        world = self.strategy.world_size
+        world = self.world_size
         validate_every: Optional[int] = None
         interval = trainer.val_check_interval
         per_epoch = trainer.check_val_every_n_epoch is not None
@@ -163,10 +170,9 @@ class GlobalProgress:
         original_setup_data = self.trainer.fit_loop.setup_data
 
         def should_check_val(data_fetcher: Any) -> bool:
-            if self.validate_now:
-                self.validate_now = False
-                self.validating_at_boundary = loop._should_check_val_epoch()
-                return self.validating_at_boundary
+            decided = self.controller.take_validation(loop._should_check_val_epoch())
+            if decided is not None:
+                return decided
             if self.schedule is not None and self.schedule.validate_every is not None:
                 return False  # step-based validation happens at boundaries only
             return original_should_check_val(data_fetcher)
@@ -210,7 +216,7 @@ class GlobalProgress:
                 if self.loader.batches_per_epoch is not None and fit_loop.max_batches == float("inf"):
                     # what one worker trains per epoch under DDP: trainer.estimated_stepping_batches and
                     # the progress bar count it; the epoch still ends when the work queue is empty
-                    fit_loop.max_batches = math.ceil(self.loader.batches_per_epoch / self.strategy.world_size)
+                    fit_loop.max_batches = math.ceil(self.loader.batches_per_epoch / self.world_size)
 
         return {
             "_should_check_val_fx": should_check_val,
@@ -289,11 +295,10 @@ class GlobalProgress:
         following = loader.current_ticket
         end = loader.counter.epoch_end if following is None else None
         if boundary is not None and boundary.due(following, end):
-            self.strategy.synchronize(f"progress@{boundary.batches}", progress=boundary.batches)
             # unless every batch of the epoch is trained, the others go on: meet them at the epoch's end
-            self.strategy.owes_sync = end is None or boundary.batches < end
+            inside_epoch = end is None or boundary.batches < end
+            self.meet(f"progress@{boundary.batches}", boundary.batches, inside_epoch, boundary.validate)
             self.at_synchronization(boundary.batches, boundary.step)
-            self.validate_now = boundary.validate
             self.met.append((boundary.batches, boundary.step, boundary.validate))
             assert self._boundaries is not None
             self._next = next(self._boundaries, None)
