@@ -205,3 +205,22 @@ def test_group_buffer_hands_out_disjoint_groups_where_random_groups_conflict(sig
     # and a worker that keeps pace averages about once per step, not once per member of each group
     fast = [r for r in range(world) if r not in slow]
     assert buffer.groups_per_request(fast) < 1.2 < group - 0.5 < random_groups.groups_per_request(fast)
+
+
+def test_a_gossip_phase_ends_in_the_meeting_at_one_final_round():
+    generator = GroupGenerator(3, make_policy("random", 3, 2))
+    # everyone stopped at the same round and nobody went idle: the phase ends there
+    for rank in range(2):
+        assert not generator.handle({"op": "arrive", "rank": rank, "sync": "e0", "round": 5, "coverage": 2})
+    out = generator.handle({"op": "arrive", "rank": 2, "sync": "e0", "round": 5, "coverage": 2})
+    assert {item["final"] for items in out.values() for item in items} == {5}
+    # uneven: rank 0 waits, asks for idle rounds (waiting ranks are told at once, later ones on arrival)
+    generator.handle({"op": "arrive", "rank": 0, "sync": "e1", "round": 7, "coverage": 2})
+    assert generator.handle({"op": "idle", "rank": 0}) == {0: [{"t": "idle"}]}
+    assert generator.handle({"op": "idle", "rank": 0}) == {}  # once per meeting
+    assert generator.handle({"op": "arrive", "rank": 1, "sync": "e1", "round": 9, "coverage": 2}) == {
+        1: [{"t": "idle"}]
+    }
+    out = generator.handle({"op": "arrive", "rank": 2, "sync": "e1", "round": 11, "coverage": 2})
+    # the last rank's round plus the coverage plus one: no rank can have passed it
+    assert {item["final"] for items in out.values() for item in items if item["t"] == "release"} == {14}

@@ -100,7 +100,10 @@ def test_consensus_error_of_known_replicas_is_exact_and_group_errors_match_the_g
     assert schedule.period == 1
 
 
-def test_the_store_keeps_only_the_last_phase_of_the_end_of_phase_agreement(gossip_runs):
-    # each phase's agreement writes one key per rank and three more; the worker that decides a
-    # phase deletes the previous phase's, so the store does not grow with the number of phases
-    assert gossip_runs[0]["phase_keys"] == [False, False, False, True]
+def test_phases_of_uneven_length_end_at_one_round_in_the_meeting_and_write_no_counter(gossip_runs):
+    # the meeting that ends every strategy's phase ends gossip phases too: ranks that ran out of
+    # steps serve the others with idle rounds, and all end at the round the release names
+    phases = [run["phases"] for run in gossip_runs]
+    assert len({tuple(p["ended_at"]) for p in phases}) == 1, [p["ended_at"] for p in phases]
+    assert sum(p["idle_rounds"] for p in phases) > 0
+    assert all(p["counter_keys"] == 0 for p in phases), "the end of a phase writes nothing to the counters"

@@ -20,13 +20,26 @@ Inbox items (plain dicts, JSON-serialisable):
   synchronization point `sync` and every group issued before it is earlier in every inbox;
   `version` is the newest model version reported so far; `stop`: some rank asked the job to stop
   (every rank stops here, together); `speeds`: every rank's seconds per batch and `pending`: the
-  work-queue chunks every rank holds untrained, as they reported them with `arrive`.
+  work-queue chunks every rank holds untrained, as they reported them with `arrive`; `final`
+  (gossip on a fixed schedule only): the round every rank runs its gossip to before the meeting
+  ends (see `Gossip phases` below).
+- `{"t": "idle"}`: the gossip phase switched to idle rounds (see below).
 - `{"t": "left"}`: the answer to `leave` (a worker shutting down after an error): nothing more will
   name it.
 - `{"t": "stop", "reason"}`: training is being stopped: `"sigterm"` (SIGTERM on some rank: every
   rank drains and meets at the stop point at once) or `"request"` (a rank decided to stop, e.g.
   `trainer.should_stop`: every rank ends its epoch early, and the next release says `stop`).
 - `{"t": "error", "message"}`: ranks disagree about a synchronization point.
+
+Gossip phases (fixed schedules, `lightning_prague.core.gossip`): every rank's gossip rounds are
+collectives of its group, so a phase must end at the same round on every rank, and a rank out of
+steps must keep serving neighbours that still step. Such ranks arrive with their `round` and the
+schedule's `coverage`. A rank that waits `idle_after` seconds sends `idle`: from then on every
+waiting rank runs idle rounds (mixing only), and ranks that arrive later are told so at once.
+When the last rank arrives, the release carries `final`: its round if every rank stopped at the
+same round and nobody went idle, else its round plus `coverage` plus one, which no rank can
+have passed (no rank gets more than `coverage` rounds ahead of another). This is the same
+meeting that ends every strategy's phase.
 
 The cost of a message does not grow with the number of workers: the set of workers that may be
 drawn into a group is kept up to date when it changes (parking, leaving, lagging) rather than
@@ -91,6 +104,9 @@ class GroupGenerator:
         self.left: set[int] = set()  # ranks that shut down after an error or departed
         self._speeds: list[float] = [0.0] * world_size  # seconds per batch, as reported with `arrive`
         self._untrained: dict[int, list[int]] = {}
+        self._rounds: dict[int, int] = {}  # gossip rounds reported with `arrive`, this meeting
+        self._coverage = 0
+        self._idle = False  # this meeting's gossip phase switched to idle rounds
         #: groups shared by a round (static, buffer): (round, members) -> [gid, members yet to ask for it]
         self._per_round: dict[tuple[int, Group], list[int]] = {}
         self._ready: deque[tuple[int, int, int]] = deque()  # first_ready: FIFO of (rank, req, version)
@@ -118,6 +134,11 @@ class GroupGenerator:
                 self._speeds[rank] = float(message["speed"])
             if "untrained" in message:
                 self._untrained[rank] = [int(c) for c in message["untrained"]]
+            if "round" in message:
+                self._rounds[rank] = int(message["round"])
+                self._coverage = int(message.get("coverage", 0))
+                if self._idle:
+                    self._push(out, rank, {"t": "idle"})
             if message.get("stop"):
                 self._request_stop(out)
             self._arrive(rank, str(message["sync"]), out)
@@ -128,6 +149,8 @@ class GroupGenerator:
                 self._request_stop(out)
         elif op == "leave":
             self._leave(rank, out)
+        elif op == "idle":
+            self._go_idle(out)
         else:
             raise ValueError(f"unknown coordinator message {message}")
         return out
@@ -286,6 +309,10 @@ class GroupGenerator:
                 "speeds": list(self._speeds),
                 "pending": sorted(c for chunks in self._untrained.values() for c in chunks),
             }
+            if self._rounds:
+                last = self._rounds.get(rank, max(self._rounds.values()))  # the rank that arrived last
+                same = set(self._rounds.values()) == {last}
+                release["final"] = last if same and not self._idle else last + self._coverage + 1
             for r in range(self.world_size):
                 self._push(out, r, release)
             if self.sync_averages and isinstance(self.policy, FirstReadyPolicy):
@@ -303,6 +330,8 @@ class GroupGenerator:
                 self._push(out, r, {"t": "error", "message": message})
         self.parked.clear()
         self._untrained = {}
+        self._rounds = {}
+        self._idle = False
         self.rounds = [0] * self.world_size
         self._per_round.clear()
         self.policy.restart()
@@ -335,6 +364,15 @@ class GroupGenerator:
         self.left.add(rank)
         self._ready = deque(entry for entry in self._ready if entry[0] != rank)
         self._arrive(rank, LEFT_SYNC, out)
+
+    def _go_idle(self, out: dict[int, list[Item]]) -> None:
+        """A waiting rank asked for idle rounds: every rank waiting at this meeting runs them (once)."""
+        if self._idle or not self.parked:
+            return
+        self._idle = True
+        for r in self.parked:
+            if r not in self.left:
+                self._push(out, r, {"t": "idle"})
 
     def _request_stop(self, out: dict[int, list[Item]]) -> None:
         """A rank decided to stop: every rank ends its epoch at its next batch; the release says stop."""

@@ -16,13 +16,14 @@ mixes it in at once, so the next gradient is taken at the averaged parameters (P
 Partial All-Reduce with its `static` schedule uses that).
 
 Rounds are counted per worker, and each round is a collective of its group, so every worker must
-end a phase at the same round. `LaggedGossip.drain` agrees on it over the store. Normally
-(equal data shards) all workers stop at the same round and end there. If a worker finds itself
-waiting `idle_after` seconds for the others, it switches the phase to *idle* mode and runs
-idle rounds (mixing only, no gradient) so that neighbours with more steps are never stuck; the
-last worker to finish then sets the final round to its own round plus the schedule's `coverage`
-plus one, which no worker can have passed (see `Schedule.coverage`), and everyone runs idle
-rounds up to it. The switch is a compare-and-set in the store, so all workers see one mode.
+end a phase at the same round. The phase ends in the meeting of every rank that ends any
+strategy's phase (`GroupWorker.synchronize`, decided by `GroupGenerator`): each rank arrives with
+its round. Normally (equal data shards) all workers stop at the same round and end there. If a
+worker finds itself waiting `idle_after` seconds for the others, it asks the coordinator for
+*idle* rounds, and every waiting worker runs them (mixing only, no gradient) so that neighbours
+with more steps are never stuck; the release then names the final round: the last worker's round
+plus the schedule's `coverage` plus one, which no worker can have passed (see
+`Schedule.coverage`), and everyone runs idle rounds up to it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -90,8 +92,10 @@ class LaggedGossip(Exchanger):
         self._flight: _InFlight | None = None
         self._phase_open = False
         self._executor: ThreadPoolExecutor | None = None
-        self._name = name  # store keys of the end-of-phase protocol: one namespace per instance
-        self.idle_after = idle_after  # seconds a finished worker waits before it starts idle rounds
+        self._name = name  # names this instance's threads
+        self.idle_after = idle_after  # seconds a finished worker waits before it asks for idle rounds
+        self._meeting_started = 0.0
+        self._waited_before = 0.0
         self.phases = 0  #: phases ended by `drain`
         self.idle_rounds = 0  #: rounds run without a gradient step while waiting for slower workers
 
@@ -180,67 +184,35 @@ class LaggedGossip(Exchanger):
         self.issue()
 
     def drain(self) -> None:
-        """End the phase at a round every worker agrees on, then mix the last round in (see the module docs)."""
-        start, waited_before = time.monotonic(), self.wait_seconds
-        final = self._agree_on_final_round()
-        while self.round < final:
-            self.mix()
-            self.issue()
-            self.idle_rounds += 1
+        """Nothing to finish alone: a gossip phase ends in the meeting of every rank (the hooks below)."""
+
+    # -- the meeting that ends the phase (GroupWorker.synchronize) ------------------------------
+    def meeting_report(self) -> dict[str, Any]:
+        self._meeting_started = time.monotonic()
+        self._waited_before = self.wait_seconds
+        return {"round": self.round, "coverage": self.schedule.coverage}
+
+    def serve(self) -> None:
+        """An idle round: mix the round in flight and issue the next, without a gradient step."""
         self.mix()
-        self.wait_seconds = waited_before + time.monotonic() - start  # the whole end of phase is waiting
+        self.issue()
+        self.idle_rounds += 1
+
+    def finish(self, release: dict[str, Any]) -> None:
+        """Run to the release's final round (every rank does), mix the last one in: the phase is over."""
+        final = int(release.get("final", self.round))
+        while self.round < final:
+            self.serve()
+        self.mix()
+        # the whole end of the phase is waiting
+        self.wait_seconds = self._waited_before + time.monotonic() - self._meeting_started
         self.phases += 1
         self._phase_open = False
 
-    def _agree_on_final_round(self) -> int:
-        store, rank, world = self.worker.counters, self.worker.rank, self.worker.world_size
-        key = f"{self._name}/phase{self.phases}"
-        store.set(f"{key}/done/{rank}", str(self.round))
-        if int(store.add(f"{key}/done", 1)) == world:  # the last worker to run out of steps decides
-            rounds = {int(store.get(f"{key}/done/{r}")) for r in range(world)}
-            if rounds == {self.round} and self._claim(f"{key}/mode", "fast") == "fast":
-                final = self.round  # everyone stopped at the same round and nobody went on: no idle round
-            else:
-                self._claim(f"{key}/mode", "idle")
-                final = self.round + self.schedule.coverage + 1  # nobody can be past it (Schedule.coverage)
-            store.set(f"{key}/final", str(final))
-            self._forget_phase(self.phases - 1)
-        start = time.monotonic()
-        pause = 0.001  # polls of the store back off to 20 ms: N workers polling must not flood rank 0's store
-        while not store.check([f"{key}/final"]):
-            self.worker.check_members(f"the end of gossip phase {self.phases}")
-            waited = time.monotonic() - start
-            if waited > self.timeout:
-                missing = [r for r in range(world) if not store.check([f"{key}/done/{r}"])]
-                raise CoordinationTimeout(
-                    f"rank {rank}: ranks {missing} did not finish their steps of phase {self.phases} within "
-                    f"{self.timeout:.0f}s (gossip round {self.round})"
-                )
-            idle = store.check([f"{key}/mode"]) and store.get(f"{key}/mode") == b"idle"
-            if idle or (waited > self.idle_after and self._claim(f"{key}/mode", "idle") == "idle"):
-                self.mix()  # serve neighbours that are still stepping
-                self.issue()
-                self.idle_rounds += 1
-            else:
-                time.sleep(pause)
-                pause = min(2 * pause, 0.02)
-        return int(store.get(f"{key}/final"))
-
-    def _forget_phase(self, phase: int) -> None:
-        """Delete the keys of an earlier phase's agreement, so the store stays bounded.
-
-        Only the last worker to finish phase `phase + 1` calls it: every worker has then left
-        `phase`'s agreement (it read that phase's final round before training this one).
-        """
-        if phase < 0:
-            return
-        store, key = self.worker.counters, f"{self._name}/phase{phase}"
-        for suffix in [*(f"done/{r}" for r in range(self.worker.world_size)), "done", "mode", "final"]:
-            store.delete_key(f"{key}/{suffix}")
-
-    def _claim(self, key: str, mode: str) -> str:
-        """Set `key` to `mode` unless it is set already; returns the value it holds."""
-        return self.worker.counters.compare_set(key, "", mode).decode()
+    def end_phase(self, name: str) -> None:
+        """For programs without Lightning: end the phase with a meeting of every rank named `name`."""
+        self.drain()
+        self.worker.synchronize(name, self)
 
     def close(self) -> None:
         self._flight = None  # an unfinished sum ends at its peers' exit or its timeout

@@ -30,6 +30,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -70,6 +71,20 @@ class Exchanger:
 
     def drain(self) -> None:
         """Finish and fold in whatever is in flight; afterwards the worker belongs to the training thread."""
+
+    # -- the meeting that ends a phase (`GroupWorker.synchronize`) ------------------------------
+    #: seconds a rank waits at a meeting before it asks for idle rounds (`None`: it never serves)
+    idle_after: float | None = None
+
+    def meeting_report(self) -> dict[str, Any]:
+        """What this rank tells the coordinator when it arrives at a meeting."""
+        return {}
+
+    def serve(self) -> None:
+        """While waiting at a meeting in idle mode: serve the neighbours that still step (one round)."""
+
+    def finish(self, release: dict[str, Any]) -> None:
+        """The meeting's release came: end the phase as it says."""
 
     def close(self) -> None:
         """Stop any thread without raising (teardown)."""

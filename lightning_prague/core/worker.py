@@ -12,7 +12,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,6 +24,19 @@ from lightning_prague.core.groups import GroupComm
 from lightning_prague.core.job import current_job
 
 log = logging.getLogger(__name__)
+
+
+class PhaseEnd(Protocol):
+    """What a meeting asks of the exchanger whose phase it ends (`lightning_prague.core.overlap.Exchanger`)."""
+
+    idle_after: float | None
+
+    def meeting_report(self) -> dict[str, Any]: ...
+
+    def serve(self) -> None: ...
+
+    def finish(self, release: dict[str, Any]) -> None: ...
+
 
 PAUSE = {"t": "pause"}  # a worker posts this to its own inbox to stop a thread that serves it
 
@@ -204,29 +217,57 @@ class GroupWorker:
             if item["t"] == "group":
                 versions[item["gid"]] = newest
 
-    def synchronize(self, name: str, **report: Any) -> bool:
+    def synchronize(self, name: str, exchanger: PhaseEnd | None = None, **report: Any) -> bool:
         """Wait until every rank reached `name` with nothing in flight; True if training is stopping (SIGTERM).
 
         `report`: what this rank tells the others at the meeting (`stop`: it wants the job to stop;
         `speed`: its seconds per batch; `untrained`: the work-queue chunks it holds untrained); the
-        release (`release`) carries everyone's.
+        release (`release`) carries everyone's. `exchanger`: the exchanger whose phase ends here
+        (gossip on a fixed schedule reports its round, serves neighbours while waiting once the
+        phase goes idle, and runs to the release's final round; see `GroupGenerator`).
         """
         start = time.monotonic()
         target = STOP_SYNC if self.stop_seen else name
         self._doing = f"synchronization point {target!r}"
+        if exchanger is not None:
+            report = {**report, **exchanger.meeting_report()}
+        idle_after = exchanger.idle_after if exchanger is not None else None
+        idle = asked_idle = False
         self._send("arrive", sync=target, **report)
         while True:
-            item = self._next_item(f"the other ranks at synchronization point {target!r}")
+            waiting = f"the other ranks at synchronization point {target!r}"
+            if idle_after is None:
+                item = self._next_item(waiting)
+            else:  # poll: a rank out of steps may have to serve its neighbours (idle rounds)
+                if idle:
+                    assert exchanger is not None
+                    exchanger.serve()
+                item = self.poll_item(0.0 if idle else 0.01)
+                if item is None:
+                    waited = time.monotonic() - start
+                    if not asked_idle and waited > idle_after:
+                        asked_idle = True
+                        self._send("idle")
+                    if waited > self.timeout:
+                        raise CoordinationTimeout(
+                            f"rank {self.rank}: waited {self.timeout:.0f}s for {waiting}{self._parked_hint()}"
+                        )
+                    continue
             if item["t"] == "release" and item["sync"] == target:
                 self.released_version = int(item.get("version", 0))
                 self.release = item
                 break
+            if item["t"] == "idle":
+                idle = True
+                continue
             if item["t"] != "pause":  # a pause left over from a communication thread that ended on its own
                 self.execute(item)
             if self.stop_seen and target != STOP_SYNC:
                 target = STOP_SYNC
                 self._doing = f"synchronization point {target!r}"
                 self._send("arrive", sync=target, **report)
+        if exchanger is not None:
+            exchanger.finish(self.release)
         self.stats.syncs += 1
         self.stats.sync_seconds += time.monotonic() - start
         if target == STOP_SYNC:
@@ -285,10 +326,10 @@ class GroupWorker:
         """This rank is done with its session (teardown; the worker is not used afterwards)."""
         self.session.close()
 
-    def drain_for_stop(self) -> None:
+    def drain_for_stop(self, exchanger: PhaseEnd | None = None) -> None:
         """Meet every other rank at the stop point (idempotent)."""
         if not self._stopped:
-            self.synchronize(STOP_SYNC)
+            self.synchronize(STOP_SYNC, exchanger)
 
     def consensus_error(self) -> float:
         """Exactly `mean_i ||x_i - x_bar||^2 / ||x_bar||^2` over all replicas; a collective of every rank.

@@ -374,7 +374,7 @@ class DecentralizedStrategy(DDPStrategy):
             report["untrained"] = loader.untrained()
         if sampler is not None:
             report["speed"] = sampler.seconds_per_chunk
-        if self.worker.synchronize(name, **report):
+        if self.worker.synchronize(name, self.exchanger, **report):
             self._raise_stop()
         release = self.worker.release or {}
         if release.get("stop"):  # some rank decided to stop: every rank stops here, together
@@ -436,7 +436,7 @@ class DecentralizedStrategy(DDPStrategy):
             self.worker.request_stop()
         if self.worker.stop_seen:
             self.drain()
-            self.worker.drain_for_stop()
+            self.worker.drain_for_stop(self.exchanger)
             self._raise_stop()
 
     def _raise_stop(self) -> None:

@@ -53,23 +53,22 @@ def train(
             t.sub_(LR * grad[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
         gossip.step()  # issues round t+1 with x^{t+1}
-    gossip.drain()  # idle rounds up to the agreed final round, the last one mixed in
+    gossip.end_phase(f"{name}/end")  # idle rounds up to the agreed final round, the last one mixed in
     return {"params": torch.cat([t.reshape(-1) for t in tensors.tensors]).tolist(), "rounds": gossip.round}
 
 
-def phase_keys(worker: GroupWorker, schedule, phases: int) -> list[bool] | None:
-    """Run `phases` phases of uneven length; on rank 0, whether each phase's keys are still in the store."""
+def phases_of_uneven_length(worker: GroupWorker, schedule, phases: int) -> dict:
+    """Run `phases` phases of uneven length (rank r steps 1 + (r + phase) % 3 times): the round each
+    ended at, the idle rounds run, and the keys the session's counters hold afterwards."""
     gossip = LaggedGossip(worker, worker.tensors, schedule, timeout=60, name="phases", idle_after=0.1)
+    ended_at = []
     for phase in range(phases):
         gossip.start()
         for _ in range(1 + (worker.rank + phase) % 3):
             gossip.step()
-        gossip.drain()
-    dist.barrier()
-    if worker.rank != 0:
-        return None
-    keys = [f"done/{r}" for r in range(worker.world_size)] + ["done", "mode", "final"]
-    return [any(worker.counters.check([f"phases/phase{p}/{k}"]) for k in keys) for p in range(phases)]
+        gossip.end_phase(f"phases/phase{phase}")
+        ended_at.append(gossip.round)
+    return {"ended_at": ended_at, "idle_rounds": gossip.idle_rounds, "counter_keys": worker.counters.num_keys()}
 
 
 def main() -> None:
@@ -109,7 +108,7 @@ def main() -> None:
             # rank r runs steps + 2r steps: the end-of-phase protocol must still end every rank together
             "uneven": train(worker, tensors, schedule, steps + 2 * rank, overlap=True, name=f"{case}-uneven"),
         }
-    result["phase_keys"] = phase_keys(worker, make_topology("ring", world), phases=4)
+    result["phases"] = phases_of_uneven_length(worker, make_topology("ring", world), phases=4)
     with open(out, "w") as f:
         json.dump(result, f)
     dist.barrier()
