@@ -24,6 +24,9 @@ def test_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(straggle
     assert len({round(r["params_checksum"], 4) for r in ranks}) == 1, "replicas must agree after fit"
     for r in ranks:
         assert r["threads_after_fit"] == [], f"rank {r['rank']} left threads behind: {r['threads_after_fit']}"
+        # a batch's chunk and its global-progress ticket come in one request; a few more per epoch
+        batches = result["batches_per_worker"][r["rank"]]
+        assert r["control_requests"] <= batches + 8 * 4 + 8, (r["rank"], r["control_requests"], batches)
 
 
 @pytest.mark.parametrize(

@@ -142,6 +142,8 @@ class Session:
         self.counters = Counters(self)
         self.open = True
         self._departure = threading.Event()
+        #: requests this rank sent in the session (work-queue claims, tickets, ...), for tests and monitors
+        self.requests = 0
 
     def deliver(self, item: Message) -> None:
         """Called by the reader thread for every item of this session."""
@@ -165,6 +167,7 @@ class Session:
         self.client.send({"op": op, "s": self.number, "rank": self.rank, **fields})
 
     def request(self, op: str, what: str, timeout: float | None = None, **fields: Any) -> Any:
+        self.requests += 1
         return self.client.request({"op": op, "s": self.number, **fields}, what, timeout)
 
     def receive(self, timeout: float | None = None) -> Message | None:
@@ -232,6 +235,14 @@ class Counters:
 
     def add(self, key: str, amount: int) -> int:
         return int(self._kv("add", f"the counter {key!r}", key=key, amount=int(amount)))
+
+    def claim(self, cursor: str, first: int, tickets: str | None = None, ticketed: int = 0) -> tuple[int, int | None]:
+        """The work queue's next chunk (`first` plus the claims of `cursor` so far) and, if `tickets`
+        is given and the chunk is below `ticketed`, the next value of the `tickets` counter with it:
+        one message for a batch's data and its global-progress ticket."""
+        what = f"a claim on the work queue {cursor!r}"
+        chunk, ticket = self._kv("claim", what, key=cursor, first=first, tickets=tickets, ticketed=ticketed)
+        return int(chunk), None if ticket is None else int(ticket)
 
     def set(self, key: str, value: str | bytes) -> None:
         self._kv("set", f"setting {key!r}", key=key, value=_text(value))

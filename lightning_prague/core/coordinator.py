@@ -107,6 +107,14 @@ class CoordinatorSession:
                 values[key] = current = message["desired"]
                 self._wake(key, out)
             self._reply(rank, req, current if current is not None else message["expected"], out)
+        elif do == "claim":  # the work queue: the next chunk, and with it the batch's ticket (one message)
+            chunk = int(message["first"]) + int(values.get(key, 0))
+            values[key] = int(values.get(key, 0)) + 1
+            ticket = None
+            tickets = message.get("tickets")
+            if tickets is not None and chunk < int(message["ticketed"]):
+                values[tickets] = ticket = int(values.get(tickets, 0)) + 1
+            self._reply(rank, req, [chunk, ticket], out)
         elif do == "get":  # waits for the key, as TCPStore.get does
             if key in values:
                 self._reply(rank, req, values[key], out)

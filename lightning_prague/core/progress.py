@@ -207,17 +207,33 @@ class ProgressCounter:
     def _key(self, name: str) -> str:
         return self._epoch_key(self.epoch, name)
 
+    @property
+    def first_taken(self) -> bool:
+        """This worker took its first ticket of the epoch (set aside for it; claims come after it)."""
+        return self._first_taken
+
+    @property
+    def tickets_key(self) -> str:
+        """The counter this epoch's tickets are claimed from (the work queue claims one with each chunk)."""
+        return self._key("claims")
+
     def claim(self) -> Optional[int]:
         """The next global ticket, or `None` when the epoch's data or the budget is used up."""
         if not self._first_taken:
             self._first_taken = True
-            ticket = self._origin + 1 + self.rank
-        else:
-            value = int(self.store.add(self._key("claims"), 1))
-            if value > ENDED:
-                self.epoch_end = self._published_end()
-                return None
-            ticket = self._origin + self.world_size + value
+            return self._within_budget(self._origin + 1 + self.rank)
+        value = int(self.store.add(self.tickets_key, 1))
+        if value > ENDED:
+            self.epoch_end = self._published_end()
+            return None
+        return self.accept(value)
+
+    def accept(self, value: int) -> Optional[int]:
+        """The ticket of the `value`-th claim on `tickets_key` (made here or along with a chunk), or
+        `None` beyond the budget."""
+        return self._within_budget(self._origin + self.world_size + value)
+
+    def _within_budget(self, ticket: int) -> Optional[int]:
         if self.budget is not None and ticket > self.budget:
             self.epoch_end = self.budget
             self.budget_spent = True

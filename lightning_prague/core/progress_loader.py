@@ -52,6 +52,10 @@ class ProgressLoader:
         #: chunks every rank held untrained at the last synchronization point (for checkpoints)
         self.pending: list[int] = []
         self._first_epoch: Optional[int] = None  # the oldest epoch whose store keys may still exist
+        if sampler is not None and batches_per_epoch is not None and not (getattr(loader, "num_workers", 0) or 0):
+            # the loader runs in this process: the sampler is asked for a chunk exactly when the batch is
+            # built, so the batch's ticket can come in the same message as its chunk (one per batch)
+            sampler.ticketing = self._ticket_request
 
     def __getattr__(self, name: str) -> Any:
         if name == "loader":
@@ -106,10 +110,20 @@ class ProgressLoader:
         self.counter.begin_epoch(epoch, self.epoch_base, offset)
         self.tickets.clear()
 
+    def _ticket_request(self) -> Optional[tuple[str, int]]:
+        if not self.armed or self.batches_per_epoch is None or not self.counter.first_taken:
+            return None  # the epoch's first ticket is set aside for this worker: claims come after it
+        return self.counter.tickets_key, self.batches_per_epoch
+
     def __iter__(self) -> Iterator[Any]:
         self.begin_epoch()
+        stashed = self.sampler.ticket_values if self.sampler is not None else None
         for batch in self.loader:
-            ticket = self.counter.claim() if self.armed else None
+            value = stashed.popleft() if stashed else None
+            if value is not None:  # claimed with the batch's chunk
+                ticket = self.counter.accept(value)
+            else:
+                ticket = self.counter.claim() if self.armed else None
             if self.armed and ticket is None:
                 if self.counter.budget_spent:
                     # hand the batch over untrained: the trainer stops at the budget's synchronization point

@@ -78,6 +78,12 @@ class WorkQueueSampler(Sampler[int]):
         self.untrained: deque[int] = deque()
         #: asked before leaving an epoch's tail; the strategy says no while a synchronization point is ahead
         self.may_leave_tail: Callable[[], bool] = lambda: True
+        #: asked before each claim: `(tickets counter, chunks below which a chunk gets a ticket)` to claim
+        #: the batch's global-progress ticket in the same message as its chunk, or `None` (see ProgressLoader)
+        self.ticketing: Callable[[], Optional[tuple[str, int]]] = lambda: None
+        #: the ticket counter values claimed with the chunks handed out this epoch, in order (`None`: none)
+        self.ticket_values: deque[Optional[int]] = deque()
+        self._ticket: Optional[int] = None
         self._resume: Optional[tuple[int, int, list[int]]] = None  # (epoch, cursor, chunks to hand out first)
         self._first_claimed = world_size  # chunk number of this epoch's first claim
         self._store = store
@@ -105,7 +111,12 @@ class WorkQueueSampler(Sampler[int]):
         return self._store
 
     def _claim(self) -> int:
-        return self._first_claimed + int(self._connect().add(self._cursor_key, 1)) - 1
+        request = self.ticketing()
+        if request is None:
+            self._ticket = None
+            return self._first_claimed + int(self._connect().add(self._cursor_key, 1)) - 1
+        chunk, self._ticket = self._connect().claim(self._cursor_key, self._first_claimed, *request)
+        return chunk
 
     def cursor(self) -> int:
         """The next chunk the queue will hand out in the current epoch."""
@@ -137,6 +148,7 @@ class WorkQueueSampler(Sampler[int]):
         self.chunks_taken = 0
         self.chunks_left_to_others = 0
         self.untrained.clear()
+        self.ticket_values.clear()
         # the first world_size chunks are pre-assigned: no store traffic at an epoch's start
         first: list[int] = [self.rank]
         self._first_claimed = self.world_size
@@ -146,11 +158,14 @@ class WorkQueueSampler(Sampler[int]):
         self._resume = None
         previous: tuple[float, int] | None = None  # (time, chunk) of this rank's previous claim
         self._epoch_started = self.clock()
+        self._ticket = None
         chunk = first.pop(0) if first else self._claim()
         while chunk < self.num_chunks:
             self.chunks_taken += 1
             self.total_chunks_taken += 1
             self.untrained.append(chunk)
+            self.ticket_values.append(self._ticket)
+            self._ticket = None
             yield from order[chunk * self.chunk_size : (chunk + 1) * self.chunk_size]
             if first:
                 chunk = first.pop(0)

@@ -112,7 +112,11 @@ class RunReport(L.Callback):
         # the strategy's worker is gone by on_fit_end (teardown runs first)
         worker, exchanger = getattr(trainer.strategy, "worker", None), getattr(trainer.strategy, "exchanger", None)
         if worker is not None and exchanger is not None:
-            self.measurements = {"coordinator_requests": worker.stats.requests, "exchanges": exchanger.exchanges}
+            self.measurements = {
+                "coordinator_requests": worker.stats.requests,
+                "exchanges": exchanger.exchanges,
+                "control_requests": worker.session.requests,  # work-queue claims and tickets, mostly
+            }
         job = getattr(trainer.strategy, "job", None)
         if job is not None:
             self.measurements["supervisor_pid"] = job.supervisor_pid
