@@ -182,6 +182,8 @@ def build_cases(unit: int) -> dict[str, Case]:
         "two_val_loaders": Case(steps, val_loaders=2, expect_step=end),
         "early_stopping": Case(steps, callbacks=lambda root: [EarlyStopping("val_loss", patience=1)]),
         "timer": Case(steps, callbacks=lambda root: [Timer(duration="00:00:05:00")], expect_step=end),
+        # the Timer fires on each rank's own clock, mid-epoch: every rank must stop at one point
+        "timer_fires": Case({"max_epochs": 1000}, callbacks=lambda root: [Timer(duration="00:00:00:03")]),
         "swa": Case(
             {"max_epochs": 3}, callbacks=lambda root: [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)]
         ),

@@ -4,7 +4,13 @@
 `"partial_reduce"`, `"adpsgd"`, `"decent_adam"`) works.
 """
 
-from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout, PragueError, SyncMismatchError
+from lightning_prague.core.errors import (
+    ConfigurationError,
+    CoordinationTimeout,
+    MemberLost,
+    PragueError,
+    SyncMismatchError,
+)
 from lightning_prague.strategies import (
     ADPSGDStrategy,
     DecentAdamStrategy,
@@ -21,6 +27,7 @@ __all__ = [
     "CoordinationTimeout",
     "DecentAdamStrategy",
     "DecentralizedStrategy",
+    "MemberLost",
     "PartialAllReduceStrategy",
     "PartialReduceStrategy",
     "PragueError",

@@ -125,7 +125,15 @@ def _run_core_ranks_in_new_processes(
 
 
 #: options of scripts/train.py that need every rank to be a process of its own (run after fit, signals)
-NEEDS_POPEN = ("--sigterm-rank", "--raise-at-batch", "--refit-epochs", "--test", "--num-nodes", "--start-method")
+NEEDS_POPEN = (
+    "--sigterm-rank",
+    "--raise-at-batch",
+    "--raise-in-validation-rank",
+    "--refit-epochs",
+    "--test",
+    "--num-nodes",
+    "--start-method",
+)
 
 
 def run_training(tmp: Path, *args: str, timeout: float = 240, script: str = "train.py", **extra_env: str):

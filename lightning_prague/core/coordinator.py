@@ -7,7 +7,7 @@ connection, in one global order (the server handles one message at a time):
 
 * **sessions** - one per fit (`join` with the session's configuration, `close` at its end). A
   session holds a `GroupGenerator` (groups, synchronization points, stops) and a small key-value
-  table of counters (the work queue's claims, global-progress tickets, gossip phase ends), deleted
+  table of counters (the work queue's claims and global-progress tickets), deleted
   with the session, so nothing outlives a fit.
 * **membership** - the ranks that joined a session and have neither closed it nor gone. When a
   rank's connection closes while it is in a session (its process ended: exit, exception, kill -9),
@@ -83,11 +83,11 @@ class CoordinatorSession:
         self.members.discard(rank)
         self.departed[rank] = reason
         log.warning("session %d: rank %d departed (%s)", self.number, rank, reason)
-        self.generator.depart(rank, out)
-        for member in sorted(self.members):
+        for member in sorted(self.members):  # first: a meeting's error that the departure causes comes after
             out.setdefault(member, []).append(
                 {"t": "departed", "rank": rank, "reason": reason, "members": sorted(self.members)}
             )
+        self.generator.depart(rank, out)
 
     # -- the key-value table --------------------------------------------------------------------
     def kv(self, rank: int, req: int, message: dict[str, Any], out: Out) -> None:
@@ -204,9 +204,14 @@ class ControlPlane:
                 "windows_closed": getattr(generator.policy, "windows_closed", None),
             }
             CoordinatorSession._reply(rank, int(message["req"]), history, out)
-        elif op == "leave":
-            out.update(session.generator.handle(message))
+        elif op == "leave":  # the others hear of it first, then it gets what is still assigned to it
+            generator = session.generator
+            before = set(generator.left)
+            generator.left.add(rank)  # so that `depart` below does not arrive for it: `leave` does
             session.depart(rank, "it stopped after an error", out)
+            generator.left = before
+            for r, items in generator.handle(message).items():
+                out.setdefault(r, []).extend(items)
         else:
             for r, items in session.generator.handle(message).items():
                 out.setdefault(r, []).extend(items)

@@ -114,6 +114,8 @@ def init_job(
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=pg_timeout, wait_for_workers=False)
         kwargs = {"device_id": device_id} if device_id is not None else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout, **kwargs)
+        if "nccl" in backend:  # as Lightning does: torch warns about an NCCL process group left at exit
+            atexit.register(_destroy_process_group)
     else:
         store = raw_store()
         if rank == 0:
@@ -124,6 +126,11 @@ def init_job(
     atexit.register(control.close)
     log.debug("rank %d: joined the job (%d ranks, supervisor pid %d)", rank, world_size, control.supervisor_pid)
     return _JOB
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _connect(store: dist.TCPStore, rank: int, timeout: float, proc: Optional[subprocess.Popen]) -> ControlClient:

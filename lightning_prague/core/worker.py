@@ -123,6 +123,7 @@ class GroupWorker:
         #: the last synchronization point's release (`GroupGenerator`'s item), `None` before the first
         self.release: dict[str, Any] | None = None
         self._doing = "training"  # what this rank waits on, for error messages
+        self._stop_requests: set[str] = set()  # stops this rank asked for (once each)
 
     # -- messaging -------------------------------------------------------------------------
     def _send(self, op: str, **fields: Any) -> None:
@@ -280,8 +281,12 @@ class GroupWorker:
 
         Safe to call from the training thread while a communication thread uses the worker.
         """
-        if self.session.stop_reason is None or (reason == "sigterm" and not self.stop_seen):
-            self._send("stop", reason=reason)
+        if reason in self._stop_requests or self.stop_seen:
+            return
+        if reason == "request" and self.session.stop_reason is not None:
+            return  # the job is stopping already
+        self._stop_requests.add(reason)
+        self._send("stop", reason=reason)
 
     def send_leave(self) -> None:
         """Tell the coordinator this rank shuts down after an error (see `await_left`)."""

@@ -12,8 +12,15 @@ who averages with whom (`make_policy`) and how an exchange runs relative to the 
 * **synchronization points** - validation during fit, epoch end, end of fit: every rank drains
   its group operations, meets the others, and (`average_at_sync`) the replicas are averaged so
   validation, checkpoints and `trainer.test` see one consensus model.
-* **work-queue sharding** of the training loader, and a **coordinated SIGTERM** that drains
-  in-flight groups on every rank before all of them stop.
+* **work-queue sharding** of the training loader, a **coordinated SIGTERM** that drains
+  in-flight groups on every rank before all of them stop, and **stops decided by the job**:
+  `trainer.should_stop` set on any rank (Timer, EarlyStopping, the module) stops every rank at
+  the same synchronization point; a rank that leaves the job stops the others with `MemberLost`.
+
+It adapts Lightning's hooks to three objects that do the work: the process's `Job` (the
+supervisor, the store, our process group; `setup_distributed`), this fit's `TrainingSession`
+(control session, worker, exchanger; built from `session_plan`) and the `SyncController` (the
+phase state machine).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from typing_extensions import override
 
 from lightning_prague.core.averaging import BucketedTensors, averaged_state
 from lightning_prague.core.control import Session
@@ -188,6 +196,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.training: TrainingSession | None = None
         #: this rank's phase between synchronization points
         self.controller = SyncController()
+        self._failed = False  # Lightning reported an exception (on_exception) during this fit
         self.sampler: WorkQueueSampler | None = None
         #: per-step schedules on global progress (work-queue strategies during fit)
         self.progress: GlobalProgress | None = None
@@ -231,6 +240,7 @@ class DecentralizedStrategy(DDPStrategy):
     def workers_per_node(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices else 1
 
+    @override
     def setup(self, trainer: Trainer) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -278,6 +288,7 @@ class DecentralizedStrategy(DDPStrategy):
             )
         return self.job
 
+    @override
     def setup_distributed(self) -> None:
         """Lightning's rank bookkeeping, then `init_job`: the supervisor (started by global rank 0)
         hosts the store and the control plane, and our exchanges get a process group of their own."""
@@ -304,11 +315,13 @@ class DecentralizedStrategy(DDPStrategy):
             pg_timeout=self._timeout,
         )
 
+    @override
     def configure_ddp(self) -> None:
         # no DistributedDataParallel: replicas only have to start equal
         assert self.model is not None
         _sync_module_states(self.model)
 
+    @override
     def teardown(self) -> None:
         if self.progress is not None:
             self.progress.close()
@@ -316,12 +329,23 @@ class DecentralizedStrategy(DDPStrategy):
             _patches.remove(self._trainer)
             self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks if not isinstance(cb, SyncPoints)]
         if self.training is not None:
-            self.training.close(interrupted=not self.controller.aligned)  # torn down mid-phase: an error
+            # an error (Lightning called on_exception), or torn down mid-phase: leave, so nobody waits for us
+            interrupted = self._failed or not self.controller.aligned
+            self.training.close(interrupted=interrupted)
             self.training = None
         self.controller.reset()
+        self._failed = False
         super().teardown()
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """The fit failed on this rank: its teardown leaves the session, so the others are told at once
+        (a coordinated SIGTERM stop is no failure: every rank met at the stop point)."""
+        self._failed = not isinstance(exception, SIGTERMException)
+        super().on_exception(exception)
+
     # -- training step ------------------------------------------------------------------------
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -525,25 +549,30 @@ class DecentralizedStrategy(DDPStrategy):
             )
         return True
 
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not self._local_instead("barrier"):
             super().barrier(*args, **kwargs)
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._local_instead("broadcast"):
             return obj
         return super().broadcast(obj, src)
 
+    @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         if self._local_instead("reduce (e.g. self.log(..., sync_dist=True))"):
             return tensor
         return super().reduce(tensor, group, reduce_op)
 
+    @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         if self._local_instead("all_gather"):
             return tensor.unsqueeze(0)
         return super().all_gather(tensor, group, sync_grads)
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if not self.controller.aligned and self.is_global_zero and "save_checkpoint" not in self._warned:
             self._warned.add("save_checkpoint")

@@ -47,6 +47,17 @@ class RaiseAt(L.Callback):
             raise RuntimeError(f"injected failure on rank {trainer.global_rank}")
 
 
+class RaiseInValidation(L.Callback):
+    """Raises on one rank in its first validation batch (while every rank is aligned)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if trainer.global_rank == self.rank and not trainer.sanity_checking:
+            raise RuntimeError(f"injected failure in validation on rank {trainer.global_rank}")
+
+
 class KillAt(L.Callback):
     def __init__(self, rank: int, batch: int, path) -> None:
         self.rank, self.batch, self.path, self.seen = rank, batch, path, 0
@@ -110,6 +121,7 @@ def main() -> None:
     extra.add_argument("--refit-epochs", type=int)
     extra.add_argument("--raise-at-batch", type=int)
     extra.add_argument("--raise-rank", type=int, help="only this rank raises (default: every rank)")
+    extra.add_argument("--raise-in-validation-rank", type=int)
     extra.add_argument("--kill-rank", type=int)
     extra.add_argument("--kill-batch", type=int, default=5)
     extra.add_argument("--timer", type=float)
@@ -121,6 +133,8 @@ def main() -> None:
     callbacks = [SelfSigterm(own.sigterm_rank, own.sigterm_batch)] if own.sigterm_rank is not None else []
     if own.raise_at_batch:
         callbacks.append(RaiseAt(own.raise_at_batch, own.raise_rank))
+    if own.raise_in_validation_rank is not None:
+        callbacks.append(RaiseInValidation(own.raise_in_validation_rank))
     if own.kill_rank is not None:
         callbacks.append(KillAt(own.kill_rank, own.kill_batch, args.json.parent / "killed.json"))
     if own.timer is not None:
@@ -134,7 +148,7 @@ def main() -> None:
     try:
         trainer.fit(model, datamodule=data, ckpt_path=args.resume)
     except RuntimeError as err:
-        if not (own.raise_at_batch or own.kill_rank is not None):
+        if not (own.raise_at_batch or own.kill_rank is not None or own.raise_in_validation_rank is not None):
             raise
         failed_at = time.time()
         path = args.json.with_suffix(f".rank{trainer.global_rank}.json")
