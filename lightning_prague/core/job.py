@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import subprocess
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
@@ -30,10 +29,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_prague.core import supervisor
 from lightning_prague.core.control import ControlClient, Session
 from lightning_prague.core.coordinator import SessionConfig
 from lightning_prague.core.errors import CoordinationTimeout
+from lightning_prague.core.supervisor import Supervisor, address_key, launch, wait_until_listening
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ class Job:
     #: the library's process group over every rank (see the module docstring)
     group: dist.ProcessGroup
     #: the supervisor process (on global rank 0 only)
-    supervisor: Optional[subprocess.Popen] = None
+    supervisor: Optional[Supervisor] = None
     sessions: int = field(default=0)
 
     @property
@@ -103,14 +102,14 @@ def init_job(
             f"rank {rank}: environment variable {err.args[0]} is not set; launch with torchrun or Lightning, or set "
             "MASTER_ADDR and MASTER_PORT"
         ) from None
-    proc: Optional[subprocess.Popen] = None
+    proc: Optional[Supervisor] = None
     pg_timeout = pg_timeout or timedelta(seconds=timeout)
     if not dist.is_initialized():
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
         if rank == 0:
-            proc = supervisor.launch(host, port, world_size, timeout, host_store=not agent_store)
+            proc = launch(host, port, world_size, timeout, host_store=not agent_store)
             if not agent_store:
-                supervisor.wait_until_listening(proc, host, port, timeout)
+                wait_until_listening(proc, host, port, timeout)
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=pg_timeout, wait_for_workers=False)
         kwargs = {"device_id": device_id} if device_id is not None else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout, **kwargs)
@@ -119,7 +118,7 @@ def init_job(
     else:
         store = raw_store()
         if rank == 0:
-            proc = supervisor.launch(store.host, store.port, world_size, timeout, host_store=False)
+            proc = launch(store.host, store.port, world_size, timeout, host_store=False)
     control = _connect(raw_store(), rank, timeout, proc)
     group = dist.new_group(list(range(world_size)), backend=backend, timeout=pg_timeout)
     _JOB = Job(rank, world_size, backend, control, group, proc)
@@ -133,8 +132,8 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _connect(store: dist.TCPStore, rank: int, timeout: float, proc: Optional[subprocess.Popen]) -> ControlClient:
-    key = supervisor.address_key()
+def _connect(store: dist.TCPStore, rank: int, timeout: float, proc: Optional[Supervisor]) -> ControlClient:
+    key = address_key()
     try:
         store.wait([key], timedelta(seconds=timeout))
     except (RuntimeError, dist.DistStoreError) as err:

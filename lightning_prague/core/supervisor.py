@@ -15,7 +15,12 @@ still reach the store and the coordinator, which tells them who is gone. It
   connections (the job ended, or every worker is gone), or when no rank is connected `timeout`
   seconds after it started. It runs in a session of its own (a signal for rank 0's process group
   does not reach it) and needs nothing but torch and the core of this package (it never imports
-  Lightning), so it starts in about the time of `import torch`.
+  Lightning).
+
+Where the launching process has not initialised CUDA (CPU jobs), the supervisor is forked from it:
+it starts at once, with nothing to import (on two cores, a fresh interpreter's `import torch`
+costs every job a few seconds of start-up). A process that holds a CUDA context must not fork, so
+there it is a fresh interpreter (`python -c BOOTSTRAP`), which imports only the core.
 """
 
 from __future__ import annotations
@@ -52,35 +57,99 @@ def address_key() -> str:
     return f"{ADDRESS_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-def launch(host: str, port: int, world_size: int, timeout: float, host_store: bool) -> subprocess.Popen:
+class Supervisor:
+    """The launching process's handle on the supervisor: its pid, `poll()` and its log file."""
+
+    def __init__(self, pid: int, log_file: Path, proc: subprocess.Popen | None = None) -> None:
+        self.pid = pid
+        self.log_file = log_file
+        self._proc = proc
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit status once the supervisor ended (reaped here), else `None`."""
+        if self.returncode is None:
+            if self._proc is not None:
+                self.returncode = self._proc.poll()
+            else:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # reaped elsewhere
+                    return None
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def output(self) -> str:
+        try:
+            return self.log_file.read_text()[-3000:]
+        except OSError:
+            return ""
+
+
+def launch(host: str, port: int, world_size: int, timeout: float, host_store: bool) -> Supervisor:
     """Start the supervisor for a job of `world_size` ranks whose store is (to be) at `host:port`."""
-    package = str(Path(__file__).resolve().parents[1])
     log_file = Path(tempfile.gettempdir()) / f"lightning_prague-supervisor-{port}.log"
-    args = [sys.executable, "-c", BOOTSTRAP, package, "--host", host, "--port", str(port)]
-    args += ["--world-size", str(world_size), "--timeout", str(timeout), "--log", str(log_file)]
-    if host_store:
-        args.append("--host-store")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    with open(log_file, "w") as err:
-        proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, env=env
-        )
-    proc.log_file = log_file  # type: ignore[attr-defined]
-    log.debug("started the supervisor (pid %d) for %d ranks, store at %s:%d", proc.pid, world_size, host, port)
-    return proc
+    argv = ["--host", host, "--port", str(port), "--world-size", str(world_size), "--timeout", str(timeout)]
+    argv += ["--log", str(log_file)] + (["--host-store"] if host_store else [])
+    if hasattr(os, "fork") and not _cuda_initialized():
+        handle = _fork(argv, log_file)
+    else:
+        package = str(Path(__file__).resolve().parents[1])
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        with open(log_file, "w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", BOOTSTRAP, package, *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,
+                env=env,
+            )
+        handle = Supervisor(proc.pid, log_file, proc)
+    log.debug("started the supervisor (pid %d) for %d ranks, store at %s:%d", handle.pid, world_size, host, port)
+    return handle
 
 
-def wait_until_listening(proc: subprocess.Popen, host: str, port: int, timeout: float) -> None:
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
+def _fork(argv: list[str], log_file: Path) -> Supervisor:
+    """Fork the supervisor from this process (see the module docstring)."""
+    import gc
+
+    gc.freeze()  # what exists now stays shared with the child instead of being copied by its collector
+    pid = os.fork()
+    if pid:
+        gc.unfreeze()
+        return Supervisor(pid, log_file)
+    status = 1
+    try:
+        os.setsid()
+        with open(log_file, "w") as err, open(os.devnull, "rb+") as null:
+            os.dup2(null.fileno(), 0)
+            os.dup2(null.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+        for handler in list(logging.root.handlers):  # the parent's handlers write where it does
+            logging.root.removeHandler(handler)
+        main(argv)
+        status = 0
+    finally:
+        os._exit(status)
+
+
+def wait_until_listening(proc: Supervisor, host: str, port: int, timeout: float) -> None:
     """Return once the supervisor's store accepts connections; raise if the supervisor ended first."""
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            output = Path(proc.log_file).read_text()[-3000:] if hasattr(proc, "log_file") else ""  # type: ignore[attr-defined]
             from lightning_prague.core.errors import CoordinationTimeout
 
             raise CoordinationTimeout(
                 f"rank 0: the supervisor (the process that hosts the store and the control plane at {host}:{port}) "
-                f"exited with status {proc.returncode} at start-up:\n{output}"
+                f"exited with status {proc.returncode} at start-up:\n{proc.output()}"
             )
         try:
             with socket.create_connection((host, port), timeout=1.0):

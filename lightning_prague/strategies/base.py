@@ -552,25 +552,37 @@ class DecentralizedStrategy(DDPStrategy):
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not self._local_instead("barrier"):
-            super().barrier(*args, **kwargs)
+            self._world_collective("a barrier", super().barrier, *args, **kwargs)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._local_instead("broadcast"):
             return obj
-        return super().broadcast(obj, src)
+        return self._world_collective("a broadcast", super().broadcast, obj, src)
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         if self._local_instead("reduce (e.g. self.log(..., sync_dist=True))"):
             return tensor
-        return super().reduce(tensor, group, reduce_op)
+        return self._world_collective("a reduce", super().reduce, tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         if self._local_instead("all_gather"):
             return tensor.unsqueeze(0)
-        return super().all_gather(tensor, group, sync_grads)
+        return self._world_collective("an all_gather", super().all_gather, tensor, group, sync_grads)
+
+    def _world_collective(self, what: str, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A collective of Lightning's on the world group; if it fails because a rank left the job,
+        the error says which rank (the backend's only says a connection closed)."""
+        try:
+            return collective(*args, **kwargs)
+        except RuntimeError as err:
+            session = self.session
+            explained = session.explain(err, f"{what} of every rank (Lightning's)") if session is not None else err
+            if explained is err:
+                raise
+            raise explained from err
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
