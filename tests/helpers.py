@@ -30,6 +30,27 @@ def env(**extra: str) -> dict[str, str]:
     return out
 
 
+def _write_to_the_log() -> None:
+    """In a forked child whose fds 1 and 2 are its log: Python's streams (pytest may have replaced them
+    with its capture) and the logging handlers that wrote to them write there too."""
+    import io
+    import logging
+
+    old = {id(sys.stdout), id(sys.stderr), id(sys.__stdout__), id(sys.__stderr__)}
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+    root = logging.getLogger()
+    for handler in list(root.handlers):  # pytest's capture handlers: the log file shows warnings instead
+        root.removeHandler(handler)
+    warnings_to_log = logging.StreamHandler(sys.stderr)
+    warnings_to_log.setLevel(logging.WARNING)
+    root.addHandler(warnings_to_log)
+    for logger in logging.Logger.manager.loggerDict.values():
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, logging.StreamHandler) and id(handler.stream) in old:
+                handler.setStream(sys.stderr)
+
+
 def _run_script_in_child(script: Path, argv: list[str], environ: dict[str, str], log: Path) -> None:
     """Body of a forked rank: the script's ``__main__`` with its own argv, environment and log file."""
     import runpy
@@ -38,6 +59,7 @@ def _run_script_in_child(script: Path, argv: list[str], environ: dict[str, str],
     with open(log, "w") as out:
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
+    _write_to_the_log()
     os.environ.clear()
     os.environ.update(environ)
     sys.argv = [str(script), *argv]

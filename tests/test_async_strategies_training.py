@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import ROOT, rank_results, run_many, run_training
+from helpers import ROOT, rank_results, run_external_ranks, run_many
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,12 +39,12 @@ def test_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(straggle
 )
 def test_an_exception_in_training_stops_every_thread_and_exits(tmp_path, strategy, failing):
     # two ranks (each a process of its own): the failing one and one that must learn of it
-    args = ["--strategy", strategy, "--devices", "2", "--group-size", "2", "--epochs", "50", "--step-time", "0.02"]
+    args = ["--strategy", strategy, "--group-size", "2", "--epochs", "50", "--step-time", "0.02"]
     args += ["--raise-at-batch", "4"]
     if failing is not None:
         args += ["--raise-rank", str(failing)]
-    proc, _ = run_training(tmp_path, *args, timeout=120)
-    assert proc.returncode == 3, proc.stderr[-3000:]
+    codes, logs = run_external_ranks(tmp_path, 2, *args)
+    assert codes == [3, 0], (codes, logs[0][-3000:])
     ranks = [p for p in sorted(tmp_path.glob("result.rank*.json"))]
     assert len(ranks) == 2
     for rank, path in enumerate(ranks):
@@ -62,9 +62,10 @@ def test_an_exception_in_training_stops_every_thread_and_exits(tmp_path, strateg
 @pytest.mark.parametrize("strategy", ["adpsgd", "decent_adam"])
 def test_sigterm_on_one_worker_stops_every_rank(tmp_path, strategy):
     # adpsgd: rank 1 is passive; decent_adam stops at the next synchronization point (the epoch end)
-    args = ["--strategy", strategy, "--devices", "2", "--epochs", "200", "--step-time", "0.02"]
-    proc, _ = run_training(tmp_path, *args, "--sigterm-rank", "1", "--sigterm-batch", "4", timeout=120)
-    output = proc.stdout + proc.stderr
+    args = ["--strategy", strategy, "--epochs", "200", "--step-time", "0.02"]
+    codes, logs = run_external_ranks(tmp_path, 2, *args, "--sigterm-rank", "1", "--sigterm-batch", "4")
+    assert codes == [1, 1], codes
+    output = "".join(logs)
     for rank in range(2):
         assert f"rank {rank}: stopping on SIGTERM" in output, output[-3000:]
     assert "CoordinationTimeout" not in output and "max_epochs=200` reached" not in output

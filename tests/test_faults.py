@@ -50,20 +50,9 @@ def test_a_worker_killed_with_sigkill_is_named_by_every_other_rank_within_15_sec
 def test_a_rank_that_fails_while_the_ranks_are_aligned_is_named_to_the_others_at_once(tmp_path):
     # rank 1 fails in validation (no asynchronous phase to interrupt): it still leaves the session, so
     # rank 0 learns of it at its next batch instead of waiting for it at the epoch's end until the timeout
-    args = [
-        "--strategy",
-        "partial_reduce",
-        "--devices",
-        "2",
-        "--group-size",
-        "2",
-        "--epochs",
-        "3",
-        "--step-time",
-        "0.02",
-    ]
-    proc, _ = run_training(tmp_path, *args, "--raise-in-validation-rank", "1", "--grouping-timeout", "60")
-    assert proc.returncode == 3, proc.stderr[-3000:]
+    args = ["--strategy", "partial_reduce", "--group-size", "2", "--epochs", "3", "--step-time", "0.02"]
+    codes, logs = run_external_ranks(tmp_path, 2, *args, "--raise-in-validation-rank", "1", "--grouping-timeout", "60")
+    assert codes == [3, 0], (codes, logs[0][-3000:])
     failed = json.loads((tmp_path / "result.rank1.json").read_text())
     assert "injected failure in validation on rank 1" in failed["error"]
     other = json.loads((tmp_path / "result.rank0.json").read_text())

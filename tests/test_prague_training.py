@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import yaml
-from helpers import ROOT, env, free_port, rank_results, run_training
+from helpers import ROOT, env, free_port, rank_results, run_external_ranks, run_training
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,17 +49,20 @@ def test_static_schedule_trains_without_asking_the_coordinator(tmp_path):
 
 def test_checkpoint_early_stopping_resume_second_fit_and_test(tmp_path):
     ckpt = tmp_path / "ckpt"
-    args = ["--strategy", "prague", "--devices", "3", "--step-time", "0", "--checkpoint-dir", str(ckpt)]
-    proc, first = run_training(tmp_path, *args, "--epochs", "6", "--early-stopping", "--test")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ["--strategy", "prague", "--step-time", "0", "--checkpoint-dir", str(ckpt)]
+    # ranks started as a cluster launcher would (each a process of its own: a test and a second fit follow fit)
+    codes, logs = run_external_ranks(tmp_path, 3, *args, "--epochs", "6", "--early-stopping", "--test")
+    assert codes == [0, 0, 0], (codes, logs[0][-3000:])
+    first = json.loads((tmp_path / "result.json").read_text())
     assert 1 <= first["epochs_run"] < 6, "EarlyStopping(min_delta=0.5) must stop training early"
     assert (ckpt / "last.ckpt").exists() and first["best_model_path"]
     assert first["test_acc"] == pytest.approx(first["val_acc"], abs=1e-6), "test must see the consensus model"
 
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
-    proc, resumed = run_training(
+    codes, logs = run_external_ranks(
         resumed_dir,
+        3,
         *args,
         "--epochs",
         str(first["epochs_run"] + 2),
@@ -68,7 +71,8 @@ def test_checkpoint_early_stopping_resume_second_fit_and_test(tmp_path):
         "--refit-epochs",
         str(first["epochs_run"] + 3),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert codes == [0, 0, 0], (codes, logs[0][-3000:])
+    resumed = json.loads((resumed_dir / "result.json").read_text())
     assert resumed["epochs_run"] == first["epochs_run"] + 3
     assert resumed["val_acc"] > 0.85
     checksums = {round(r["params_checksum"], 4) for r in rank_results(resumed_dir)}
@@ -76,12 +80,9 @@ def test_checkpoint_early_stopping_resume_second_fit_and_test(tmp_path):
 
 
 def test_sigterm_on_one_rank_stops_every_rank_without_hanging(tmp_path):
-    proc, _ = run_training(
-        tmp_path,
+    args = [
         "--strategy",
         "prague",
-        "--devices",
-        "3",
         "--epochs",
         "200",
         "--step-time",
@@ -90,9 +91,9 @@ def test_sigterm_on_one_rank_stops_every_rank_without_hanging(tmp_path):
         "2",
         "--sigterm-batch",
         "4",
-        timeout=120,
-    )
-    output = proc.stdout + proc.stderr
+    ]
+    _, logs = run_external_ranks(tmp_path, 3, *args)
+    output = "".join(logs)
     # Lightning's SIGTERMException is a SystemExit: every rank leaves fit cleanly
     for rank in range(3):
         assert f"rank {rank}: stopping on SIGTERM" in output, output[-3000:]
