@@ -94,7 +94,7 @@ class LaggedGossip(Exchanger):
         self._executor: ThreadPoolExecutor | None = None
         self._name = name  # names this instance's threads
         self.idle_after = idle_after  # seconds a finished worker waits before it asks for idle rounds
-        self._meeting_started = 0.0
+        self._meeting_started: float | None = None
         self._waited_before = 0.0
         self.phases = 0  #: phases ended by `drain`
         self.idle_rounds = 0  #: rounds run without a gradient step while waiting for slower workers
@@ -188,8 +188,9 @@ class LaggedGossip(Exchanger):
 
     # -- the meeting that ends the phase (GroupWorker.synchronize) ------------------------------
     def meeting_report(self) -> dict[str, Any]:
-        self._meeting_started = time.monotonic()
-        self._waited_before = self.wait_seconds
+        if self._meeting_started is None:  # (asked again when a meeting turns into the stop point)
+            self._meeting_started = time.monotonic()
+            self._waited_before = self.wait_seconds
         return {"round": self.round, "coverage": self.schedule.coverage}
 
     def serve(self) -> None:
@@ -205,7 +206,9 @@ class LaggedGossip(Exchanger):
             self.serve()
         self.mix()
         # the whole end of the phase is waiting
-        self.wait_seconds = self._waited_before + time.monotonic() - self._meeting_started
+        started = self._meeting_started if self._meeting_started is not None else time.monotonic()
+        self.wait_seconds = self._waited_before + time.monotonic() - started
+        self._meeting_started = None
         self.phases += 1
         self._phase_open = False
 

@@ -266,6 +266,8 @@ class GroupWorker:
             if self.stop_seen and target != STOP_SYNC:
                 target = STOP_SYNC
                 self._doing = f"synchronization point {target!r}"
+                if exchanger is not None:  # its round moved on if it served idle rounds meanwhile
+                    report = {**report, **exchanger.meeting_report()}
                 self._send("arrive", sync=target, **report)
         if exchanger is not None:
             exchanger.finish(self.release)
