@@ -177,3 +177,18 @@ def test_a_stop_asked_by_one_rank_reaches_every_rank_and_the_release_says_stop(p
         assert release["speeds"] == [0.1, 0.2, 0.5] and release["pending"] == [0, 1, 7]
     for c in clients:
         c.close()
+
+
+def test_a_control_plane_that_goes_away_is_an_error_at_the_next_check(plane):
+    _, server = plane
+    client = _clients(server, 1)[0]
+    session = client.open_session(1, _config(2))
+    session.check_members("training")  # nothing to report
+    server.close()
+    deadline = time.monotonic() + 5
+    while not client.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(
+        CoordinationTimeout, match=r"rank 0: the control plane at .* closed the connection.*during training"
+    ):
+        session.check_members("training")

@@ -206,9 +206,13 @@ class Session:
         return error
 
     def check_members(self, during: str) -> None:
-        """Raise `MemberLost` if any rank has left the job."""
+        """Raise `MemberLost` if any rank has left the job, `CoordinationTimeout` if the control plane is gone."""
         if self.departed:
             raise self.lost_error(during)
+        if self.client.closed:
+            raise CoordinationTimeout(
+                f"{self.client.link.close_error or f'rank {self.rank}: the control plane is gone'} (during {during})"
+            )
 
     def close(self) -> None:
         """This rank is done with the session (its fit ended normally)."""
