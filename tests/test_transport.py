@@ -192,3 +192,39 @@ def test_a_control_plane_that_goes_away_is_an_error_at_the_next_check(plane):
         CoordinationTimeout, match=r"rank 0: the control plane at .* closed the connection.*during training"
     ):
         session.check_members("training")
+
+
+def _wait_for_exit(handle, seconds: float) -> int | None:
+    deadline = time.monotonic() + seconds
+    while handle.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return handle.poll()
+
+
+def test_the_supervisor_exits_by_itself_when_nobody_comes_and_when_everyone_has_gone():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from helpers import free_port
+
+    from lightning_prague.core.supervisor import address_key, launch, wait_until_listening
+
+    # nobody connects within its timeout: it goes
+    port = free_port()
+    lonely = launch("127.0.0.1", port, 2, timeout=1.0, host_store=True)
+    wait_until_listening(lonely, "127.0.0.1", port, timeout=30)
+    assert _wait_for_exit(lonely, 15) == 0
+    # both ranks come (through the store it hosts) and go: it goes, and takes the store with it
+    port = free_port()
+    job = launch("127.0.0.1", port, 2, timeout=60.0, host_store=True)
+    wait_until_listening(job, "127.0.0.1", port, timeout=30)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+    store.wait([address_key()], timedelta(seconds=30))
+    host, control_port, pid = store.get(address_key()).decode().rsplit(":", 2)
+    assert int(pid) == job.pid
+    clients = [ControlClient(host, int(control_port), rank, timeout=10) for rank in range(2)]
+    clients[0].close()
+    time.sleep(0.3)
+    assert job.poll() is None, "rank 1 is still connected"
+    clients[1].close()
+    assert _wait_for_exit(job, 15) == 0
