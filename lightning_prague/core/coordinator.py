@@ -76,8 +76,12 @@ class CoordinatorSession:
         """Every rank closed the session or departed: it can be deleted."""
         return len(self.closed | set(self.departed)) >= self.world_size
 
-    def depart(self, rank: int, reason: str, out: Out) -> None:
-        """`rank` is gone: tell every other member, and assign it nothing more."""
+    def depart(self, rank: int, reason: str, out: Out, leaving: bool = False) -> None:
+        """`rank` is gone: tell every other member, and assign it nothing more.
+
+        `leaving`: it said so itself (`leave`) and the generator's `leave` follows, which still
+        sends it what was assigned to it; otherwise its process is gone and nothing is sent to it.
+        """
         if rank in self.departed or rank in self.closed:
             return
         self.members.discard(rank)
@@ -87,7 +91,8 @@ class CoordinatorSession:
             out.setdefault(member, []).append(
                 {"t": "departed", "rank": rank, "reason": reason, "members": sorted(self.members)}
             )
-        self.generator.depart(rank, out)
+        if not leaving:
+            self.generator.depart(rank, out)
 
     # -- the key-value table --------------------------------------------------------------------
     def kv(self, rank: int, req: int, message: dict[str, Any], out: Out) -> None:
@@ -205,12 +210,8 @@ class ControlPlane:
             }
             CoordinatorSession._reply(rank, int(message["req"]), history, out)
         elif op == "leave":  # the others hear of it first, then it gets what is still assigned to it
-            generator = session.generator
-            before = set(generator.left)
-            generator.left.add(rank)  # so that `depart` below does not arrive for it: `leave` does
-            session.depart(rank, "it stopped after an error", out)
-            generator.left = before
-            for r, items in generator.handle(message).items():
+            session.depart(rank, "it stopped after an error", out, leaving=True)
+            for r, items in session.generator.handle(message).items():
                 out.setdefault(r, []).extend(items)
         else:
             for r, items in session.generator.handle(message).items():

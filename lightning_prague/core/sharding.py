@@ -83,7 +83,6 @@ class WorkQueueSampler(Sampler[int]):
         self.ticketing: Callable[[], Optional[tuple[str, int]]] = lambda: None
         #: the ticket counter values claimed with the chunks handed out this epoch, in order (`None`: none)
         self.ticket_values: deque[Optional[int]] = deque()
-        self._ticket: Optional[int] = None
         self._resume: Optional[tuple[int, int, list[int]]] = None  # (epoch, cursor, chunks to hand out first)
         self._first_claimed = world_size  # chunk number of this epoch's first claim
         self._store = store
@@ -110,13 +109,12 @@ class WorkQueueSampler(Sampler[int]):
             raise RuntimeError("a copy of a WorkQueueSampler in another process cannot claim chunks")
         return self._store
 
-    def _claim(self) -> int:
+    def _claim(self) -> tuple[int, Optional[int]]:
+        """The next chunk of the queue and, if `ticketing` asks for it, the ticket claimed with it."""
         request = self.ticketing()
         if request is None:
-            self._ticket = None
-            return self._first_claimed + int(self._connect().add(self._cursor_key, 1)) - 1
-        chunk, self._ticket = self._connect().claim(self._cursor_key, self._first_claimed, *request)
-        return chunk
+            return self._first_claimed + int(self._connect().add(self._cursor_key, 1)) - 1, None
+        return self._connect().claim(self._cursor_key, self._first_claimed, *request)
 
     def cursor(self) -> int:
         """The next chunk the queue will hand out in the current epoch."""
@@ -158,22 +156,20 @@ class WorkQueueSampler(Sampler[int]):
         self._resume = None
         previous: tuple[float, int] | None = None  # (time, chunk) of this rank's previous claim
         self._epoch_started = self.clock()
-        self._ticket = None
-        chunk = first.pop(0) if first else self._claim()
+        chunk, ticket = (first.pop(0), None) if first else self._claim()
         while chunk < self.num_chunks:
             self.chunks_taken += 1
             self.total_chunks_taken += 1
             self.untrained.append(chunk)
-            self.ticket_values.append(self._ticket)
-            self._ticket = None
+            self.ticket_values.append(ticket)
             yield from order[chunk * self.chunk_size : (chunk + 1) * self.chunk_size]
             if first:
-                chunk = first.pop(0)
+                chunk, ticket = first.pop(0), None
                 continue
             if self.slow_ratio > 0 and self._leave_tail(previous):
                 return
             claimed_at = self.clock()
-            chunk = self._claim()
+            chunk, ticket = self._claim()
             self._observe(previous, claimed_at, chunk)
             previous = (claimed_at, chunk)
 

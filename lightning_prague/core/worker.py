@@ -140,11 +140,14 @@ class GroupWorker:
     def _next_item(self, waiting_for: str) -> dict[str, Any]:
         item = self.poll_item()
         if item is None:
-            raise CoordinationTimeout(
-                f"rank {self.rank}: waited {self.timeout:.0f}s for {waiting_for}{self._parked_hint()}; "
-                "a rank may have stalled"
-            )
+            raise self._timed_out(waiting_for)
         return item
+
+    def _timed_out(self, waiting_for: str) -> CoordinationTimeout:
+        return CoordinationTimeout(
+            f"rank {self.rank}: waited {self.timeout:.0f}s for {waiting_for}{self._parked_hint()}; "
+            "a rank may have stalled"
+        )
 
     def _parked_hint(self) -> str:
         try:
@@ -250,9 +253,7 @@ class GroupWorker:
                         asked_idle = True
                         self._send("idle")
                     if waited > self.timeout:
-                        raise CoordinationTimeout(
-                            f"rank {self.rank}: waited {self.timeout:.0f}s for {waiting}{self._parked_hint()}"
-                        )
+                        raise self._timed_out(waiting)
                     continue
             if item["t"] == "release" and item["sync"] == target:
                 self.released_version = int(item.get("version", 0))

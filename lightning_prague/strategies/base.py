@@ -262,7 +262,7 @@ class DecentralizedStrategy(DDPStrategy):
                 "_prepare_dataloader": self._wrap_prepare_dataloader(trainer._data_connector._prepare_dataloader),
             }
             if self.shards_by_work_queue:
-                self.progress = GlobalProgress(trainer, self.world_size, self.controller, self._meet_at_boundary)
+                self.progress = GlobalProgress(trainer, self.world_size, self.controller, self.synchronize)
                 replacements.update(self.progress.replacements())
             _patches.install(trainer, replacements)
         super().setup(trainer)
@@ -373,9 +373,6 @@ class DecentralizedStrategy(DDPStrategy):
             self.exchanger.drain()
 
     # -- synchronization points ---------------------------------------------------------------
-    def _meet_at_boundary(self, name: str, progress: int, inside_epoch: bool, validate: bool) -> None:
-        self.synchronize(name, progress, inside_epoch=inside_epoch, validate=validate)
-
     def synchronize(
         self, name: str, progress: Optional[int] = None, inside_epoch: bool = False, validate: bool = False
     ) -> None:
