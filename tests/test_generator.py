@@ -93,7 +93,15 @@ def test_stop_releases_everyone_only_after_all_arrive_at_the_stop_point():
     assert not generator.handle({"op": "arrive", "rank": 1, "sync": STOP_SYNC})
     assert not generator.handle({"op": "arrive", "rank": 2, "sync": STOP_SYNC})
     out = generator.handle({"op": "arrive", "rank": 0, "sync": STOP_SYNC})
-    release = {"t": "release", "sync": STOP_SYNC, "version": 0, "stop": True, "speeds": [0.0] * 3, "pending": []}
+    release = {
+        "t": "release",
+        "sync": STOP_SYNC,
+        "version": 0,
+        "stop": True,
+        "speeds": [0.0] * 3,
+        "pending": [],
+        "members": [0, 1, 2],
+    }
     assert all(out[r] == [release] for r in range(3))
     # requests after a stop are answered without a group
     out = generator.handle({"op": "ready", "rank": 2, "req": 7})
@@ -171,7 +179,7 @@ def test_lagging_workers_are_left_out_of_other_workers_groups_but_mix_through_th
     assert slow_free.lagging() == set()
 
 
-def test_a_leaving_worker_is_withdrawn_and_named_to_the_others():
+def test_a_leaving_worker_is_withdrawn_and_the_others_go_on_without_it():
     generator = GroupGenerator(3, make_policy("first_ready", 3, 2))
     generator.handle({"op": "ready", "rank": 1, "req": 4, "version": 0})
     out = generator.handle({"op": "leave", "rank": 1})
@@ -181,10 +189,27 @@ def test_a_leaving_worker_is_withdrawn_and_named_to_the_others():
     generator.handle({"op": "ready", "rank": 0, "req": 1, "version": 0})
     out = generator.handle({"op": "ready", "rank": 2, "req": 1, "version": 0})
     assert out[0][0]["members"] == [0, 2] and 1 not in out
-    # at the next synchronization point the others get an error naming it instead of a hang
+    # the next synchronization point waits for the live workers only, and names them
     generator.handle({"op": "arrive", "rank": 0, "sync": "epoch_end@epoch0"})
     out = generator.handle({"op": "arrive", "rank": 2, "sync": "epoch_end@epoch0"})
-    assert out[0][0]["t"] == "error" and "ranks [1] at '__left_after_an_error__'" in out[0][0]["message"]
+    assert out[0][0]["t"] == "release" and out[0][0]["members"] == [0, 2] and 1 not in out
+    # a message that still comes from it changes nothing (a request gets no group)
+    assert generator.handle({"op": "ready", "rank": 1, "req": 5, "version": 0}) == {
+        1: [{"t": "answer", "req": 5, "gid": None}]
+    }
+
+
+def test_a_departure_releases_a_meeting_that_waited_for_it_and_below_min_workers_the_job_stops():
+    generator = GroupGenerator(3, make_policy("random", 3, 2), min_workers=2)
+    generator.handle({"op": "arrive", "rank": 0, "sync": "epoch_end@epoch0"})
+    generator.handle({"op": "arrive", "rank": 2, "sync": "epoch_end@epoch0"})
+    out: dict = {}
+    generator.depart(1, out)  # kill -9 of the last rank the meeting waited for
+    assert [item["t"] for item in out[0]] == ["release"] and out[0][0]["members"] == [0, 2]
+    assert out[0][0]["stop"] is False
+    out = {}
+    generator.depart(2, out)  # one worker left, fewer than min_workers: the job stops
+    assert out[0] == [{"t": "stop", "reason": "request"}]
 
 
 @pytest.mark.parametrize("sigma, slow", [(0.0, {}), (0.3, {}), (0.3, {5: 5.0})])

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from lightning_prague.core import ControlClient, ControlPlane, SessionConfig, make_policy
-from lightning_prague.core.errors import CoordinationTimeout, MemberLost
+from lightning_prague.core.errors import CoordinationTimeout
 from lightning_prague.core.transport import MessageLink, MessageServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -129,7 +129,7 @@ def test_ranks_of_a_session_get_groups_and_share_counters_that_vanish_with_the_s
         c.close()
 
 
-def test_a_rank_whose_connection_closes_is_named_to_every_other_member_at_once(plane):
+def test_a_rank_whose_connection_closes_is_named_to_every_other_member_at_once_and_they_go_on(plane):
     _, server = plane
     clients = _clients(server, 3)
     sessions = [c.open_session(7, _config(3)) for c in clients]
@@ -139,8 +139,12 @@ def test_a_rank_whose_connection_closes_is_named_to_every_other_member_at_once(p
     assert item["t"] == "departed" and item["rank"] == 2 and item["members"] == [0, 1]
     assert sessions[1].receive(timeout=5)["t"] == "departed"
     assert sessions[1].departed == {2: "its process ended: its connection to the control plane closed"}
-    with pytest.raises(MemberLost, match=r"rank 1: rank \[2\] left the job during training \(rank 2: its process"):
-        sessions[1].check_members("training")
+    assert sessions[1].members == [0, 1]
+    sessions[1].check_members("training")  # a lost rank is no error: the survivors go on
+    sessions[1].send("arrive", sync="epoch_end")  # the meeting waits for the live ranks only
+    for s in sessions[:2]:
+        release = s.receive(timeout=5)
+        assert release["t"] == "release" and release["members"] == [0, 1]
     for c in clients[:2]:
         c.close()
 
@@ -156,8 +160,7 @@ def test_a_rank_that_leaves_after_an_error_is_named_and_a_closed_session_reports
     assert second[1].receive(timeout=5)["t"] == "departed"
     assert first[1].departed == {}
     second[1].send("leave")
-    kinds = [second[1].receive(timeout=5)["t"] for _ in range(2)]
-    assert kinds[-1] == "left", kinds  # after the release of the (empty) job's last meeting
+    assert second[1].receive(timeout=5)["t"] == "left"
     clients[1].close()
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from lightning_prague.core.groups import GroupComm
+from lightning_prague.core.groups import GroupComm, sum_is_complete
 
 
 def averaged_state(module: nn.Module) -> list[torch.Tensor]:
@@ -74,29 +74,38 @@ def average_(
     members: Sequence[int],
     weight: float | None = None,
     operation: str = "average",
-) -> torch.Tensor:
-    """In place: every member's tensors become the (weighted) average over `members`.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: every member's tensors become the (weighted) average over `members`, or, if a
+    member disappeared during it, stay as they were (all-or-nothing: no member keeps a partial sum).
 
     With `weight=None` this is the plain mean. Otherwise each member contributes `weight * x`
     and the weights of the members must sum to 1 (staleness-aware Partial Reduce).
 
-    Returns `||x - avg||^2 / ||avg||^2` for this member's tensors before the average, as a
-    float64 scalar tensor on their device (reading it is left to whoever needs the number, so the
-    average costs no host synchronisation): a free estimate of how far this replica had drifted
-    from its group (`consensus/group_error`).
+    Returns `(error, applied)`, scalar tensors on the tensors' device (reading them is left to
+    whoever needs the numbers, so the average costs no host synchronisation): `error` is
+    `||x - avg||^2 / ||avg||^2` for this member's tensors before the average, a free estimate of how
+    far this replica had drifted from its group (`consensus/group_error`); `applied` whether the
+    average was complete and taken. Every bucket is summed before any is written back, so the
+    decision covers the whole model (one extra copy of the tensors while it runs).
     """
     scale = 1.0 / len(members) if weight is None else weight
     distance = torch.zeros((), dtype=torch.float64, device=tensors.device)
     norm = torch.zeros((), dtype=torch.float64, device=tensors.device)
+    applied = torch.ones((), dtype=torch.bool, device=tensors.device)
+    sums = []
     for bucket in tensors.buckets:
         flat = tensors.flat(bucket)
-        before = flat.clone()
         flat.mul_(scale)
         comm.sum_(flat, members, operation)
+        applied &= sum_is_complete(flat)
+        sums.append(flat)
+    for bucket, flat in zip(tensors.buckets, sums):
+        before = tensors.flat(bucket)
+        flat = torch.where(applied, flat, before)
         distance += (before - flat).double().pow(2).sum()
         norm += flat.double().pow(2).sum()
         tensors.unflatten_(bucket, flat)
-    return relative_error(distance, norm)
+    return relative_error(distance, norm), applied
 
 
 def relative_error(distance: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
+import socket
 import threading
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 from lightning_prague.core.coordinator import SessionConfig
 from lightning_prague.core.errors import CoordinationTimeout, MemberLost
+from lightning_prague.core.liveness import Beacon, HangRule
 from lightning_prague.core.transport import ROUTED, Message, MessageLink
 
 log = logging.getLogger(__name__)
@@ -112,9 +116,19 @@ class ControlClient:
     # -- sessions ------------------------------------------------------------------------------
     def open_session(self, number: int, config: SessionConfig) -> Session:
         """Join session `number` (one fit); every rank of the session must join it with the same config."""
-        session = Session(self, number, config.world_size)
+        session = Session(self, number, config.world_size, Beacon(config.hang))
         self._sessions[number] = session
-        self.send({"op": "join", "s": number, "rank": self.rank, "config": config.encode()})
+        self.send(
+            {
+                "op": "join",
+                "s": number,
+                "rank": self.rank,
+                "config": config.encode(),
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+            }
+        )
+        session.beacon.start(lambda fields: session.send("beat", **fields), f"prague-beacon-{self.rank}")
         log.debug("rank %d: joined session %d", self.rank, number)
         return session
 
@@ -128,15 +142,21 @@ class ControlClient:
 class Session:
     """One fit's messages, inbox, flags and counters (see the module docstring)."""
 
-    def __init__(self, client: ControlClient, number: int, world_size: int) -> None:
+    def __init__(self, client: ControlClient, number: int, world_size: int, beacon: Beacon | None = None) -> None:
         self.client = client
+        #: what this rank's training thread reports to the hang detector (`lightning_prague.core.liveness`)
+        self.beacon = beacon if beacon is not None else Beacon(HangRule())
         self.number = number
         self.rank = client.rank
         self.world_size = world_size
         self.timeout = client.timeout
         self._inbox: queue.Queue[Message] = queue.Queue()
-        #: rank -> why it left the job, as the control plane announced it
+        #: rank -> why it left the job, as the control plane announced it (in the order they left)
         self.departed: dict[int, str] = {}
+        #: rank -> when (wall-clock seconds) this rank heard of its departure
+        self.departed_at: dict[int, float] = {}
+        #: the ranks still in the job, as of the latest departure notice
+        self.members: list[int] = list(range(world_size))
         #: `None`, or why the job is stopping (`"sigterm"`, `"request"`), as soon as it is announced
         self.stop_reason: str | None = None
         self.counters = Counters(self)
@@ -150,14 +170,19 @@ class Session:
         kind = item["t"]
         if kind == "departed":
             self.departed[int(item["rank"])] = str(item["reason"])
+            self.departed_at[int(item["rank"])] = time.time()
+            self.members = [int(r) for r in item.get("members", self.members) if int(r) != int(item["rank"])]
             self._departure.set()
-            log.error(
+            log.warning(
                 "rank %d: rank %d left the job (%s); remaining members %s",
                 self.rank,
                 item["rank"],
                 item["reason"],
-                item.get("members"),
+                self.members,
             )
+        elif kind == "fenced":  # declared hung: end this process, as a local one would be SIGKILLed
+            log.error("rank %d: the control plane fenced this rank (%s); exiting", self.rank, item.get("reason"))
+            os._exit(75)
         elif kind == "stop" and self.stop_reason is None:
             self.stop_reason = str(item.get("reason", "sigterm"))
             log.debug("rank %d: the job is stopping (%s)", self.rank, self.stop_reason)
@@ -206,9 +231,8 @@ class Session:
         return error
 
     def check_members(self, during: str) -> None:
-        """Raise `MemberLost` if any rank has left the job, `CoordinationTimeout` if the control plane is gone."""
-        if self.departed:
-            raise self.lost_error(during)
+        """Raise `CoordinationTimeout` if the control plane is gone (ranks that left are no error:
+        the survivors go on without them)."""
         if self.client.closed:
             raise CoordinationTimeout(
                 f"{self.client.link.close_error or f'rank {self.rank}: the control plane is gone'} (during {during})"
@@ -218,6 +242,7 @@ class Session:
         """This rank is done with the session (its fit ended normally)."""
         if self.open:
             self.open = False
+            self.beacon.stop()
             try:
                 self.send("close")
             except CoordinationTimeout:

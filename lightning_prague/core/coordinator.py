@@ -12,6 +12,15 @@ connection, in one global order (the server handles one message at a time):
 * **membership** - the ranks that joined a session and have neither closed it nor gone. When a
   rank's connection closes while it is in a session (its process ended: exit, exception, kill -9),
   or it leaves after an error, every other member gets a `departed` item naming it at once.
+  The generator then leaves it out of everything (see `Membership` in
+  `lightning_prague.core.generator`): the survivors go on.
+* **hangs** - every member's beacon beats once a second (`lightning_prague.core.liveness`); a
+  member the `HangDetector` finds hung departs like a crashed one and is **fenced**: SIGKILLed
+  when its process runs on the supervisor's host, otherwise sent a `fenced` item on which it ends
+  itself (a frozen process on another host cannot be ended from here: its peers' exchanges with it
+  end at the process group's timeout). Fencing turns a hang into a crash, which the exchanges of
+  the survivors already survive (a dead peer fails only its own pairs, see
+  `lightning_prague.core.groups`).
 
 Messages of a session carry `"s"` (its number) and `"rank"`; items sent back carry `"s"` too, and
 replies to requests (`"req"`) are `{"t": "reply", "req", "value"}`.
@@ -21,12 +30,16 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import pickle
+import signal
+import socket
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_prague.core.generator import GroupGenerator, Item
+from lightning_prague.core.liveness import HangDetector, HangRule
 from lightning_prague.core.policies import GroupingPolicy
 
 log = logging.getLogger(__name__)
@@ -43,6 +56,11 @@ class SessionConfig:
     avoid_stragglers: bool = True
     sync_averages: bool = False
     record_history: bool = False
+    #: seconds any wait may take; also the hang bound outside the steps (`HangRule`)
+    timeout: float = 300.0
+    hang: HangRule = field(default_factory=HangRule)
+    #: the job stops (a `"request"` stop) when fewer live workers remain
+    min_workers: int = 1
 
     def encode(self) -> str:
         return base64.b64encode(pickle.dumps(self)).decode()
@@ -62,8 +80,15 @@ class CoordinatorSession:
         self.number = number
         self.world_size = config.world_size
         self.generator = GroupGenerator(
-            config.world_size, config.policy, config.avoid_stragglers, sync_averages=config.sync_averages
+            config.world_size,
+            config.policy,
+            config.avoid_stragglers,
+            sync_averages=config.sync_averages,
+            min_workers=config.min_workers,
         )
+        self.hangs = HangDetector(config.hang, config.timeout)
+        #: rank -> (pid, host name) of its process, as it said when it joined (for fencing)
+        self.processes: dict[int, tuple[int, str]] = {}
         self.generator.record_history = config.record_history
         self.members: set[int] = set()
         self.closed: set[int] = set()
@@ -85,6 +110,7 @@ class CoordinatorSession:
         if rank in self.departed or rank in self.closed:
             return
         self.members.discard(rank)
+        self.hangs.forget(rank)
         self.departed[rank] = reason
         log.warning("session %d: rank %d departed (%s)", self.number, rank, reason)
         for member in sorted(self.members):  # first: a meeting's error that the departure causes comes after
@@ -171,6 +197,30 @@ class ControlPlane:
         log.debug("control plane: rank %d connected", rank)
         return {}
 
+    def tick(self) -> Out:
+        """Called by the server a few times a second: members found hung depart and are fenced."""
+        out: Out = {}
+        for session in list(self.sessions.values()):
+            for rank, reason in session.hangs.hung():
+                log.error("session %d: rank %d is %s; fencing it", session.number, rank, reason)
+                session.depart(rank, reason, out)
+                self._fence(session, rank, reason, out)
+                self._tag(session, out)
+            self._maybe_delete(session)
+        return out
+
+    @staticmethod
+    def _fence(session: CoordinatorSession, rank: int, reason: str, out: Out) -> None:
+        pid, host = session.processes.get(rank, (0, ""))
+        if pid and host == socket.gethostname():
+            try:
+                os.kill(pid, signal.SIGKILL)
+                log.warning("session %d: sent SIGKILL to rank %d (pid %d)", session.number, rank, pid)
+                return
+            except OSError as err:  # another pid namespace (a container): ask it to end itself
+                log.warning("session %d: could not SIGKILL rank %d (pid %d): %s", session.number, rank, pid, err)
+        out.setdefault(rank, []).append({"t": "fenced", "reason": reason})
+
     def on_disconnect(self, rank: int) -> Out:
         """A rank's process closed its connection: it departs from every session it is in."""
         out: Out = {}
@@ -191,9 +241,17 @@ class ControlPlane:
                 session = self.sessions[number] = CoordinatorSession(number, SessionConfig.decode(message["config"]))
                 log.debug("control plane: session %d opened by rank %d", number, rank)
             session.members.add(rank)
+            session.hangs.joined(rank)
+            session.processes[rank] = (int(message.get("pid", 0)), str(message.get("host", "")))
             return
         if session is None:
             raise ValueError(f"rank {rank} sent {op!r} for session {number}, which is not open")
+        session.hangs.heard(rank)
+        if op == "beat":
+            session.hangs.beat(
+                rank, int(message["progress"]), bool(message["waiting"]), bool(message["busy"]), message.get("step")
+            )
+            return
         if op == "kv":
             session.kv(rank, int(message["req"]), message, out)
         elif op == "close":

@@ -16,13 +16,13 @@ Inbox items (plain dicts, JSON-serialisable):
   `weights` (in `members` order) instead of the plain mean.
 - `{"t": "answer", "req", "gid"}`: the reply to the worker's `ready` number `req`: the group it was
   given (already earlier in its inbox) or `None` when no group could be formed.
-- `{"t": "release", "sync", "version", "stop", "speeds", "pending"}`: every worker arrived at
+- `{"t": "release", "sync", "version", "stop", "speeds", "pending", "members"}`: every live worker arrived at
   synchronization point `sync` and every group issued before it is earlier in every inbox;
   `version` is the newest model version reported so far; `stop`: some rank asked the job to stop
   (every rank stops here, together); `speeds`: every rank's seconds per batch and `pending`: the
   work-queue chunks every rank holds untrained, as they reported them with `arrive`; `final`
   (gossip on a fixed schedule only): the round every rank runs its gossip to before the meeting
-  ends (see `Gossip phases` below).
+  ends (see `Gossip phases` below); `members`: the workers still in the job (see `Membership`).
 - `{"t": "idle"}`: the gossip phase switched to idle rounds (see below).
 - `{"t": "left"}`: the answer to `leave` (a worker shutting down after an error): nothing more will
   name it.
@@ -41,6 +41,17 @@ same round and nobody went idle, else its round plus `coverage` plus one, which 
 have passed (no rank gets more than `coverage` rounds ahead of another). This is the same
 meeting that ends every strategy's phase.
 
+Membership: a worker that departs (its process ended, it was fenced after a hang, or it left
+after an error) is out of the job for good. It is never drawn into a group again: every policy
+picks from the live workers only, so a group of the policy's that contained it becomes the group
+of its other members (skipped if one is left), each averaging with the plain mean over the members
+present, which keeps every round's mixing doubly stochastic. Its pending request is withdrawn,
+meetings wait for the live workers only, and the next release names the live `members`, so every
+survivor changes its membership at the same point of its sequence of exchanges (groups issued
+before the departure that contain it fail on every member alike, see
+`lightning_prague.core.groups`). `min_workers`: when fewer remain, the job is asked to stop (the
+`"request"` stop: every rank ends its epoch, and the next release says stop).
+
 The cost of a message does not grow with the number of workers: the set of workers that may be
 drawn into a group is kept up to date when it changes (parking, leaving, lagging) rather than
 rebuilt per request, and who is lagging is re-evaluated every `ceil(N / 8)` reports.
@@ -57,7 +68,6 @@ from lightning_prague.core.policies import FirstReadyPolicy, Group, GroupingPoli
 
 Item = dict[str, Any]
 STOP_SYNC = "__stop__"
-LEFT_SYNC = "__left_after_an_error__"
 
 
 class Candidates(Sequence[int]):
@@ -91,8 +101,10 @@ class GroupGenerator:
         policy: GroupingPolicy,
         avoid_stragglers: bool = True,
         sync_averages: bool = False,
+        min_workers: int = 1,
     ) -> None:
         self.world_size = world_size
+        self.min_workers = min_workers
         self.sync_averages = sync_averages  # synchronization points average globally (workers then agree)
         self.policy = policy
         self.avoid_stragglers = avoid_stragglers
@@ -102,6 +114,7 @@ class GroupGenerator:
         self.stopping = False  # SIGTERM: every rank drains to the stop point
         self.stop_requested = False  # a rank asked the job to stop at the next synchronization point
         self.left: set[int] = set()  # ranks that shut down after an error or departed
+        self.live: list[int] = list(range(world_size))  # the others, sorted
         self._speeds: list[float] = [0.0] * world_size  # seconds per batch, as reported with `arrive`
         self._untrained: dict[int, list[int]] = {}
         self._rounds: dict[int, int] = {}  # gossip rounds reported with `arrive`, this meeting
@@ -127,6 +140,10 @@ class GroupGenerator:
         rank = int(message["rank"])
         if not 0 <= rank < self.world_size:
             raise ValueError(f"message from rank {rank} outside world of size {self.world_size}: {message}")
+        if rank in self.left:  # out of the job (e.g. fenced while it still ran): assign it nothing
+            if op == "ready":
+                self._answer(rank, int(message["req"]), None, out)
+            return out
         if op == "ready":
             self._ready_msg(rank, int(message["req"]), int(message.get("version", 0)), out)
         elif op == "arrive":
@@ -161,7 +178,7 @@ class GroupGenerator:
         out.setdefault(rank, []).append(item)
 
     def _available(self) -> list[int]:
-        return [r for r in range(self.world_size) if r not in self.parked]
+        return [r for r in self.live if r not in self.parked]
 
     def lagging(self) -> set[int]:
         """Workers far behind the others since the last synchronization point.
@@ -295,7 +312,11 @@ class GroupGenerator:
         self._changed()
         if isinstance(self.policy, FirstReadyPolicy):
             self._form_ready_groups(out)
-        if len(self.parked) < self.world_size:
+        self._maybe_release(sync, rank, out)
+
+    def _maybe_release(self, sync: str, rank: int | None, out: dict[int, list[Item]]) -> None:
+        """Release the meeting if every live worker is parked (`rank`: the one that arrived last)."""
+        if not self.parked or len(self.parked) < len(self.live):
             return
         names = set(self.parked.values())
         if self.stopping and names != {STOP_SYNC}:
@@ -308,12 +329,14 @@ class GroupGenerator:
                 "stop": self.stop_requested or self.stopping,
                 "speeds": list(self._speeds),
                 "pending": sorted(c for chunks in self._untrained.values() for c in chunks),
+                "members": list(self.live),
             }
             if self._rounds:
-                last = self._rounds.get(rank, max(self._rounds.values()))  # the rank that arrived last
+                latest = max(self._rounds.values())
+                last = self._rounds.get(rank, latest) if rank is not None else latest  # the rank that arrived last
                 same = set(self._rounds.values()) == {last}
                 release["final"] = last if same and not self._idle else last + self._coverage + 1
-            for r in range(self.world_size):
+            for r in self.live:
                 self._push(out, r, release)
             if self.sync_averages and isinstance(self.policy, FirstReadyPolicy):
                 self.policy.restart_window()  # the global average mixed everyone
@@ -326,7 +349,7 @@ class GroupGenerator:
                 f"ranks reached different synchronization points ({detail}); every rank must pass the same "
                 "sequence of synchronization points (epoch ends, validation, end of fit)"
             )
-            for r in range(self.world_size):
+            for r in self.live:
                 self._push(out, r, {"t": "error", "message": message})
         self.parked.clear()
         self._untrained = {}
@@ -339,31 +362,32 @@ class GroupGenerator:
         self._changed()
 
     def _leave(self, rank: int, out: dict[int, list[Item]]) -> None:
-        """A worker shuts down after an error: withdraw its pending request, assign it nothing more.
-
-        Its `left` item comes after every group already issued to it, which it still executes, so
-        no peer is left waiting in one of those groups. The others, once parked at a synchronization
-        point, get an error naming it instead of waiting for it.
-        """
-        self.left.add(rank)
+        """A worker shuts down after an error: it departs, and gets its `left` item after every group
+        already issued to it, which it still executes (so no peer waits in one of those groups)."""
         for entry in list(self._ready):
             if entry[0] == rank:
-                self._ready.remove(entry)
                 self._answer(rank, entry[1], None, out)
-        self._arrive(rank, LEFT_SYNC, out)
+        self.depart(rank, out)
         self._push(out, rank, {"t": "left"})
 
     def depart(self, rank: int, out: dict[int, list[Item]]) -> None:
-        """`rank`'s process is gone: withdraw its pending request and assign it nothing more.
-
-        Unlike `leave`, nothing is sent to it. A synchronization point that waits for it ends
-        with an error naming it (every other rank has been told of the departure already).
-        """
+        """`rank` is out of the job (see `Membership` in the module docstring); nothing is sent to it."""
         if rank in self.left:
             return
         self.left.add(rank)
+        self.live.remove(rank)
         self._ready = deque(entry for entry in self._ready if entry[0] != rank)
-        self._arrive(rank, LEFT_SYNC, out)
+        self.parked.pop(rank, None)
+        self._untrained.pop(rank, None)
+        self._rounds.pop(rank, None)
+        self._lagging.discard(rank)
+        self._changed()
+        if len(self.live) < self.min_workers:
+            self._request_stop(out)
+        if isinstance(self.policy, FirstReadyPolicy):
+            self._form_ready_groups(out)  # a worker held for it is grouped with the others now
+        if self.parked:
+            self._maybe_release(next(iter(self.parked.values())), None, out)
 
     def _go_idle(self, out: dict[int, list[Item]]) -> None:
         """A waiting rank asked for idle rounds: every rank waiting at this meeting runs them (once)."""
@@ -379,15 +403,14 @@ class GroupGenerator:
         if self.stop_requested:
             return
         self.stop_requested = True
-        for r in range(self.world_size):
-            if r not in self.left:
-                self._push(out, r, {"t": "stop", "reason": "request"})
+        for r in self.live:
+            self._push(out, r, {"t": "stop", "reason": "request"})
 
     def _stop(self, out: dict[int, list[Item]]) -> None:
         if self.stopping:
             return
         self.stopping = True
-        for r in range(self.world_size):
+        for r in self.live:
             self._push(out, r, {"t": "stop", "reason": "sigterm"})
         # waiting first_ready workers get their answer now, so they can reach the stop drain
         while self._ready:

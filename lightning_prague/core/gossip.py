@@ -24,12 +24,17 @@ worker finds itself waiting `idle_after` seconds for the others, it asks the coo
 with more steps are never stuck; the release then names the final round: the last worker's round
 plus the schedule's `coverage` plus one, which no worker can have passed (see
 `Schedule.coverage`), and everyone runs idle rounds up to it.
+
+A worker that leaves the job: a round it was in fails on every member alike (its share is
+missing, see `lightning_prague.core.groups`) and changes nobody's model. From the next meeting's
+release on, each round's groups lose it (`surviving`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -39,6 +44,7 @@ import torch
 
 from lightning_prague.core.averaging import BucketedTensors, relative_error
 from lightning_prague.core.errors import CoordinationTimeout
+from lightning_prague.core.groups import sum_is_complete
 from lightning_prague.core.overlap import Exchanger
 from lightning_prague.core.streams import Marker
 from lightning_prague.core.topology import Schedule, WeightedGroup
@@ -56,6 +62,8 @@ class _InFlight:
     weighted: WeightedGroup
     snapshots: list[torch.Tensor]
     sums: list[torch.Tensor] = field(default_factory=list)
+    #: whether every sum of the round holds every member's share (a bool tensor: no host sync)
+    complete: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.bool))
     future: Future[Marker] | None = None  # None: the worker sits this round out, or it was waited for
 
     @property
@@ -64,6 +72,17 @@ class _InFlight:
 
     def operation(self, rank: int) -> str:
         return f"gossip round {self.round_index} of rank {rank} with ranks {list(self.weighted.members)}"
+
+
+def surviving(group: WeightedGroup, members: Sequence[int]) -> WeightedGroup:
+    """`group` without the ranks that left the job: the others keep their weight for each other and
+    each takes the lost members' weight onto itself, so every round's mixing matrix stays
+    symmetric with rows summing to one (doubly stochastic)."""
+    live = set(members)
+    kept = tuple(m for m in group.members if m in live)
+    if len(kept) == len(group.members):
+        return group
+    return WeightedGroup(kept, 1.0 - (len(kept) - 1) * group.peer_weight)
 
 
 class LaggedGossip(Exchanger):
@@ -112,8 +131,9 @@ class LaggedGossip(Exchanger):
 
     def issue(self) -> None:
         """Send this worker's current tensors into its group of the next round."""
-        weighted = self.schedule.group_of(self.worker.rank, self.round)
+        weighted = surviving(self.schedule.group_of(self.worker.rank, self.round), self.worker.members)
         flight = _InFlight(self.round, weighted, [self.live.flat(b) for b in self.live.buckets])
+        flight.complete = torch.ones((), dtype=torch.bool, device=self.live.device)
         self.round += 1
         if flight.exchanges:
             flight.sums = [s.clone() for s in flight.snapshots]
@@ -130,6 +150,7 @@ class LaggedGossip(Exchanger):
         operation = flight.operation(self.worker.rank)
         for total in flight.sums:
             self.worker.comm.sum_(total, flight.weighted.members, operation)
+            flight.complete &= sum_is_complete(total)
         return self.streams.mark()
 
     def _wait(self, flight: _InFlight, timeout: float | None = None) -> None:
@@ -164,10 +185,13 @@ class LaggedGossip(Exchanger):
             norm = torch.zeros((), dtype=torch.float64, device=self.live.device)
             for bucket, snapshot, total in zip(self.live.buckets, flight.snapshots, flight.sums):
                 flat = self.live.flat(bucket)
-                flat.add_(total, alpha=b).add_(snapshot, alpha=a - 1.0)
+                change = total.mul(b).add_(snapshot, alpha=a - 1.0)
+                # a round a member left mid-way is skipped by every member of it (all-or-nothing)
+                flat.add_(torch.where(flight.complete, change, torch.zeros_like(change)))
                 self.live.unflatten_(bucket, flat)
-                distance += (snapshot - total / size).double().pow(2).sum()
-                norm += (total / size).double().pow(2).sum()
+                mean = torch.where(flight.complete, total / size, snapshot)
+                distance += (snapshot - mean).double().pow(2).sum()
+                norm += mean.double().pow(2).sum()
             self.worker.stats.record_group_error(relative_error(distance, norm))
         self.exchanges += 1
 

@@ -15,10 +15,11 @@ each member). Larger groups with a small tensor (latency-bound: the whole model 
 network, or any model at a synchronization point of many ranks) use recursive doubling
 (`ceil(log2 |G|)` rounds, plus one before and one after for the members beyond a power of two);
 larger tensors a ring reduce-scatter and all-gather (`2 (|G| - 1)` rounds, about twice the tensor
-sent by each member). A group of every rank on a device with its own collectives (NCCL), or with
-a large tensor, is one all-reduce of the world group; on the CPU a small one takes the paths
-above. In every case each member ends with bitwise the same sum: in recursive doubling both
-partners of a round add the same two values, and addition is commutative.
+sent by each member). A group of every member on a device with its own collectives (NCCL) is
+one all-reduce of the process group; on the CPU it takes the paths above, never gloo's
+all-reduce, whose ring cannot survive a member that disappears (see below). In every case each
+member ends with bitwise the same sum: in recursive doubling both partners of a round add the
+same two values, and addition is commutative.
 
 Measured on 2 CPU cores (gloo, 12,000 floats): a world all-reduce took 25.6 ms at 8 processes and
 71 ms at 16; recursive doubling 4.5 ms and 10.8 ms (gloo's all-reduce runs its ring of
@@ -33,12 +34,25 @@ bounded by the timeout and fails with a `CoordinationTimeout`
 naming the ranks and the operation, on NCCL too (its wait only orders streams, so the end of each
 operation is polled with a CUDA event from the thread that issued it, never the training thread
 unless it chose to block).
+
+**A member that disappears mid-operation** (its process died, or it was fenced after a hang) makes
+the operations on its pairs fail; on gloo only those pairs fail. Every member still posts and
+waits for all of its remaining operations (so no live member waits for one that gave up), and a
+receive that failed fills its buffer with NaN. The NaN reaches every member's result (each result
+depends on every member's contribution, through whichever path the algorithm takes), so
+`sum_is_complete` tells every member alike that the sum is incomplete, and callers keep their own
+tensors: all-or-nothing, without a host synchronisation. On NCCL a dead peer's operations never
+complete: the host wait polls `abandon` (the control plane announced a member's departure) and
+gives up, and the communicator is not used again (the job rebuilds its group among the survivors,
+`lightning_prague.core.job`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -47,6 +61,8 @@ import torch.distributed as dist
 
 from lightning_prague.core.errors import CoordinationTimeout
 from lightning_prague.core.links import active_slow_links
+
+log = logging.getLogger(__name__)
 
 #: groups of at most this many members exchange all-to-all; larger ones use recursive doubling or a ring
 ALL_TO_ALL_MAX = 4
@@ -59,6 +75,12 @@ def backend_device(backend: str) -> torch.device:
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def sum_is_complete(tensor: torch.Tensor) -> torch.Tensor:
+    """A boolean scalar tensor on `tensor`'s device: whether the sum `tensor` holds every member's
+    contribution (no failed receive poisoned it). Reading it is left to the caller (no host sync)."""
+    return torch.isfinite(tensor).all()
 
 
 def communicator_count() -> int:
@@ -87,7 +109,7 @@ class GroupComm:
         process_group: default: the world group.
         all_to_all_max: the largest group that exchanges all-to-all.
         doubling_max_bytes: the largest tensor a larger group sums by recursive doubling rather
-            than in a ring (or, for the whole world on the CPU, gloo's all-reduce); 0 never uses it.
+            than in a ring; 0 never uses it.
     """
 
     def __init__(
@@ -107,10 +129,27 @@ class GroupComm:
         self.device = backend_device(self.backend)
         self.all_to_all_max = max(2, all_to_all_max)
         self.doubling_max_bytes = doubling_max_bytes
+        #: the ranks every exchange is among: every rank, or the survivors after a membership change
         self.everyone = tuple(range(world_size))
         self.stats = CommStats()
+        #: peers whose operations failed in the latest `sum_` (their process is gone)
+        self.failed_peers: set[int] = set()
+        #: asked while waiting on NCCL: True once a member's departure was announced (give up waiting)
+        self.abandon: Callable[[Sequence[int]], bool] = lambda members: False
+        #: the process group failed with a member gone (NCCL): every sum is incomplete until `rebind`
+        self.broken = False
+        #: `waiting()` is entered around every wait on peers (the hang detector's beacon)
+        self.waiting: Callable[[], AbstractContextManager[None]] = nullcontext
         # NCCL's wait only orders the stream; the host learns of the end (and of a hang) by polling
         self._host_waits = self.device.type == "cpu"
+
+    def rebind(self, process_group: dist.ProcessGroup, members: Sequence[int]) -> None:
+        """Exchange among `members` (sorted global ranks) on `process_group` from now on: the
+        survivors' new group after a membership change. Called by every survivor at the same point
+        of its sequence of exchanges (right after a synchronization point's release)."""
+        self.pg = process_group
+        self.everyone = tuple(members)
+        self.broken = False
 
     def warm_up(self) -> None:
         """One world-wide all-reduce; every rank must call it, before any group operation.
@@ -123,7 +162,8 @@ class GroupComm:
     def sum_(self, tensor: torch.Tensor, members: Sequence[int], operation: str = "group sum") -> None:
         """In place: `tensor` becomes the sum of the members' tensors (`members` sorted, holding this rank).
 
-        Blocks the calling thread until the sum is in `tensor` or the timeout has passed.
+        Blocks the calling thread until the sum is in `tensor` or the timeout has passed. A member
+        that disappears leaves NaN in the sum (see the module docstring and `sum_is_complete`).
         """
         members = tuple(members)
         if self.rank not in members:
@@ -134,29 +174,39 @@ class GroupComm:
             return
         start = time.monotonic()
         deadline = start + self.timeout
+        self.failed_peers = set()
         links = active_slow_links()
         nbytes = tensor.numel() * tensor.element_size()
         ready_at = start + (links.delay(members, nbytes) if links else 0.0)
         staged = tensor if tensor.device == self.device else tensor.to(self.device)
         staged = staged if staged.is_contiguous() else staged.contiguous()
-        try:
-            small = nbytes <= self.doubling_max_bytes
-            if len(members) == self.world_size and (self.device.type != "cpu" or not small):
-                work = dist.all_reduce(staged, group=self.pg, async_op=True)  # NCCL's own, or gloo's ring
-                self._wait(work, deadline)
-            elif len(members) <= self.all_to_all_max:
-                self._all_to_all(staged, members, deadline)
-            elif small:
-                self._doubling(staged, members, deadline)
-            elif staged.numel() < len(members):  # too few elements for a ring's chunks
-                self._all_to_all(staged, members, deadline)
-            else:
-                self._ring(staged, members, deadline)
-            self._finish(staged, deadline)
-        except (RuntimeError, TimeoutError) as err:
-            if isinstance(err, CoordinationTimeout):
-                raise
-            raise self._failure(operation, members, start, err) from err
+        if self.broken:
+            tensor.fill_(float("nan"))
+            return
+        with self.waiting():
+            try:
+                small = nbytes <= self.doubling_max_bytes
+                if members == self.everyone and self.device.type != "cpu":
+                    work = dist.all_reduce(staged, group=self.pg, async_op=True)  # NCCL's own
+                    self._wait(work, deadline)
+                elif len(members) <= self.all_to_all_max:
+                    self._all_to_all(staged, members, deadline)
+                elif small:
+                    self._doubling(staged, members, deadline)
+                elif staged.numel() < len(members):  # too few elements for a ring's chunks
+                    self._all_to_all(staged, members, deadline)
+                else:
+                    self._ring(staged, members, deadline)
+                self._finish(staged, deadline, members)
+            except (RuntimeError, TimeoutError) as err:
+                if isinstance(err, CoordinationTimeout):
+                    raise
+                if not self.abandon(members):
+                    raise self._failure(operation, members, start, err) from err
+                # a member is gone: on NCCL the communicator is unusable until the survivors rebuild it
+                log.warning("rank %d: %s over ranks %s ended incomplete: %s", self.rank, operation, list(members), err)
+                self.broken = self.device.type != "cpu"
+                staged.fill_(float("nan"))
         if staged is not tensor:
             tensor.copy_(staged)
         self.stats.operations += 1
@@ -234,11 +284,41 @@ class GroupComm:
 
     # -- waiting ---------------------------------------------------------------------------------
     def _exchange(self, ops: list[dist.P2POp], deadline: float, nbytes: int, pairs: int | None = None) -> None:
-        """Run `ops` as one batch; `pairs`: the messages this rank sent (default: half the ops)."""
-        for work in dist.batch_isend_irecv(ops):
-            self._wait(work, deadline)
+        """Run `ops`; `pairs`: the messages this rank sent (default: half the ops).
+
+        On NCCL they run as one batch (its point-to-point operations must be grouped). On gloo each
+        is posted and waited for on its own: an operation with a peer that is gone fails at once,
+        and the others still run (a receive that failed leaves NaN in its buffer).
+        """
+        if self.device.type != "cpu":
+            for work in dist.batch_isend_irecv(ops):
+                self._wait(work, deadline)
+        else:
+            posted: list[tuple[dist.P2POp, dist.Work | None]] = []
+            for op in ops:
+                try:
+                    posted.append((op, op.op(op.tensor, op.peer, op.group)))
+                except RuntimeError as err:
+                    self._peer_failed(op, err)
+                    posted.append((op, None))
+            for op, work in posted:
+                if work is None:
+                    continue
+                try:
+                    self._wait(work, deadline)
+                except RuntimeError as err:
+                    if time.monotonic() >= deadline:
+                        raise
+                    self._peer_failed(op, err)
         self.stats.messages += len(ops) // 2 if pairs is None else pairs
         self.stats.bytes_sent += nbytes
+
+    def _peer_failed(self, op: dist.P2POp, err: BaseException) -> None:
+        if op.peer not in self.failed_peers:
+            log.debug("rank %d: an operation with rank %d failed (its process is gone?): %s", self.rank, op.peer, err)
+        self.failed_peers.add(op.peer)
+        if op.op is dist.irecv:
+            op.tensor.fill_(float("nan"))
 
     def _wait(self, work: dist.Work, deadline: float) -> None:
         if self._host_waits:
@@ -248,7 +328,7 @@ class GroupComm:
         else:
             work.wait()  # orders the current stream after the operation; _finish bounds it in time
 
-    def _finish(self, tensor: torch.Tensor, deadline: float) -> None:
+    def _finish(self, tensor: torch.Tensor, deadline: float, members: tuple[int, ...]) -> None:
         """On a device with streams, wait (polling, bounded) until the operation has run."""
         if not tensor.is_cuda:
             return
@@ -257,6 +337,8 @@ class GroupComm:
         while not done.query():
             if time.monotonic() > deadline:
                 raise TimeoutError("the operation did not complete on the device")
+            if self.abandon(members):
+                raise TimeoutError("a member left the job; the operation will not complete")
             time.sleep(1e-4)
 
     def _failure(

@@ -13,6 +13,13 @@ itself). It
    it, so collectives that users or Lightning run on the world group never interleave with ours
    (one communicator more on NCCL, whatever the number of groups).
 
+When ranks leave the job, the survivors rebuild that group among themselves (`Job.regroup`, at a
+synchronization point's release, where every survivor is): a new group under its own store prefix,
+created by the survivors alone, so no communicator that held a lost rank is used again. The old
+one is aborted on NCCL (its operations with the lost rank would never complete) and dropped on
+gloo. The world group is left alone: collectives on it need every rank, so after a loss the
+strategies run Lightning's collectives on this group instead.
+
 If the default process group exists already (initialised by the user), steps 1 and 3-4 still run,
 with the supervisor as a client of that group's store.
 """
@@ -50,6 +57,34 @@ class Job:
     #: the supervisor process (on global rank 0 only)
     supervisor: Optional[Supervisor] = None
     sessions: int = field(default=0)
+    #: the ranks in `group`, sorted (every rank until some left the job)
+    members: tuple[int, ...] = ()
+    pg_timeout: Optional[timedelta] = None
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            self.members = tuple(range(self.world_size))
+
+    @property
+    def leader(self) -> int:
+        """The lowest live rank: it takes over global rank 0's duties (checkpoints, logging)."""
+        return self.members[0]
+
+    def regroup(self, members: list[int]) -> dist.ProcessGroup:
+        """The library's process group among `members` (survivors), built by them alone; every
+        member must call this at the same point (see the module docstring)."""
+        members_ = tuple(sorted(members))
+        if members_ == self.members:
+            return self.group
+        old = self.group
+        self.group = dist.new_group(
+            list(members_), backend=self.backend, timeout=self.pg_timeout, use_local_synchronization=True
+        )
+        self.members = members_
+        if "nccl" in self.backend:
+            _abort(old)
+        log.debug("rank %d: rebuilt the job's process group among ranks %s", self.rank, list(members_))
+        return self.group
 
     @property
     def supervisor_pid(self) -> int:
@@ -121,10 +156,22 @@ def init_job(
             proc = launch(store.host, store.port, world_size, timeout, host_store=False)
     control = _connect(raw_store(), rank, timeout, proc)
     group = dist.new_group(list(range(world_size)), backend=backend, timeout=pg_timeout)
-    _JOB = Job(rank, world_size, backend, control, group, proc)
+    _JOB = Job(rank, world_size, backend, control, group, proc, pg_timeout=pg_timeout)
     atexit.register(control.close)
     log.debug("rank %d: joined the job (%d ranks, supervisor pid %d)", rank, world_size, control.supervisor_pid)
     return _JOB
+
+
+def _abort(group: dist.ProcessGroup) -> None:
+    """Abort an NCCL communicator that held a lost rank, so nothing waits on it again."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    try:
+        if abort is not None:
+            abort(group)
+        else:
+            group._get_backend(torch.device("cuda")).abort()  # type: ignore[attr-defined]
+    except Exception:  # the communicator is dropped either way
+        log.warning("aborting the process group that held a lost rank failed", exc_info=True)
 
 
 def _destroy_process_group() -> None:

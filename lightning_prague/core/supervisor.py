@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         port=int(os.environ.get(PORT_VARIABLE, "0")),
         on_connect=plane.on_connect,
         on_disconnect=plane.on_disconnect,
+        on_tick=plane.tick,
     )
     server.start()
     store.set(address_key(), f"{args.host}:{server.address[1]}:{os.getpid()}")

@@ -27,6 +27,7 @@ import queue
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,8 +83,14 @@ class MessageServer:
         port: int = 0,
         on_connect: RankEvent | None = None,
         on_disconnect: RankEvent | None = None,
+        on_tick: Callable[[], dict[int, list[Message]]] | None = None,
+        tick_seconds: float = 0.25,
     ) -> None:
         self.handler = handler
+        #: called every `tick_seconds` in the server thread; its items are sent like a handler's
+        self.on_tick = on_tick
+        self.tick_seconds = tick_seconds
+        self._next_tick = 0.0
         self.name = name
         self.on_connect = on_connect
         self.on_disconnect = on_disconnect
@@ -140,7 +147,7 @@ class MessageServer:
         try:
             while not self._closing.is_set():
                 arrived: list[tuple[_Connection, Message]] = []
-                for key, mask in selector.select(timeout=1.0):
+                for key, mask in selector.select(timeout=self.tick_seconds if self.on_tick else 1.0):
                     if key.fileobj is self._listener:
                         self._accept(selector)
                     elif key.fileobj is self._wake_r:
@@ -158,6 +165,9 @@ class MessageServer:
                     rank = self._dropped.pop(0)
                     if self.on_disconnect is not None and rank not in self.connected:
                         self._route(self.on_disconnect(rank), touched)
+                if self.on_tick is not None and time.monotonic() >= self._next_tick:
+                    self._next_tick = time.monotonic() + self.tick_seconds
+                    self._route(self.on_tick(), touched)
                 for conn in touched.values():
                     self._flush(selector, conn)
         except BaseException as err:  # surfaced through .error and the workers' timeouts

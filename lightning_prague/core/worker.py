@@ -111,6 +111,8 @@ class GroupWorker:
             comm = GroupComm(self.rank, self.world_size, timeout, job.group if job is not None else None)
         #: sums over any group on one process group that spans every rank; no communicator per group
         self.comm = comm
+        self.comm.abandon = lambda members: any(m in session.departed for m in members)
+        self.comm.waiting = session.beacon.waiting
         self.comm.warm_up()
         self.stats = WorkerStats()
         self.stop_seen = False
@@ -138,7 +140,8 @@ class GroupWorker:
         return item
 
     def _next_item(self, waiting_for: str) -> dict[str, Any]:
-        item = self.poll_item()
+        with self.session.beacon.waiting():
+            item = self.poll_item()
         if item is None:
             raise self._timed_out(waiting_for)
         return item
@@ -154,7 +157,7 @@ class GroupWorker:
             parked = self.session.request("parked", "the ranks at the synchronization point", timeout=5.0)
         except Exception:  # the hint is best effort; the timeout is the error
             return ""
-        missing = sorted(set(range(self.world_size)) - set(parked))
+        missing = sorted(set(self.comm.everyone) - set(parked))
         return f" (ranks not at the synchronization point: {missing})" if parked else ""
 
     def check_members(self, during: str) -> None:
@@ -170,17 +173,20 @@ class GroupWorker:
             weight = None if weights is None else float(weights[members.index(self.rank)])
             operation = f"group average #{item['gid']}"
             try:
-                error = average_(tensors or self.tensors, self.comm, members, weight=weight, operation=operation)
+                error, _ = average_(tensors or self.tensors, self.comm, members, weight=weight, operation=operation)
             except CoordinationTimeout as err:
                 raise self.session.explain(err, f"{operation} over ranks {list(members)}") from err
+            if self.comm.failed_peers:
+                gone = sorted(self.comm.failed_peers)
+                log.info("rank %d: %s was cancelled: ranks %s are gone", self.rank, operation, gone)
             self.stats.record_group_error(error)
             self.stats.groups_executed += 1
             self.stats.group_sizes.append(len(members))
             return item.get("version")
         if kind in ("pause", "left"):
             raise ExchangeInterrupted(f"rank {self.rank}: exchange interrupted at shutdown")
-        if kind == "departed":
-            raise self.session.lost_error(self._doing)
+        if kind == "departed":  # the session noted it; the next release changes the membership
+            return None
         if kind == "stop":
             if item.get("reason", "sigterm") == "sigterm":
                 self.stop_seen = True
@@ -232,9 +238,23 @@ class GroupWorker:
         """
         start = time.monotonic()
         target = STOP_SYNC if self.stop_seen else name
-        self._doing = f"synchronization point {target!r}"
         if exchanger is not None:
             report = {**report, **exchanger.meeting_report()}
+        with self.session.beacon.waiting():
+            target = self._meet(target, start, exchanger, report)
+        if exchanger is not None:
+            exchanger.finish(self.release)  # the phase's last rounds, among the phase's members
+        self.change_members((self.release or {}).get("members"))
+        self.stats.syncs += 1
+        self.stats.sync_seconds += time.monotonic() - start
+        if target == STOP_SYNC:
+            self._stopped = True
+        return target == STOP_SYNC
+
+    def _meet(self, target: str, start: float, exchanger: PhaseEnd | None, report: dict[str, Any]) -> str:
+        """Arrive at `target` and execute the inbox until its release; returns the point met (the
+        stop point if a SIGTERM stop came meanwhile)."""
+        self._doing = f"synchronization point {target!r}"
         idle_after = exchanger.idle_after if exchanger is not None else None
         idle = asked_idle = False
         self._send("arrive", sync=target, **report)
@@ -258,7 +278,7 @@ class GroupWorker:
             if item["t"] == "release" and item["sync"] == target:
                 self.released_version = int(item.get("version", 0))
                 self.release = item
-                break
+                return target
             if item["t"] == "idle":
                 idle = True
                 continue
@@ -270,13 +290,24 @@ class GroupWorker:
                 if exchanger is not None:  # its round moved on if it served idle rounds meanwhile
                     report = {**report, **exchanger.meeting_report()}
                 self._send("arrive", sync=target, **report)
-        if exchanger is not None:
-            exchanger.finish(self.release)
-        self.stats.syncs += 1
-        self.stats.sync_seconds += time.monotonic() - start
-        if target == STOP_SYNC:
-            self._stopped = True
-        return target == STOP_SYNC
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks this worker exchanges with (every rank until some left the job)."""
+        return self.comm.everyone
+
+    def change_members(self, members: list[int] | None) -> None:
+        """From now on exchange among `members` (a release's live ranks), if they changed: every
+        survivor calls this right after the same release, so all switch at the same point. The
+        job's process group is rebuilt among them (no communicator that held a lost rank is used
+        again)."""
+        if members is None or tuple(members) == self.comm.everyone:
+            return
+        gone = sorted(set(self.comm.everyone) - set(members))
+        job = current_job()
+        group = job.regroup(members) if job is not None and self.comm.pg is job.group else self.comm.pg
+        self.comm.rebind(group, members)
+        log.warning("rank %d: going on without ranks %s; members now %s", self.rank, gone, list(members))
 
     def request_stop(self, reason: str = "sigterm") -> None:
         """Ask every rank to stop. `"sigterm"`: they drain their groups at the next step and leave
@@ -353,11 +384,11 @@ class GroupWorker:
             mine = self.tensors.flat(bucket)
             mean = mine.clone()
             self.comm.sum_(mean, everyone, "consensus measurement")
-            mean.div_(self.world_size)
+            mean.div_(len(everyone))
             distance += (mine - mean).double().pow(2).sum()
             norm += mean.double().pow(2).sum()
         self.comm.sum_(distance, everyone, "consensus measurement")
-        return float(relative_error(distance[0] / self.world_size, norm))
+        return float(relative_error(distance[0] / len(everyone), norm))
 
     def global_average(self) -> None:
         """Average over all ranks; call only right after `synchronize` returned."""
