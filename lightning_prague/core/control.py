@@ -265,12 +265,26 @@ class Counters:
     def add(self, key: str, amount: int) -> int:
         return int(self._kv("add", f"the counter {key!r}", key=key, amount=int(amount)))
 
-    def claim(self, cursor: str, first: int, tickets: str | None = None, ticketed: int = 0) -> tuple[int, int | None]:
+    def claim(
+        self,
+        cursor: str,
+        first: int,
+        tickets: str | None = None,
+        ticketed: int = 0,
+        held: Sequence[int] = (),
+        num: int | None = None,
+    ) -> tuple[int, int | None]:
         """The work queue's next chunk (`first` plus the claims of `cursor` so far) and, if `tickets`
         is given and the chunk is below `ticketed`, the next value of the `tickets` counter with it:
-        one message for a batch's data and its global-progress ticket."""
+        one message for a batch's data and its global-progress ticket. `held`: the chunks this rank
+        holds untrained (they go back to the queue if it is lost); `num`: the queue's length."""
         what = f"a claim on the work queue {cursor!r}"
-        chunk, ticket = self._kv("claim", what, key=cursor, first=first, tickets=tickets, ticketed=ticketed)
+        fields: dict[str, Any] = {"key": cursor, "first": first, "tickets": tickets, "ticketed": ticketed}
+        if held:
+            fields["held"] = list(held)
+        if num is not None:
+            fields["num"] = num
+        chunk, ticket = self._kv("claim", what, **fields)
         return int(chunk), None if ticket is None else int(ticket)
 
     def set(self, key: str, value: str | bytes) -> None:

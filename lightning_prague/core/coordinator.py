@@ -45,6 +45,8 @@ from lightning_prague.core.policies import GroupingPolicy
 log = logging.getLogger(__name__)
 
 Out = dict[int, list[Item]]
+#: suffix of a work queue's key: the chunks of lost ranks, handed out before the queue goes on
+REQUEUED = "/requeued"
 
 
 @dataclass
@@ -94,6 +96,9 @@ class CoordinatorSession:
         self.closed: set[int] = set()
         self.departed: dict[int, str] = {}
         self.values: dict[str, Any] = {}
+        #: per rank: the work queue's key and the chunks it held untrained at its latest claim
+        self._holding: dict[int, tuple[str, list[int]]] = {}
+        self._tickets: dict[int, dict[int, int]] = {}  # per rank: the ticket claimed with each held chunk
         self._waits: dict[str, list[tuple[int, int]]] = defaultdict(list)
 
     @property
@@ -111,6 +116,7 @@ class CoordinatorSession:
             return
         self.members.discard(rank)
         self.hangs.forget(rank)
+        self._requeue(rank)
         self.departed[rank] = reason
         log.warning("session %d: rank %d departed (%s)", self.number, rank, reason)
         for member in sorted(self.members):  # first: a meeting's error that the departure causes comes after
@@ -139,12 +145,17 @@ class CoordinatorSession:
                 self._wake(key, out)
             self._reply(rank, req, current if current is not None else message["expected"], out)
         elif do == "claim":  # the work queue: the next chunk, and with it the batch's ticket (one message)
-            chunk = int(message["first"]) + int(values.get(key, 0))
-            values[key] = int(values.get(key, 0)) + 1
-            ticket = None
             tickets = message.get("tickets")
-            if tickets is not None and chunk < int(message["ticketed"]):
-                values[tickets] = ticket = int(values.get(tickets, 0)) + 1
+            requeued = values.get(key + REQUEUED)
+            if requeued:  # a lost rank's chunks first, with the tickets it had for them
+                chunk, ticket = requeued.pop(0)
+            else:
+                chunk = int(message["first"]) + int(values.get(key, 0))
+                values[key] = int(values.get(key, 0)) + 1
+                ticket = None
+                if tickets is not None and chunk < int(message["ticketed"]):
+                    values[tickets] = ticket = int(values.get(tickets, 0)) + 1
+            self._note_claim(rank, key, message, chunk, ticket)
             self._reply(rank, req, [chunk, ticket], out)
         elif do == "get":  # waits for the key, as TCPStore.get does
             if key in values:
@@ -159,6 +170,27 @@ class CoordinatorSession:
             self._reply(rank, req, len(values), out)
         else:
             raise ValueError(f"unknown key-value operation {do!r}")
+
+    def _note_claim(self, rank: int, key: str, message: dict[str, Any], chunk: int, ticket: int | None) -> None:
+        """Remember what `rank` holds untrained after this claim, to requeue it if the rank is lost."""
+        tickets = self._tickets.setdefault(rank, {})
+        if ticket is not None:
+            tickets[chunk] = ticket
+        held = [int(c) for c in message.get("held", ())]
+        if chunk < int(message.get("num", chunk + 1)):
+            held.append(chunk)
+        for old in [c for c in tickets if c not in held]:
+            del tickets[old]
+        self._holding[rank] = (key, held)
+
+    def _requeue(self, rank: int) -> None:
+        """A lost rank's chunks go back to its epoch's queue: those it held untrained when it last
+        claimed (its batch in flight, which it may have trained, and the prefetched ones)."""
+        key, held = self._holding.pop(rank, ("", []))
+        tickets = self._tickets.pop(rank, {})
+        if held:
+            self.values.setdefault(key + REQUEUED, []).extend([c, tickets.get(c)] for c in held)
+            log.warning("session %d: rank %d's untrained chunks %s go back to the work queue", self.number, rank, held)
 
     def _wake(self, key: str, out: Out) -> None:
         for rank, req in self._waits.pop(key, ()):

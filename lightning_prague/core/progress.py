@@ -189,10 +189,18 @@ class ProgressCounter:
         self.epoch_end: Optional[int] = None  # the epoch's last ticket, once known here
         #: a claim failed because the step budget is spent (not because the epoch's data ended)
         self.budget_spent = False
+        self._index = rank  # this worker's place among the members (its first ticket's offset)
+        self._members: Optional[list[int]] = None  # the members from the next epoch on
+
+    def set_members(self, members: list[int]) -> None:
+        """The ranks still in the job, from the next epoch on (this epoch's tickets are numbered)."""
+        self._members = sorted(members)
 
     def begin_epoch(self, epoch: int, epoch_base: int, offset: int = 0) -> None:
         self.epoch, self.epoch_base, self.offset, self.epoch_end = epoch, epoch_base, offset, None
         self._first_taken = False
+        if self._members is not None:
+            self.world_size, self._index = len(self._members), self._members.index(self.rank)
 
     def padded(self, end: int) -> int:
         """`end` rounded up to whole global steps from the epoch's start (then capped by the budget)."""
@@ -221,7 +229,7 @@ class ProgressCounter:
         """The next global ticket, or `None` when the epoch's data or the budget is used up."""
         if not self._first_taken:
             self._first_taken = True
-            return self._within_budget(self._origin + 1 + self.rank)
+            return self._within_budget(self._origin + 1 + self._index)
         value = int(self.store.add(self.tickets_key, 1))
         if value > ENDED:
             self.epoch_end = self._published_end()

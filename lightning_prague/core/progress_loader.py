@@ -52,6 +52,8 @@ class ProgressLoader:
         #: chunks every rank held untrained at the last synchronization point (for checkpoints)
         self.pending: list[int] = []
         self._first_epoch: Optional[int] = None  # the oldest epoch whose store keys may still exist
+        #: the rank that writes checkpoints: 0, or the lowest live rank once rank 0 was lost
+        self.leader = 0
         if sampler is not None and batches_per_epoch is not None and not (getattr(loader, "num_workers", 0) or 0):
             # the loader runs in this process: the sampler is asked for a chunk exactly when the batch is
             # built, so the batch's ticket can come in the same message as its chunk (one per batch)
@@ -159,6 +161,14 @@ class ProgressLoader:
         return self.tickets[0] if self.tickets else None
 
     # -- synchronization points and checkpoints ---------------------------------------------------
+    def set_members(self, members: list[int]) -> None:
+        """The ranks still in the job (a release's): the work queue and the tickets of the next epoch
+        are shared among them."""
+        self.counter.set_members(members)
+        self.leader = min(members)
+        if self.sampler is not None:
+            self.sampler.set_members(members)
+
     def untrained(self) -> list[int]:
         """The chunks this rank holds untrained (reported when the ranks meet, for checkpoints)."""
         return list(self.sampler.untrained) if self.sampler is not None else []
@@ -200,7 +210,7 @@ class ProgressLoader:
     def state_dict(self) -> dict[str, Any]:
         """Where training stands; complete on rank 0 (which writes checkpoints) at a synchronization point."""
         state: dict[str, Any] = {"epoch": self.epoch, "epoch_base": self.epoch_base, "progress": self.progress}
-        if self.sampler is not None and self.rank == 0:
+        if self.sampler is not None and self.rank == self.leader:
             state["pending"] = sorted(self.pending)
             state["cursor"] = self.sampler.cursor()
         return state

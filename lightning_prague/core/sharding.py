@@ -86,6 +86,8 @@ class WorkQueueSampler(Sampler[int]):
         self._resume: Optional[tuple[int, int, list[int]]] = None  # (epoch, cursor, chunks to hand out first)
         self._first_claimed = world_size  # chunk number of this epoch's first claim
         self._store = store
+        #: the ranks in the job (every rank until some are lost); set between epochs (`set_members`)
+        self.members: list[int] = list(range(world_size))
         if self.num_chunks < world_size:
             raise ConfigurationError(
                 f"the training set has {dataset_size} samples, {self.num_chunks} batches of {chunk_size}, fewer than "
@@ -95,6 +97,11 @@ class WorkQueueSampler(Sampler[int]):
     @property
     def num_chunks(self) -> int:
         return math.ceil(self.dataset_size / self.chunk_size)
+
+    def set_members(self, members: Sequence[int]) -> None:
+        """The ranks still in the job, from the next epoch on (this one's chunks are handed out)."""
+        self.members = sorted(members)
+        self.world_size = len(self.members)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -110,11 +117,19 @@ class WorkQueueSampler(Sampler[int]):
         return self._store
 
     def _claim(self) -> tuple[int, Optional[int]]:
-        """The next chunk of the queue and, if `ticketing` asks for it, the ticket claimed with it."""
+        """The next chunk of the queue and, if `ticketing` asks for it, the ticket claimed with it.
+
+        The control plane's counters are told which chunks this rank holds untrained, so that they
+        go back to the queue if this rank is lost (a plain store, in tests, just counts)."""
+        store = self._connect()
         request = self.ticketing()
-        if request is None:
-            return self._first_claimed + int(self._connect().add(self._cursor_key, 1)) - 1, None
-        return self._connect().claim(self._cursor_key, self._first_claimed, *request)
+        if hasattr(store, "claim"):
+            tickets, ticketed = request if request is not None else (None, 0)
+            return store.claim(
+                self._cursor_key, self._first_claimed, tickets, ticketed, held=self.untrained, num=self.num_chunks
+            )
+        assert request is None, "tickets are claimed with chunks only from the control plane's counters"
+        return self._first_claimed + int(store.add(self._cursor_key, 1)) - 1, None
 
     def cursor(self) -> int:
         """The next chunk the queue will hand out in the current epoch."""
@@ -148,11 +163,12 @@ class WorkQueueSampler(Sampler[int]):
         self.untrained.clear()
         self.ticket_values.clear()
         # the first world_size chunks are pre-assigned: no store traffic at an epoch's start
-        first: list[int] = [self.rank]
-        self._first_claimed = self.world_size
+        # (among the members: a lost rank's first chunk is another's; they change between epochs only)
+        first: list[int] = [self.members.index(self.rank)]
+        self._first_claimed = len(self.members)
         if self._resume is not None and self._resume[0] == self.epoch:
             _, self._first_claimed, pending = self._resume
-            first = pending[self.rank :: self.world_size]
+            first = pending[self.members.index(self.rank) :: len(self.members)]
         self._resume = None
         previous: tuple[float, int] | None = None  # (time, chunk) of this rank's previous claim
         self._epoch_started = self.clock()
@@ -221,8 +237,10 @@ class WorkQueueSampler(Sampler[int]):
         dry whenever this rank comes back for more), so it could not tell how fast the others
         are; with everyone's times it can. Nothing changes while any rank has no time yet (0).
         """
-        others = [s for rank, s in enumerate(seconds_per_chunk) if rank != self.rank]
-        if len(seconds_per_chunk) != self.world_size or min(seconds_per_chunk) <= 0:
+        if len(seconds_per_chunk) <= max(self.members):
+            return
+        others = [seconds_per_chunk[rank] for rank in self.members if rank != self.rank]
+        if min(seconds_per_chunk[rank] for rank in self.members) <= 0:
             return
         self._my_seconds = float(seconds_per_chunk[self.rank])
         self._others_rate = sum(1.0 / s for s in others)

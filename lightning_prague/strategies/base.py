@@ -15,7 +15,14 @@ who averages with whom (`make_policy`) and how an exchange runs relative to the 
 * **work-queue sharding** of the training loader, a **coordinated SIGTERM** that drains
   in-flight groups on every rank before all of them stop, and **stops decided by the job**:
   `trainer.should_stop` set on any rank (Timer, EarlyStopping, the module) stops every rank at
-  the same synchronization point; a rank that leaves the job stops the others with `MemberLost`.
+  the same synchronization point.
+* **lost workers** - a rank whose process ends (exit, exception, kill -9) or that hangs (declared
+  from its own step times and fenced, `lightning_prague.core.liveness`) leaves the job and the
+  survivors finish the fit: from the next synchronization point on they exchange among
+  themselves, Lightning's collectives run on their group, the lowest live rank takes over global
+  rank 0's duties (checkpoints, logging), and at the end a warning names who was lost, when and
+  why. `min_workers` stops the job (cleanly, at its next synchronization point) when fewer remain.
+  Lightning's kill-all launcher is replaced (`lightning_prague.strategies.launcher`).
 
 It adapts Lightning's hooks to three objects that do the work: the process's `Job` (the
 supervisor, the store, our process group; `setup_distributed`), this fit's `TrainingSession`
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from abc import abstractmethod
 from collections.abc import Callable
@@ -36,6 +44,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.overrides.distributed import _sync_module_states
@@ -54,6 +63,7 @@ from lightning_prague.core.control import Session
 from lightning_prague.core.coordinator import SessionConfig
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.job import Job, init_job
+from lightning_prague.core.liveness import HangRule
 from lightning_prague.core.overlap import Exchanger
 from lightning_prague.core.phases import SyncController
 from lightning_prague.core.policies import GroupingPolicy
@@ -65,6 +75,7 @@ from lightning_prague.core.worker import GroupWorker
 from lightning_prague.strategies import _patches
 from lightning_prague.strategies._checks import check_layer_sync, check_trainer
 from lightning_prague.strategies.global_progress import GlobalProgress, batches_per_epoch
+from lightning_prague.strategies.launcher import SurvivingScriptLauncher
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +98,14 @@ class SyncPoints(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self.strategy.enter_async_phase()
 
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.strategy.progressed()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.outside_steps()
+
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -100,6 +119,7 @@ class SyncPoints(Callback):
             self.strategy.synchronize(f"validation@epoch{trainer.current_epoch}")
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.outside_steps()
         self.strategy.synchronize(f"epoch_end@epoch{trainer.current_epoch}")
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -135,6 +155,9 @@ class DecentralizedStrategy(DDPStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        min_workers: int = 1,
+        hang_timeout: float = 10.0,
+        hang_factor: float = 20.0,
     ) -> None:
         """Options every asynchronous strategy shares.
 
@@ -156,7 +179,14 @@ class DecentralizedStrategy(DDPStrategy):
             process_group_backend: `"gloo"`, `"nccl"`, ...; unset: the device's default (`nccl` on CUDA, `gloo` on CPU).
             start_method: how Lightning starts the ranks of one node: `"popen"` (a new interpreter
                 per rank), `"spawn"`, `"fork"` (forked from this process, the fastest start) or
-                `"forkserver"`.
+                `"forkserver"`. Only `"popen"` lets the other ranks go on when one fails (the
+                others run on `torch.multiprocessing`, which ends every process).
+            min_workers: stop the job (every rank at its next synchronization point, as when
+                `trainer.should_stop` is set) when fewer workers than this remain.
+            hang_timeout: the shortest time without training progress after which a worker is
+                declared hung and fenced (`lightning_prague.core.liveness`).
+            hang_factor: a worker is declared hung after `max(hang_timeout, hang_factor x` its
+                longest recent step`)` without progress (steps timed on that worker).
         """
         if sync_every < 1:
             raise ConfigurationError(f"sync_every={sync_every} is invalid: it must be at least 1 local step")
@@ -164,6 +194,12 @@ class DecentralizedStrategy(DDPStrategy):
             raise ConfigurationError(f"timeout={timeout} is invalid: it must be a positive number of seconds")
         if bucket_mb <= 0:
             raise ConfigurationError(f"bucket_mb={bucket_mb} is invalid: it must be positive")
+        if min_workers < 1:
+            raise ConfigurationError(f"min_workers={min_workers} is invalid: it must be at least 1")
+        if hang_timeout <= 0 or hang_factor <= 0:
+            raise ConfigurationError(
+                f"hang_timeout={hang_timeout} and hang_factor={hang_factor} are invalid: both must be positive"
+            )
         if max_groups is not None:
             warnings.warn(
                 "max_groups is deprecated and has no effect: groups run point-to-point on the world process group "
@@ -188,6 +224,10 @@ class DecentralizedStrategy(DDPStrategy):
         self.sync_timeout = float(timeout)
         self.average_at_sync = average_at_sync
         self.bucket_mb = bucket_mb
+        self.min_workers = min_workers
+        self.hang_rule = HangRule(floor=float(hang_timeout), factor=float(hang_factor))
+        #: rank -> (wall-clock time this rank heard of it, why): workers lost during the last fit
+        self.lost_workers: dict[int, tuple[float, str]] = {}
         #: leave workers that lag far behind out of other workers' groups (`GroupGenerator.lagging`)
         self.avoid_stragglers = False
         #: this process's membership of the job (store, control plane, our process group)
@@ -277,7 +317,15 @@ class DecentralizedStrategy(DDPStrategy):
 
     def session_plan(self, policy: GroupingPolicy) -> SessionPlan:
         """The factory of this fit's session: what it needs, from this strategy's options (starts nothing)."""
-        config = SessionConfig(self.world_size, policy, self.avoid_stragglers, sync_averages=self.average_at_sync)
+        config = SessionConfig(
+            self.world_size,
+            policy,
+            self.avoid_stragglers,
+            sync_averages=self.average_at_sync,
+            timeout=self.sync_timeout,
+            hang=self.hang_rule,
+            min_workers=self.min_workers,
+        )
         return SessionPlan(config, self.make_exchanger, self.sync_timeout, int(self.bucket_mb * 2**20))
 
     def _require_job(self) -> Job:
@@ -294,9 +342,9 @@ class DecentralizedStrategy(DDPStrategy):
         hosts the store and the control plane, and our exchanges get a process group of their own."""
         backend = self._get_process_group_backend()
         if "nccl" in backend:
-            # a collective that outlives the watchdog's timeout aborts the communicator and ends the
-            # process with an error instead of leaving it hanging (our own timeout fires first)
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+            # a communicator error (a lost peer) aborts that communicator without ending the process
+            # (2: CleanUpOnly; torch's default 3 would end it): the survivors rebuild their group
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         if self.world_size < 2 and not dist.is_initialized():
             super().setup_distributed()
             return
@@ -316,6 +364,21 @@ class DecentralizedStrategy(DDPStrategy):
         )
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method == "popen":  # Lightning's would SIGKILL every rank when one fails
+            assert self.cluster_environment is not None
+            self._launcher = SurvivingScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        """The lowest live rank: global rank 0, or its successor once rank 0 was lost."""
+        if self.job is not None:
+            return self.global_rank == self.job.leader
+        return super().is_global_zero
+
+    @override
     def configure_ddp(self) -> None:
         # no DistributedDataParallel: replicas only have to start equal
         assert self.model is not None
@@ -329,6 +392,7 @@ class DecentralizedStrategy(DDPStrategy):
             _patches.remove(self._trainer)
             self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks if not isinstance(cb, SyncPoints)]
         if self.training is not None:
+            self._report_losses()
             # an error (Lightning called on_exception), or torn down mid-phase: leave, so nobody waits for us
             interrupted = self._failed or not self.controller.aligned
             self.training.close(interrupted=interrupted)
@@ -336,6 +400,32 @@ class DecentralizedStrategy(DDPStrategy):
         self.controller.reset()
         self._failed = False
         super().teardown()
+
+    def _report_losses(self) -> None:
+        session = self.session
+        if session is None or not session.departed or self._failed:
+            return
+        self.lost_workers = {r: (session.departed_at.get(r, 0.0), why) for r, why in session.departed.items()}
+        if self.is_global_zero:
+            lines = "; ".join(
+                f"rank {r} at {time.strftime('%H:%M:%S', time.localtime(at))}: {why}"
+                for r, (at, why) in self.lost_workers.items()
+            )
+            warnings.warn(
+                f"strategy={self.strategy_name!r} lost {len(self.lost_workers)} worker(s) during the fit and finished "
+                f"it with ranks {list(session.members)}: {lines}",
+                stacklevel=2,
+            )
+
+    def progressed(self) -> None:
+        """A training or validation batch starts: progress for the hang detector."""
+        if self.session is not None:
+            self.session.beacon.bump()
+
+    def outside_steps(self) -> None:
+        """Work outside the steps follows (an epoch's end, a checkpoint): the long hang bound applies."""
+        if self.session is not None:
+            self.session.beacon.set_busy()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -400,7 +490,10 @@ class DecentralizedStrategy(DDPStrategy):
         release = self.worker.release or {}
         if release.get("stop"):  # some rank decided to stop: every rank stops here, together
             self._trainer.should_stop = True
-        if loader is not None and self.global_rank == 0:
+        if loader is not None:
+            loader.set_members(list(self.worker.members))
+        self._follow_leader()
+        if loader is not None and self.is_global_zero:
             loader.forget_finished_epochs()
         if self.measure_consensus:
             self.consensus_error = self.worker.consensus_error()
@@ -417,6 +510,12 @@ class DecentralizedStrategy(DDPStrategy):
                 reached = loader.synchronized(progress)
                 if progress is None:
                     self.progress.at_synchronization(reached)
+
+    def _follow_leader(self) -> None:
+        """After a release: if rank 0 was lost, its successor logs as rank zero."""
+        if self.job is not None and self.job.leader != 0 and self.is_global_zero and rank_zero_only.rank != 0:
+            log.warning("rank %d: takes over global rank 0's duties (checkpoints, logging)", self.global_rank)
+            rank_zero_only.rank = 0
 
     @property
     def wait_seconds(self) -> float:
@@ -445,6 +544,7 @@ class DecentralizedStrategy(DDPStrategy):
         if self.worker is None:
             return
         session = self.worker.session
+        session.beacon.bump()
         session.check_members("training")
         trainer = self._trainer
         if trainer is not None:
@@ -546,27 +646,53 @@ class DecentralizedStrategy(DDPStrategy):
             )
         return True
 
+    @property
+    def _survivors(self) -> Optional[dist.ProcessGroup]:
+        """The survivors' group once a rank was lost (collectives of the world group would need it)."""
+        job = self.job
+        if job is None or len(job.members) == job.world_size or not dist.is_initialized():
+            return None
+        return job.group
+
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not self._local_instead("barrier"):
+        if self._local_instead("barrier"):
+            return
+        survivors = self._survivors
+        if survivors is not None:
+            dist.barrier(group=survivors)
+        else:
             self._world_collective("a barrier", super().barrier, *args, **kwargs)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._local_instead("broadcast"):
             return obj
+        survivors = self._survivors
+        if survivors is not None:
+            assert self.job is not None
+            objects = [obj]
+            source = src if src in self.job.members else self.job.leader  # rank 0's duties moved
+            dist.broadcast_object_list(objects, src=source, group=survivors)
+            return objects[0]
         return self._world_collective("a broadcast", super().broadcast, obj, src)
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         if self._local_instead("reduce (e.g. self.log(..., sync_dist=True))"):
             return tensor
+        survivors = self._survivors
+        if survivors is not None and group is None:
+            return super().reduce(tensor, survivors, reduce_op)
         return self._world_collective("a reduce", super().reduce, tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         if self._local_instead("all_gather"):
             return tensor.unsqueeze(0)
+        survivors = self._survivors
+        if survivors is not None and group is None:
+            return super().all_gather(tensor, survivors, sync_grads)
         return self._world_collective("an all_gather", super().all_gather, tensor, group, sync_grads)
 
     def _world_collective(self, what: str, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -583,6 +709,7 @@ class DecentralizedStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        self.outside_steps()
         if not self.controller.aligned and self.is_global_zero and "save_checkpoint" not in self._warned:
             self._warned.add("save_checkpoint")
             warnings.warn(
