@@ -13,9 +13,11 @@ for longer than its bound, its progress has not moved while it was neither waiti
 nothing at all was heard from it (the process is frozen: its beacon is silent too). Its bound is
 `max(floor, factor * its longest recent step)`: by default `max(10 s, 20 x step)`, 10 s for 50 ms
 steps and for a worker 5 times slower (250 ms) alike, since the bound follows each worker's own
-history and never the others'. Until a worker has timed 3 steps, and while it says it is busy, the
-bound is the session's `timeout` (a first step that compiles, a long checkpoint). A worker that
-waits on a hung peer is not hung: it says it is waiting.
+history and never the others'. Until a worker has timed a step (its first batch of a fit), and
+while it says it is busy, the bound is the session's `timeout` (a first step that compiles, a long
+checkpoint). A worker that waits on a hung peer is not hung: it says it is waiting. A beat goes
+out at once when a worker's state changes (busy to stepping, its first timed step), so that the
+control plane knows its bound before it can hang.
 
 What happens next (fencing the worker, so that a hang becomes a departure like a crash) is the
 control plane's (`lightning_prague.core.coordinator`).
@@ -45,7 +47,7 @@ class HangRule:
     floor: float = 10.0
     factor: float = 20.0
     #: steps a worker must have timed before its own history sets its bound
-    min_steps: int = 3
+    min_steps: int = 1
 
     def bound(self, step: Optional[float], busy: bool, timeout: float) -> float:
         """Seconds without progress (or without a word) after which a worker is declared hung."""
@@ -74,6 +76,8 @@ class Beacon:
         self._steps: deque[float] = deque(maxlen=history)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # beat now: the state changed
+        self._sent: tuple[bool, bool] = (True, False)  # (busy, step known) of the last beat
         self._thread: Optional[threading.Thread] = None
 
     # -- the training thread ------------------------------------------------------------------
@@ -87,6 +91,8 @@ class Beacon:
             self._waited_seconds = 0.0
             self.progress += 1
             self.busy = False
+            if self._sent != (False, len(self._steps) >= self.rule.min_steps):
+                self._wake.set()
 
     def set_busy(self) -> None:
         """Outside the steps until the next `bump` (an epoch's end, a checkpoint): the long bound applies."""
@@ -121,12 +127,17 @@ class Beacon:
         with self._lock:
             waiting = self._waiting > 0 or self._waited
             self._waited = False
+            self._sent = (self.busy, step is not None)
             return {"progress": self.progress, "waiting": waiting, "busy": self.busy, "step": step}
 
     # -- the beacon thread ----------------------------------------------------------------------
     def start(self, send: Callable[[dict[str, Any]], None], name: str) -> None:
         def beat() -> None:
-            while not self._stop.wait(self.interval):
+            while not self._stop.is_set():
+                self._wake.wait(self.interval)
+                self._wake.clear()
+                if self._stop.is_set():
+                    return
                 try:
                     send(self.report())
                 except Exception:  # the connection is gone: the rank's own checks report that
@@ -138,6 +149,7 @@ class Beacon:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
 
 
 @dataclass

@@ -258,6 +258,8 @@ def report(
         latest = [cb for cb in trainer.checkpoint_callbacks if cb is not checkpoint and cb.monitor is None]
         result["last_model_path"] = latest[0].best_model_path if latest else checkpoint.last_model_path
     result.update(measurements or {})
+    lost = getattr(trainer.strategy, "lost_workers", {})
+    result["lost_workers"] = {str(rank): why for rank, (_, why) in lost.items()}
     # every rank reports its own checksum so callers can check the replicas agree
     result["rank"] = trainer.global_rank
     result["threads_after_fit"] = communication_threads()

@@ -56,6 +56,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_prague.core.averaging import BucketedTensors, averaged_state
@@ -492,7 +493,7 @@ class DecentralizedStrategy(DDPStrategy):
             self._trainer.should_stop = True
         if loader is not None:
             loader.set_members(list(self.worker.members))
-        self._follow_leader()
+        self._follow_membership()
         if loader is not None and self.is_global_zero:
             loader.forget_finished_epochs()
         if self.measure_consensus:
@@ -511,9 +512,17 @@ class DecentralizedStrategy(DDPStrategy):
                 if progress is None:
                     self.progress.at_synchronization(reached)
 
-    def _follow_leader(self) -> None:
-        """After a release: if rank 0 was lost, its successor logs as rank zero."""
-        if self.job is not None and self.job.leader != 0 and self.is_global_zero and rank_zero_only.rank != 0:
+    def _follow_membership(self) -> None:
+        """After a release that lost ranks: the module's metrics sync over the survivors, and if rank 0
+        was lost, its successor logs as rank zero."""
+        survivors = self._survivors
+        if survivors is None:
+            return
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric) and module.process_group is not survivors:
+                module.process_group = survivors  # torchmetrics would sync over the world group
+        assert self.job is not None
+        if self.job.leader != 0 and self.is_global_zero and rank_zero_only.rank != 0:
             log.warning("rank %d: takes over global rank 0's duties (checkpoints, logging)", self.global_rank)
             rank_zero_only.rank = 0
 
