@@ -154,6 +154,7 @@ NEEDS_POPEN = (
     "--refit-epochs",
     "--test",
     "--num-nodes",
+    "--fault",
     "--start-method",
 )
 
