@@ -22,6 +22,7 @@ from lightning_prague.callbacks.slowdown import PROFILES
 from lightning_prague.core.overlap import communication_threads
 from lightning_prague.demo.captured import run_captured
 from lightning_prague.demo.digits import OPTIMIZERS, DigitsClassifier, DigitsDataModule
+from lightning_prague.demo.faults import KINDS, Fault, inject_faults
 from lightning_prague.strategies.base import DecentralizedStrategy
 
 
@@ -65,6 +66,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--early-stopping", action="store_true", help="stop when val_acc stops improving")
     parser.add_argument("--test", action="store_true", help="run trainer.test after fit")
     parser.add_argument("--grouping-timeout", type=float, default=300.0, help="timeout of every wait (s)")
+    parser.add_argument("--min-workers", type=int, default=1, help="stop the job when fewer workers remain")
+    parser.add_argument(
+        "--hang-timeout", type=float, default=10.0, help="shortest time without progress before a worker is hung (s)"
+    )
+    parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        type=Fault.parse,
+        metavar="RANK:BATCH:KIND",
+        help=f"inject a real fault ({', '.join(KINDS)}; see lightning_prague.demo.faults); repeatable",
+    )
     parser.add_argument(
         "--start-method",
         default="popen",
@@ -77,7 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_strategy(args: argparse.Namespace) -> Any:
     """Our strategies with the demo's options; any other name goes to Lightning as is."""
-    shared = {"seed": args.seed, "timeout": args.grouping_timeout, "start_method": args.start_method}
+    shared = {
+        "seed": args.seed,
+        "timeout": args.grouping_timeout,
+        "start_method": args.start_method,
+        "min_workers": args.min_workers,
+        "hang_timeout": args.hang_timeout,
+    }
     if args.strategy in ("prague", "partial_all_reduce"):
         return lightning_prague.PartialAllReduceStrategy(group_size=args.group_size, grouping=args.grouping, **shared)
     if args.strategy == "partial_reduce":
@@ -199,19 +218,16 @@ def build(
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    return (
-        trainer,
-        DigitsClassifier(
-            lr=args.lr,
-            optimizer=args.optimizer,
-            accum_steps=args.accum_steps,
-            lr_decay=args.lr_decay,
-            sync_dist_train_loss=args.sync_dist_train_loss,
-        ),
-        data,
-        summary,
-        checkpoint,
+    model = DigitsClassifier(
+        lr=args.lr,
+        optimizer=args.optimizer,
+        accum_steps=args.accum_steps,
+        lr_decay=args.lr_decay,
+        sync_dist_train_loss=args.sync_dist_train_loss,
     )
+    if args.fault:
+        inject_faults(model, args.fault, args.json.parent if args.json else Path.cwd())
+    return trainer, model, data, summary, checkpoint
 
 
 def report(
@@ -259,7 +275,7 @@ def report(
         result["last_model_path"] = latest[0].best_model_path if latest else checkpoint.last_model_path
     result.update(measurements or {})
     lost = getattr(trainer.strategy, "lost_workers", {})
-    result["lost_workers"] = {str(rank): why for rank, (_, why) in lost.items()}
+    result["lost_workers"] = {str(rank): {"time": at, "why": why} for rank, (at, why) in lost.items()}
     # every rank reports its own checksum so callers can check the replicas agree
     result["rank"] = trainer.global_rank
     result["threads_after_fit"] = communication_threads()

@@ -9,10 +9,7 @@ its N-th batch, after writing the time to killed.json; the others report as with
 --timer SECONDS (Lightning's Timer stops the fit), --module-stop-rank R --module-stop-batch N (the
 LightningModule sets trainer.should_stop on rank R only, at its N-th batch), --user-allreduce (every
 training step all-reduces a tensor on the world group, as a user's step may, and checks the sum),
---fault RANK:BATCH:KIND (repeatable: at its BATCH-th batch, rank RANK is SIGKILLed (`kill`), SIGKILLed
-in the middle of its next group exchange (`kill-in-exchange`), raises in training_step (`raise`),
-sleeps forever in training_step (`hang`) or SIGSTOPs itself (`stop`); each writes
-fault.RANK.json with the time first).
+and the demo's --fault RANK:BATCH:KIND (lightning_prague.demo.faults).
 """
 
 import argparse
@@ -71,53 +68,6 @@ class KillAt(L.Callback):
         if trainer.global_rank == self.rank and self.seen == self.batch:
             self.path.write_text(json.dumps({"rank": self.rank, "time": time.time()}))
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-def inject_faults(model, faults: list[str], directory) -> None:
-    """`--fault RANK:BATCH:KIND` (see the module docstring), inside the module's training_step."""
-    plan = {}
-    for spec in faults:
-        rank, batch, kind = spec.split(":")
-        plan[int(rank)] = (int(batch), kind)
-    step = model.training_step
-    seen = [0]
-
-    def training_step(*args, **kwargs):
-        seen[0] += 1
-        rank = model.trainer.global_rank
-        batch, kind = plan.get(rank, (0, ""))
-        if seen[0] == batch:
-            (directory / f"fault.{rank}.json").write_text(json.dumps({"kind": kind, "time": time.time()}))
-            if kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif kind == "kill-in-exchange":
-                kill_in_next_exchange()
-            elif kind == "raise":
-                raise RuntimeError(f"injected failure on rank {rank}")
-            elif kind == "hang":
-                while True:
-                    time.sleep(1.0)
-            elif kind == "stop":
-                os.kill(os.getpid(), signal.SIGSTOP)
-        return step(*args, **kwargs)
-
-    model.training_step = training_step
-
-
-def kill_in_next_exchange() -> None:
-    """SIGKILL this process inside its next group exchange, once its first message is posted (its
-    peers have posted theirs and wait on it)."""
-    from lightning_prague.core import groups
-
-    original = groups.GroupComm._exchange
-
-    def exchange(self, ops, deadline, nbytes, pairs=None):
-        first = ops[0]
-        first.op(first.tensor, first.peer, first.group)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    groups.GroupComm._exchange = exchange
-    del original
 
 
 def stop_in_module(model, rank: int, batch: int) -> None:
@@ -179,7 +129,6 @@ def main() -> None:
     extra.add_argument("--module-stop-rank", type=int)
     extra.add_argument("--module-stop-batch", type=int, default=5)
     extra.add_argument("--user-allreduce", action="store_true")
-    extra.add_argument("--fault", action="append", default=[])
     own, rest = extra.parse_known_args()
     args = run.parse_args(rest)
     callbacks = [SelfSigterm(own.sigterm_rank, own.sigterm_batch)] if own.sigterm_rank is not None else []
@@ -196,13 +145,11 @@ def main() -> None:
         stop_in_module(model, own.module_stop_rank, own.module_stop_batch)
     if own.user_allreduce:
         trainer.callbacks.append(WriteSums(all_reduce_in_step(model), args.json))
-    if own.fault:
-        inject_faults(model, own.fault, args.json.parent)
     reporter = next(cb for cb in trainer.callbacks if isinstance(cb, run.RunReport))
     try:
         trainer.fit(model, datamodule=data, ckpt_path=args.resume)
     except RuntimeError as err:
-        if not (own.raise_at_batch or own.kill_rank or own.raise_in_validation_rank is not None or own.fault):
+        if not (own.raise_at_batch or own.kill_rank or own.raise_in_validation_rank is not None or args.fault):
             raise
         failed_at = time.time()
         path = args.json.with_suffix(f".rank{trainer.global_rank}.json")

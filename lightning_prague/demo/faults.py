@@ -1,0 +1,89 @@
+"""Real faults, injected into a demo run: for the fault tests and `benchmarks/faults.py`.
+
+A fault is `RANK:BATCH:KIND`: when rank `RANK` starts the training step of its `BATCH`-th batch
+(counted over the whole fit), it
+
+- `kill`: ends with SIGKILL (a preempted instance, an out-of-memory kill);
+- `kill-in-exchange`: ends with SIGKILL inside its next group exchange, once it has posted its
+  first message there (its peers have posted theirs and wait on it);
+- `raise`: raises in `training_step` (a bug, a bad batch);
+- `hang`: sleeps forever in `training_step` (a deadlock; its threads keep running);
+- `stop`: stops itself with SIGSTOP (a frozen process: nothing of it runs).
+
+Before it strikes it writes `fault.RANK.json` (`kind`, wall-clock `time`) to the given directory,
+so that a test or a benchmark can time the detection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_prague.core.errors import ConfigurationError
+
+KINDS = ("kill", "kill-in-exchange", "raise", "hang", "stop")
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    batch: int
+    kind: str
+
+    @classmethod
+    def parse(cls, spec: str) -> Fault:
+        try:
+            rank, batch, kind = spec.split(":")
+            fault = cls(int(rank), int(batch), kind)
+        except ValueError:
+            raise ConfigurationError(f"fault {spec!r} is not RANK:BATCH:KIND (e.g. 2:10:kill)") from None
+        if fault.kind not in KINDS or fault.batch < 1 or fault.rank < 0:
+            raise ConfigurationError(f"fault {spec!r}: KIND is one of {', '.join(KINDS)} and BATCH counts from 1")
+        return fault
+
+
+def inject_faults(model: Any, faults: list[Fault], directory: Path) -> None:
+    """Wrap `model.training_step` so that each fault strikes its rank at its batch."""
+    plan = {f.rank: f for f in faults}
+    step = model.training_step
+    seen = [0]
+
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        seen[0] += 1
+        fault = plan.get(model.trainer.global_rank)
+        if fault is not None and seen[0] == fault.batch:
+            strike(fault, directory)
+        return step(*args, **kwargs)
+
+    model.training_step = training_step
+
+
+def strike(fault: Fault, directory: Path) -> None:
+    (directory / f"fault.{fault.rank}.json").write_text(json.dumps({"kind": fault.kind, "time": time.time()}))
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.kind == "kill-in-exchange":
+        _kill_in_next_exchange()
+    elif fault.kind == "raise":
+        raise RuntimeError(f"injected failure on rank {fault.rank}")
+    elif fault.kind == "hang":
+        while True:
+            time.sleep(1.0)
+    elif fault.kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _kill_in_next_exchange() -> None:
+    from lightning_prague.core import groups
+
+    def exchange(self: Any, ops: list[Any], deadline: float, nbytes: int, pairs: Any = None) -> None:
+        first = ops[0]
+        first.op(first.tensor, first.peer, first.group)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    groups.GroupComm._exchange = exchange  # type: ignore[method-assign]

@@ -1,0 +1,137 @@
+"""The hang rule: a worker is judged by its own step times, a waiting or busy worker is not hung."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lightning_prague.core.liveness import Beacon, HangDetector, HangRule
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def detector(timeout: float = 300.0) -> tuple[HangDetector, Clock]:
+    clock = Clock()
+    return HangDetector(HangRule(), timeout, clock=clock), clock
+
+
+def run_steps(hangs: HangDetector, clock: Clock, rank: int, step: float, seconds: float, progress: int = 0) -> int:
+    """`rank` beats once a second for `seconds`, training a batch every `step` seconds."""
+    start = clock.now
+    while clock.now - start < seconds:
+        clock.now += 1.0
+        progress += max(1, int(1.0 / step))
+        hangs.beat(rank, progress, waiting=False, busy=False, step=step)
+    return progress
+
+
+def test_the_bound_follows_each_workers_own_step_time_and_is_at_most_30s_for_50ms_steps():
+    rule = HangRule()
+    assert rule.bound(0.05, busy=False, timeout=300.0) == 10.0
+    assert rule.bound(0.25, busy=False, timeout=300.0) == 10.0  # 5x slower: same bound
+    assert rule.bound(2.0, busy=False, timeout=300.0) == 40.0  # slow steps: a longer bound
+    assert rule.bound(None, busy=False, timeout=300.0) == 300.0  # no step timed yet
+    assert rule.bound(0.05, busy=True, timeout=300.0) == 300.0  # an epoch's end, a checkpoint
+
+
+def test_a_5x_slow_worker_is_never_hung_and_a_stalled_one_is_declared_after_its_bound():
+    hangs, clock = detector()
+    for rank in (0, 1):
+        hangs.joined(rank)
+    fast = slow = 0
+    for _ in range(60):  # a minute of training: rank 1 is 5x slower, it still progresses every second
+        clock.now += 1.0
+        fast += 20
+        slow += 4
+        hangs.beat(0, fast, False, False, 0.05)
+        hangs.beat(1, slow, False, False, 0.25)
+        assert hangs.hung() == []
+    for second in range(1, 12):  # rank 1 stops progressing; its beacon still beats
+        clock.now += 1.0
+        fast += 20
+        hangs.beat(0, fast, False, False, 0.05)
+        hangs.beat(1, slow, False, False, 0.25)
+        found = hangs.hung()
+        if second <= 10:
+            assert found == []
+    assert len(found) == 1 and found[0][0] == 1
+    assert "no training progress for 11.0s (bound 10.0s from its step time 0.250s)" in found[0][1]
+    assert hangs.hung() == []  # reported once
+
+
+def test_a_frozen_worker_is_declared_from_silence_and_a_waiting_one_is_not():
+    hangs, clock = detector()
+    for rank in (0, 1):
+        hangs.joined(rank)
+    run_steps(hangs, clock, 0, 0.05, 5)
+    progress = run_steps(hangs, clock, 1, 0.05, 5)
+    for _ in range(20):  # rank 0 waits on a peer (its progress stands still); rank 1 is SIGSTOPped
+        clock.now += 1.0
+        hangs.beat(0, 100, waiting=True, busy=False, step=0.05)
+        found = hangs.hung()
+        if found:
+            break
+    assert [rank for rank, _ in found] == [1] and "nothing heard from it" in found[0][1]
+    assert progress > 0
+
+
+def test_a_busy_worker_gets_the_session_timeout():
+    hangs, clock = detector(timeout=60.0)
+    hangs.joined(0)
+    run_steps(hangs, clock, 0, 0.05, 3)
+    hangs.beat(0, 999, waiting=False, busy=True, step=0.05)  # a long checkpoint starts
+    clock.now += 59.0
+    assert hangs.hung() == []
+    clock.now += 2.0
+    assert hangs.hung()[0][0] == 0
+
+
+def test_the_beacon_times_steps_without_waits_or_busy_stretches():
+    beacon = Beacon(HangRule(), interval=60.0)
+    beacon.bump()  # after setup: busy until now, no step timed
+    assert beacon.step_seconds is None
+    time.sleep(0.02)
+    with beacon.waiting():  # a wait on peers is not part of the step
+        time.sleep(0.2)
+    beacon.bump()
+    step = beacon.step_seconds
+    assert step is not None and 0.015 <= step < 0.15
+    beacon.set_busy()
+    time.sleep(0.2)
+    beacon.bump()  # the busy stretch is not a step
+    assert beacon.step_seconds == step
+    report = beacon.report()
+    assert report["waiting"] and not report["busy"] and report["progress"] == 3
+    assert not beacon.report()["waiting"]  # a wait is reported once
+
+
+def test_the_beacon_beats_at_once_when_a_worker_starts_stepping():
+    beats = []
+    beacon = Beacon(HangRule(), interval=30.0)
+    beacon.start(beats.append, "test-beacon")
+    try:
+        beacon.bump()
+        time.sleep(0.01)
+        beacon.bump()  # its first timed step: the control plane must know its bound now
+        deadline = time.monotonic() + 5
+        while not any(b["step"] is not None for b in beats) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert any(b["step"] is not None and not b["busy"] for b in beats), beats
+    finally:
+        beacon.stop()
+
+
+@pytest.mark.parametrize("floor, factor", [(0.0, 20.0), (10.0, 0.0)])
+def test_the_strategies_reject_a_hang_rule_that_is_not_positive(floor, factor):
+    from lightning_prague import PartialAllReduceStrategy
+    from lightning_prague.core.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="hang_timeout"):
+        PartialAllReduceStrategy(hang_timeout=floor, hang_factor=factor)

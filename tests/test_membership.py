@@ -1,0 +1,96 @@
+"""What every policy and topology becomes without the workers that left: groups among the live ones,
+mixing that stays doubly stochastic, and a lost worker's untrained chunks back in the work queue."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lightning_prague.core.bipartite import BipartiteGraph
+from lightning_prague.core.coordinator import CoordinatorSession, SessionConfig
+from lightning_prague.core.generator import GroupGenerator
+from lightning_prague.core.gossip import surviving
+from lightning_prague.core.policies import POLICY_NAMES, GossipPolicy, make_policy
+from lightning_prague.core.topology import TOPOLOGIES, is_doubly_stochastic, make_topology
+
+WORLD = 8
+LOST = (2, 5)
+
+
+def groups_after_losses(generator: GroupGenerator, requests: int = 400, seed: int = 0) -> list[list[int]]:
+    out: dict = {}
+    for rank in LOST:
+        generator.depart(rank, out)
+    rng = random.Random(seed)
+    live = [r for r in range(WORLD) if r not in LOST]
+    issued = []
+    for req in range(requests):
+        rank = rng.choice(live)
+        for items in generator.handle({"op": "ready", "rank": rank, "req": req, "version": 0}).values():
+            issued += [item["members"] for item in items if item["t"] == "group"]
+    return issued
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_no_policy_groups_a_lost_worker_again(name):
+    generator = GroupGenerator(WORLD, make_policy(name, WORLD, 3, seed=1, workers_per_node=4))
+    issued = groups_after_losses(generator)
+    assert issued, "the survivors still form groups"
+    assert all(len(members) >= 2 and not set(members) & set(LOST) for members in issued)
+
+
+def test_adpsgd_pairs_stay_active_passive_pairs_of_live_neighbours():
+    graph = BipartiteGraph.ring(WORLD)
+    generator = GroupGenerator(WORLD, GossipPolicy(graph, seed=1))
+    issued = groups_after_losses(generator)
+    assert issued
+    for a, b in issued:
+        assert b in graph.neighbors[a] and graph.is_active(a) != graph.is_active(b)
+        assert not {a, b} & set(LOST)
+    # every live passive worker still has a live active neighbour: nobody is cut off
+    paired = {r for pair in issued for r in pair}
+    assert paired == set(range(WORLD)) - set(LOST)
+
+
+@pytest.mark.parametrize("name", TOPOLOGIES)
+def test_every_topology_keeps_doubly_stochastic_rounds_without_the_lost_workers(name):
+    schedule = make_topology(name, WORLD, workers_per_node=4)
+    live = [r for r in range(WORLD) if r not in LOST]
+    for round_index in range(schedule.period):
+        seen = {}
+        for rank in live:
+            group = surviving(schedule.group_of(rank, round_index), live)
+            assert rank in group.members and not set(group.members) & set(LOST)
+            seen[group.members] = group
+        w = torch.zeros(len(live), len(live), dtype=torch.float64)
+        index = {r: i for i, r in enumerate(live)}
+        for group in seen.values():
+            for i in group.members:
+                for j in group.members:
+                    w[index[i], index[j]] = group.self_weight if i == j else group.peer_weight
+        assert is_doubly_stochastic(w), (name, round_index, w)
+        assert torch.allclose(w, w.T)
+
+
+def claim(session: CoordinatorSession, rank: int, held: list[int], ticketed: int = 100) -> tuple[int, int | None]:
+    out: dict = {}
+    message = {"do": "claim", "key": "epoch/0/cursor", "first": 4, "tickets": "progress/0/claims",
+               "ticketed": ticketed, "held": held, "num": 20}  # fmt: skip
+    session.kv(rank, 1, message, out)
+    return tuple(out[rank][0]["value"])
+
+
+def test_a_lost_workers_untrained_chunks_go_back_to_the_queue_with_their_tickets():
+    session = CoordinatorSession(1, SessionConfig(4, make_policy("random", 4, 2)))
+    session.members.update(range(4))
+    assert claim(session, 2, held=[2]) == (4, 1)  # its pre-assigned chunk 2 in flight, chunk 4 prefetched
+    assert claim(session, 1, held=[1]) == (5, 2)
+    assert claim(session, 2, held=[4]) == (6, 3)  # chunk 2 trained; 4 in flight, 6 prefetched
+    session.depart(2, "killed", {})
+    # its batch in flight (4: it may have trained it; the only chunk that can be trained twice) and the
+    # prefetched one (6) come next, with the tickets claimed for them, before the queue goes on
+    assert claim(session, 0, held=[0]) == (4, 1)
+    assert claim(session, 3, held=[3]) == (6, 3)
+    assert claim(session, 0, held=[4]) == (7, 4)
