@@ -1,12 +1,12 @@
 """Lost and hung workers in real processes: the survivors finish the fit.
 
-One job per strategy, 4 workers, 3 epochs of 50 ms steps, two real faults each (kill -9, kill -9
-in the middle of a group exchange, an exception in a step, a hang in a step, SIGSTOP; rank 0 in
-one of them), so that every strategy and every kind of fault is covered by four launches.
-Survivors must end their fit normally with equal models (the final average is over them), name
-each lost rank with why, detect a crash within seconds and a hang within its bound, and leave no
-process behind. The prague job runs under Lightning's own launcher (rank 0 starts the others), the
-other three as a cluster launcher (srun) starts them.
+One job per strategy, 4 workers, 3 epochs of 50 ms steps, two real faults each, so that four
+launches cover every strategy and every kind of fault: kill -9, kill -9 in the middle of a group
+exchange, kill -9 in validation while the ranks are aligned, an exception in a step, a hang in a
+step, SIGSTOP; rank 0 in one of them. Survivors must end their fit normally with equal models (the
+final average is over them), name each lost rank with why, detect a crash within seconds and a
+hang within its bound, and leave no process behind. The prague job runs under Lightning's own
+launcher (rank 0 starts the others), the other three as a cluster launcher (srun) starts them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ ERROR = "it stopped after an error"
 JOBS = {
     "prague": {0: ("3", "kill", CRASH), 2: ("14", "kill-in-exchange", CRASH)},
     "partial_reduce": {2: ("10", "hang", HUNG), 3: ("16", "raise", ERROR)},
-    "adpsgd": {2: ("10", "stop", HUNG), 1: ("14", "kill", CRASH)},
+    "adpsgd": {2: ("10", "stop", HUNG), 1: ("14", "kill-in-validation", CRASH)},
     "decent_adam": {1: ("8", "kill-in-exchange", CRASH), 2: ("12", "stop", HUNG)},
 }
 

@@ -390,9 +390,26 @@ class GroupWorker:
         self.comm.sum_(distance, everyone, "consensus measurement")
         return float(relative_error(distance[0] / len(everyone), norm))
 
-    def global_average(self) -> None:
-        """Average over all ranks; call only right after `synchronize` returned."""
+    def global_average(self) -> bool:
+        """Average over all live ranks; call only right after `synchronize` returned.
+
+        Returns False, on every member alike, if a member was lost during it (every member kept its
+        tensors): meet again (the release leaves the lost member out) and average again. A sum that
+        is incomplete while nobody left means the replicas hold non-finite values: an error.
+        """
         try:
-            average_(self.tensors, self.comm, self.comm.everyone, operation="global average")
+            _, applied = average_(self.tensors, self.comm, self.comm.everyone, operation="global average")
         except CoordinationTimeout as err:
             raise self.session.explain(err, "the global average") from err
+        if bool(applied):
+            return True
+        deadline = time.monotonic() + min(self.timeout, 30.0)
+        while not set(self.session.departed) & set(self.comm.everyone):  # the notice may trail the failure
+            if time.monotonic() > deadline:
+                raise SyncMismatchError(
+                    f"rank {self.rank}: the global average over ranks {list(self.comm.everyone)} was not finite "
+                    "although no rank left: a replica holds NaN or infinite values (training diverged?)"
+                )
+            time.sleep(0.01)
+        log.warning("rank %d: a rank was lost during the global average; meeting again without it", self.rank)
+        return False

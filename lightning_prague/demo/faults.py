@@ -8,7 +8,9 @@ A fault is `RANK:BATCH:KIND`: when rank `RANK` starts the training step of its `
   first message there (its peers have posted theirs and wait on it);
 - `raise`: raises in `training_step` (a bug, a bad batch);
 - `hang`: sleeps forever in `training_step` (a deadlock; its threads keep running);
-- `stop`: stops itself with SIGSTOP (a frozen process: nothing of it runs).
+- `stop`: stops itself with SIGSTOP (a frozen process: nothing of it runs);
+- `kill-in-validation`: ends with SIGKILL in its first validation step after that batch (while
+  the ranks are aligned: the others are validating, or syncing the metrics).
 
 Before it strikes it writes `fault.RANK.json` (`kind`, wall-clock `time`) to the given directory,
 so that a test or a benchmark can time the detection.
@@ -26,7 +28,7 @@ from typing import Any
 
 from lightning_prague.core.errors import ConfigurationError
 
-KINDS = ("kill", "kill-in-exchange", "raise", "hang", "stop")
+KINDS = ("kill", "kill-in-exchange", "raise", "hang", "stop", "kill-in-validation")
 
 
 @dataclass(frozen=True)
@@ -50,22 +52,29 @@ class Fault:
 def inject_faults(model: Any, faults: list[Fault], directory: Path) -> None:
     """Wrap `model.training_step` so that each fault strikes its rank at its batch."""
     plan = {f.rank: f for f in faults}
-    step = model.training_step
+    step, validation_step = model.training_step, model.validation_step
     seen = [0]
 
     def training_step(*args: Any, **kwargs: Any) -> Any:
         seen[0] += 1
         fault = plan.get(model.trainer.global_rank)
-        if fault is not None and seen[0] == fault.batch:
+        if fault is not None and seen[0] == fault.batch and fault.kind != "kill-in-validation":
             strike(fault, directory)
         return step(*args, **kwargs)
 
+    def validating_step(*args: Any, **kwargs: Any) -> Any:
+        fault = plan.get(model.trainer.global_rank)
+        if fault is not None and seen[0] >= fault.batch and fault.kind == "kill-in-validation":
+            strike(fault, directory)
+        return validation_step(*args, **kwargs)
+
     model.training_step = training_step
+    model.validation_step = validating_step
 
 
 def strike(fault: Fault, directory: Path) -> None:
     (directory / f"fault.{fault.rank}.json").write_text(json.dumps({"kind": fault.kind, "time": time.time()}))
-    if fault.kind == "kill":
+    if fault.kind in ("kill", "kill-in-validation"):
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.kind == "kill-in-exchange":
         _kill_in_next_exchange()

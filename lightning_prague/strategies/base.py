@@ -57,12 +57,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torchmetrics import Metric
+from torchmetrics.utilities.distributed import gather_all_tensors
 from typing_extensions import override
 
 from lightning_prague.core.averaging import BucketedTensors, averaged_state
+from lightning_prague.core.collectives import MemberCollectives
 from lightning_prague.core.control import Session
 from lightning_prague.core.coordinator import SessionConfig
 from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.groups import GroupComm
 from lightning_prague.core.job import Job, init_job
 from lightning_prague.core.liveness import HangRule
 from lightning_prague.core.overlap import Exchanger
@@ -311,6 +314,9 @@ class DecentralizedStrategy(DDPStrategy):
             return
         assert self.training is not None
         self.training.start(averaged_state(self.lightning_module))  # the parameters on their final device
+        for module in self.lightning_module.modules():  # torchmetrics' syncs survive a lost rank too
+            if isinstance(module, Metric) and module.dist_sync_fn is None:
+                module.dist_sync_fn = self._gather_metric_state
         self.local_steps = 0
         self.batches_done = 0
         if not any(isinstance(cb, SyncPoints) and cb.strategy is self for cb in trainer.callbacks):
@@ -499,7 +505,8 @@ class DecentralizedStrategy(DDPStrategy):
         if self.measure_consensus:
             self.consensus_error = self.worker.consensus_error()
         if self.average_at_sync:
-            self.worker.global_average()
+            while not self.worker.global_average():  # a rank was lost during it: meet again without it
+                self.worker.synchronize(f"{name}/again")
             self.worker.version = self.worker.released_version  # one model again: one version
         if sampler is not None and "speeds" in release:
             # every rank's time per batch, for the work queue's tail decisions
@@ -513,14 +520,9 @@ class DecentralizedStrategy(DDPStrategy):
                     self.progress.at_synchronization(reached)
 
     def _follow_membership(self) -> None:
-        """After a release that lost ranks: the module's metrics sync over the survivors, and if rank 0
-        was lost, its successor logs as rank zero."""
-        survivors = self._survivors
-        if survivors is None:
+        """After a release that lost ranks: if rank 0 was lost, its successor logs as rank zero."""
+        if self._survivors is None:
             return
-        for module in self.lightning_module.modules():
-            if isinstance(module, Metric) and module.process_group is not survivors:
-                module.process_group = survivors  # torchmetrics would sync over the world group
         assert self.job is not None
         if self.job.leader != 0 and self.is_global_zero and rank_zero_only.rank != 0:
             log.warning("rank %d: takes over global rank 0's duties (checkpoints, logging)", self.global_rank)
@@ -663,46 +665,95 @@ class DecentralizedStrategy(DDPStrategy):
             return None
         return job.group
 
+    def _members(self) -> Optional[MemberCollectives]:
+        """Collectives that survive a lost member: during a fit, and after one that lost a rank."""
+        if self.worker is not None:
+            return MemberCollectives(self.worker.comm)
+        job = self.job
+        if self._survivors is None or job is None:
+            return None  # no fit, nobody lost: the world group's collectives
+        comm = GroupComm(self.global_rank, self.world_size, self.sync_timeout, job.group)
+        comm.rebind(job.group, job.members)
+        return MemberCollectives(comm)
+
+    def _incomplete(self, operation: str) -> None:
+        log.warning(
+            "rank %d: %s was cut short by a lost rank; this rank uses its own value (the next synchronization "
+            "point goes on without the lost rank)",
+            self.global_rank,
+            operation,
+        )
+
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self._local_instead("barrier"):
             return
-        survivors = self._survivors
-        if survivors is not None:
-            dist.barrier(group=survivors)
-        else:
+        members = self._members()
+        if members is None:
             self._world_collective("a barrier", super().barrier, *args, **kwargs)
+        elif not members.barrier():
+            self._incomplete("a barrier")
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._local_instead("broadcast"):
             return obj
-        survivors = self._survivors
-        if survivors is not None:
-            assert self.job is not None
-            objects = [obj]
-            source = src if src in self.job.members else self.job.leader  # rank 0's duties moved
-            dist.broadcast_object_list(objects, src=source, group=survivors)
-            return objects[0]
-        return self._world_collective("a broadcast", super().broadcast, obj, src)
+        members = self._members()
+        if members is None:
+            return self._world_collective("a broadcast", super().broadcast, obj, src)
+        source = src if src in members.members else members.members[0]  # rank 0's duties moved
+        done, value = members.broadcast_object(obj, source)
+        if not done:
+            self._incomplete("a broadcast")
+            return obj
+        return value
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         if self._local_instead("reduce (e.g. self.log(..., sync_dist=True))"):
             return tensor
-        survivors = self._survivors
-        if survivors is not None and group is None:
-            return super().reduce(tensor, survivors, reduce_op)
-        return self._world_collective("a reduce", super().reduce, tensor, group, reduce_op)
+        members = self._members()
+        if members is None or group is not None or not isinstance(tensor, Tensor):
+            return self._world_collective("a reduce", super().reduce, tensor, group, reduce_op)
+        op = str(reduce_op).lower().split(".")[-1] if reduce_op is not None else "sum"
+        if op in ("max", "min"):
+            gathered = members.gather(tensor)
+            result = None
+            if gathered is not None:
+                stacked = torch.stack(gathered)
+                result = stacked.amax(0) if op == "max" else stacked.amin(0)
+        else:
+            result = members.sum(tensor)
+            if result is not None and op in ("mean", "avg"):
+                result = result / len(members.members)
+        if result is None:
+            self._incomplete("a reduce")
+            return tensor
+        return result
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         if self._local_instead("all_gather"):
             return tensor.unsqueeze(0)
-        survivors = self._survivors
-        if survivors is not None and group is None:
-            return super().all_gather(tensor, survivors, sync_grads)
-        return self._world_collective("an all_gather", super().all_gather, tensor, group, sync_grads)
+        members = self._members()
+        if members is None or group is not None or sync_grads:
+            return self._world_collective("an all_gather", super().all_gather, tensor, group, sync_grads)
+        gathered = members.gather(tensor)
+        if gathered is None:
+            self._incomplete("an all_gather")
+            return tensor.unsqueeze(0)
+        return torch.stack(gathered)
+
+    def _gather_metric_state(self, result: Tensor, group: Optional[Any] = None) -> list[Tensor]:
+        """torchmetrics' `dist_sync_fn`: the states of every member (of the survivors after a loss)."""
+        members = self._members()
+        if members is None:
+            return gather_all_tensors(result, group)
+        gathered = members.gather(result)
+        if gathered is None:
+            self._incomplete("a metric's state sync")
+            return [result]
+        return gathered
 
     def _world_collective(self, what: str, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A collective of Lightning's on the world group; if it fails because a rank left the job,
