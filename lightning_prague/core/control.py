@@ -128,7 +128,7 @@ class ControlClient:
                 "host": socket.gethostname(),
             }
         )
-        session.beacon.start(lambda fields: session.send("beat", **fields), f"prague-beacon-{self.rank}")
+        session.beacon.start(lambda fields: session.send("beat", **fields), f"prague-control-beacon-{self.rank}")
         log.debug("rank %d: joined session %d", self.rank, number)
         return session
 
