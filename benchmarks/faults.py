@@ -26,8 +26,9 @@ Reported per (strategy, fault):
 * throughput before / after: batches per second of all workers together, from the leader's
   `timeline` (the time of each epoch's validation since the start of training, so epoch k takes
   `t[k] - t[k-1]`, validation included) and the batches of an epoch (all workers, measured in the
-  fault-free run): before = the epochs before the one the fault struck in, after = the epochs after
-  it (`-` when there are none);
+  fault-free run; after the fault, the survivors' shares of it where a strategy keeps equal
+  shards, `decent_adam`, instead of a work queue): before = the epochs before the one the fault
+  struck in, after = the epochs after it (`-` when there are none);
 * batches trained: the survivors' training batches plus the faulted rank's before it struck, of
   the fault-free run's (the asynchronous strategies share one work queue of batches per epoch);
 * val_acc of the leader (the lowest surviving rank) and its gap to the fault-free run, in points.
@@ -59,6 +60,7 @@ Linux only (it reads `/proc` to find a run's processes).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -120,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0, help="wall-clock bound of one run (s)")
     parser.add_argument("--ddp-stall", type=float, default=20.0, help="kill a DDP run this long after its fault (s)")
     parser.add_argument(
-        "--exit-grace", type=float, default=5.0, help="kill what is left of a run this long after its last result (s)"
+        "--exit-grace", type=float, default=10.0, help="kill what is left of a run this long after its last result (s)"
     )
     parser.add_argument("--out", type=Path, default=Path("bench-faults"))
     args = parser.parse_args(argv)
@@ -199,20 +201,20 @@ def _describe(pid: int, group: int) -> str:
 
 def kill_run(group: int, marker: str) -> list[str]:
     """SIGKILL every live process of the run, by pid; returns what was killed (`pid (role)`)."""
-    killed: list[str] = []
+    killed: dict[int, str] = {}
     for _ in range(20):
         pids = run_processes(group, marker)
         if not pids:
             break
         for pid in pids:
             try:
-                role = _describe(pid, group)
+                role = killed.get(pid) or _describe(pid, group)
                 os.kill(pid, signal.SIGKILL)
-                killed.append(f"{pid} ({role})")
+                killed[pid] = role
             except ProcessLookupError:
                 pass
         time.sleep(0.1)
-    return list(dict.fromkeys(killed))
+    return [f"{pid} ({role})" for pid, role in killed.items()]
 
 
 # --------------------------------------------------------------------------- one run
@@ -337,6 +339,14 @@ def throughput(timeline: list[list[float]], epochs: list[int], batches: float) -
     return batches * len(spans) / sum(spans) if spans and sum(spans) > 0 else None
 
 
+@functools.cache
+def shares_work_queue(strategy: str) -> bool:
+    """Whether `strategy` shards training batches by one work queue (imports Lightning, once)."""
+    from lightning_prague.strategies import STRATEGIES as CLASSES
+
+    return bool(CLASSES[strategy][0].shards_by_work_queue)
+
+
 def free_row(strategy: str, run: dict[str, Any]) -> dict[str, Any]:
     results = {int(r): v for r, v in run["results"].items()}
     row: dict[str, Any] = {
@@ -408,7 +418,9 @@ def fault_row(
     struck = fault_epoch(batch, free_leader, args)
     row["fault_epoch"] = struck
     row["before"] = throughput(leader["timeline"], list(range(1, struck)), batches)
-    row["after"] = throughput(leader["timeline"], list(range(struck + 1, args.epochs + 1)), batches)
+    # a work queue hands the survivors every batch of an epoch; equal shards lose the lost rank's
+    after = batches if shares_work_queue(strategy) else batches * len(survivors) / args.devices
+    row["after"] = throughput(leader["timeline"], list(range(struck + 1, args.epochs + 1)), after)
     row["epoch_seconds"] = [
         b - a for a, b in zip([0.0] + [t for t, _ in leader["timeline"]], [t for t, _ in leader["timeline"]])
     ]

@@ -170,15 +170,23 @@ def test_lightning_cli_selects_the_strategy_by_name_from_yaml(tmp_path):
     assert saved["trainer"]["strategy"]["init_args"]["group_size"] == 3, "the registered name's defaults"
 
 
-def test_torchrun_launch_with_dataloader_worker_processes(tmp_path):
+def test_torchrun_restarts_after_a_kill_and_resumes_from_the_last_checkpoint(tmp_path):
+    # DataLoader worker processes too; torchrun stops and restarts every worker when rank 2 is killed
+    # (in its third epoch), and the restarted fit, given no ckpt_path, resumes from the last checkpoint
     out = tmp_path / "result.json"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
-        str(ROOT / "tests" / "scripts" / "train.py"), "--json", str(out),
-        "--devices", "3", "--epochs", "2", "--step-time", "0.01", "--num-workers", "1",
+        "--max-restarts", "1", str(ROOT / "tests" / "scripts" / "train.py"), "--json", str(out),
+        "--devices", "3", "--epochs", "4", "--step-time", "0.01", "--num-workers", "1",
+        "--checkpoint-dir", str(tmp_path / "ckpt"), "--fault", "2:45:kill",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "fault.2.json").exists(), "the fault struck in the first attempt"
+    assert "resuming the fit from the last checkpoint" in proc.stderr, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    # the work queue is read in the main process, so worker processes change nothing: one pass per epoch
-    assert sum(result["batches_per_worker"]) == 2 * 45 and result["val_acc"] > 0.85
+    assert result["epochs_run"] == 4 and result["val_acc"] > 0.85
+    # the restarted fit trained only the epochs after the checkpoint (at least the last one)
+    trained = sum(result["batches_per_worker"])
+    assert 45 <= trained < 4 * 45, result["batches_per_worker"]
+    assert "Restoring states from the checkpoint path at" in proc.stderr + proc.stdout

@@ -27,11 +27,18 @@ RUNS = {
     + ["--max-steps", "15"],
     "resumed": ["--strategy", "prague", "--samples", "192", "--checkpoint-every", "15", "--val-every", "7"]
     + ["--max-steps", "30"],
+    # the same checkpoint, resumed on 3 workers (a worker lost for good, or a smaller allocation)
+    "resumed_on_3": ["--strategy", "prague", "--samples", "192", "--checkpoint-every", "15", "--val-every", "7"]
+    + ["--max-steps", "30"],
     # every rank reads its own stream of 50 samples (13 batches, one DataLoader worker process each);
     # manual optimization: the module steps its scheduler once per batch, as it would under DDP
     "stream": ["--strategy", "adpsgd", "--streaming", "--samples", "200", "--num-workers", "1", "--max-steps", "30"]
     + ["--val-every", "5", "--checkpoint-every", "0", "--manual", "--lr", "0.05"],
 }
+
+
+def devices(name: str) -> int:
+    return 3 if name == "resumed_on_3" else WORLD
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +49,12 @@ def step_runs(tmp_path_factory) -> dict[str, TrainingRun]:
     extra = {
         "first": ["--checkpoint-dir", str(ckpt)],
         "resumed": ["--checkpoint-dir", str(ckpt), "--resume", str(ckpt / "step=15.ckpt")],
+        "resumed_on_3": ["--checkpoint-dir", str(root / "ckpt3"), "--resume", str(ckpt / "step=15.ckpt")],
     }
     runs = {
         name: (
             "steps.py",
-            ["--json", str(root / name / "result.json"), "--devices", str(WORLD), *args, *extra.get(name, [])],
+            ["--json", str(root / name / "result.json"), "--devices", str(devices(name)), *args, *extra.get(name, [])],
         )
         for name, args in RUNS.items()
     }
@@ -57,7 +65,7 @@ def outcome(step_runs: dict[str, TrainingRun], name: str) -> tuple[list[dict], d
     run = step_runs[name]
     assert run.status == 0, run.log[-4000:]
     ranks = rank_results(run.dir)
-    assert [r["rank"] for r in ranks] == list(range(WORLD))
+    assert [r["rank"] for r in ranks] == list(range(devices(name)))
     return ranks, run.result
 
 
@@ -103,6 +111,21 @@ def test_a_fit_resumed_mid_epoch_continues_where_it_stopped(step_runs):
     assert [v["step"] for v in ranks_b[0]["validations"]] == [21, 28]
     assert_agree_at_synchronization_points(ranks_b)
     assert main["checkpoints"] == ["step=15.ckpt", "step=30.ckpt"]
+
+
+def test_a_fit_resumed_on_fewer_workers_continues_exactly_where_it_stopped(step_runs):
+    ranks_a, _ = outcome(step_runs, "first")
+    ranks_b, main = outcome(step_runs, "resumed_on_3")
+    samples = trained(ranks_a) + trained(ranks_b)
+    # 15 steps of 4 workers (60 batches: epoch 0 and 12 batches of epoch 1), then 15 steps of 3 workers
+    # (45 batches), as DDP resumed on 3 would: the rest of epoch 1 exactly once, then 9 batches of epoch 2
+    assert len(samples) == len(set(samples)) == (15 * WORLD + 15 * 3) * 4
+    assert Counter(epoch for epoch, _ in samples) == {0: 192, 1: 192, 2: 36}
+    assert all(r["global_step"] == 30 for r in ranks_b)
+    # validation every 7 steps and checkpoints every 15 go on at the same global steps
+    assert [v["step"] for v in ranks_b[0]["validations"]] == [21, 28]
+    assert_agree_at_synchronization_points(ranks_b)
+    assert main["checkpoints"] == ["step=30.ckpt"]
 
 
 def test_streaming_epochs_end_with_the_first_stream_and_the_budget_holds(step_runs):

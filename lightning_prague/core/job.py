@@ -146,8 +146,14 @@ def init_job(
             if not agent_store:
                 wait_until_listening(proc, host, port, timeout)
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=pg_timeout, wait_for_workers=False)
+        rendezvous: dist.Store = store
+        if agent_store:  # as torch's env:// rendezvous does: each restart attempt has keys of its own
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            rendezvous = dist.PrefixStore(f"/worker/attempt_{attempt}", store)
         kwargs = {"device_id": device_id} if device_id is not None else {}
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout, **kwargs)
+        dist.init_process_group(
+            backend, store=rendezvous, rank=rank, world_size=world_size, timeout=pg_timeout, **kwargs
+        )
         if "nccl" in backend:  # as Lightning does: torch warns about an NCCL process group left at exit
             atexit.register(_destroy_process_group)
     else:

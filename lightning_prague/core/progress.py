@@ -77,6 +77,9 @@ class ProgressSchedule:
     validate_every: Optional[int] = None
     validate_in_epoch: bool = False
     checkpoint_every: tuple[int, ...] = ()
+    #: `(global batches, global step)` where this fit's steps start counting: `(0, 0)`, or where a fit
+    #: resumed on another number of workers (its steps of `batches_per_step` count from there)
+    origin: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         for every in (self.validate_every, *self.checkpoint_every):
@@ -88,7 +91,14 @@ class ProgressSchedule:
 
     def step_of(self, batches: int) -> int:
         """The global step (optimizer steps of one worker under DDP) after `batches` global batches."""
-        return batches // self.batches_per_step
+        origin_batches, origin_step = self.origin
+        return origin_step + (batches - origin_batches) // self.batches_per_step
+
+    @property
+    def _step_zero(self) -> int:
+        """The global batch count at which step 0 lies in this fit's unit (0 unless resumed on another world)."""
+        origin_batches, origin_step = self.origin
+        return origin_batches - origin_step * self.batches_per_step
 
     def boundaries(
         self, epoch_base: int, epoch_end: Optional[int], tail: int = 0, start: Optional[int] = None
@@ -126,10 +136,10 @@ class ProgressSchedule:
     def _next_after(self, position: int, epoch_base: int) -> Optional[Boundary]:
         candidates: list[tuple[int, bool, bool]] = []
         if self.validate_every is not None:
-            origin = epoch_base if self.validate_in_epoch else 0
+            origin = epoch_base if self.validate_in_epoch else self._step_zero
             candidates.append((_next_multiple(position, origin, self.validate_every), True, False))
         for every in self.checkpoint_every:
-            candidates.append((_next_multiple(position, 0, every), False, True))
+            candidates.append((_next_multiple(position, self._step_zero, every), False, True))
         if self.budget is not None and self.budget > position:
             candidates.append((self.budget, False, False))
         if not candidates:

@@ -49,6 +49,7 @@ class ProgressLoader:
         #: global batches trained at the last synchronization point (`start`: before this fit)
         self.progress = start
         self._restored: Optional[dict[str, Any]] = None
+        self._resumed_progress: Optional[int] = None
         #: chunks every rank held untrained at the last synchronization point (for checkpoints)
         self.pending: list[int] = []
         self._first_epoch: Optional[int] = None  # the oldest epoch whose store keys may still exist
@@ -88,6 +89,11 @@ class ProgressLoader:
         return self.counter.padded(self.epoch_base + self.batches_per_epoch)
 
     # -- iteration --------------------------------------------------------------------------------
+    @property
+    def restored_progress(self) -> Optional[int]:
+        """The global batch count of the checkpoint this fit resumed from (`None`: a fresh fit)."""
+        return self._resumed_progress
+
     def begin_epoch(self) -> None:
         """Set this epoch's ticket origin (from a restored checkpoint, or where the last epoch ended)."""
         epoch = self.current_epoch()
@@ -218,3 +224,4 @@ class ProgressLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state at the start of the next epoch iteration."""
         self._restored = dict(state)
+        self._resumed_progress = int(state["progress"])

@@ -13,7 +13,8 @@ A fault is `RANK:BATCH:KIND`: when rank `RANK` starts the training step of its `
   the ranks are aligned: the others are validating, or syncing the metrics).
 
 Before it strikes it writes `fault.RANK.json` (`kind`, wall-clock `time`) to the given directory,
-so that a test or a benchmark can time the detection.
+so that a test or a benchmark can time the detection. A fault strikes in a job's first attempt
+only: workers that torchrun restarts (`TORCHELASTIC_RESTART_COUNT` above 0) run without it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class Fault:
 
 def inject_faults(model: Any, faults: list[Fault], directory: Path) -> None:
     """Wrap `model.training_step` so that each fault strikes its rank at its batch."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return
     plan = {f.rank: f for f in faults}
     step, validation_step = model.training_step, model.validation_step
     seen = [0]

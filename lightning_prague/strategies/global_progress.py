@@ -78,7 +78,8 @@ class GlobalStepScheduler:
             self.scheduler.step(*args, **kwargs)
             progress._scheduler_steps[self._index] = progress._scheduler_steps.get(self._index, 0) + 1
             return
-        progress.step_schedulers_to(ticket // progress.batches_per_step)
+        schedule = progress.schedule
+        progress.step_schedulers_to(schedule.step_of(ticket) if schedule else ticket // progress.batches_per_step)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("scheduler", "_index", "_progress"):  # copy/pickle probe a bare object
@@ -152,9 +153,20 @@ class GlobalProgress:
             for cb in trainer.callbacks
             if isinstance(cb, ModelCheckpoint) and cb._every_n_train_steps
         )
+        origin = (0, 0)
+        restored = self.loader.restored_progress if self.loader is not None else None
+        step = trainer.global_step
+        if restored is not None and restored != step * self.batches_per_step:
+            # resumed on another number of workers: the checkpoint's batches stand at its global step,
+            # and the steps that follow are steps of this world (as DDP resumed on it would count them)
+            origin = (restored, step)
+            if self.budget is not None:
+                self.budget = restored + (trainer.max_steps - step) * self.batches_per_step
+                self.loader.counter.budget = self.budget
         return ProgressSchedule(
             world,
             self.batches_per_step,
+            origin=origin,
             budget=self.budget,
             validate_every=validate_every,
             validate_in_epoch=per_epoch,
@@ -182,8 +194,8 @@ class GlobalProgress:
                 original_update_lr(interval, update_plateau_schedulers)
                 return
             ticket = self.loader.current_ticket
-            if ticket is not None and self.trainer.lightning_module.automatic_optimization:
-                self.step_schedulers_to(ticket // self.batches_per_step)
+            if ticket is not None and self.trainer.lightning_module.automatic_optimization and self.schedule:
+                self.step_schedulers_to(self.schedule.step_of(ticket))
 
         def num_ready_batches_reached() -> bool:
             progress = loop.batch_progress

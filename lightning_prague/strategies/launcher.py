@@ -11,13 +11,19 @@ every rank of the node has. A SIGTERM is still forwarded to the children (`kill`
 Other start methods (`spawn`, `fork`, `forkserver`) run on `torch.multiprocessing`, which ends
 every process when one fails; under torchrun the agent restarts every worker when one fails
 (`--max-restarts`): only the script launcher and launchers that start each rank directly (SLURM's
-`srun`, `mpirun`, a cluster's own) let the survivors go on.
+`srun`, `mpirun`, a cluster's own) let the survivors go on. Where the engine restarts every worker,
+recovery is restart and resume: on a restart (`TORCHELASTIC_RESTART_COUNT` above 0) a `fit` given
+no `ckpt_path` resumes from the last checkpoint (`ckpt_path="last"`: the newest `last` checkpoint of
+the trainer's `ModelCheckpoint` callbacks; from scratch, with Lightning's warning, if there is
+none), on however many workers the restart has.
 """
 
 from __future__ import annotations
 
 import atexit
+import inspect
 import logging
+import os
 import subprocess
 import threading
 import time
@@ -36,9 +42,15 @@ class SurvivingScriptLauncher(_SubprocessScriptLauncher):
 
     #: seconds rank 0's process waits, at its exit, for children still running
     wait_at_exit: float = 3600.0
+    #: a fit that torchrun restarted resumes from the last checkpoint (see the module docstring)
+    resume_on_restart: bool = True
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        fitting = trainer is not None and getattr(trainer.state.fn, "value", None) == "fit"
+        if self.resume_on_restart and restarted and fitting:
+            args, kwargs = resume_from_last(function, args, kwargs)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
@@ -71,3 +83,19 @@ def _wait_for(procs: list[subprocess.Popen], limit: float) -> None:
             proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             log.warning("rank process %d still runs %.0fs after rank 0's script ended", proc.pid, limit)
+
+
+def resume_from_last(function: Callable, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """`function`'s arguments with `ckpt_path="last"` unless one was given (Lightning's `_fit_impl`
+    takes it; if a Lightning version does not, nothing changes and a warning says so)."""
+    try:
+        bound = inspect.signature(function).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        bound = None
+    if bound is None or "ckpt_path" not in inspect.signature(function).parameters:
+        log.warning("this Lightning version's fit takes no ckpt_path: a restarted fit starts from scratch")
+        return args, kwargs
+    if bound.arguments.get("ckpt_path") is None:
+        log.warning("the job was restarted: resuming the fit from the last checkpoint")
+        bound.arguments["ckpt_path"] = "last"
+    return bound.args, bound.kwargs
