@@ -9,7 +9,7 @@ Every run is the digits demo (`python -m lightning_prague.demo.run`) on `--devic
 (default 4, `--step-time` 0.05 s, `--group-size` 2, `--profile homogeneous`: no straggler, so a
 fault is the only disturbance), started as a command of its own with the default launcher
 (`--start-method popen`: ranks 1..N-1 are children of rank 0; when rank 0 is killed the others go
-on as orphans). A fault is `KIND:RANK` (`kill`, `kill-in-exchange`, `raise`, `hang`, `stop`; see
+on as orphans). A fault is `KIND:RANK` (`kill`, `hang`, `stop`, `raise`, ...: the kinds of
 `lightning_prague.demo.faults`): rank RANK strikes when it starts its `--fault-batch`-th training
 batch (default: the middle of epoch 2, or of epoch 1 with fewer than 3 epochs, from the batches per
 worker and epoch of the strategy's fault-free run); `KIND:RANK@STRATEGY,...` runs it under those
@@ -28,7 +28,8 @@ Reported per (strategy, fault):
   `t[k] - t[k-1]`, validation included) and the batches of an epoch (all workers, measured in the
   fault-free run; after the fault, the survivors' shares of it where a strategy keeps equal
   shards, `decent_adam`, instead of a work queue): before = the epochs before the one the fault
-  struck in, after = the epochs after it (`-` when there are none);
+  struck in, after = the epochs after it (`-` when there are none); a fault-free row's is over
+  all its epochs;
 * batches trained: the survivors' training batches plus the faulted rank's before it struck, of
   the fault-free run's (the asynchronous strategies share one work queue of batches per epoch);
 * val_acc of the leader (the lowest surviving rank) and its gap to the fault-free run, in points.
@@ -60,7 +61,9 @@ Linux only (it reads `/proc` to find a run's processes).
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -74,8 +77,20 @@ from pathlib import Path
 from typing import Any
 
 STRATEGIES = ("prague", "partial_reduce", "adpsgd", "decent_adam")
-#: `lightning_prague.demo.faults.KINDS` (not imported: importing the package imports Lightning)
-KINDS = ("kill", "kill-in-exchange", "raise", "hang", "stop")
+
+
+def _fault_kinds() -> tuple[str, ...]:
+    """`lightning_prague.demo.faults.KINDS`, read from its source (importing the package imports Lightning)."""
+    spec = importlib.util.find_spec("lightning_prague")  # finds the package without running its __init__
+    assert spec is not None and spec.submodule_search_locations, "lightning_prague is not installed"
+    source = Path(next(iter(spec.submodule_search_locations))) / "demo" / "faults.py"
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "KINDS" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise RuntimeError(f"no KINDS in {source}")
+
+
+KINDS = _fault_kinds()
 DEFAULT_FAULTS = ("kill:2", "hang:2", "kill:0")
 #: variables of an enclosing distributed job that would make the demo join it instead of starting its own
 DISTRIBUTED_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE")

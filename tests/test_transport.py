@@ -231,3 +231,15 @@ def test_the_supervisor_exits_by_itself_when_nobody_comes_and_when_everyone_has_
     assert job.poll() is None, "rank 1 is still connected"
     clients[1].close()
     assert _wait_for_exit(job, 15) == 0
+
+
+def test_a_quiet_control_plane_is_no_error_however_long_nothing_arrives(plane):
+    # the link's timeout bounds sends and requests, not silence: a gossiping worker may hear nothing for long
+    _, server = plane
+    host, port = server.address
+    client = ControlClient(host, port, 0, timeout=0.5)
+    session = client.open_session(1, _config(2))
+    time.sleep(1.5)
+    assert not client.closed
+    session.counters.add("k", 1)  # the connection still works
+    client.close()

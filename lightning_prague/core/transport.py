@@ -26,6 +26,7 @@ import logging
 import queue
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -306,7 +307,13 @@ class MessageLink:
         except OSError as err:
             raise CoordinationTimeout(f"rank {rank}: cannot connect to {peer} at {host}:{port} ({err})") from None
         _nodelay(self._sock)
-        self._sock.settimeout(timeout)  # bounds sendall; the reader blocks in recv without a timeout
+        # the reader blocks in recv without a timeout (a quiet control plane is no error: a gossiping
+        # worker may hear nothing for a long time); only sends are bounded, by the kernel
+        self._sock.settimeout(None)
+        seconds = max(1.0, float(timeout))
+        self._sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+        )
         self._send_lock = threading.Lock()
         self._queue: queue.Queue[Message | None] = queue.Queue()
         self.sent = 0
