@@ -61,3 +61,27 @@ def check_layer_sync(strategy: Any, strategy_name: str) -> None:
             "wait for each other forever. Use plain BatchNorm (each replica keeps its own statistics, averaged "
             "with the parameters at synchronization points) or GroupNorm/LayerNorm"
         )
+
+
+#: Lightning internals the strategy touches when ranks are lost (`DecentralizedStrategy._follow_membership`,
+#: `reshard_validation`): (path from the trainer, attribute)
+LOOP_INTERNALS = (
+    ("fit_loop", "_combined_loader"),
+    ("fit_loop.epoch_loop.val_loop", "_combined_loader"),
+    ("fit_loop.epoch_loop.val_loop", "setup_data"),
+    ("fit_loop.epoch_loop.val_loop", "reset"),
+)
+
+
+def check_loop_internals(trainer: Any, strategy_name: str) -> None:
+    """Raise `ConfigurationError` if this Lightning version lacks a loop internal that the survivors
+    of a lost rank rebuild their data with (checked at setup, not when a rank is lost)."""
+    for path, attribute in LOOP_INTERNALS:
+        owner: Any = trainer
+        for part in path.split("."):
+            owner = getattr(owner, part, None)
+        if owner is None or not hasattr(owner, attribute):
+            raise ConfigurationError(
+                f"strategy={strategy_name!r} needs trainer.{path}.{attribute}, which this Lightning version does not "
+                "have; use a Lightning version this release supports (see pyproject.toml)"
+            )

@@ -77,7 +77,7 @@ from lightning_prague.core.sharding import WorkQueueSampler
 from lightning_prague.core.training import SessionPlan, TrainingSession
 from lightning_prague.core.worker import GroupWorker
 from lightning_prague.strategies import _patches
-from lightning_prague.strategies._checks import check_layer_sync, check_trainer
+from lightning_prague.strategies._checks import check_layer_sync, check_loop_internals, check_trainer
 from lightning_prague.strategies.global_progress import GlobalProgress, batches_per_epoch
 from lightning_prague.strategies.launcher import SurvivingScriptLauncher
 
@@ -121,6 +121,8 @@ class SyncPoints(Callback):
             return  # the ranks met at the boundary just before
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             self.strategy.synchronize(f"validation@epoch{trainer.current_epoch}")
+            if self.strategy.regrouped:  # ranks were lost at this very meeting
+                self.strategy.reshard_validation()
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.outside_steps()
@@ -232,6 +234,9 @@ class DecentralizedStrategy(DDPStrategy):
         self.hang_rule = HangRule(floor=float(hang_timeout), factor=float(hang_factor))
         #: rank -> (wall-clock time this rank heard of it, why): workers lost during the last fit
         self.lost_workers: dict[int, tuple[float, str]] = {}
+        self._sharded_members: tuple[int, ...] = ()  # the members Lightning's shards were last built for
+        #: the last synchronization point changed the membership (see `_follow_membership`)
+        self.regrouped = False
         #: leave workers that lag far behind out of other workers' groups (`GroupGenerator.lagging`)
         self.avoid_stragglers = False
         #: this process's membership of the job (store, control plane, our process group)
@@ -296,6 +301,7 @@ class DecentralizedStrategy(DDPStrategy):
         asynchronous = fitting and self.world_size >= 2
         if asynchronous:
             check_layer_sync(self, self.strategy_name)
+            check_loop_internals(trainer, self.strategy_name)
             # before Lightning's setup: configure_optimizers may read trainer.estimated_stepping_batches,
             # which loads the training data (through the work queue) there
             self.training = TrainingSession(self._require_job(), self.session_plan(policy))
@@ -314,6 +320,7 @@ class DecentralizedStrategy(DDPStrategy):
             return
         assert self.training is not None
         self.training.start(averaged_state(self.lightning_module))  # the parameters on their final device
+        self._sharded_members = self._require_job().members
         for module in self.lightning_module.modules():  # torchmetrics' syncs survive a lost rank too
             if isinstance(module, Metric) and module.dist_sync_fn is None:
                 module.dist_sync_fn = self._gather_metric_state
@@ -497,17 +504,17 @@ class DecentralizedStrategy(DDPStrategy):
         release = self.worker.release or {}
         if release.get("stop"):  # some rank decided to stop: every rank stops here, together
             self._trainer.should_stop = True
-        if loader is not None:
-            loader.set_members(list(self.worker.members))
-        self._follow_membership()
-        if loader is not None and self.is_global_zero:
-            loader.forget_finished_epochs()
         if self.measure_consensus:
             self.consensus_error = self.worker.consensus_error()
         if self.average_at_sync:
             while not self.worker.global_average():  # a rank was lost during it: meet again without it
                 self.worker.synchronize(f"{name}/again")
             self.worker.version = self.worker.released_version  # one model again: one version
+        if loader is not None:
+            loader.set_members(list(self.worker.members))
+        self.regrouped = self._follow_membership()
+        if loader is not None and self.is_global_zero:
+            loader.forget_finished_epochs()
         if sampler is not None and "speeds" in release:
             # every rank's time per batch, for the work queue's tail decisions
             sampler.set_speeds(release["speeds"])
@@ -519,14 +526,42 @@ class DecentralizedStrategy(DDPStrategy):
                 if progress is None:
                     self.progress.at_synchronization(reached)
 
-    def _follow_membership(self) -> None:
-        """After a release that lost ranks: if rank 0 was lost, its successor logs as rank zero."""
-        if self._survivors is None:
-            return
-        assert self.job is not None
-        if self.job.leader != 0 and self.is_global_zero and rank_zero_only.rank != 0:
+    def _follow_membership(self) -> bool:
+        """After a release: if it lost ranks, the data that Lightning shards by rank (validation, and
+        training without the work queue) is sharded among the survivors from its next pass (their
+        loaders are rebuilt: `distributed_sampler_kwargs`), and if rank 0 was lost its successor
+        logs as rank zero. Returns whether the membership changed at this release."""
+        job = self.job
+        if job is None or job.members == self._sharded_members:
+            return False
+        self._sharded_members = job.members
+        assert self._trainer is not None
+        fit_loop = self._trainer.fit_loop
+        fit_loop.epoch_loop.val_loop._combined_loader = None
+        if not self.shards_by_work_queue:
+            fit_loop._combined_loader = None  # from the next epoch on (this one's iterator goes on)
+        if job.leader != 0 and self.is_global_zero and rank_zero_only.rank != 0:
             log.warning("rank %d: takes over global rank 0's duties (checkpoints, logging)", self.global_rank)
             rank_zero_only.rank = 0
+        return True
+
+    def reshard_validation(self) -> None:
+        """The validation that starts now shards among the survivors (the membership changed at its
+        own meeting, after Lightning built its loaders): rebuild them and the loop's fetcher."""
+        assert self._trainer is not None
+        loop = self._trainer.fit_loop.epoch_loop.val_loop
+        loop._combined_loader = None
+        loop.setup_data()
+        loop.reset()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Lightning's shards (validation; training without the work queue): among the live ranks."""
+        job = self.job
+        if job is not None and len(job.members) < job.world_size and self.global_rank in job.members:
+            return {"num_replicas": len(job.members), "rank": job.members.index(self.global_rank)}
+        return super().distributed_sampler_kwargs
 
     @property
     def wait_seconds(self) -> float:
