@@ -140,9 +140,11 @@ class GroupGenerator:
         rank = int(message["rank"])
         if not 0 <= rank < self.world_size:
             raise ValueError(f"message from rank {rank} outside world of size {self.world_size}: {message}")
-        if rank in self.left:  # out of the job (e.g. fenced while it still ran): assign it nothing
+        if rank in self.left:  # out of the job (failed, or fenced while it still ran): assign it nothing
             if op == "ready":
                 self._answer(rank, int(message["req"]), None, out)
+            elif op == "leave":  # it announced its failure first: what was assigned to it is in its inbox
+                self._push(out, rank, {"t": "left"})
             return out
         if op == "ready":
             self._ready_msg(rank, int(message["req"]), int(message.get("version", 0)), out)

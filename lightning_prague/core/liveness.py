@@ -15,9 +15,9 @@ nothing at all was heard from it (the process is frozen: its beacon is silent to
 steps and for a worker 5 times slower (250 ms) alike, since the bound follows each worker's own
 history and never the others'. Until a worker has timed a step (its first batch of a fit), and
 while it says it is busy, the bound is the session's `timeout` (a first step that compiles, a long
-checkpoint). A worker that waits on a hung peer is not hung: it says it is waiting. A beat goes
-out at once when a worker's state changes (busy to stepping, its first timed step), so that the
-control plane knows its bound before it can hang.
+checkpoint). A worker that waits on a hung peer is not hung: it says it is waiting. When a worker's
+state changes (busy to stepping, its first timed step) its training thread sends a beat itself,
+before the step, so that the control plane knows its bound before it can hang.
 
 What happens next (fencing the worker, so that a hang becomes a departure like a crash) is the
 control plane's (`lightning_prague.core.coordinator`).
@@ -76,8 +76,8 @@ class Beacon:
         self._steps: deque[float] = deque(maxlen=history)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._wake = threading.Event()  # beat now: the state changed
         self._sent: tuple[bool, bool] = (True, False)  # (busy, step known) of the last beat
+        self._send: Optional[Callable[[dict[str, Any]], None]] = None
         self._thread: Optional[threading.Thread] = None
 
     # -- the training thread ------------------------------------------------------------------
@@ -91,8 +91,9 @@ class Beacon:
             self._waited_seconds = 0.0
             self.progress += 1
             self.busy = False
-            if self._sent != (False, len(self._steps) >= self.rule.min_steps):
-                self._wake.set()
+            changed = self._sent != (False, len(self._steps) >= self.rule.min_steps)
+        if changed:  # from this thread, now: it may hang in the very step that follows
+            self._beat()
 
     def set_busy(self) -> None:
         """Outside the steps until the next `bump` (an epoch's end, a checkpoint): the long bound applies."""
@@ -131,17 +132,23 @@ class Beacon:
             return {"progress": self.progress, "waiting": waiting, "busy": self.busy, "step": step}
 
     # -- the beacon thread ----------------------------------------------------------------------
+    def _beat(self) -> bool:
+        send = self._send
+        if send is None or self._stop.is_set():
+            return False
+        try:
+            send(self.report())
+            return True
+        except Exception:  # the connection is gone: the rank's own checks report that
+            log.debug("a beat could not be sent", exc_info=True)
+            return False
+
     def start(self, send: Callable[[dict[str, Any]], None], name: str) -> None:
+        self._send = send
+
         def beat() -> None:
-            while not self._stop.is_set():
-                self._wake.wait(self.interval)
-                self._wake.clear()
-                if self._stop.is_set():
-                    return
-                try:
-                    send(self.report())
-                except Exception:  # the connection is gone: the rank's own checks report that
-                    log.debug("%s: a beat could not be sent", name, exc_info=True)
+            while not self._stop.wait(self.interval):
+                if not self._beat():
                     return
 
         self._thread = threading.Thread(target=beat, name=name, daemon=True)
@@ -149,7 +156,6 @@ class Beacon:
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake.set()
 
 
 @dataclass

@@ -117,6 +117,7 @@ class SyncPoints(Callback):
             self.strategy.progress.after_batch()  # a boundary: meet before step-based callbacks run
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.outside_steps()  # until its first batch: a meeting, loaders built
         if not self.strategy.controller.validation_starts():
             return  # the ranks met at the boundary just before
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
@@ -446,6 +447,11 @@ class DecentralizedStrategy(DDPStrategy):
         """The fit failed on this rank: its teardown leaves the session, so the others are told at once
         (a coordinated SIGTERM stop is no failure: every rank met at the stop point)."""
         self._failed = not isinstance(exception, SIGTERMException)
+        if self._failed and self.session is not None:
+            try:  # the others hear of it at once; its teardown then runs what they wait for in its groups
+                self.session.send("failing")
+            except Exception:
+                log.debug("rank %d: could not announce its failure", self.global_rank, exc_info=True)
         super().on_exception(exception)
 
     # -- training step ------------------------------------------------------------------------

@@ -186,5 +186,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
     torch.set_num_threads(1)
     main()
