@@ -243,3 +243,20 @@ def test_a_quiet_control_plane_is_no_error_however_long_nothing_arrives(plane):
     assert not client.closed
     session.counters.add("k", 1)  # the connection still works
     client.close()
+
+
+def test_ranks_that_all_fail_still_leave_after_their_session_is_over(plane):
+    _, server = plane
+    clients = _clients(server, 2)
+    sessions = [c.open_session(1, _config(2)) for c in clients]
+    for s in sessions:
+        s.send("failing")  # both fits fail: the session is over once both departed
+    for s in sessions:
+        s.send("leave")
+        kinds = []
+        while not kinds or kinds[-1] != "left":
+            item = s.receive(timeout=5)
+            assert item is not None, kinds
+            kinds.append(item["t"])
+    for c in clients:
+        c.close()

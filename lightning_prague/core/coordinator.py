@@ -280,6 +280,12 @@ class ControlPlane:
             session.processes[rank] = (int(message.get("pid", 0)), str(message.get("host", "")))
             return
         if session is None:
+            # every rank failed or left, so the session is over: a failed rank's teardown still leaves
+            if op == "leave":
+                out[rank] = [{"t": "left", "s": number}]
+                return
+            if op in ("close", "beat", "failing"):
+                return
             raise ValueError(f"rank {rank} sent {op!r} for session {number}, which is not open")
         session.hangs.heard(rank)
         if op == "beat":
