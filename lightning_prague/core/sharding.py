@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import Sampler
 
+from lightning_prague.core.coordinator import REQUEUED
 from lightning_prague.core.errors import ConfigurationError
 
 
@@ -195,8 +196,9 @@ class WorkQueueSampler(Sampler[int]):
 
     @staticmethod
     def _epoch_keys(epoch: int) -> list[str]:
-        """Every store key the queue may write in `epoch`."""
-        return [f"epoch/{epoch}/cursor", f"epoch/{epoch}/left"]
+        """Every store key the queue may write in `epoch` (with the chunks of ranks lost in it)."""
+        cursor = f"epoch/{epoch}/cursor"
+        return [cursor, f"epoch/{epoch}/left", cursor + REQUEUED]
 
     def has_keys(self, epoch: int) -> bool:
         """Whether `epoch` still has keys in the store."""
