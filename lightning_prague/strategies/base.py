@@ -447,11 +447,6 @@ class DecentralizedStrategy(DDPStrategy):
         """The fit failed on this rank: its teardown leaves the session, so the others are told at once
         (a coordinated SIGTERM stop is no failure: every rank met at the stop point)."""
         self._failed = not isinstance(exception, SIGTERMException)
-        if self._failed and self.session is not None:
-            try:  # the others hear of it at once; its teardown then runs what they wait for in its groups
-                self.session.send("failing")
-            except Exception:
-                log.debug("rank %d: could not announce its failure", self.global_rank, exc_info=True)
         super().on_exception(exception)
 
     # -- training step ------------------------------------------------------------------------
