@@ -236,16 +236,22 @@ def test_a_gossip_phase_ends_in_the_meeting_at_one_final_round():
     generator = GroupGenerator(3, make_policy("random", 3, 2))
     # everyone stopped at the same round and nobody went idle: the phase ends there
     for rank in range(2):
-        assert not generator.handle({"op": "arrive", "rank": rank, "sync": "e0", "round": 5, "coverage": 2})
-    out = generator.handle({"op": "arrive", "rank": 2, "sync": "e0", "round": 5, "coverage": 2})
+        assert not generator.handle({"op": "arrive", "rank": rank, "sync": "e0", "round": 5})
+    out = generator.handle({"op": "arrive", "rank": 2, "sync": "e0", "round": 5})
     assert {item["final"] for items in out.values() for item in items} == {5}
     # uneven: rank 0 waits, asks for idle rounds (waiting ranks are told at once, later ones on arrival)
-    generator.handle({"op": "arrive", "rank": 0, "sync": "e1", "round": 7, "coverage": 2})
+    generator.handle({"op": "arrive", "rank": 0, "sync": "e1", "round": 7})
     assert generator.handle({"op": "idle", "rank": 0}) == {0: [{"t": "idle"}]}
     assert generator.handle({"op": "idle", "rank": 0}) == {}  # once per meeting
-    assert generator.handle({"op": "arrive", "rank": 1, "sync": "e1", "round": 9, "coverage": 2}) == {
-        1: [{"t": "idle"}]
-    }
-    out = generator.handle({"op": "arrive", "rank": 2, "sync": "e1", "round": 11, "coverage": 2})
-    # the last rank's round plus the coverage plus one: no rank can have passed it
-    assert {item["final"] for items in out.values() for item in items if item["t"] == "release"} == {14}
+    assert generator.handle({"op": "arrive", "rank": 1, "sync": "e1", "round": 9}) == {1: [{"t": "idle"}]}
+    out = generator.handle({"op": "arrive", "rank": 2, "sync": "e1", "round": 11})
+    # ranks that served idle rounds are past the rounds they reported: the final round is settled
+    releases = [item for items in out.values() for item in items if item["t"] == "release"]
+    assert len(releases) == 3 and all(r["settle"] and "final" not in r for r in releases)
+    # each reports the rounds it has issued, and the largest is final; a rank lost meanwhile is not waited for
+    assert not generator.handle({"op": "arrive", "rank": 0, "sync": "e1/rounds", "round": 16, "settle": True})
+    assert not generator.handle({"op": "arrive", "rank": 2, "sync": "e1/rounds", "round": 11, "settle": True})
+    out: dict = {}
+    generator.depart(1, out)
+    assert {r: [item["final"] for item in items] for r, items in out.items()} == {0: [16], 2: [16]}
+    assert out[0][0]["members"] == [0, 2] and "settle" not in out[0][0]

@@ -33,13 +33,16 @@ Inbox items (plain dicts, JSON-serialisable):
 
 Gossip phases (fixed schedules, `lightning_prague.core.gossip`): every rank's gossip rounds are
 collectives of its group, so a phase must end at the same round on every rank, and a rank out of
-steps must keep serving neighbours that still step. Such ranks arrive with their `round` and the
-schedule's `coverage`. A rank that waits `idle_after` seconds sends `idle`: from then on every
-waiting rank runs idle rounds (mixing only), and ranks that arrive later are told so at once.
-When the last rank arrives, the release carries `final`: its round if every rank stopped at the
-same round and nobody went idle, else its round plus `coverage` plus one, which no rank can
-have passed (no rank gets more than `coverage` rounds ahead of another). This is the same
-meeting that ends every strategy's phase.
+steps must keep serving neighbours that still step. Such ranks arrive with their `round`. A rank
+that waits `idle_after` seconds sends `idle`: from then on every waiting rank runs idle rounds
+(mixing only), and ranks that arrive later are told so at once. When the last rank arrives, the
+release carries `final`, their round, if every rank stopped at the same round and nobody went
+idle. Otherwise it carries `settle`: no rank starts another round, and every rank meets once more
+(at `<sync>/rounds`, arriving with the rounds it has issued and `settle`); that release's `final`
+is the largest of them, and every rank runs its gossip to it. Waiting for the largest round
+issued needs no bound on how far ranks drift apart: a bound from the schedule (how many rounds
+connect every rank) fails as soon as a member is lost, because rounds with a lost member end at
+once. This is the same meeting that ends every strategy's phase.
 
 Membership: a worker that departs (its process ended, it was fenced after a hang, or it left
 after an error) is out of the job for good. It is never drawn into a group again: every policy
@@ -118,7 +121,7 @@ class GroupGenerator:
         self._speeds: list[float] = [0.0] * world_size  # seconds per batch, as reported with `arrive`
         self._untrained: dict[int, list[int]] = {}
         self._rounds: dict[int, int] = {}  # gossip rounds reported with `arrive`, this meeting
-        self._coverage = 0
+        self._settling = False  # this meeting settles a gossip phase's final round (see above)
         self._idle = False  # this meeting's gossip phase switched to idle rounds
         #: groups shared by a round (static, buffer): (round, members) -> [gid, members yet to ask for it]
         self._per_round: dict[tuple[int, Group], list[int]] = {}
@@ -155,7 +158,7 @@ class GroupGenerator:
                 self._untrained[rank] = [int(c) for c in message["untrained"]]
             if "round" in message:
                 self._rounds[rank] = int(message["round"])
-                self._coverage = int(message.get("coverage", 0))
+                self._settling = bool(message.get("settle"))
                 if self._idle:
                     self._push(out, rank, {"t": "idle"})
             if message.get("stop"):
@@ -314,10 +317,10 @@ class GroupGenerator:
         self._changed()
         if isinstance(self.policy, FirstReadyPolicy):
             self._form_ready_groups(out)
-        self._maybe_release(sync, rank, out)
+        self._maybe_release(sync, out)
 
-    def _maybe_release(self, sync: str, rank: int | None, out: dict[int, list[Item]]) -> None:
-        """Release the meeting if every live worker is parked (`rank`: the one that arrived last)."""
+    def _maybe_release(self, sync: str, out: dict[int, list[Item]]) -> None:
+        """Release the meeting if every live worker is parked."""
         if not self.parked or len(self.parked) < len(self.live):
             return
         names = set(self.parked.values())
@@ -334,10 +337,11 @@ class GroupGenerator:
                 "members": list(self.live),
             }
             if self._rounds:
-                latest = max(self._rounds.values())
-                last = self._rounds.get(rank, latest) if rank is not None else latest  # the rank that arrived last
-                same = set(self._rounds.values()) == {last}
-                release["final"] = last if same and not self._idle else last + self._coverage + 1
+                rounds = set(self._rounds.values())
+                if self._settling or (len(rounds) == 1 and not self._idle):
+                    release["final"] = max(rounds)
+                else:  # some rank may still be issuing rounds: every rank reports where it stopped
+                    release["settle"] = True
             for r in self.live:
                 self._push(out, r, release)
             if self.sync_averages and isinstance(self.policy, FirstReadyPolicy):
@@ -356,6 +360,7 @@ class GroupGenerator:
         self.parked.clear()
         self._untrained = {}
         self._rounds = {}
+        self._settling = False
         self._idle = False
         self.rounds = [0] * self.world_size
         self._per_round.clear()
@@ -389,7 +394,7 @@ class GroupGenerator:
         if isinstance(self.policy, FirstReadyPolicy):
             self._form_ready_groups(out)  # a worker held for it is grouped with the others now
         if self.parked:
-            self._maybe_release(next(iter(self.parked.values())), None, out)
+            self._maybe_release(next(iter(self.parked.values())), out)
 
     def _go_idle(self, out: dict[int, list[Item]]) -> None:
         """A waiting rank asked for idle rounds: every rank waiting at this meeting runs them (once)."""

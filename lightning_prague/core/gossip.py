@@ -21,9 +21,9 @@ strategy's phase (`GroupWorker.synchronize`, decided by `GroupGenerator`): each 
 its round. Normally (equal data shards) all workers stop at the same round and end there. If a
 worker finds itself waiting `idle_after` seconds for the others, it asks the coordinator for
 *idle* rounds, and every waiting worker runs them (mixing only, no gradient) so that neighbours
-with more steps are never stuck; the release then names the final round: the last worker's round
-plus the schedule's `coverage` plus one, which no worker can have passed (see
-`Schedule.coverage`), and everyone runs idle rounds up to it.
+with more steps are never stuck. A waiting worker starts an idle round only once its previous
+round is done, so it keeps reading its inbox. The ranks then settle the final round: each stops,
+reports the rounds it issued, and all run to the largest (`GroupWorker.settle_rounds`).
 
 A worker that leaves the job: a round it was in fails on every member alike (its share is
 missing, see `lightning_prague.core.groups`) and changes nobody's model. From the next meeting's
@@ -215,19 +215,37 @@ class LaggedGossip(Exchanger):
         if self._meeting_started is None:  # (asked again when a meeting turns into the stop point)
             self._meeting_started = time.monotonic()
             self._waited_before = self.wait_seconds
-        return {"round": self.round, "coverage": self.schedule.coverage}
+        return {"round": self.round}
 
     def serve(self) -> None:
-        """An idle round: mix the round in flight and issue the next, without a gradient step."""
+        """An idle round, if the round in flight is done (else nothing: the meeting goes on reading
+        its inbox, so a release is never missed while a partner is elsewhere)."""
+        flight = self._flight
+        if flight is not None and flight.future is not None and not flight.future.done():
+            return
+        self._idle_round()
+
+    def _idle_round(self) -> None:
+        """Mix the round in flight and issue the next, without a gradient step."""
         self.mix()
         self.issue()
         self.idle_rounds += 1
 
     def finish(self, release: dict[str, Any]) -> None:
-        """Run to the release's final round (every rank does), mix the last one in: the phase is over."""
-        final = int(release.get("final", self.round))
+        """Run to the phase's final round (every rank does), mix the last one in: the phase is over.
+
+        The release names it, or says `settle`: ranks may have stopped at different rounds (idle
+        rounds, or rounds that ended at once because a member was lost), so they agree on the
+        largest round any of them issued first.
+        """
+        if release.get("settle"):
+            final = self.worker.settle_rounds(self.round)
+        else:
+            final = int(release.get("final", self.round))
+        if final < self.round:  # cannot happen: the settled round is the largest issued
+            raise RuntimeError(f"rank {self.worker.rank}: gossip at round {self.round} is past the final round {final}")
         while self.round < final:
-            self.serve()
+            self._idle_round()
         self.mix()
         # the whole end of the phase is waiting
         started = self._meeting_started if self._meeting_started is not None else time.monotonic()

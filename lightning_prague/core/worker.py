@@ -266,7 +266,7 @@ class GroupWorker:
                 if idle:
                     assert exchanger is not None
                     exchanger.serve()
-                item = self.poll_item(0.0 if idle else 0.01)
+                item = self.poll_item(0.001 if idle else 0.01)
                 if item is None:
                     waited = time.monotonic() - start
                     if not asked_idle and waited > idle_after:
@@ -290,6 +290,22 @@ class GroupWorker:
                 if exchanger is not None:  # its round moved on if it served idle rounds meanwhile
                     report = {**report, **exchanger.meeting_report()}
                 self._send("arrive", sync=target, **report)
+
+    def settle_rounds(self, issued: int) -> int:
+        """The final round of a gossip phase whose release said `settle`: every rank meets once more,
+        reporting the rounds it has `issued`, and gets the largest (see `GroupGenerator`). The
+        first release stays this worker's `release`, with the members named by the second."""
+        first, version = self.release or {}, self.released_version
+        name = f"{first.get('sync', STOP_SYNC)}/rounds"
+        log.debug("rank %d: settling the final gossip round at %r (issued %d)", self.rank, name, issued)
+        with self.session.beacon.waiting():
+            self._meet(name, time.monotonic(), None, {"round": issued, "settle": True})
+        settled = self.release or {}
+        final = int(settled.get("final", issued))
+        self.release = {**first, "members": settled.get("members", first.get("members"))}
+        self.released_version = version
+        log.debug("rank %d: the final gossip round is %d", self.rank, final)
+        return final
 
     @property
     def members(self) -> tuple[int, ...]:
