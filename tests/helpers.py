@@ -51,6 +51,16 @@ def _write_to_the_log() -> None:
                 handler.setStream(sys.stderr)
 
 
+def _warnings_to_stderr() -> None:
+    """Print warnings, as a process of its own would: the forked child inherits pytest's recording of them."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    warnings.showwarning = show
+
+
 def _run_script_in_child(script: Path, argv: list[str], environ: dict[str, str], log: Path) -> None:
     """Body of a forked rank: the script's ``__main__`` with its own argv, environment and log file."""
     import runpy
@@ -60,6 +70,7 @@ def _run_script_in_child(script: Path, argv: list[str], environ: dict[str, str],
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
     _write_to_the_log()
+    _warnings_to_stderr()
     os.environ.clear()
     os.environ.update(environ)
     sys.argv = [str(script), *argv]

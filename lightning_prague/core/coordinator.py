@@ -14,8 +14,8 @@ connection, in one global order (the server handles one message at a time):
   or it leaves after an error, every other member gets a `departed` item naming it at once.
   The generator then leaves it out of everything (see `Membership` in
   `lightning_prague.core.generator`): the survivors go on.
-* **failures** - a rank whose fit fails sends `failing` at once (from Lightning's `on_exception`):
-  it departs for the others right away, and its teardown's `leave` then runs what was assigned to it
+* **failures** - a rank whose fit fails sends `leave` from its teardown (right after Lightning's
+  `on_exception`): it departs for the others at once, then runs what was already assigned to it
   and gets its `left` item.
 * **hangs** - every member's beacon beats once a second (`lightning_prague.core.liveness`); a
   member the `HangDetector` finds hung departs like a crashed one and is **fenced**: SIGKILLed
@@ -284,7 +284,7 @@ class ControlPlane:
             if op == "leave":
                 out[rank] = [{"t": "left", "s": number}]
                 return
-            if op in ("close", "beat", "failing"):
+            if op in ("close", "beat"):
                 return
             raise ValueError(f"rank {rank} sent {op!r} for session {number}, which is not open")
         session.hangs.heard(rank)
@@ -308,8 +308,6 @@ class ControlPlane:
                 "windows_closed": getattr(generator.policy, "windows_closed", None),
             }
             CoordinatorSession._reply(rank, int(message["req"]), history, out)
-        elif op == "failing":  # fit failed on it: the others hear of it now, before its teardown runs
-            session.depart(rank, "it stopped after an error", out)
         elif op == "leave":  # the others hear of it first, then it gets what is still assigned to it
             session.depart(rank, "it stopped after an error", out, leaving=True)
             for r, items in session.generator.handle(message).items():

@@ -426,9 +426,15 @@ class DecentralizedStrategy(DDPStrategy):
                 f"rank {r} at {time.strftime('%H:%M:%S', time.localtime(at))}: {why}"
                 for r, (at, why) in self.lost_workers.items()
             )
+            stopped = ""
+            if len(session.members) < self.min_workers:
+                stopped = (
+                    f"; fewer than min_workers={self.min_workers} remained, so the job stopped at its next "
+                    "synchronization point"
+                )
             warnings.warn(
                 f"strategy={self.strategy_name!r} lost {len(self.lost_workers)} worker(s) during the fit and finished "
-                f"it with ranks {list(session.members)}: {lines}",
+                f"it with ranks {list(session.members)}: {lines}{stopped}",
                 stacklevel=2,
             )
 
