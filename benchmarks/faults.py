@@ -32,10 +32,8 @@ Reported per (strategy, fault):
   all its epochs;
 * batches trained: the survivors' training batches plus the faulted rank's before it struck, of
   the fault-free run's (the asynchronous strategies share one work queue of batches per epoch);
-* val_acc of the leader (the lowest surviving rank) and its gap to the fault-free run, in points.
-  After a loss the survivors validate only their own shards of the validation set (Lightning's
-  sampler keeps the original world size: 270 of its 360 padded samples with 1 of 4 ranks lost), so
-  the gap mixes the fault's effect with a smaller validation set;
+* val_acc of the leader (the lowest surviving rank) and its gap to the fault-free run, in points
+  (after a loss the validation set is resharded among the survivors, so it is the whole set);
 * whether the survivors' `params_checksum` agree.
 
 Baselines (unless `--no-baselines`): Lightning's DDP fault-free and with each fault (it dies when a

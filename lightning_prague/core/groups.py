@@ -55,6 +55,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,24 @@ def backend_device(backend: str) -> torch.device:
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+class PeerFailure(RuntimeError):
+    """The backend failed an operation with another rank (a peer gone, a broken communicator).
+
+    Only errors of the backend's communication calls become this; an error of this rank's own
+    work (CUDA out of memory, a wrong dtype) propagates as it is, never as a lost peer or a timeout.
+    """
+
+
+def _communicate(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`call` (a backend communication call); its `RuntimeError` becomes `PeerFailure`."""
+    try:
+        return call(*args, **kwargs)
+    except PeerFailure:
+        raise
+    except RuntimeError as err:
+        raise PeerFailure(str(err)) from err
 
 
 def sum_is_complete(tensor: torch.Tensor) -> torch.Tensor:
@@ -187,7 +206,7 @@ class GroupComm:
             try:
                 small = nbytes <= self.doubling_max_bytes
                 if members == self.everyone and self.device.type != "cpu":
-                    work = dist.all_reduce(staged, group=self.pg, async_op=True)  # NCCL's own
+                    work = _communicate(dist.all_reduce, staged, group=self.pg, async_op=True)  # NCCL's own
                     self._wait(work, deadline)
                 elif len(members) <= self.all_to_all_max:
                     self._all_to_all(staged, members, deadline)
@@ -198,7 +217,7 @@ class GroupComm:
                 else:
                     self._ring(staged, members, deadline)
                 self._finish(staged, deadline, members)
-            except (RuntimeError, TimeoutError) as err:
+            except (PeerFailure, TimeoutError) as err:  # not this rank's own errors (out of memory, dtype)
                 if isinstance(err, CoordinationTimeout):
                     raise
                 if not self.abandon(members):
@@ -291,14 +310,14 @@ class GroupComm:
         and the others still run (a receive that failed leaves NaN in its buffer).
         """
         if self.device.type != "cpu":
-            for work in dist.batch_isend_irecv(ops):
+            for work in _communicate(dist.batch_isend_irecv, ops):
                 self._wait(work, deadline)
         else:
             posted: list[tuple[dist.P2POp, dist.Work | None]] = []
             for op in ops:
                 try:
-                    posted.append((op, op.op(op.tensor, op.peer, op.group)))
-                except RuntimeError as err:
+                    posted.append((op, _communicate(op.op, op.tensor, op.peer, op.group)))
+                except PeerFailure as err:
                     self._peer_failed(op, err)
                     posted.append((op, None))
             for op, work in posted:
@@ -306,7 +325,7 @@ class GroupComm:
                     continue
                 try:
                     self._wait(work, deadline)
-                except RuntimeError as err:
+                except PeerFailure as err:
                     if time.monotonic() >= deadline:
                         raise
                     self._peer_failed(op, err)
@@ -323,10 +342,10 @@ class GroupComm:
     def _wait(self, work: dist.Work, deadline: float) -> None:
         if self._host_waits:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not work.wait(timedelta(seconds=remaining)):
+            if remaining <= 0 or not _communicate(work.wait, timedelta(seconds=remaining)):
                 raise TimeoutError("timed out")
         else:
-            work.wait()  # orders the current stream after the operation; _finish bounds it in time
+            _communicate(work.wait)  # orders the current stream after the operation; _finish bounds it in time
 
     def _finish(self, tensor: torch.Tensor, deadline: float, members: tuple[int, ...]) -> None:
         """On a device with streams, wait (polling, bounded) until the operation has run."""

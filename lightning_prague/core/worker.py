@@ -9,6 +9,7 @@ Then nothing is in flight anywhere, and a world-wide average is safe.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -67,18 +68,48 @@ class WorkerStats:
     #: the sum stays a tensor on the model's device until it is read (no host synchronisation per step)
     group_error_sum: torch.Tensor | None = None
     group_error_count: int = 0
+    # the communication thread records while the training thread takes: both under this lock
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # on CUDA: when the latest sum is computed (it was computed on the recording thread's stream)
+    _sum_ready: Any = field(default=None, repr=False, compare=False)
 
     def record_group_error(self, error: torch.Tensor) -> None:
-        self.group_error_sum = error.detach().clone() if self.group_error_sum is None else self.group_error_sum + error
-        self.group_error_count += 1
+        """Add one group average's error (a 0-d tensor, from any thread and its current stream)."""
+        error = error.detach()
+        with self._lock:
+            previous = self.group_error_sum
+            if previous is None:
+                total = error.clone()
+            else:
+                if error.is_cuda:  # the previous sum may come from another thread's stream
+                    stream = torch.cuda.current_stream(error.device)
+                    if self._sum_ready is not None:
+                        stream.wait_event(self._sum_ready)
+                    previous.record_stream(stream)  # its memory is not reused before this stream read it
+                total = previous + error
+            self.group_error_sum = total
+            self._sum_ready = _recorded_event(total)
+            self.group_error_count += 1
 
     def take_group_error(self) -> float | None:
         """Mean group error since the last call (`None` if there was no group average)."""
-        total, count = self.group_error_sum, self.group_error_count
-        self.group_error_sum, self.group_error_count = None, 0
+        with self._lock:
+            total, count, ready = self.group_error_sum, self.group_error_count, self._sum_ready
+            self.group_error_sum, self.group_error_count, self._sum_ready = None, 0, None
         if total is None or not count:
             return None
+        if ready is not None:
+            ready.synchronize()
         return float(total) / count
+
+
+def _recorded_event(tensor: torch.Tensor) -> Any:
+    """An event recorded now on the current stream of `tensor`'s device (`None` off CUDA)."""
+    if not tensor.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
 
 
 class GroupWorker:

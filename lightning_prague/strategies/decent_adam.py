@@ -53,8 +53,8 @@ class DecentAdamStrategy(DecentralizedStrategy):
     batches; this strategy keeps Lightning's distributed sampler (equal shards, as with DDP), and
     step-based settings (`max_steps`, `val_check_interval`) are allowed. The meeting that
     ends a phase tolerates unequal step counts anyway: a worker out of batches runs idle rounds
-    (mixing only) until every worker has reached the same final round, which the meeting's
-    release names (see `lightning_prague.core.gossip`). Synchronization points (validation, epoch end, end of
+    (mixing only) until every worker has reached the same final round, which the meeting settles
+    (see `lightning_prague.core.gossip`). Synchronization points (validation, epoch end, end of
     fit) then average all replicas (`average_at_sync`). A SIGTERM stops training at the next
     synchronization point.
 
