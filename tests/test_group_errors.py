@@ -55,3 +55,18 @@ def test_a_failed_communication_with_a_departed_member_leaves_an_incomplete_sum(
     total = torch.ones(4)
     comm.sum_(total, (0, 1), "group average #8")
     assert not bool(sum_is_complete(total))
+
+
+def test_a_workers_error_item_is_the_control_planes_failure_or_the_ranks_disagreement():
+    from types import SimpleNamespace
+
+    from lightning_prague.core.errors import CONTROL_PLANE, ControlPlaneError, SyncMismatchError
+    from lightning_prague.core.worker import GroupWorker
+
+    worker = SimpleNamespace(rank=3)
+    failed = {"t": "error", "source": CONTROL_PLANE, "message": "the control plane rejected 'arrive': KeyError"}
+    with pytest.raises(ControlPlaneError, match="rank 3: the control plane rejected 'arrive'"):
+        GroupWorker.execute(worker, failed)
+    mismatch = {"t": "error", "message": "ranks reached different synchronization points"}
+    with pytest.raises(SyncMismatchError, match="rank 3: ranks reached different"):
+        GroupWorker.execute(worker, mismatch)

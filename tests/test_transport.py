@@ -9,7 +9,7 @@ import time
 import pytest
 
 from lightning_prague.core import ControlClient, ControlPlane, SessionConfig, make_policy
-from lightning_prague.core.errors import CoordinationTimeout
+from lightning_prague.core.errors import CONTROL_PLANE, ControlPlaneError, CoordinationTimeout
 from lightning_prague.core.transport import MessageLink, MessageServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -259,3 +259,33 @@ def test_ranks_that_all_fail_still_leave_after_their_session_is_over(plane):
             kinds.append(item["t"])
     for c in clients:
         c.close()
+
+
+def test_a_message_the_control_plane_rejects_is_reported_as_its_own_failure_not_a_mismatch(plane):
+    _, server = plane
+    clients = _clients(server, 2)
+    session = clients[0].open_session(1, _config(2))
+    with pytest.raises(ControlPlaneError, match="the control plane rejected 'no-such-op'"):
+        session.request("no-such-op", "an unknown request")
+    session.send("arrive")  # no synchronization point named: the handler fails on it
+    item = session.receive(timeout=5)
+    assert item["t"] == "error" and item["source"] == CONTROL_PLANE and "'arrive'" in item["message"]
+    for c in clients:
+        c.close()
+
+
+def test_a_server_that_fails_tells_every_client_its_error_before_closing():
+    def handle(message: dict) -> dict[int, list[dict]]:
+        raise SystemExit("the handler's thread is ending")  # not an Exception: it ends the server's loop
+
+    server = MessageServer(handle, "127.0.0.1")
+    server.start()
+    host, port = server.address
+    links = [MessageLink(host, port, rank, timeout=10) for rank in range(2)]
+    try:
+        links[0].send({"op": "x", "rank": 0})
+        for link in links:  # at once, not after a timeout, and with the server's own error
+            with pytest.raises(ControlPlaneError, match="failed: SystemExit: the handler's thread is ending"):
+                link.receive(timeout=5)
+    finally:
+        server.close()

@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import Any
 
 from lightning_prague.core.coordinator import SessionConfig
-from lightning_prague.core.errors import CoordinationTimeout, MemberLost
+from lightning_prague.core.errors import CONTROL_PLANE, ControlPlaneError, CoordinationTimeout, MemberLost
 from lightning_prague.core.liveness import Beacon, HangRule
 from lightning_prague.core.transport import ROUTED, Message, MessageLink
 
@@ -97,7 +97,7 @@ class ControlClient:
         waiter: queue.Queue[Message] = queue.Queue(maxsize=1)
         with self._lock:
             if self.link.closed:
-                raise CoordinationTimeout(self.link.close_error or f"rank {self.rank}: the control plane is gone")
+                raise self.link.closed_error(what)
             self._replies[req] = waiter
         self.link.send({**message, "req": req, "rank": self.rank})
         limit = self.timeout if timeout is None else timeout
@@ -110,7 +110,13 @@ class ControlClient:
                 f"rank {self.rank}: the control plane at {self.address} did not answer {what} within {limit:.0f}s"
             ) from None
         if "error" in reply:
-            raise CoordinationTimeout(f"rank {self.rank}: {what} failed: {reply['error']}")
+            if reply.get("source") == CONTROL_PLANE:  # its handler rejected the request
+                raise ControlPlaneError(f"rank {self.rank}: {what} failed: {reply['error']}")
+            raise (
+                self.link.closed_error(what)
+                if self.link.closed
+                else CoordinationTimeout(f"rank {self.rank}: {what} failed: {reply['error']}")
+            )
         return reply.get("value")
 
     # -- sessions ------------------------------------------------------------------------------
@@ -203,9 +209,7 @@ class Session:
             return None
         if item is _CLOSED:
             self._inbox.put(_CLOSED)
-            raise CoordinationTimeout(
-                self.client.link.close_error or f"rank {self.rank}: the connection to the control plane closed"
-            )
+            raise self.client.link.closed_error()
         return item
 
     def post(self, item: Message) -> None:
@@ -231,12 +235,10 @@ class Session:
         return error
 
     def check_members(self, during: str) -> None:
-        """Raise `CoordinationTimeout` if the control plane is gone (ranks that left are no error:
-        the survivors go on without them)."""
+        """Raise `CoordinationTimeout` (`ControlPlaneError` if it failed) if the control plane is gone
+        (ranks that left are no error: the survivors go on without them)."""
         if self.client.closed:
-            raise CoordinationTimeout(
-                f"{self.client.link.close_error or f'rank {self.rank}: the control plane is gone'} (during {during})"
-            )
+            raise self.client.link.closed_error(during)
 
     def close(self) -> None:
         """This rank is done with the session (its fit ended normally)."""

@@ -41,6 +41,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_prague.core.errors import CONTROL_PLANE
 from lightning_prague.core.generator import GroupGenerator, Item
 from lightning_prague.core.liveness import HangDetector, HangRule
 from lightning_prague.core.policies import GroupingPolicy
@@ -219,9 +220,10 @@ class ControlPlane:
             self._handle(message, rank, out)
         except Exception as err:  # a malformed message must not kill the control plane
             log.exception("control plane rejected message %s", message)
-            item: Item = {"t": "error", "message": f"control plane: {err}"}
+            error = f"the control plane rejected {message.get('op')!r}: {type(err).__name__}: {err}"
+            item: Item = {"t": "error", "source": CONTROL_PLANE, "message": error}
             if "req" in message:
-                item = {"t": "reply", "req": message["req"], "error": f"control plane: {err}"}
+                item = {"t": "reply", "req": message["req"], "error": error, "source": CONTROL_PLANE}
             elif "s" in message:
                 item["s"] = message["s"]
             out = {rank: [item]}

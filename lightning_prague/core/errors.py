@@ -7,6 +7,9 @@ without a name is impossible to debug.
 
 from __future__ import annotations
 
+#: `source` of the error items and replies by which the control plane reports its own failures
+CONTROL_PLANE = "control plane"
+
 
 class PragueError(RuntimeError):
     """Base class of all errors raised by lightning-prague."""
@@ -18,6 +21,12 @@ class ConfigurationError(PragueError, ValueError):
 
 class CoordinationTimeout(PragueError, TimeoutError):
     """A wait on the coordinator, a group or a peer exceeded its timeout."""
+
+
+class ControlPlaneError(PragueError):
+    """The control plane failed: its handler rejected a message (a bug, or a malformed message), or
+    its server stopped on an error. Not a timeout and no disagreement of the ranks; the message
+    carries the control plane's own error."""
 
 
 class SyncMismatchError(PragueError):

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_prague.core.errors import CoordinationTimeout
+from lightning_prague.core.errors import ControlPlaneError, CoordinationTimeout, PragueError
 
 log = logging.getLogger(__name__)
 
@@ -171,9 +171,10 @@ class MessageServer:
                     self._route(self.on_tick(), touched)
                 for conn in touched.values():
                     self._flush(selector, conn)
-        except BaseException as err:  # surfaced through .error and the workers' timeouts
+        except BaseException as err:  # every client is told why before its connection closes
             self.error = err
             log.exception("%s stopped", self.name)
+            self._tell_everyone_it_failed(selector, err)
         finally:
             for key in list(selector.get_map().values()):
                 try:
@@ -182,6 +183,20 @@ class MessageServer:
                     pass
             selector.close()
             self._wake_w.close()
+
+    def _tell_everyone_it_failed(self, selector: selectors.BaseSelector, err: BaseException) -> None:
+        """Best effort, a second at most per client: each learns the server's error at once (rather
+        than a bare closed connection) and fails with it."""
+        line = encode_line({"t": FAILED, "error": f"{type(err).__name__}: {err}"})
+        for key in list(selector.get_map().values()):
+            conn = key.data
+            if not isinstance(conn, _Connection):
+                continue
+            try:
+                conn.sock.settimeout(1.0)
+                conn.sock.sendall(bytes(conn.outbuf) + line)
+            except OSError:
+                pass
 
     def _accept(self, selector: selectors.BaseSelector) -> None:
         while True:
@@ -276,6 +291,8 @@ class MessageServer:
 
 #: what a router returns for a message it has taken care of (it is not queued for `receive`)
 ROUTED = True
+#: the last line a failing server writes to every connection: `{"t": FAILED, "error": ...}`
+FAILED = "__server_failed__"
 
 
 class MessageLink:
@@ -320,6 +337,8 @@ class MessageLink:
         self.received = 0
         self.closed = False
         self.close_error: str | None = None
+        #: the server's own error, if it failed (it said so before it closed the connection)
+        self.server_error: str | None = None
         self.send({"op": HELLO, "rank": rank})
         self._reader = threading.Thread(target=self._read_forever, name=f"prague-control-{rank}", daemon=True)
         self._reader.start()
@@ -354,10 +373,15 @@ class MessageLink:
             for line in lines:
                 message = json.loads(line)
                 self.received += 1
-                if self.router is None or not self.router(message):
+                if message.get("t") == FAILED:
+                    self.server_error = str(message.get("error"))
+                elif self.router is None or not self.router(message):
                     self._queue.put(message)
         self.closed = True
-        self.close_error = f"rank {self.rank}: {self.peer} closed the connection{error}; it stopped or failed"
+        if self.server_error is not None:
+            self.close_error = f"rank {self.rank}: {self.peer} failed: {self.server_error}"
+        else:
+            self.close_error = f"rank {self.rank}: {self.peer} closed the connection{error}; it stopped or failed"
         if self.on_close is not None:
             try:
                 self.on_close(self.close_error)
@@ -374,8 +398,18 @@ class MessageLink:
             return None
         if message is None:
             self._queue.put(None)  # every later receive fails the same way
-            raise CoordinationTimeout(self.close_error or f"rank {self.rank}: the connection to {self.peer} closed")
+            raise self.closed_error()
         return message
+
+    def closed_error(self, during: str = "") -> PragueError:
+        """The error for a wait on this closed link: `ControlPlaneError` if the server failed (with
+        its error), else `CoordinationTimeout` (it stopped, or the connection broke)."""
+        text = self.close_error or f"rank {self.rank}: the connection to {self.peer} closed"
+        if during:
+            text = f"{text} (during {during})"
+        if self.server_error is not None:
+            return ControlPlaneError(text)
+        return CoordinationTimeout(text)
 
     def close(self) -> None:
         try:

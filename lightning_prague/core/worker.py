@@ -19,7 +19,13 @@ import torch
 
 from lightning_prague.core.averaging import BucketedTensors, average_, relative_error
 from lightning_prague.core.control import Session
-from lightning_prague.core.errors import CoordinationTimeout, ExchangeInterrupted, SyncMismatchError
+from lightning_prague.core.errors import (
+    CONTROL_PLANE,
+    ControlPlaneError,
+    CoordinationTimeout,
+    ExchangeInterrupted,
+    SyncMismatchError,
+)
 from lightning_prague.core.generator import STOP_SYNC
 from lightning_prague.core.groups import GroupComm
 from lightning_prague.core.job import current_job
@@ -222,6 +228,8 @@ class GroupWorker:
             if item.get("reason", "sigterm") == "sigterm":
                 self.stop_seen = True
         elif kind == "error":
+            if item.get("source") == CONTROL_PLANE:  # its handler failed on one of this rank's messages
+                raise ControlPlaneError(f"rank {self.rank}: {item['message']}")
             raise SyncMismatchError(f"rank {self.rank}: {item['message']}")
         return None
 
