@@ -26,16 +26,19 @@ class ConsensusMonitor(Callback):
       that happen anyway: the mean over this worker's recent group averages of
       `||x_i - avg||^2 / ||avg||^2`. It costs no communication. Every rank computes its own, but
       only rank 0 logs it (the loggers write on global rank 0), every `log_every_n_steps` training
-      steps in which rank 0 averaged with a group.
+      steps in which rank 0 averaged with a group. Reading it is a host synchronisation (the sum
+      stays on the device until then), so by default it follows the trainer's own
+      `log_every_n_steps` (50 by default), as Lightning's logging does, never every step.
 
     Values go straight to the trainer's loggers (any Lightning logger), at `trainer.global_step`.
 
     `history` keeps `(epoch, error)` for the exact measurements on every rank.
     """
 
-    def __init__(self, log_every_n_steps: int = 1) -> None:
-        if log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be at least 1")
+    def __init__(self, log_every_n_steps: int | None = None) -> None:
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be at least 1 (or None: the trainer's)")
+        #: training steps between two readings of `consensus/group_error` (`None`: the trainer's setting)
         self.log_every_n_steps = log_every_n_steps
         self.history: list[tuple[int, float]] = []
         self._steps = 0
@@ -51,7 +54,8 @@ class ConsensusMonitor(Callback):
         self._steps += 1
         if not isinstance(strategy, DecentralizedStrategy) or strategy.worker is None:
             return
-        if self._steps % self.log_every_n_steps:
+        every = self.log_every_n_steps or max(1, int(trainer.log_every_n_steps))
+        if self._steps % every:
             return
         estimate = strategy.worker.stats.take_group_error()
         if estimate is not None:
