@@ -147,6 +147,7 @@ class LaggedGossip(Exchanger):
     def _sum(self, flight: _InFlight, ready: Marker) -> Marker:
         """In the communication thread: the group sums of the round's snapshot."""
         self.streams.wait(ready)
+        self.streams.keep_for(flight.sums)  # dropped by the training thread if the round is abandoned
         operation = flight.operation(self.worker.rank)
         for total in flight.sums:
             self.worker.comm.sum_(total, flight.weighted.members, operation)

@@ -216,6 +216,7 @@ class BackgroundAverager(_ThreadedExchanger):
             snapshot, version, ready = job
             try:
                 self.streams.wait(ready)  # the snapshot was taken on the compute stream
+                self.streams.keep_for(snapshot.tensors)
                 self._answer = self.worker.partial_sync(snapshot, version=version)
                 self._done = self.streams.mark()
             except ExchangeInterrupted:
@@ -342,6 +343,7 @@ class PassiveResponder(_ThreadedExchanger):
                 snapshot, ready = self._published, self._published_ready
             assert snapshot is not None
             self.streams.wait(ready)
+            self.streams.keep_for(snapshot.tensors)  # the training thread may publish a newer one and drop it
             before = [t.clone() for t in snapshot.tensors]
             self.worker.execute(item, snapshot)
             with self._lock:
@@ -353,6 +355,7 @@ class PassiveResponder(_ThreadedExchanger):
                         p.add_(d)
                 if self._published is not snapshot and self._published is not None:
                     self.streams.wait(self._published_ready)
+                    self.streams.keep_for(self._published.tensors)
                     for t, d in zip(self._published.tensors, delta):
                         t.add_(d)
                 self._pending_done = self.streams.mark()
@@ -365,6 +368,7 @@ class PassiveResponder(_ThreadedExchanger):
             done = self._pending_done
         if pending is not None:
             self.streams.wait(done)
+            self.streams.keep_for(pending)  # made on the communication stream, dropped right here
             for bucket, d in zip(self.live.buckets, pending):
                 flat = self.live.flat(bucket)
                 flat.add_(d)

@@ -6,10 +6,16 @@ the training thread marks the point after which a snapshot is ready and the comm
 stream waits for it; the communication thread marks the point after which its result is ready
 and the compute stream waits for that before folding it in, so the optimizer never reads a
 half-written buffer. No side waits on the host. On the CPU every call is a no-op.
+
+Memory is safe by construction too: every tensor handed from one thread to the other is kept
+(`keep_for`) on the stream of the thread that uses it, so the caching allocator does not hand
+its block to new work before the receiving stream has run what it queued on it, even when the
+thread that allocated it has dropped it (`Tensor.record_stream`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Optional
 
 import torch
@@ -37,6 +43,15 @@ class CommStream:
         event = torch.cuda.Event()
         event.record()
         return event
+
+    @staticmethod
+    def keep_for(tensors: Iterable[torch.Tensor]) -> None:
+        """The calling thread's current stream uses `tensors`, which another thread's stream made
+        (a snapshot, a difference, a sum): their memory is not reused before this stream's work
+        queued so far on them has run, whoever frees them (no-op for tensors off CUDA)."""
+        for tensor in tensors:
+            if tensor.is_cuda:
+                tensor.record_stream(torch.cuda.current_stream(tensor.device))
 
     @staticmethod
     def wait(marker: Marker) -> None:
