@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import logging
 from datetime import timedelta
 
 import lightning as L
@@ -10,6 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_prague
 from lightning_prague import ConfigurationError, PartialAllReduceStrategy
+from lightning_prague.core.supervisor import PORT_VARIABLE
 from lightning_prague.strategies._checks import check_layer_sync, check_trainer
 
 
@@ -128,3 +131,121 @@ def test_sync_batchnorm_is_rejected_with_what_to_use_instead():
     with pytest.raises(ConfigurationError, match="sync_batchnorm=True cannot be honoured.*GroupNorm"):
         check_layer_sync(trainer.strategy, "prague")
     check_layer_sync(L.Trainer(accelerator="cpu", devices=2, strategy="prague", logger=False).strategy, "prague")
+
+
+# -- DDP's own options (code moved from DDPStrategy) --------------------------------------------
+DDP_NO_OPS = {"find_unused_parameters": True, "static_graph": True, "gradient_as_bucket_view": True}
+
+
+@pytest.mark.parametrize("name", sorted(lightning_prague.strategies.STRATEGIES))
+def test_ddp_options_whose_purpose_holds_are_accepted_by_every_strategy(name, caplog, monkeypatch):
+    from lightning_prague.strategies import STRATEGIES, ddp_options
+
+    monkeypatch.setattr(ddp_options, "_logged", set())
+    cls = STRATEGIES[name][0]
+    with caplog.at_level(logging.DEBUG, logger=ddp_options.__name__):
+        strategy = cls(**DDP_NO_OPS, init_sync=True, sync_every=2)
+        cls(find_unused_parameters=False)
+    assert strategy.sync_every == 2  # the strategy's own options still apply
+    lines = [r.getMessage() for r in caplog.records if r.name == ddp_options.__name__]
+    for option in [*DDP_NO_OPS, "init_sync"]:
+        # once each, with the reason
+        assert sum(f"ignoring {option}=" in line for line in lines) == 1, lines
+    assert any("find_unused_parameters=True: parameters without a gradient are no error" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"broadcast_buffers": False}, r"broadcast_buffers=False: buffers are not broadcast.*instead: remove"),
+        ({"bucket_cap_mb": 50}, r"bucket_cap_mb=50: there are no gradient buckets.*instead: bucket_mb="),
+        ({"ddp_comm_hook": print}, r"ddp_comm_hook=.*no gradient is all-reduced.*instead: sync_every="),
+        ({"ddp_comm_state": object()}, r"ddp_comm_state=.*instead: sync_every="),
+        ({"ddp_comm_wrapper": print}, r"ddp_comm_wrapper=.*instead: sync_every="),
+        ({"model_averaging_period": 4}, r"model_averaging_period=4: .*instead: sync_every=.*average_at_sync"),
+        ({"init_sync": False}, r"init_sync=False: .*cannot be skipped.*instead: remove"),
+        ({"device_ids": [0]}, r"device_ids=\[0\]: .*instead: Trainer\(accelerator=..., devices=...\)"),
+        ({"mixed_precision": object()}, r"mixed_precision=.*instead: Trainer\(precision=...\)"),
+        ({"process_group": None}, r"process_group=None: .*instead: the strategy's own grouping options"),
+    ],
+)
+def test_ddp_options_that_cannot_apply_are_rejected_with_what_to_use_instead(kwargs, match):
+    with pytest.raises(ConfigurationError, match=f"strategy='prague' cannot honour DistributedDataParallel's {match}"):
+        PartialAllReduceStrategy(**kwargs)
+
+
+def test_every_rejected_ddp_option_is_named_at_once_and_subclasses_pass_them_on():
+    with pytest.raises(ConfigurationError) as info:
+        lightning_prague.DecentAdamStrategy(topology="complete", bucket_cap_mb=25, broadcast_buffers=True)
+    message = str(info.value)
+    assert "strategy='decent_adam'" in message
+    assert "\n- bucket_cap_mb=25: " in message and "\n- broadcast_buffers=True: " in message
+
+
+def test_unknown_keywords_fail_naming_them_with_the_closest_option():
+    with pytest.raises(
+        TypeError, match=r"unexpected keyword argument\(s\) 'bucket_mbb' \(did you mean 'bucket_mb'\?\)"
+    ):
+        PartialAllReduceStrategy(bucket_mbb=10)
+    with pytest.raises(TypeError, match=r"'group_sise' \(did you mean 'group_size'\?\)"):
+        lightning_prague.PartialReduceStrategy(group_sise=2)
+    with pytest.raises(TypeError, match=r"'flux_capacitor': neither an option of the strategy nor"):
+        lightning_prague.ADPSGDStrategy(flux_capacitor=1)
+
+
+def test_the_table_covers_every_option_of_ddp_and_ddp_strategy_and_newer_ones_are_rejected(monkeypatch):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_prague.strategies import ddp_options
+    from lightning_prague.strategies.base import DecentralizedStrategy
+
+    ours = set(inspect.signature(DecentralizedStrategy.__init__).parameters)
+    lightning = set(inspect.signature(DDPStrategy.__init__).parameters) - {"self", "kwargs"}
+    assert ddp_options.ddp_module_options() <= ddp_options.DDP_OPTIONS.keys()
+    assert lightning - ours <= ddp_options.DDP_OPTIONS.keys()
+    assert not ours & ddp_options.DDP_OPTIONS.keys()  # an option of ours never reaches the table
+    # an argument of a newer DistributedDataParallel than the table knows: rejected, not ignored
+    monkeypatch.setattr(ddp_options, "ddp_module_options", lambda: frozenset({"future_flag"}))
+    with pytest.raises(ConfigurationError, match="future_flag=1: no gradient is all-reduced.*remove the option"):
+        PartialAllReduceStrategy(future_flag=1)
+
+
+def test_ddp_strategy_timeout_as_a_timedelta_is_seconds():
+    assert PartialAllReduceStrategy(timeout=timedelta(minutes=2)).sync_timeout == 120.0
+
+
+# -- coordinator_port ----------------------------------------------------------------------------
+@pytest.mark.parametrize("port", [0, -1, 65536, True, "29500"])
+def test_coordinator_port_must_be_a_port_number(port, monkeypatch):
+    monkeypatch.delenv(PORT_VARIABLE, raising=False)
+    with pytest.raises(ConfigurationError, match=f"coordinator_port={port!r} is invalid: .* from 1 to 65535"):
+        PartialAllReduceStrategy(coordinator_port=port)
+
+
+def test_coordinator_port_and_the_environment_variable_must_agree(monkeypatch):
+    monkeypatch.setenv(PORT_VARIABLE, "29501")
+    with pytest.raises(
+        ConfigurationError, match=f"coordinator_port=29502 and {PORT_VARIABLE}=29501 name different ports"
+    ):
+        lightning_prague.DecentAdamStrategy(coordinator_port=29502)
+    assert lightning_prague.ADPSGDStrategy(coordinator_port=29501).coordinator_port == 29501
+    assert lightning_prague.ADPSGDStrategy().coordinator_port is None  # the variable decides at launch
+    monkeypatch.setenv(PORT_VARIABLE, "http")
+    with pytest.raises(ConfigurationError, match=f"{PORT_VARIABLE}='http' is invalid"):
+        PartialAllReduceStrategy()
+
+
+def test_coordinator_port_from_a_cli_config(monkeypatch):
+    import sys
+
+    from helpers import ROOT
+
+    from lightning_prague.cli import PragueCLI
+
+    monkeypatch.setattr(sys, "argv", ["lightning-prague"])
+    monkeypatch.delenv(PORT_VARIABLE, raising=False)
+    config = ROOT / "examples" / "configs" / "prague_by_name.yaml"
+    args = ["--config", str(config), "--trainer.strategy.coordinator_port", "29555", "--trainer.devices", "2"]
+    args += ["--seed_everything", "0"]
+    cli = PragueCLI(run=False, args=args)
+    assert type(cli.trainer.strategy) is PartialAllReduceStrategy and cli.trainer.strategy.coordinator_port == 29555

@@ -25,6 +25,18 @@ def test_partial_syncs_conserve_the_sum_and_end_in_consensus(tmp_path, policy):
         assert r["final"] == pytest.approx([expected] * 5, abs=1e-5)
         assert r["buffer"] == pytest.approx([expected * 10] * 3, abs=1e-4)
     assert sum(r["stats"]["groups"] for r in results) > 0
+    # a checkpoint's optimizer state: the mean of the workers' (a copy: each optimizer keeps its own)
+    squares = sum(r * r for r in range(world)) / world
+    for r in results:
+        assert r["optimizer_complete"] and r["optimizer_unchanged"]
+        assert r["optimizer_mean"]["0"] == {
+            "step": pytest.approx(expected + 1),
+            "exp_avg": pytest.approx([expected] * 4),
+            "exp_avg_sq": pytest.approx([squares] * 4),
+        }
+        assert r["optimizer_mean"]["1"] == {"momentum_buffer": pytest.approx([2 * expected] * 2)}
+        # states of different layouts are not averaged: each keeps its own
+        assert r["uneven"] == [False, [float(r["rank"])] * 4]
 
 
 def test_a_group_average_sets_members_to_the_mean_and_leaves_others_untouched(tmp_path):

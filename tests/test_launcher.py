@@ -35,16 +35,3 @@ def test_a_fit_without_ckpt_path_is_left_alone_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING):
         assert resume_from_last(fit, ("model",), {}) == (("model",), {})
     assert "starts from scratch" in caplog.text
-
-
-def test_the_loop_internals_the_survivors_rebuild_their_data_with_are_checked_at_setup():
-    import pytest
-
-    from lightning_prague.core.errors import ConfigurationError
-    from lightning_prague.strategies._checks import check_loop_internals
-
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
-    check_loop_internals(trainer, "prague")  # this Lightning has them
-    del trainer.fit_loop.epoch_loop.val_loop._combined_loader
-    with pytest.raises(ConfigurationError, match=r"trainer.fit_loop.epoch_loop.val_loop._combined_loader"):
-        check_loop_internals(trainer, "prague")

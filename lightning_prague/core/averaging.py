@@ -6,7 +6,9 @@ most `bucket_bytes` (grouped by dtype and device) keeps it to a handful per aver
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -106,6 +108,64 @@ def average_(
         norm += flat.double().pow(2).sum()
         tensors.unflatten_(bucket, flat)
     return relative_error(distance, norm), applied
+
+
+def averaged_optimizer_state(
+    state: dict[str, Any], comm: GroupComm, members: Sequence[int], operation: str = "optimizer state average"
+) -> tuple[dict[str, Any], bool]:
+    """A copy of an optimizer's `state_dict()` whose floating-point state tensors (Adam's moments and
+    step count, SGD's momentum buffers) are the mean over `members`; the optimizer is not changed.
+
+    Replicas that are averaged at synchronization points have moments of the same model, so a
+    checkpoint holds their mean as it holds the mean of the parameters, and a resumed run starts
+    every worker from it rather than from one worker's. A collective of `members`, where they are
+    aligned. Returns `(state, averaged)`: this rank's own state, unchanged, if a member was lost
+    meanwhile (all-or-nothing, as every average) or if the members' states do not have the same
+    structure (a worker that never stepped holds no moments yet): the mean of those would be wrong.
+    """
+    per_param = {key: dict(entry) for key, entry in state.get("state", {}).items()}
+    names = sorted(
+        ((key, name) for key, entry in per_param.items() for name, value in entry.items() if _averageable(value)),
+        key=str,
+    )
+    copy = {**state, "state": per_param}
+    if len(members) < 2:
+        return copy, True
+    layout = repr(
+        [(key, name, tuple(per_param[key][name].shape), str(per_param[key][name].dtype)) for key, name in names]
+    )
+    # every member runs this check, even one with no state yet, so the sums below match on every member
+    if not _same_everywhere(zlib.crc32(layout.encode()) % (1 << 20), comm, members, operation):
+        return copy, False
+    if not names:  # no floating-point state (plain SGD) on any member: nothing to average
+        return copy, True
+    averaged = [per_param[key][name].detach().clone() for key, name in names]  # the optimizer keeps its own
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in averaged:
+        by_device.setdefault(tensor.device, []).append(tensor)
+    complete = True
+    for group in by_device.values():
+        _, applied = average_(BucketedTensors(group), comm, members, operation=operation)
+        complete = complete and bool(applied)
+    if complete:  # all-or-nothing over the whole state, not per device
+        for (key, name), tensor in zip(names, averaged):
+            per_param[key][name] = tensor
+    return copy, complete
+
+
+def _averageable(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _same_everywhere(signature: int, comm: GroupComm, members: Sequence[int], operation: str) -> bool:
+    """Whether every member has the same `signature` (below 2**20: its sum and its sum of squares
+    are exact in float64, and they equal `count` times its value and square only if all are equal)."""
+    mine = torch.tensor([float(signature), float(signature) ** 2, 1.0], dtype=torch.float64, device=comm.device)
+    comm.sum_(mine, members, f"{operation}: the layouts")
+    if not bool(torch.isfinite(mine).all()):
+        return False
+    count = float(len(members))
+    return bool(mine[0] == count * signature and mine[1] == count * float(signature) ** 2 and mine[2] == count)
 
 
 def relative_error(distance: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:

@@ -124,8 +124,13 @@ def init_job(
     timeout: float,
     device_id: Optional[torch.device] = None,
     pg_timeout: Optional[timedelta] = None,
+    control_port: Optional[int] = None,
 ) -> Job:
-    """Join the job (see the module docstring); returns this process's `Job` (the same one when called again)."""
+    """Join the job (see the module docstring); returns this process's `Job` (the same one when called again).
+
+    `control_port`: where global rank 0's supervisor serves the control plane (unset:
+    `LIGHTNING_PRAGUE_CONTROL_PORT`, else a free port; see `supervisor.resolve_control_port`).
+    """
     global _JOB
     job = current_job()
     if job is not None:
@@ -142,7 +147,7 @@ def init_job(
     if not dist.is_initialized():
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
         if rank == 0:
-            proc = launch(host, port, world_size, timeout, host_store=not agent_store)
+            proc = launch(host, port, world_size, timeout, host_store=not agent_store, control_port=control_port)
             if not agent_store:
                 wait_until_listening(proc, host, port, timeout)
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=pg_timeout, wait_for_workers=False)
@@ -159,7 +164,7 @@ def init_job(
     else:
         store = raw_store()
         if rank == 0:
-            proc = launch(store.host, store.port, world_size, timeout, host_store=False)
+            proc = launch(store.host, store.port, world_size, timeout, host_store=False, control_port=control_port)
     control = _connect(raw_store(), rank, timeout, proc)
     group = dist.new_group(list(range(world_size)), backend=backend, timeout=pg_timeout)
     _JOB = Job(rank, world_size, backend, control, group, proc, pg_timeout=pg_timeout)

@@ -8,7 +8,8 @@ still reach the store and the coordinator, which tells them who is gone. It
   torchrun's agent), unless a store is already there (torchrun's agent store, or a process group
   that was initialised before): then it is a client of that store;
 * serves the control plane (`ControlPlane` behind a `MessageServer`) on every interface, on a
-  free port or the one `LIGHTNING_PRAGUE_CONTROL_PORT` names (firewalls), and publishes
+  free port or a fixed one for firewalls (the strategies' `coordinator_port`, given to `launch`
+  as `control_port`, or the `LIGHTNING_PRAGUE_CONTROL_PORT` environment variable), and publishes
   `MASTER_ADDR:port` in the store (key `ADDRESS_KEY`): every rank can reach that host, since the
   store is there;
 * exits by itself once every rank of the job has connected and all of them have closed their
@@ -52,6 +53,40 @@ BOOTSTRAP = (
 )
 
 
+def resolve_control_port(control_port: int | None = None) -> int | None:
+    """The control plane's port: `control_port`, else `PORT_VARIABLE`'s, else `None` (a free one).
+
+    Raises `ConfigurationError` for a port outside 1-65535, a variable that is not one, or both
+    set to different ports.
+    """
+    from lightning_prague.core.errors import ConfigurationError
+
+    if control_port is not None and (
+        isinstance(control_port, bool) or not isinstance(control_port, int) or not 1 <= control_port <= 65535
+    ):
+        raise ConfigurationError(
+            f"coordinator_port={control_port!r} is invalid: it must be a TCP port number from 1 to 65535 "
+            "(or unset for a free port)"
+        )
+    value = os.environ.get(PORT_VARIABLE, "").strip()
+    if not value:
+        return control_port
+    try:
+        env_port = int(value)
+    except ValueError:
+        env_port = 0
+    if not 1 <= env_port <= 65535:
+        raise ConfigurationError(
+            f"{PORT_VARIABLE}={value!r} is invalid: it must be a TCP port number from 1 to 65535 (or unset)"
+        )
+    if control_port is not None and control_port != env_port:
+        raise ConfigurationError(
+            f"coordinator_port={control_port} and {PORT_VARIABLE}={env_port} name different ports for the control "
+            f"plane: set only one of them (or both to the same port)"
+        )
+    return env_port
+
+
 def address_key() -> str:
     """The key of this launch attempt (torchrun restarts workers under the same agent store)."""
     return f"{ADDRESS_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
@@ -87,11 +122,18 @@ class Supervisor:
             return ""
 
 
-def launch(host: str, port: int, world_size: int, timeout: float, host_store: bool) -> Supervisor:
-    """Start the supervisor for a job of `world_size` ranks whose store is (to be) at `host:port`."""
+def launch(
+    host: str, port: int, world_size: int, timeout: float, host_store: bool, control_port: int | None = None
+) -> Supervisor:
+    """Start the supervisor for a job of `world_size` ranks whose store is (to be) at `host:port`.
+
+    It serves the control plane on `control_port` (see `resolve_control_port`; unset: a free port).
+    """
+    control_port = resolve_control_port(control_port)
     log_file = Path(tempfile.gettempdir()) / f"lightning_prague-supervisor-{port}.log"
     argv = ["--host", host, "--port", str(port), "--world-size", str(world_size), "--timeout", str(timeout)]
     argv += ["--log", str(log_file)] + (["--host-store"] if host_store else [])
+    argv += ["--control-port", str(control_port or 0)]
     if hasattr(os, "fork") and not _cuda_initialized():
         handle = _fork(argv, log_file)
     else:
@@ -107,7 +149,14 @@ def launch(host: str, port: int, world_size: int, timeout: float, host_store: bo
                 env=env,
             )
         handle = Supervisor(proc.pid, log_file, proc)
-    log.debug("started the supervisor (pid %d) for %d ranks, store at %s:%d", handle.pid, world_size, host, port)
+    log.debug(
+        "started the supervisor (pid %d) for %d ranks, store at %s:%d, control plane port %s",
+        handle.pid,
+        world_size,
+        host,
+        port,
+        control_port or "free",
+    )
     return handle
 
 
@@ -171,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--host-store", action="store_true", help="host the TCPStore (else: be a client)")
+    parser.add_argument(
+        "--control-port", type=int, help=f"the control plane's port (0: a free one; unset: {PORT_VARIABLE} or 0)"
+    )
     parser.add_argument("--log", help="this process's log file, deleted at a clean exit")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -191,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         plane.handle,
         "",
         name="prague-control-plane",
-        port=int(os.environ.get(PORT_VARIABLE, "0")),
+        port=args.control_port if args.control_port is not None else int(os.environ.get(PORT_VARIABLE, "0")),
         on_connect=plane.on_connect,
         on_disconnect=plane.on_disconnect,
         on_tick=plane.tick,

@@ -11,44 +11,62 @@
    (`lightning_prague.strategies.global_progress`).
 
 The patches are instance attributes on this trainer's objects, installed in `Strategy.setup` and
-removed in `teardown`; nothing global is changed.
+removed in `teardown`; nothing global is changed. Where they go is registered with every other
+Lightning internal the package depends on (`_checks.LIGHTNING_INTERNALS`, the entries whose use is
+"replaced"), and `install` refuses to shadow a method that Lightning's class does not have: the
+replacement would be a dead attribute that nothing calls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 
-_TARGETS = (
-    ("fit_loop.epoch_loop", "_broadcast_sigterm_tensor"),
-    ("_signal_connector", "_sigterm_notifier_fn"),
-    ("_data_connector", "_prepare_dataloader"),
-    # per-step schedules on global progress (lightning_prague.strategies.global_progress)
-    ("fit_loop.epoch_loop", "_should_check_val_fx"),
-    ("fit_loop.epoch_loop", "_update_learning_rates"),
-    ("fit_loop.epoch_loop", "_num_ready_batches_reached"),
-    ("fit_loop", "setup_data"),
+from lightning_prague.strategies._checks import (
+    REPLACED_INTERNALS,
+    LightningInternal,
+    locate_owner,
+    missing_part,
+    unsupported_lightning,
 )
 
 
-def _owner(trainer: pl.Trainer, path: str) -> Any:
-    obj: Any = trainer
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
+def _targets(names: list[str]) -> list[LightningInternal]:
+    """The registered replaced methods called `names`; `ValueError` for a name nobody registered."""
+    registered = {internal.name: internal for internal in REPLACED_INTERNALS}
+    unknown = sorted(set(names) - set(registered))
+    if unknown:
+        raise ValueError(
+            f"no replaceable Lightning method is registered as {unknown}: add it to LIGHTNING_INTERNALS "
+            "(lightning_prague/strategies/_checks.py) with use='replaced'"
+        )
+    return [registered[name] for name in names]
 
 
-def install(trainer: pl.Trainer, replacements: dict[str, Callable[..., Any]]) -> None:
-    """Shadow the named methods on this trainer's loop/connector instances."""
-    for path, name in _TARGETS:
-        if name in replacements:
-            setattr(_owner(trainer, path), name, replacements[name])
+def install(
+    trainer: pl.Trainer, replacements: dict[str, Callable[..., Any]], strategy_name: Optional[str] = None
+) -> None:
+    """Shadow the named methods on this trainer's loop/connector instances.
+
+    Every target is checked first and nothing is installed unless Lightning has all of them:
+    `ConfigurationError` (see `_checks.unsupported_lightning`) names those it lacks.
+    """
+    targets = _targets(list(replacements))
+    missing = [(internal, part) for internal in targets if (part := missing_part(internal, trainer))]
+    if missing:
+        raise unsupported_lightning(missing, strategy_name)
+    for internal in targets:
+        setattr(locate_owner(internal, trainer), internal.name, replacements[internal.name])
 
 
 def remove(trainer: pl.Trainer) -> None:
-    for path, name in _TARGETS:
-        owner = _owner(trainer, path)
-        if name in vars(owner):
-            delattr(owner, name)
+    """Take the replacements off this trainer's objects again (those that are there)."""
+    for internal in REPLACED_INTERNALS:
+        try:
+            owner = locate_owner(internal, trainer)
+        except LookupError:
+            continue  # nothing could have been installed there
+        if internal.name in vars(owner):
+            delattr(owner, internal.name)

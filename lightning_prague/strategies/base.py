@@ -60,7 +60,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 from typing_extensions import override
 
-from lightning_prague.core.averaging import BucketedTensors, averaged_state
+from lightning_prague.core.averaging import BucketedTensors, averaged_optimizer_state, averaged_state
 from lightning_prague.core.collectives import MemberCollectives
 from lightning_prague.core.control import Session
 from lightning_prague.core.coordinator import SessionConfig
@@ -74,10 +74,12 @@ from lightning_prague.core.policies import GroupingPolicy
 from lightning_prague.core.progress import ProgressCounter
 from lightning_prague.core.progress_loader import ProgressLoader
 from lightning_prague.core.sharding import WorkQueueSampler
+from lightning_prague.core.supervisor import resolve_control_port
 from lightning_prague.core.training import SessionPlan, TrainingSession
 from lightning_prague.core.worker import GroupWorker
 from lightning_prague.strategies import _patches
-from lightning_prague.strategies._checks import check_layer_sync, check_loop_internals, check_trainer
+from lightning_prague.strategies._checks import check_layer_sync, check_lightning_internals, check_trainer
+from lightning_prague.strategies.ddp_options import check_ddp_options, strategy_options
 from lightning_prague.strategies.global_progress import GlobalProgress, batches_per_epoch
 from lightning_prague.strategies.launcher import SurvivingScriptLauncher
 
@@ -165,6 +167,8 @@ class DecentralizedStrategy(DDPStrategy):
         min_workers: int = 1,
         hang_timeout: float = 10.0,
         hang_factor: float = 20.0,
+        coordinator_port: Optional[int] = None,
+        **ddp_kwargs: Any,
     ) -> None:
         """Options every asynchronous strategy shares.
 
@@ -172,7 +176,8 @@ class DecentralizedStrategy(DDPStrategy):
             sync_every: local optimizer steps between two exchanges.
             seed: seeds the grouping decisions and the per-epoch data shuffle.
             timeout: seconds any wait (coordinator, group, peer) may take before failing with an
-                error that names the ranks and the operation.
+                error that names the ranks and the operation (a `datetime.timedelta`, as
+                `DDPStrategy` takes, is accepted too).
             average_at_sync: average all replicas at synchronization points (validation, epoch
                 end, end of fit) so that they see one consensus model.
             max_groups: deprecated and ignored: groups no longer have communicators of their own
@@ -194,7 +199,23 @@ class DecentralizedStrategy(DDPStrategy):
                 declared hung and fenced (`lightning_prague.core.liveness`).
             hang_factor: a worker is declared hung after `max(hang_timeout, hang_factor x` its
                 longest recent step`)` without progress (steps timed on that worker).
+            coordinator_port: the port (1-65535) on which the supervisor started by global rank 0
+                serves the control plane (on every interface of the first node), for a firewall
+                that only opens known ports; unset: the `LIGHTNING_PRAGUE_CONTROL_PORT`
+                environment variable, else a free port. Setting both to different ports is an error.
+            **ddp_kwargs: options of Lightning's `DDPStrategy` / `DistributedDataParallel`, for code
+                moved from DDP. The model is not wrapped in `DistributedDataParallel` (replicas
+                average parameters in groups, not gradients), so `find_unused_parameters`,
+                `static_graph`, `gradient_as_bucket_view` (and the other options whose purpose
+                already holds, `lightning_prague.strategies.ddp_options.DDP_OPTIONS`) are accepted
+                and ignored; the others (`broadcast_buffers`, `bucket_cap_mb` - use `bucket_mb`,
+                `ddp_comm_hook`, `model_averaging_period` - use `sync_every`, ...) raise a
+                `ConfigurationError` that says what to use instead. Any other keyword is a `TypeError`.
         """
+        check_ddp_options(self.strategy_name, ddp_kwargs, strategy_options(type(self), DecentralizedStrategy))
+        if isinstance(timeout, timedelta):  # DDPStrategy's type
+            timeout = timeout.total_seconds()
+        resolve_control_port(coordinator_port)  # validated here; global rank 0's environment decides at launch
         if sync_every < 1:
             raise ConfigurationError(f"sync_every={sync_every} is invalid: it must be at least 1 local step")
         if timeout <= 0:
@@ -232,6 +253,8 @@ class DecentralizedStrategy(DDPStrategy):
         self.average_at_sync = average_at_sync
         self.bucket_mb = bucket_mb
         self.min_workers = min_workers
+        #: the control plane's port; `None`: `LIGHTNING_PRAGUE_CONTROL_PORT` or a free one
+        self.coordinator_port = coordinator_port
         self.hang_rule = HangRule(floor=float(hang_timeout), factor=float(hang_factor))
         #: rank -> (wall-clock time this rank heard of it, why): workers lost during the last fit
         self.lost_workers: dict[int, tuple[float, str]] = {}
@@ -294,6 +317,7 @@ class DecentralizedStrategy(DDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
+            check_lightning_internals(trainer, self.strategy_name)  # before anything reads or patches them
             if self.shards_by_work_queue:
                 check_trainer(trainer, self.strategy_name)
             policy = self.make_policy()  # validates group_size against the world before anything starts
@@ -302,7 +326,6 @@ class DecentralizedStrategy(DDPStrategy):
         asynchronous = fitting and self.world_size >= 2
         if asynchronous:
             check_layer_sync(self, self.strategy_name)
-            check_loop_internals(trainer, self.strategy_name)
             # before Lightning's setup: configure_optimizers may read trainer.estimated_stepping_batches,
             # which loads the training data (through the work queue) there
             self.training = TrainingSession(self._require_job(), self.session_plan(policy))
@@ -315,7 +338,7 @@ class DecentralizedStrategy(DDPStrategy):
             if self.shards_by_work_queue:
                 self.progress = GlobalProgress(trainer, self.world_size, self.controller, self.synchronize)
                 replacements.update(self.progress.replacements())
-            _patches.install(trainer, replacements)
+            _patches.install(trainer, replacements, self.strategy_name)
         super().setup(trainer)
         if not asynchronous:
             return
@@ -376,6 +399,7 @@ class DecentralizedStrategy(DDPStrategy):
             self.sync_timeout,
             device_id=self.root_device if self.root_device.type != "cpu" else None,
             pg_timeout=self._timeout,
+            control_port=self.coordinator_port,
         )
 
     @override
@@ -808,6 +832,25 @@ class DecentralizedStrategy(DDPStrategy):
             if explained is err:
                 raise
             raise explained from err
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state as a checkpoint holds it: at a synchronization point (every rank
+        saves there together) the mean over the live workers of its floating-point state (Adam's
+        moments and step count, momentum buffers), as the parameters are the mean, so a resumed
+        run starts every worker from the same state, and from all workers' rather than rank 0's.
+        Between synchronization points (a checkpoint of one rank's replica), or if the workers'
+        states differ in layout (one never stepped), this rank's own state."""
+        state = super().optimizer_state(optimizer)
+        worker = self.worker
+        if worker is None or self._failed or not self.controller.aligned or not state:
+            return state
+        averaged, complete = averaged_optimizer_state(
+            state, worker.comm, worker.members, operation="optimizer state average for a checkpoint"
+        )
+        if not complete:
+            log.warning("rank %d: the checkpoint holds this rank's own optimizer state, not the mean", self.global_rank)
+        return averaged
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_prague.core import BucketedTensors, GroupWorker, SessionConfig, communicator_count, init_job, make_policy
+from lightning_prague.core.averaging import averaged_optimizer_state
 
 
 def main() -> None:
@@ -42,8 +43,23 @@ def main() -> None:
     worker.synchronize("end")
     mean_before = params.clone()
     worker.global_average()
+    # an optimizer's state_dict, as a checkpoint at a synchronization point averages it
+    moments = {
+        "step": torch.tensor(float(rank + 1)),
+        "exp_avg": torch.full((4,), float(rank)),
+        "exp_avg_sq": torch.full((4,), float(rank**2)),
+    }
+    state = {"state": {0: moments, 1: {"momentum_buffer": torch.full((2,), 2.0 * rank)}}, "param_groups": [{"lr": 0.1}]}
+    optimizer_mean, complete = averaged_optimizer_state(state, worker.comm, worker.members)
+    # a worker that never stepped has no state for parameter 1: every worker keeps its own
+    uneven = {"state": dict(state["state"]) if rank else {0: moments}, "param_groups": state["param_groups"]}
+    kept, uneven_complete = averaged_optimizer_state(uneven, worker.comm, worker.members)
     result = {
         "rank": rank,
+        "optimizer_mean": {str(k): {n: t.tolist() for n, t in v.items()} for k, v in optimizer_mean["state"].items()},
+        "optimizer_complete": complete,
+        "optimizer_unchanged": moments["exp_avg"].tolist() == [float(rank)] * 4 and moments["step"].item() == rank + 1,
+        "uneven": [uneven_complete, kept["state"][0]["exp_avg"].tolist()],
         "history": history,
         "final": params.tolist(),
         "buffer": buffer.tolist(),
