@@ -211,7 +211,7 @@ def test_the_table_covers_every_option_of_ddp_and_ddp_strategy_and_newer_ones_ar
 
 
 def test_ddp_strategy_timeout_as_a_timedelta_is_seconds():
-    assert PartialAllReduceStrategy(timeout=timedelta(minutes=2)).sync_timeout == 120.0
+    assert PartialAllReduceStrategy(timeout=timedelta(minutes=2)).operation_timeout == 120.0
 
 
 # -- coordinator_port ----------------------------------------------------------------------------

@@ -23,10 +23,16 @@ from lightning_prague.core.groups import GroupComm
 
 
 class MemberCollectives:
-    """Collectives over `comm.everyone` (the live members) on `comm`'s process group."""
+    """Collectives over `comm.everyone` (the live members) on `comm`'s process group.
 
-    def __init__(self, comm: GroupComm) -> None:
+    `timeout`: seconds each may wait for the others (default: `comm`'s, one operation's). At a
+    synchronization point that is its bound (`sync_timeout`): a barrier after rank 0 wrote a
+    checkpoint waits as long as the write takes, as DDP's does.
+    """
+
+    def __init__(self, comm: GroupComm, timeout: Optional[float] = None) -> None:
         self.comm = comm
+        self.timeout = timeout
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -35,7 +41,7 @@ class MemberCollectives:
     def _sum(self, tensor: torch.Tensor, what: str) -> Optional[torch.Tensor]:
         """`tensor` summed over the members (on the comm's device), or `None` if a member was lost."""
         total = tensor.to(self.comm.device, copy=True)
-        self.comm.sum_(total, self.members, what)
+        self.comm.sum_(total, self.members, what, timeout=self.timeout)
         return total if bool(torch.isfinite(total).all()) else None
 
     def barrier(self) -> bool:

@@ -62,11 +62,14 @@ class SessionConfig:
     avoid_stragglers: bool = True
     sync_averages: bool = False
     record_history: bool = False
-    #: seconds any wait may take; also the hang bound outside the steps (`HangRule`)
+    #: seconds one operation may take
     timeout: float = 300.0
     hang: HangRule = field(default_factory=HangRule)
     #: the job stops (a `"request"` stop) when fewer live workers remain
     min_workers: int = 1
+    #: seconds every rank may take to reach a synchronization point; also the hang bound of a
+    #: worker busy outside its steps or before its first timed step (`HangRule`); default: `timeout`
+    sync_timeout: float | None = None
 
     def encode(self) -> str:
         return base64.b64encode(pickle.dumps(self)).decode()
@@ -92,7 +95,7 @@ class CoordinatorSession:
             sync_averages=config.sync_averages,
             min_workers=config.min_workers,
         )
-        self.hangs = HangDetector(config.hang, config.timeout)
+        self.hangs = HangDetector(config.hang, max(config.timeout, config.sync_timeout or 0.0))
         #: rank -> (pid, host name) of its process, as it said when it joined (for fencing)
         self.processes: dict[int, tuple[int, str]] = {}
         self.generator.record_history = config.record_history

@@ -178,11 +178,14 @@ class GroupComm:
         """
         self.sum_(torch.zeros(1, device=self.device), self.everyone, "warm-up of the world group")
 
-    def sum_(self, tensor: torch.Tensor, members: Sequence[int], operation: str = "group sum") -> None:
+    def sum_(
+        self, tensor: torch.Tensor, members: Sequence[int], operation: str = "group sum", timeout: float | None = None
+    ) -> None:
         """In place: `tensor` becomes the sum of the members' tensors (`members` sorted, holding this rank).
 
-        Blocks the calling thread until the sum is in `tensor` or the timeout has passed. A member
-        that disappears leaves NaN in the sum (see the module docstring and `sum_is_complete`).
+        Blocks the calling thread until the sum is in `tensor` or the timeout (default: this comm's,
+        one operation's) has passed. A member that disappears leaves NaN in the sum (see the module
+        docstring and `sum_is_complete`).
         """
         members = tuple(members)
         if self.rank not in members:
@@ -192,7 +195,8 @@ class GroupComm:
         if len(members) < 2:
             return
         start = time.monotonic()
-        deadline = start + self.timeout
+        limit = self.timeout if timeout is None else timeout
+        deadline = start + limit
         self.failed_peers = set()
         links = active_slow_links()
         nbytes = tensor.numel() * tensor.element_size()
@@ -221,7 +225,7 @@ class GroupComm:
                 if isinstance(err, CoordinationTimeout):
                     raise
                 if not self.abandon(members):
-                    raise self._failure(operation, members, start, err) from err
+                    raise self._failure(operation, members, start, limit, err) from err
                 # a member is gone: on NCCL the communicator is unusable until the survivors rebuild it
                 log.warning("rank %d: %s over ranks %s ended incomplete: %s", self.rank, operation, list(members), err)
                 self.broken = self.device.type != "cpu"
@@ -361,9 +365,9 @@ class GroupComm:
             time.sleep(1e-4)
 
     def _failure(
-        self, operation: str, members: tuple[int, ...], start: float, err: BaseException
+        self, operation: str, members: tuple[int, ...], start: float, limit: float, err: BaseException
     ) -> CoordinationTimeout:
         return CoordinationTimeout(
             f"rank {self.rank}: {operation} over ranks {list(members)} failed or timed out after "
-            f"{time.monotonic() - start:.1f}s (timeout {self.timeout:.0f}s): {err}"
+            f"{time.monotonic() - start:.1f}s (timeout {limit:.0f}s): {err}"
         )

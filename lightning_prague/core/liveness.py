@@ -14,10 +14,11 @@ nothing at all was heard from it (the process is frozen: its beacon is silent to
 `max(floor, factor * its longest recent step)`: by default `max(10 s, 20 x step)`, 10 s for 50 ms
 steps and for a worker 5 times slower (250 ms) alike, since the bound follows each worker's own
 history and never the others'. Until a worker has timed a step (its first batch of a fit), and
-while it says it is busy, the bound is the session's `timeout` (a first step that compiles, a long
-checkpoint). A worker that waits on a hung peer is not hung: it says it is waiting. When a worker's
-state changes (busy to stepping, its first timed step) its training thread sends a beat itself,
-before the step, so that the control plane knows its bound before it can hang.
+while it says it is busy, the bound is the session's `sync_timeout` (a first step that compiles, a
+long checkpoint: 1800 s by default, as DDP survives). A worker that waits on a hung peer is not
+hung: it says it is waiting. When a worker's state changes (busy to stepping, its first timed
+step) its training thread sends a beat itself, before the step, so that the control plane knows
+its bound before it can hang.
 
 What happens next (fencing the worker, so that a hang becomes a departure like a crash) is the
 control plane's (`lightning_prague.core.coordinator`).
@@ -206,7 +207,7 @@ class HangDetector:
         for rank, entry in list(self._ranks.items()):
             bound = self.rule.bound(entry.step, entry.busy, self.timeout)
             silent, still = now - entry.last_heard, now - entry.last_advance
-            basis = "its session timeout" if entry.busy or entry.step is None else f"its step time {entry.step:.3f}s"
+            basis = "its sync_timeout" if entry.busy or entry.step is None else f"its step time {entry.step:.3f}s"
             if silent > bound:
                 why = f"nothing heard from it for {silent:.1f}s (bound {bound:.1f}s from {basis}): it is frozen"
             elif still > bound:

@@ -38,8 +38,11 @@ class SessionPlan:
 
     config: SessionConfig
     make_exchanger: ExchangerFactory
+    #: seconds one operation may take
     timeout: float
     bucket_bytes: int
+    #: seconds every rank may take to reach one synchronization point (default: `timeout`)
+    sync_timeout: float | None = None
 
 
 class TrainingSession:
@@ -62,7 +65,7 @@ class TrainingSession:
         """This rank's worker and exchanger over `state` (the tensors group averages change)."""
         session = self.open()
         tensors = BucketedTensors(state, self.plan.bucket_bytes)
-        self.worker = GroupWorker(session, tensors, self.plan.timeout)
+        self.worker = GroupWorker(session, tensors, self.plan.timeout, sync_timeout=self.plan.sync_timeout)
         self.exchanger = self.plan.make_exchanger(self.worker, tensors)
 
     @property

@@ -125,6 +125,8 @@ class GroupWorker:
         session: this rank's session of the control plane (`ControlClient.open_session`).
         tensors: the live tensors that group averages change.
         timeout: seconds any one wait may take.
+        sync_timeout: seconds every rank may take to reach one synchronization point, the whole
+            meeting (default and at least: `timeout`).
         comm: the group sums; default: over the library's process group of this process's job
             (`lightning_prague.core.job`), or the world group where there is no job.
     """
@@ -135,12 +137,14 @@ class GroupWorker:
         tensors: BucketedTensors,
         timeout: float,
         comm: GroupComm | None = None,
+        sync_timeout: float | None = None,
     ) -> None:
         self.session = session
         self.rank = session.rank
         self.world_size = session.world_size
         self.tensors = tensors
         self.timeout = timeout
+        self.sync_timeout = max(timeout, sync_timeout or 0.0)
         #: the session's counters in the coordinator (the end-of-phase agreement of gossip)
         self.counters = session.counters
         if comm is None:
@@ -176,17 +180,18 @@ class GroupWorker:
             self.stats.messages += 1
         return item
 
-    def _next_item(self, waiting_for: str) -> dict[str, Any]:
+    def _next_item(self, waiting_for: str, deadline: float | None = None) -> dict[str, Any]:
+        """The next inbox item within `timeout`, or by `deadline` (a meeting's overall bound)."""
+        limit = self.timeout if deadline is None else max(0.0, deadline - time.monotonic())
         with self.session.beacon.waiting():
-            item = self.poll_item()
+            item = self.poll_item(limit)
         if item is None:
-            raise self._timed_out(waiting_for)
+            raise self._timed_out(waiting_for, self.timeout if deadline is None else self.sync_timeout)
         return item
 
-    def _timed_out(self, waiting_for: str) -> CoordinationTimeout:
+    def _timed_out(self, waiting_for: str, seconds: float) -> CoordinationTimeout:
         return CoordinationTimeout(
-            f"rank {self.rank}: waited {self.timeout:.0f}s for {waiting_for}{self._parked_hint()}; "
-            "a rank may have stalled"
+            f"rank {self.rank}: waited {seconds:.0f}s for {waiting_for}{self._parked_hint()}; a rank may have stalled"
         )
 
     def _parked_hint(self) -> str:
@@ -296,11 +301,12 @@ class GroupWorker:
         self._doing = f"synchronization point {target!r}"
         idle_after = exchanger.idle_after if exchanger is not None else None
         idle = asked_idle = False
+        deadline = start + self.sync_timeout  # the whole meeting; each group executed in it has its own bound
         self._send("arrive", sync=target, **report)
         while True:
             waiting = f"the other ranks at synchronization point {target!r}"
             if idle_after is None:
-                item = self._next_item(waiting)
+                item = self._next_item(waiting, deadline)
             else:  # poll: a rank out of steps may have to serve its neighbours (idle rounds)
                 if idle:
                     assert exchanger is not None
@@ -311,8 +317,8 @@ class GroupWorker:
                     if not asked_idle and waited > idle_after:
                         asked_idle = True
                         self._send("idle")
-                    if waited > self.timeout:
-                        raise self._timed_out(waiting)
+                    if time.monotonic() > deadline:
+                        raise self._timed_out(waiting, self.sync_timeout)
                     continue
             if item["t"] == "release" and item["sync"] == target:
                 self.released_version = int(item.get("version", 0))

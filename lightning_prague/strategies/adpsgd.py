@@ -54,4 +54,4 @@ class ADPSGDStrategy(DecentralizedStrategy):
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
         assert self.graph is not None
         kind = BackgroundAverager if self.graph.is_active(worker.rank) else PassiveResponder
-        return kind(worker, tensors, self.sync_timeout)
+        return kind(worker, tensors, self.operation_timeout)

@@ -86,6 +86,10 @@ from lightning_prague.strategies.launcher import SurvivingScriptLauncher
 log = logging.getLogger(__name__)
 
 
+#: Lightning's (and torch's) default timeout of DDP's collectives, seconds: the default `sync_timeout`
+DDP_TIMEOUT = 1800.0
+
+
 def watchdog_margin(timeout: float) -> float:
     """Seconds the backend's own timeout (NCCL's watchdog) waits beyond ours."""
     return max(30.0, 0.1 * timeout)
@@ -167,6 +171,7 @@ class DecentralizedStrategy(DDPStrategy):
         min_workers: int = 1,
         hang_timeout: float = 10.0,
         hang_factor: float = 20.0,
+        sync_timeout: Optional[float] = None,
         coordinator_port: Optional[int] = None,
         **ddp_kwargs: Any,
     ) -> None:
@@ -175,9 +180,15 @@ class DecentralizedStrategy(DDPStrategy):
         Args:
             sync_every: local optimizer steps between two exchanges.
             seed: seeds the grouping decisions and the per-epoch data shuffle.
-            timeout: seconds any wait (coordinator, group, peer) may take before failing with an
-                error that names the ranks and the operation (a `datetime.timedelta`, as
-                `DDPStrategy` takes, is accepted too).
+            timeout: seconds one operation (a group exchange, a request to the coordinator, a
+                claim on the work queue) may take before failing with an error that names the
+                ranks and the operation (a `datetime.timedelta`, as `DDPStrategy` takes, is
+                accepted too). The timeouts form a hierarchy, each bound above the one before:
+                `hang_timeout` (a worker without progress is declared hung and fenced, 10 s),
+                `timeout` (one operation, 300 s), `sync_timeout` (every rank reaching one
+                synchronization point, and a worker busy outside its steps, such as rank 0
+                writing a checkpoint; 1800 s as DDP's collectives), then the backend's own
+                timeout (the process group's, beyond `sync_timeout`).
             average_at_sync: average all replicas at synchronization points (validation, epoch
                 end, end of fit) so that they see one consensus model.
             max_groups: deprecated and ignored: groups no longer have communicators of their own
@@ -199,6 +210,11 @@ class DecentralizedStrategy(DDPStrategy):
                 declared hung and fenced (`lightning_prague.core.liveness`).
             hang_factor: a worker is declared hung after `max(hang_timeout, hang_factor x` its
                 longest recent step`)` without progress (steps timed on that worker).
+            sync_timeout: seconds the ranks may take to all reach a synchronization point (its
+                meeting and Lightning's collectives there: a barrier after rank 0 wrote a
+                checkpoint), and a worker may stay busy outside its steps (an epoch's end, a
+                checkpoint) before it is declared hung. Unset: 1800 s, Lightning's DDP timeout, or
+                `timeout` if that is longer; it must not be shorter than `timeout`.
             coordinator_port: the port (1-65535) on which the supervisor started by global rank 0
                 serves the control plane (on every interface of the first node), for a firewall
                 that only opens known ports; unset: the `LIGHTNING_PRAGUE_CONTROL_PORT`
@@ -228,6 +244,12 @@ class DecentralizedStrategy(DDPStrategy):
             raise ConfigurationError(
                 f"hang_timeout={hang_timeout} and hang_factor={hang_factor} are invalid: both must be positive"
             )
+        sync_timeout = max(DDP_TIMEOUT, timeout) if sync_timeout is None else float(sync_timeout)
+        if sync_timeout < timeout:
+            raise ConfigurationError(
+                f"sync_timeout={sync_timeout} is shorter than timeout={timeout}: a synchronization point contains "
+                "operations, so its bound must be at least one operation's"
+            )
         if max_groups is not None:
             warnings.warn(
                 "max_groups is deprecated and has no effect: groups run point-to-point on the world process group "
@@ -242,14 +264,16 @@ class DecentralizedStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            # the backend's own timeout (NCCL's watchdog) fires after ours, so our error, which names
-            # the ranks and the operation, is the one the user sees
-            timeout=timedelta(seconds=timeout + watchdog_margin(timeout)),
+            # the backend's own timeout (NCCL's watchdog) fires after every one of ours, so our error,
+            # which names the ranks and the operation, is the one the user sees
+            timeout=timedelta(seconds=sync_timeout + watchdog_margin(sync_timeout)),
             start_method=start_method,
         )
         self.sync_every = sync_every
         self.seed = seed
-        self.sync_timeout = float(timeout)
+        self.operation_timeout = float(timeout)
+        #: seconds for every rank to reach one synchronization point (see `sync_timeout`)
+        self.sync_timeout = sync_timeout
         self.average_at_sync = average_at_sync
         self.bucket_mb = bucket_mb
         self.min_workers = min_workers
@@ -360,11 +384,14 @@ class DecentralizedStrategy(DDPStrategy):
             policy,
             self.avoid_stragglers,
             sync_averages=self.average_at_sync,
-            timeout=self.sync_timeout,
+            timeout=self.operation_timeout,
             hang=self.hang_rule,
             min_workers=self.min_workers,
+            sync_timeout=self.sync_timeout,
         )
-        return SessionPlan(config, self.make_exchanger, self.sync_timeout, int(self.bucket_mb * 2**20))
+        return SessionPlan(
+            config, self.make_exchanger, self.operation_timeout, int(self.bucket_mb * 2**20), self.sync_timeout
+        )
 
     def _require_job(self) -> Job:
         if self.job is None:
@@ -396,7 +423,7 @@ class DecentralizedStrategy(DDPStrategy):
             self.global_rank,
             self.world_size,
             backend,
-            self.sync_timeout,
+            self.operation_timeout,
             device_id=self.root_device if self.root_device.type != "cpu" else None,
             pg_timeout=self._timeout,
             control_port=self.coordinator_port,
@@ -663,7 +690,7 @@ class DecentralizedStrategy(DDPStrategy):
         assert self.session is not None and self.progress is not None and self._trainer is not None
         counter = ProgressCounter(
             self.session.counters,
-            self.sync_timeout,
+            self.operation_timeout,
             self.progress.budget,
             self.global_rank,
             self.world_size,
@@ -704,7 +731,7 @@ class DecentralizedStrategy(DDPStrategy):
             self.session.counters,
             shuffle=shuffle,
             seed=self.seed,
-            timeout=self.sync_timeout,
+            timeout=self.operation_timeout,
         )
         return _update_dataloader(dataloader, self.sampler, mode=RunningStage.TRAINING)
 
@@ -734,13 +761,13 @@ class DecentralizedStrategy(DDPStrategy):
     def _members(self) -> Optional[MemberCollectives]:
         """Collectives that survive a lost member: during a fit, and after one that lost a rank."""
         if self.worker is not None:
-            return MemberCollectives(self.worker.comm)
+            return MemberCollectives(self.worker.comm, self.sync_timeout)
         job = self.job
         if self._survivors is None or job is None:
             return None  # no fit, nobody lost: the world group's collectives
-        comm = GroupComm(self.global_rank, self.world_size, self.sync_timeout, job.group)
+        comm = GroupComm(self.global_rank, self.world_size, self.operation_timeout, job.group)
         comm.rebind(job.group, job.members)
-        return MemberCollectives(comm)
+        return MemberCollectives(comm, self.sync_timeout)
 
     def _incomplete(self, operation: str) -> None:
         log.warning(

@@ -109,7 +109,7 @@ class DecentAdamStrategy(DecentralizedStrategy):
 
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
         assert self.schedule is not None
-        return LaggedGossip(worker, tensors, self.schedule, self.sync_timeout, overlap=self.overlap)
+        return LaggedGossip(worker, tensors, self.schedule, self.operation_timeout, overlap=self.overlap)
 
     def setup(self, trainer: Trainer) -> None:
         super().setup(trainer)

@@ -85,7 +85,7 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
         if self.schedule is not None:  # the static schedule: no coordinator round trip per exchange
             return LaggedGossip(
-                worker, tensors, self.schedule, self.sync_timeout, overlap=self.overlap, lagged=self.overlap
+                worker, tensors, self.schedule, self.operation_timeout, overlap=self.overlap, lagged=self.overlap
             )
         kind = BackgroundAverager if self.overlap else BlockingExchanger
-        return kind(worker, tensors, self.sync_timeout)
+        return kind(worker, tensors, self.operation_timeout)

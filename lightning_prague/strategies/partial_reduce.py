@@ -73,4 +73,4 @@ class PartialReduceStrategy(DecentralizedStrategy):
 
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
         kind = BackgroundAverager if self.overlap else BlockingExchanger
-        return kind(worker, tensors, self.sync_timeout)
+        return kind(worker, tensors, self.operation_timeout)
