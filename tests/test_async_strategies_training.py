@@ -11,17 +11,19 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.mark.parametrize("strategy", ["partial_reduce", "adpsgd"])
-def test_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(straggler_runs, ddp_reference, strategy):
+def test_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(straggler_runs, assert_learned, strategy):
     run = straggler_runs[strategy]  # partial_reduce with staleness weighting
     assert run.status == 0, run.log[-3000:]
     result = run.result
-    assert result["val_acc"] >= ddp_reference["val_acc"] - 0.01, (result["val_acc"], ddp_reference["val_acc"])
+    assert_learned(result)  # conftest.py: margins no run meets or misses by luck
     slow, *fast = result["batches_per_worker"]
     assert min(fast) >= 3 * slow, result["batches_per_worker"]
     assert sum(result["batches_per_worker"]) == 4 * 45, "every batch is trained exactly once per epoch"
     assert result["epochs_in_store"] == [3], "finished epochs' keys are deleted: the store does not grow"
-    ranks = rank_results(run.dir)
-    assert len({round(r["params_checksum"], 4) for r in ranks}) == 1, "replicas must agree after fit"
+    ranks = [result, *rank_results(run.dir)]
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    # the final global average sums the members in the same order on every member: bitwise the same
+    assert len({r["params_sha256"] for r in ranks}) == 1, "replicas must agree after fit"
     for r in ranks:
         assert r["threads_after_fit"] == [], f"rank {r['rank']} left threads behind: {r['threads_after_fit']}"
         # a batch's chunk and its global-progress ticket come in one request; a few more per epoch

@@ -33,11 +33,15 @@ def test_bench_quick_preset_runs_end_to_end_and_writes_valid_outputs(tmp_path):
         assert set(FIELDS) <= set(row)
         assert 0 < row["throughput"] and 0 < row["predicted_throughput"]
         assert row["throughput"] <= row["limit"] * 1.05, "nothing beats the sum of the workers' speeds"
-        assert 0.0 <= row["sync_fraction"] <= 1.0 and row["consensus_error"] >= 0.0
         assert 0.5 < row["final_acc"] <= 1.0
         assert 0 < row["step_seconds"] < row["train_seconds"], "validation and sync points are not steps"
-    assert rows[0]["speedup_vs_ddp"] == 1.0 and rows[0]["consensus_error"] < 1e-12, "DDP's replicas are identical"
-    assert rows[1]["consensus_error"] > 0, "prague's replicas differ before the global average"
+    ddp, prague = rows
+    assert ddp["speedup_vs_ddp"] == 1.0
+    assert ddp["consensus_error"] == pytest.approx(0.0, abs=1e-12), "DDP's replicas are the same"
+    assert prague["consensus_error"] > 0, "prague's replicas differ before the global average"
+    # Lightning's DDP reports no waiting (its all-reduce counts as compute); prague's ranks wait at every
+    # synchronization point (the fast one for the straggler), for less than the whole run
+    assert ddp["sync_fraction"] == 0.0 and 0 < prague["sync_fraction"] < 1, (ddp, prague)
 
     with (out / "bench.csv").open() as f:
         table = list(csv.DictReader(f))

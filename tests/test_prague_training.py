@@ -19,20 +19,30 @@ from helpers import ROOT, env, free_port, rank_results, run_external_ranks, run_
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_prague_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(straggler_runs, ddp_reference):
+def test_prague_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(straggler_runs, assert_learned):
     run = straggler_runs["prague"]
     assert run.status == 0, run.log[-3000:]
     result = run.result
-    assert result["val_acc"] >= ddp_reference["val_acc"] - 0.01, (result["val_acc"], ddp_reference["val_acc"])
+    assert_learned(result)  # conftest.py: margins no run meets or misses by luck
     slow, *fast = result["batches_per_worker"]
     assert min(fast) >= 3 * slow, result["batches_per_worker"]
     # one epoch is one pass over the data by all workers together (45 batches of 32)
     assert sum(result["batches_per_worker"]) == 4 * 45
-    # after the final synchronization point every replica is the same consensus model
-    checksums = {round(r["params_checksum"], 4) for r in rank_results(run.dir)}
-    assert len(checksums) == 1, checksums
-    # sync_dist logging in training_step is local, with one documented warning per rank
-    assert run.log.count("uses this rank's local value instead") == 4
+    # after the final synchronization point every replica is the same consensus model, bitwise (the
+    # global average sums the members in the same order on every member)
+    ranks = [result, *rank_results(run.dir)]
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    digests = {r["params_sha256"] for r in ranks}
+    assert len(digests) == 1, digests
+    # sync_dist logging in training_step is local, with a warning that says so: every rank logs each
+    # step's loss during asynchronous training, and a rank warns once per operation (not per metric or step)
+    warning = (
+        "reduce (e.g. self.log(..., sync_dist=True)) was called during asynchronous training with "
+        "strategy='prague', while ranks are at different steps; a world-wide collective here would hang, so it "
+        "uses this rank's local value instead (this warning is shown once). Values logged with sync_dist=True during "
+        "training steps are per-rank; they are reduced across ranks at epoch end."
+    )
+    assert run.log.count(warning) == len(ranks), run.log[-3000:]
 
 
 def test_static_schedule_trains_without_asking_the_coordinator(tmp_path):
@@ -44,7 +54,7 @@ def test_static_schedule_trains_without_asking_the_coordinator(tmp_path):
     ranks = [result, *rank_results(tmp_path)]
     assert [r["coordinator_requests"] for r in ranks] == [0] * 4, "a static schedule needs no coordinator round trip"
     assert all(r["exchanges"] >= 2 * 12 for r in ranks), [r["exchanges"] for r in ranks]
-    assert len({round(r["params_checksum"], 4) for r in ranks}) == 1, "replicas must agree after fit"
+    assert len({r["params_sha256"] for r in ranks}) == 1, "replicas must agree after fit (bitwise)"
 
 
 def test_checkpoint_early_stopping_resume_second_fit_and_test(tmp_path):
@@ -75,8 +85,9 @@ def test_checkpoint_early_stopping_resume_second_fit_and_test(tmp_path):
     resumed = json.loads((resumed_dir / "result.json").read_text())
     assert resumed["epochs_run"] == first["epochs_run"] + 3
     assert resumed["val_acc"] > 0.85
-    checksums = {round(r["params_checksum"], 4) for r in rank_results(resumed_dir)}
-    assert len(checksums) == 1
+    ranks = [resumed, *rank_results(resumed_dir)]
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2]
+    assert len({r["params_sha256"] for r in ranks}) == 1, "replicas must agree after the second fit (bitwise)"
 
 
 def test_sigterm_on_one_rank_stops_every_rank_without_hanging(tmp_path):

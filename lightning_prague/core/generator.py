@@ -324,8 +324,8 @@ class GroupGenerator:
         if not self.parked or len(self.parked) < len(self.live):
             return
         names = set(self.parked.values())
-        if self.stopping and names != {STOP_SYNC}:
-            return  # every rank sees the stop item and arrives at the stop point; wait for all of them
+        if self.stopping and not all(n == STOP_SYNC or n.startswith(f"{STOP_SYNC}/") for n in names):
+            return  # every rank sees the stop item and arrives at the stop point (or its settling); wait
         if len(names) == 1:
             release: Item = {
                 "t": "release",

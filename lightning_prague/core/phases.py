@@ -44,6 +44,9 @@ class SyncController:
         self.validation = Validation.NONE
         #: SIGTERM reached this process; it becomes a stop of the job at the next batch or meeting
         self.sigterm = False
+        #: the cluster's requeue signal (SLURM's SIGUSR1) reached this process: a SIGTERM-like stop,
+        #: then the requeue checkpoint at the stop point (`None`: not asked)
+        self.requeue_signal: int | None = None
         self.meetings = 0
 
     @property
@@ -87,6 +90,7 @@ class SyncController:
         self.phase = Phase.ALIGNED
         self.validation = Validation.NONE
         self.sigterm = False
+        self.requeue_signal = None
 
     def __repr__(self) -> str:
         return f"SyncController({self.phase.value}, validation {self.validation.value}, sigterm={self.sigterm})"

@@ -7,6 +7,7 @@ this module (Lightning's launcher), rank 0 prints the result and can write it as
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from functools import partial
@@ -230,6 +231,16 @@ def build(
     return trainer, model, data, summary, checkpoint
 
 
+def params_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of the bytes of `model`'s parameters, in order: equal exactly when the replicas are
+    bitwise the same (`params_checksum`, a sum, can round equal-enough values apart or different ones
+    together)."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def report(
     args: argparse.Namespace,
     trainer: L.Trainer,
@@ -258,6 +269,7 @@ def report(
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "batches_per_worker": summary.batches_per_worker,
         "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+        "params_sha256": params_digest(model),
         "lr": float(trainer.optimizers[0].param_groups[0]["lr"]),
         "timeline": summary.timeline,
         "samples_per_epoch": len(data.train_set),
@@ -276,7 +288,7 @@ def report(
     result.update(measurements or {})
     lost = getattr(trainer.strategy, "lost_workers", {})
     result["lost_workers"] = {str(rank): {"time": at, "why": why} for rank, (at, why) in lost.items()}
-    # every rank reports its own checksum so callers can check the replicas agree
+    # every rank reports its own checksum and digest so callers can check the replicas agree
     result["rank"] = trainer.global_rank
     result["threads_after_fit"] = communication_threads()
     if trainer.is_global_zero:

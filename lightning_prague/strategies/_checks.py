@@ -157,6 +157,13 @@ LIGHTNING_INTERNALS: tuple[LightningInternal, ...] = (
     ),
     LightningInternal(
         "trainer._signal_connector",
+        "_slurm_sigusr_handler_fn",
+        "replaced",
+        "SLURM's requeue signal stops every rank at its next batch like SIGTERM, and Lightning's own handler "
+        "(a checkpoint, then `scontrol requeue`) runs at the stop point, where the replicas are one model",
+    ),
+    LightningInternal(
+        "trainer._signal_connector",
         "received_sigterm",
         "written",
         "a coordinated SIGTERM stop tells Lightning that the process was signalled",

@@ -357,6 +357,7 @@ class DecentralizedStrategy(DDPStrategy):
             replacements: dict[str, Callable[..., Any]] = {
                 "_broadcast_sigterm_tensor": self._check_stop,
                 "_sigterm_notifier_fn": self._on_sigterm,
+                "_slurm_sigusr_handler_fn": self._on_requeue_signal,
                 "_prepare_dataloader": self._wrap_prepare_dataloader(trainer._data_connector._prepare_dataloader),
             }
             if self.shards_by_work_queue:
@@ -640,6 +641,13 @@ class DecentralizedStrategy(DDPStrategy):
             self.launcher.kill(signum)  # forward to this node's other processes, as Lightning does
         self.controller.sigterm = True
 
+    def _on_requeue_signal(self, signum: int, frame: Any) -> None:
+        """SLURM's requeue signal (`SLURMEnvironment(auto_requeue=True)`): Lightning's handler would
+        write a checkpoint of this rank's replica from inside the handler, in the middle of a phase.
+        It becomes a stop at the next batch instead, and the handler runs at the stop point."""
+        self.controller.requeue_signal = signum
+        self.controller.sigterm = True
+
     def _check_stop(self) -> None:
         """Before every training batch (where Lightning would broadcast its SIGTERM flag): local checks
         of what the control plane announced. A lost member ends the fit with an error naming it; a
@@ -659,16 +667,30 @@ class DecentralizedStrategy(DDPStrategy):
                 trainer.should_stop = True
         if self.controller.sigterm:
             self.worker.request_stop()
+        if session.stop_reason == "sigterm":  # announced: stop at this batch, whatever reads the inbox
+            self.worker.stop_seen = True
         if self.worker.stop_seen:
             self.drain()
             self.worker.drain_for_stop(self.exchanger)
             self._raise_stop()
 
     def _raise_stop(self) -> None:
+        """Every rank met at the stop point: make the replicas one model (so any checkpoint written
+        now, Lightning's `OnExceptionCheckpoint`'s or the requeue's, holds the consensus), run the
+        requeue if one was signalled, and stop as Lightning does on SIGTERM."""
         log.warning("rank %d: stopping on SIGTERM; every rank drained its group operations first", self.global_rank)
-        assert self._trainer is not None
-        self._trainer._signal_connector.received_sigterm = True
+        trainer = self._trainer
+        assert trainer is not None and self.worker is not None
+        if self.average_at_sync:
+            while not self.worker.global_average():  # a rank was lost during it: meet again without it
+                self.worker.synchronize("stop/again")
+        trainer._signal_connector.received_sigterm = True
         self.controller.met()  # every rank drained and met at the stop point
+        signum = self.controller.requeue_signal
+        if signum is not None:
+            log.warning("rank %d: requeue signal: a checkpoint of the consensus model, then requeue", self.global_rank)
+            connector = trainer._signal_connector
+            type(connector)._slurm_sigusr_handler_fn(connector, signum, None)  # Lightning's own, now aligned
         raise SIGTERMException()
 
     # -- data ---------------------------------------------------------------------------------

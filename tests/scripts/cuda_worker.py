@@ -6,9 +6,12 @@ NCCL refuses two ranks on one device, so the ranks talk over gloo: the model sta
 GPU and every collective stages it through the backend's device (the CPU), from communication
 threads bound to the GPU on streams of their own, exactly as with NCCL. Checks: a group average
 of float32 and bfloat16 state on the GPU; overlapped exchanges (BackgroundAverager) that conserve
-the sum; one round of LaggedGossip; the consensus measurement; where the communication thread ran.
+the sum; one round of LaggedGossip; the consensus measurement; the device and stream every group
+sum ran on, by thread: the exchangers' own communication threads (bound by `CommStream.bind` as
+they start) and, for comparison, the training thread.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -42,20 +45,22 @@ def main() -> None:
     tensors = BucketedTensors([params, half])
     worker = GroupWorker(session, tensors, timeout=60)
     result = {"rank": rank, "buckets": len(tensors.buckets)}
+    seen: dict[str, list[dict[str, int]]] = {}  # thread name -> the distinct (device, stream) its sums ran on
+    group_sum = worker.comm.sum_
+
+    def recorded_sum(*args, **kwargs):  # every exchange's group sums come here, in the thread that runs them
+        where = {"device": torch.cuda.current_device(), "stream": torch.cuda.current_stream().cuda_stream}
+        places = seen.setdefault(threading.current_thread().name, [])
+        if where not in places:
+            places.append(where)
+        return group_sum(*args, **kwargs)
+
+    worker.comm.sum_ = recorded_sum
 
     average_(tensors, worker.comm, list(range(world)), operation="test average")
     result["mean"] = [float(params.mean()), float(half.float().mean())]
 
     exchanger = BackgroundAverager(worker, tensors, timeout=60)
-    seen = {}
-
-    def where() -> None:  # runs in the communication thread through a job of its own
-        seen["device"] = torch.cuda.current_device()
-        seen["own_stream"] = torch.cuda.current_stream() != torch.cuda.default_stream()
-
-    probe = threading.Thread(target=lambda: (exchanger.streams.bind(), where()))  # as a communication thread starts
-    probe.start()
-    probe.join()
     start_sum = float(params.double().sum())
     added = 0.0
     exchanger.start()
@@ -69,7 +74,10 @@ def main() -> None:
     result.update(start_sum=start_sum, added=added, sum=float(params.double().sum()), exchanges=exchanger.exchanges)
     result["consensus_error"] = worker.consensus_error()
     worker.global_average()
-    result["after_global"] = float(params.double().sum())
+    digest = hashlib.sha256()
+    for t in (params, half):
+        digest.update(t.cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    result["after_global_sha256"] = digest.hexdigest()
 
     for t in (params, half):
         t.fill_(float(rank))
@@ -78,7 +86,12 @@ def main() -> None:
     gossip.mix()
     gossip.close()
     result["gossip_mean"] = float(params.mean())
-    result["thread"] = seen
+    result["sum_threads"] = seen
+    result["streams"] = {
+        "background": exchanger.streams.stream.cuda_stream,
+        "gossip": gossip.streams.stream.cuda_stream,
+        "default": torch.cuda.default_stream(device).cuda_stream,
+    }
     worker.close()
     with open(out, "w") as f:
         json.dump(result, f)

@@ -1,7 +1,9 @@
 """Test driver around lightning_prague.demo.run: adds fault injection and a second fit.
 
 Extra options: --sigterm-rank R --sigterm-batch N (rank R sends itself SIGTERM at its N-th batch),
---refit-epochs E (call trainer.fit again to E epochs), --test (trainer.test after fit),
+--refit-epochs E (call trainer.fit again to E epochs), --test (trainer.test after fit), --exception-checkpoint DIR
+(Lightning's OnExceptionCheckpoint into DIR, and each rank writes its parameters' sum and norm at the
+exception to result.stopRANK.json),
 --raise-at-batch N (every rank, or only --raise-rank R, raises at its N-th batch; each rank then
 writes the error it got and the names of the communication threads still alive to result.rankR.json,
 and rank 0 exits with status 3), --kill-rank R --kill-batch N (rank R kills itself with SIGKILL at
@@ -111,6 +113,20 @@ class WriteSums(L.Callback):
         path.write_text(json.dumps({"sums": self.sums, "world_size": trainer.world_size}))
 
 
+class StateAtStop(L.Callback):
+    """On a stop by signal (Lightning's SIGTERMException), every rank writes what it holds then."""
+
+    def __init__(self, json_path) -> None:
+        self.path = json_path
+
+    def on_exception(self, trainer, pl_module, exception):
+        state = pl_module.state_dict()  # what a checkpoint's "state_dict" holds
+        params = torch.cat([t.detach().reshape(-1).double() for t in state.values() if t.is_floating_point()])
+        state = {"rank": trainer.global_rank, "global_step": trainer.global_step, "epoch": trainer.current_epoch}
+        state.update(params_sum=float(params.sum()), params_norm=float(params.norm()), error=type(exception).__name__)
+        self.path.with_suffix(f".stop{trainer.global_rank}.json").write_text(json.dumps(state))
+
+
 def prague_threads() -> list[str]:
     return communication_threads()
 
@@ -129,6 +145,7 @@ def main() -> None:
     extra.add_argument("--module-stop-rank", type=int)
     extra.add_argument("--module-stop-batch", type=int, default=5)
     extra.add_argument("--user-allreduce", action="store_true")
+    extra.add_argument("--exception-checkpoint", help="add OnExceptionCheckpoint writing to this directory")
     own, rest = extra.parse_known_args()
     args = run.parse_args(rest)
     callbacks = [SelfSigterm(own.sigterm_rank, own.sigterm_batch)] if own.sigterm_rank is not None else []
@@ -138,6 +155,9 @@ def main() -> None:
         callbacks.append(RaiseInValidation(own.raise_in_validation_rank))
     if own.kill_rank is not None:
         callbacks.append(KillAt(own.kill_rank, own.kill_batch, args.json.parent / "killed.json"))
+    if own.exception_checkpoint:
+        callbacks.append(L.pytorch.callbacks.OnExceptionCheckpoint(own.exception_checkpoint))
+        callbacks.append(StateAtStop(args.json))
     if own.timer is not None:
         callbacks.append(L.pytorch.callbacks.Timer(duration={"seconds": own.timer}))
     trainer, model, data, summary, checkpoint = run.build(args, callbacks)
