@@ -228,11 +228,14 @@ def run_many(root: Path, runs: dict[str, tuple[str, list[str]]], timeout: float 
     return out
 
 
-def run_external_ranks(tmp: Path, world: int, *args: str, timeout: float = 120) -> tuple[list[int | None], list[str]]:
+def run_external_ranks(
+    tmp: Path, world: int, *args: str, timeout: float = 120, slurm: bool = False
+) -> tuple[list[int | None], list[str]]:
     """Run ``scripts/train.py`` as ``world`` processes started from outside Lightning, one per rank, with
     the variables a cluster launcher sets (as torchrun or SLURM would; no launcher kills the others
     when one dies). They are forked from the test process. Returns each rank's exit code (``None``:
-    still running at the timeout, then killed) and output."""
+    still running at the timeout, then killed) and output. ``slurm``: with the variables SLURM's
+    ``srun`` sets as well (one node, job 4242), so that Lightning uses its SLURM environment."""
     ctx = multiprocessing.get_context("fork")
     base = env(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
     logs = [tmp / f"rank{r}.log" for r in range(world)]
@@ -240,7 +243,7 @@ def run_external_ranks(tmp: Path, world: int, *args: str, timeout: float = 120) 
     procs = [
         ctx.Process(
             target=_run_script_in_child,
-            args=(SCRIPTS / "train.py", argv, {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, logs[r]),
+            args=(SCRIPTS / "train.py", argv, {**base, **_rank_variables(r, world, slurm)}, logs[r]),
         )
         for r in range(world)
     ]
@@ -255,6 +258,23 @@ def run_external_ranks(tmp: Path, world: int, *args: str, timeout: float = 120) 
             p.kill()
             p.join()
     return codes, [log.read_text() for log in logs]
+
+
+def _rank_variables(rank: int, world: int, slurm: bool) -> dict[str, str]:
+    variables = {"RANK": str(rank), "LOCAL_RANK": str(rank)}
+    if slurm:
+        variables.update(
+            SLURM_NTASKS=str(world),
+            SLURM_NTASKS_PER_NODE=str(world),
+            SLURM_NNODES="1",
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NODEID="0",
+            SLURM_JOB_ID="4242",
+            SLURM_JOB_NAME="prague-test",
+            SLURM_NODELIST="127.0.0.1",
+        )
+    return variables
 
 
 def process_alive(pid: int) -> bool:

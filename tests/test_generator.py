@@ -98,6 +98,7 @@ def test_stop_releases_everyone_only_after_all_arrive_at_the_stop_point():
         "sync": STOP_SYNC,
         "version": 0,
         "stop": True,
+        "requeue": False,
         "speeds": [0.0] * 3,
         "pending": [],
         "members": [0, 1, 2],
@@ -255,3 +256,16 @@ def test_a_gossip_phase_ends_in_the_meeting_at_one_final_round():
     generator.depart(1, out)
     assert {r: [item["final"] for item in items] for r, items in out.items()} == {0: [16], 2: [16]}
     assert out[0][0]["members"] == [0, 2] and "settle" not in out[0][0]
+
+
+def test_a_requeue_stop_is_announced_even_after_a_sigterm_stop_and_its_release_says_so():
+    generator = GroupGenerator(2, make_policy("random", 2, 2))
+    out = generator.handle({"op": "stop", "rank": 0, "reason": "sigterm"})
+    assert out == {r: [{"t": "stop", "reason": "sigterm"}] for r in range(2)}
+    # the cluster's requeue signal asks for more than a stop: every rank hears of it
+    out = generator.handle({"op": "stop", "rank": 1, "reason": "requeue"})
+    assert out == {r: [{"t": "stop", "reason": "requeue"}] for r in range(2)}
+    assert generator.handle({"op": "stop", "rank": 0, "reason": "sigterm"}) == {}  # nothing new
+    generator.handle({"op": "arrive", "rank": 0, "sync": STOP_SYNC})
+    out = generator.handle({"op": "arrive", "rank": 1, "sync": STOP_SYNC})
+    assert all(items[0]["requeue"] and items[0]["stop"] for items in out.values())

@@ -189,7 +189,7 @@ class Session:
         elif kind == "fenced":  # declared hung: end this process, as a local one would be SIGKILLed
             log.error("rank %d: the control plane fenced this rank (%s); exiting", self.rank, item.get("reason"))
             os._exit(75)
-        elif kind == "stop" and self.stop_reason is None:
+        elif kind == "stop" and (self.stop_reason is None or item.get("reason") == "requeue"):
             self.stop_reason = str(item.get("reason", "sigterm"))
             log.debug("rank %d: the job is stopping (%s)", self.rank, self.stop_reason)
         self._inbox.put(item)

@@ -16,18 +16,22 @@ Inbox items (plain dicts, JSON-serialisable):
   `weights` (in `members` order) instead of the plain mean.
 - `{"t": "answer", "req", "gid"}`: the reply to the worker's `ready` number `req`: the group it was
   given (already earlier in its inbox) or `None` when no group could be formed.
-- `{"t": "release", "sync", "version", "stop", "speeds", "pending", "members"}`: every live worker arrived at
-  synchronization point `sync` and every group issued before it is earlier in every inbox;
-  `version` is the newest model version reported so far; `stop`: some rank asked the job to stop
-  (every rank stops here, together); `speeds`: every rank's seconds per batch and `pending`: the
-  work-queue chunks every rank holds untrained, as they reported them with `arrive`; `final`
+- `{"t": "release", "sync", "version", "stop", "requeue", "speeds", "pending", "members"}`: every
+  live worker arrived at synchronization point `sync` and every group issued before it is earlier
+  in every inbox; `version` is the newest model version reported so far; `stop`: some rank asked
+  the job to stop (every rank stops here, together); `requeue`: the stop is for the cluster's
+  requeue signal (every rank writes the requeue checkpoint, all alike); `speeds`: every rank's
+  seconds per batch and `pending`: the work-queue chunks every rank holds untrained, as they
+  reported them with `arrive`; `final`
   (gossip on a fixed schedule only): the round every rank runs its gossip to before the meeting
   ends (see `Gossip phases` below); `members`: the workers still in the job (see `Membership`).
 - `{"t": "idle"}`: the gossip phase switched to idle rounds (see below).
 - `{"t": "left"}`: the answer to `leave` (a worker shutting down after an error): nothing more will
   name it.
 - `{"t": "stop", "reason"}`: training is being stopped: `"sigterm"` (SIGTERM on some rank: every
-  rank drains and meets at the stop point at once) or `"request"` (a rank decided to stop, e.g.
+  rank drains and meets at the stop point at once), `"requeue"` (the same, for the cluster's
+  requeue signal, e.g. SLURM's SIGUSR1: every rank then writes the requeue checkpoint; it follows
+  a `"sigterm"` stop if it comes later) or `"request"` (a rank decided to stop, e.g.
   `trainer.should_stop`: every rank ends its epoch early, and the next release says `stop`).
 - `{"t": "error", "message"}`: ranks disagree about a synchronization point.
 
@@ -71,6 +75,8 @@ from lightning_prague.core.policies import FirstReadyPolicy, Group, GroupingPoli
 
 Item = dict[str, Any]
 STOP_SYNC = "__stop__"
+#: reasons of a stop at once (every rank drains at its next batch): a signal, or the cluster's requeue signal
+SIGTERM, REQUEUE = "sigterm", "requeue"
 
 
 class Candidates(Sequence[int]):
@@ -115,6 +121,7 @@ class GroupGenerator:
         self.rounds = [0] * world_size
         self.parked: dict[int, str] = {}  # rank -> name of the sync point it waits at
         self.stopping = False  # SIGTERM: every rank drains to the stop point
+        self.stop_reason: str | None = None  # `SIGTERM` or `REQUEUE`, once stopping
         self.stop_requested = False  # a rank asked the job to stop at the next synchronization point
         self.left: set[int] = set()  # ranks that shut down after an error or departed
         self.live: list[int] = list(range(world_size))  # the others, sorted
@@ -165,8 +172,9 @@ class GroupGenerator:
                 self._request_stop(out)
             self._arrive(rank, str(message["sync"]), out)
         elif op == "stop":
-            if message.get("reason", "sigterm") == "sigterm":
-                self._stop(out)
+            reason = str(message.get("reason", "sigterm"))
+            if reason in (SIGTERM, REQUEUE):
+                self._stop(out, reason)
             else:
                 self._request_stop(out)
         elif op == "leave":
@@ -332,6 +340,7 @@ class GroupGenerator:
                 "sync": sync,
                 "version": self.newest_version,
                 "stop": self.stop_requested or self.stopping,
+                "requeue": self.stop_reason == REQUEUE,
                 "speeds": list(self._speeds),
                 "pending": sorted(c for chunks in self._untrained.values() for c in chunks),
                 "members": list(self.live),
@@ -413,12 +422,15 @@ class GroupGenerator:
         for r in self.live:
             self._push(out, r, {"t": "stop", "reason": "request"})
 
-    def _stop(self, out: dict[int, list[Item]]) -> None:
-        if self.stopping:
-            return
-        self.stopping = True
+    def _stop(self, out: dict[int, list[Item]], reason: str = SIGTERM) -> None:
+        if self.stopping and (self.stop_reason == REQUEUE or reason != REQUEUE):
+            return  # stopping already (a requeue after a SIGTERM stop is announced too: it asks for more)
+        first = not self.stopping
+        self.stopping, self.stop_reason = True, reason
         for r in self.live:
-            self._push(out, r, {"t": "stop", "reason": "sigterm"})
+            self._push(out, r, {"t": "stop", "reason": reason})
+        if not first:
+            return
         # waiting first_ready workers get their answer now, so they can reach the stop drain
         while self._ready:
             r, req, _ = self._ready.popleft()

@@ -26,7 +26,7 @@ from lightning_prague.core.errors import (
     ExchangeInterrupted,
     SyncMismatchError,
 )
-from lightning_prague.core.generator import STOP_SYNC
+from lightning_prague.core.generator import REQUEUE, SIGTERM, STOP_SYNC
 from lightning_prague.core.groups import GroupComm
 from lightning_prague.core.job import current_job
 
@@ -230,7 +230,7 @@ class GroupWorker:
         if kind == "departed":  # the session noted it; the next release changes the membership
             return None
         if kind == "stop":
-            if item.get("reason", "sigterm") == "sigterm":
+            if item.get("reason", SIGTERM) in (SIGTERM, REQUEUE):
                 self.stop_seen = True
         elif kind == "error":
             if item.get("source") == CONTROL_PLANE:  # its handler failed on one of this rank's messages
@@ -372,11 +372,12 @@ class GroupWorker:
 
     def request_stop(self, reason: str = "sigterm") -> None:
         """Ask every rank to stop. `"sigterm"`: they drain their groups at the next step and leave
-        together; `"request"`: they end their epochs early and the next release says stop.
+        together (`"requeue"`: the same, and every rank then writes the requeue checkpoint);
+        `"request"`: they end their epochs early and the next release says stop.
 
         Safe to call from the training thread while a communication thread uses the worker.
         """
-        if reason in self._stop_requests or self.stop_seen:
+        if reason in self._stop_requests or (self.stop_seen and reason != REQUEUE):
             return
         if reason == "request" and self.session.stop_reason is not None:
             return  # the job is stopping already

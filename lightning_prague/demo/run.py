@@ -63,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the result of rank 0 here")
     parser.add_argument("--checkpoint-dir", type=Path, help="keep the best checkpoint (by val_acc) here")
+    parser.add_argument("--root-dir", type=Path, help="the trainer's default_root_dir (default: the working directory)")
     parser.add_argument("--resume", type=Path, help="resume fit from this checkpoint")
     parser.add_argument("--early-stopping", action="store_true", help="stop when val_acc stops improving")
     parser.add_argument("--test", action="store_true", help="run trainer.test after fit")
@@ -215,6 +216,7 @@ def build(
         logger=L.pytorch.loggers.CSVLogger(args.csv_dir, name="", version="") if args.csv_dir else False,
         log_every_n_steps=1,
         enable_checkpointing=checkpoint is not None,
+        default_root_dir=args.root_dir,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

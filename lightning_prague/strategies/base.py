@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 import warnings
 from abc import abstractmethod
@@ -65,6 +66,7 @@ from lightning_prague.core.collectives import MemberCollectives
 from lightning_prague.core.control import Session
 from lightning_prague.core.coordinator import SessionConfig
 from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.generator import REQUEUE, SIGTERM
 from lightning_prague.core.groups import GroupComm
 from lightning_prague.core.job import Job, init_job
 from lightning_prague.core.liveness import HangRule
@@ -84,6 +86,11 @@ from lightning_prague.strategies.global_progress import GlobalProgress, batches_
 from lightning_prague.strategies.launcher import SurvivingScriptLauncher
 
 log = logging.getLogger(__name__)
+
+
+def _requeue_signal(environment: Optional[ClusterEnvironment]) -> int:
+    """The cluster's requeue signal (SLURM's, as Lightning's SLURM environment names it; SIGUSR1)."""
+    return int(getattr(environment, "requeue_signal", None) or signal.SIGUSR1)
 
 
 #: Lightning's (and torch's) default timeout of DDP's collectives, seconds: the default `sync_timeout`
@@ -550,8 +557,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.drain()
         loader = self.progress.loader if self.progress is not None else None
         sampler = loader.sampler if loader is not None else None
-        if self.controller.sigterm:
-            self.worker.request_stop()
+        self._request_signal_stop()
         assert self._trainer is not None
         report: dict[str, Any] = {"stop": bool(self._trainer.should_stop)}
         if loader is not None:
@@ -648,6 +654,12 @@ class DecentralizedStrategy(DDPStrategy):
         self.controller.requeue_signal = signum
         self.controller.sigterm = True
 
+    def _request_signal_stop(self) -> None:
+        """A signal reached this process: ask every rank to stop (for the requeue signal, to write
+        the requeue checkpoint as well)."""
+        if self.worker is not None and self.controller.sigterm:
+            self.worker.request_stop(REQUEUE if self.controller.requeue_signal is not None else SIGTERM)
+
     def _check_stop(self) -> None:
         """Before every training batch (where Lightning would broadcast its SIGTERM flag): local checks
         of what the control plane announced. A lost member ends the fit with an error naming it; a
@@ -665,9 +677,8 @@ class DecentralizedStrategy(DDPStrategy):
             elif session.stop_reason == "request" and not trainer.should_stop:
                 log.debug("rank %d: the job is stopping; ending this epoch", self.global_rank)
                 trainer.should_stop = True
-        if self.controller.sigterm:
-            self.worker.request_stop()
-        if session.stop_reason == "sigterm":  # announced: stop at this batch, whatever reads the inbox
+        self._request_signal_stop()
+        if session.stop_reason in (SIGTERM, REQUEUE):  # announced: stop at this batch, whatever reads the inbox
             self.worker.stop_seen = True
         if self.worker.stop_seen:
             self.drain()
@@ -686,8 +697,8 @@ class DecentralizedStrategy(DDPStrategy):
                 self.worker.synchronize("stop/again")
         trainer._signal_connector.received_sigterm = True
         self.controller.met()  # every rank drained and met at the stop point
-        signum = self.controller.requeue_signal
-        if signum is not None:
+        if (self.worker.release or {}).get("requeue"):  # decided at the stop point: every rank alike
+            signum = self.controller.requeue_signal or _requeue_signal(self.cluster_environment)
             log.warning("rank %d: requeue signal: a checkpoint of the consensus model, then requeue", self.global_rank)
             connector = trainer._signal_connector
             type(connector)._slurm_sigusr_handler_fn(connector, signum, None)  # Lightning's own, now aligned

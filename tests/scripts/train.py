@@ -1,6 +1,7 @@
 """Test driver around lightning_prague.demo.run: adds fault injection and a second fit.
 
-Extra options: --sigterm-rank R --sigterm-batch N (rank R sends itself SIGTERM at its N-th batch),
+Extra options: --sigterm-rank R --sigterm-batch N (rank R sends itself SIGTERM, or --sigterm-signal, at
+its N-th batch),
 --refit-epochs E (call trainer.fit again to E epochs), --test (trainer.test after fit), --exception-checkpoint DIR
 (Lightning's OnExceptionCheckpoint into DIR, and each rank writes its parameters' sum and norm at the
 exception to result.stopRANK.json),
@@ -31,13 +32,13 @@ from lightning_prague.demo import run
 
 
 class SelfSigterm(L.Callback):
-    def __init__(self, rank: int, batch: int) -> None:
-        self.rank, self.batch, self.seen = rank, batch, 0
+    def __init__(self, rank: int, batch: int, signum: int = signal.SIGTERM) -> None:
+        self.rank, self.batch, self.signum, self.seen = rank, batch, signum, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.seen += 1
         if trainer.global_rank == self.rank and self.seen == self.batch:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)
 
 
 class RaiseAt(L.Callback):
@@ -135,6 +136,7 @@ def main() -> None:
     extra = argparse.ArgumentParser()
     extra.add_argument("--sigterm-rank", type=int)
     extra.add_argument("--sigterm-batch", type=int, default=3)
+    extra.add_argument("--sigterm-signal", default="SIGTERM", help="the signal --sigterm-rank sends itself")
     extra.add_argument("--refit-epochs", type=int)
     extra.add_argument("--raise-at-batch", type=int)
     extra.add_argument("--raise-rank", type=int, help="only this rank raises (default: every rank)")
@@ -148,7 +150,9 @@ def main() -> None:
     extra.add_argument("--exception-checkpoint", help="add OnExceptionCheckpoint writing to this directory")
     own, rest = extra.parse_known_args()
     args = run.parse_args(rest)
-    callbacks = [SelfSigterm(own.sigterm_rank, own.sigterm_batch)] if own.sigterm_rank is not None else []
+    callbacks = []
+    if own.sigterm_rank is not None:
+        callbacks.append(SelfSigterm(own.sigterm_rank, own.sigterm_batch, getattr(signal, own.sigterm_signal)))
     if own.raise_at_batch:
         callbacks.append(RaiseAt(own.raise_at_batch, own.raise_rank))
     if own.raise_in_validation_rank is not None:
