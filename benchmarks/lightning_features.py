@@ -6,9 +6,9 @@
 Each case is a small ``Trainer.fit`` (and, for some, validate/test/predict, a second fit or a
 resume) on 4 CPU workers started by ``fork`` from this process, with the last worker 5x slower.
 A case passes when it finishes without an error or a hang (every strategy's waits time out after
-``--timeout`` seconds) and, where the case is step-based, training stopped at exactly the
-promised global step. The table (and ``--json``) says which cases passed, their time, the global
-step reached and the final validation loss.
+``--timeout`` seconds, synchronization points included) and, where the case is step-based,
+training stopped at exactly the promised global step. The table (and ``--json``) says which cases
+passed, their time, the global step reached and the final validation loss.
 """
 
 from __future__ import annotations
@@ -218,7 +218,8 @@ class Run:
         start_method = "popen" if self.case.popen else "fork"
         if self.strategy == "ddp":
             return L.pytorch.strategies.DDPStrategy(start_method=start_method)
-        return STRATEGIES[self.strategy][0](start_method=start_method, timeout=self.args.timeout)
+        timeout = self.args.timeout  # every wait, a synchronization point's included: a hang fails fast here
+        return STRATEGIES[self.strategy][0](start_method=start_method, timeout=timeout, sync_timeout=timeout)
 
     def trainer(self, **overrides: Any) -> L.Trainer:
         callbacks = [
