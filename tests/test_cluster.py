@@ -1,0 +1,339 @@
+"""Several nodes for real: the strategies on an emulated cluster of 2 nodes x 2 workers.
+
+The cluster (`benchmarks.cluster`) makes each node a network namespace with its own host name and a
+Debian-style ``/etc/hosts`` (the node's own name on 127.0.1.1, the other node at its bridge
+address), joined by 1 Gbit/s links shaped with ``tc``; gloo is told each node's interface
+(``GLOO_SOCKET_IFNAME``), as on any machine with more than one. Each node's processes are started
+inside it and both nodes' at the same time; every rank of a job must end its fit with the same
+model (one ``params_sha256``).
+
+What runs (about 45 s on two cores; each job's ranks start and train concurrently with the others):
+
+- **torchrun** (``--rdzv-backend c10d --rdzv-endpoint node1:PORT``, one agent per node, fresh
+  interpreters): ``prague`` and ``decent_adam``, the two families of exchange (group sums from
+  the control plane, gossip on a topology). ``LPC_CLUSTER_ALL=1`` runs every strategy this way.
+- **srun-style** (``benchmarks.cluster.srun``: per rank the variables ``srun`` sets, ``MASTER_ADDR``
+  node1, ``MASTER_PORT`` from the job id as Lightning's ``SLURMEnvironment`` derives it):
+  ``partial_reduce`` and ``adpsgd``, so that every strategy runs once on several nodes within the
+  suite's time (``LPC_CLUSTER_ALL=1``: all four this way too). The ranks are forked from one
+  process per node that imported Lightning once (``--preload``): fresh interpreters would cost
+  4 x 7 s of imports per job here.
+
+Plus checks of the tool itself: hosts and host names, shaping, cut and heal, the tear-down.
+Skipped with the reason when this machine cannot create network namespaces (not root, no ``ip``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
+
+from benchmarks.cluster import Cluster, ClusterUnavailable, clean_environment  # noqa: E402
+from benchmarks.cluster.emulate import cluster_ids, namespaces  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+STRATEGIES = ("prague", "partial_reduce", "adpsgd", "decent_adam")
+EVERY_WAY = bool(os.environ.get("LPC_CLUSTER_ALL"))  # every strategy on both launch paths (about twice as long)
+TORCHRUN = STRATEGIES if EVERY_WAY else ("prague", "decent_adam")
+SRUN = STRATEGIES if EVERY_WAY else ("partial_reduce", "adpsgd")
+NODES, WORKERS = 2, 2
+#: a test prefix of our own, so that a left-over check never mistakes another user's cluster for ours
+PREFIX = "lpcltest-"
+#: the most seconds one job may take before its processes are killed and it fails
+JOB_TIMEOUT = 150
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """2 nodes on 1 Gbit/s links; skips when namespaces cannot be created here."""
+    try:
+        built = Cluster(NODES, rate="1gbit", prefix=PREFIX).start()
+    except ClusterUnavailable as why:
+        pytest.skip(f"no emulated cluster on this machine: {why}")
+    with built:
+        yield built
+
+
+def demo_args(strategy: str, out: Path) -> list[str]:
+    """The demo's options for one short job of ``strategy`` on the cluster."""
+    return [
+        "--strategy", strategy, "--devices", str(WORKERS), "--num-nodes", str(NODES), "--epochs", "1",
+        "--step-time", "0.02", "--grouping-timeout", "60", "--json", str(out),
+    ]  # fmt: skip
+
+
+def node_env(node, directory: Path) -> dict[str, str]:
+    """A node's environment: its interface for gloo, one thread, and ``TMPDIR`` in the job's directory
+    (where the supervisor writes its log)."""
+    return clean_environment({"GLOO_SOCKET_IFNAME": node.ifname, "OMP_NUM_THREADS": "1", "TMPDIR": str(directory)})
+
+
+@dataclass
+class Job:
+    """One strategy's job on one launch path: where it writes, and its processes once started."""
+
+    path: str
+    strategy: str
+    directory: Path
+    job_id: str = ""  # srun-style: SLURM_JOB_ID (its tasks log to the launchers' directory, the parent)
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    codes: list[int | None] = field(default_factory=list)
+
+    @property
+    def out(self) -> Path:
+        return self.directory / "result.json"
+
+    def results(self) -> dict[int, dict]:
+        """Each rank's result: the leader's ``result.json`` and the others' ``result.rankN.json``."""
+        files = [self.out, *sorted(self.directory.glob("result.rank*.json"))]
+        found = [json.loads(path.read_text()) for path in files if path.exists()]
+        return {result["rank"]: result for result in found}
+
+    def log_paths(self) -> list[Path]:
+        """The job's logs: its processes' and its supervisor's (in ``TMPDIR``, named by ``MASTER_PORT``)."""
+        if self.path == "torchrun":
+            return sorted(self.directory.glob("*.log")) + sorted(self.directory.rglob("lightning_prague-supervisor-*"))
+        launchers = self.directory.parent
+        port = 15000 + int(self.job_id[-4:])  # Lightning's MASTER_PORT under SLURM
+        return [
+            *sorted(launchers.glob("srun-*.log")),
+            *sorted(launchers.glob(f"job{self.job_id}.rank*.log")),
+            *sorted(launchers.rglob(f"lightning_prague-supervisor-{port}*")),
+        ]
+
+    def logs(self, chars: int = 2500) -> str:
+        """The end of every log of the job, for a failure's message."""
+        paths = [path for path in self.log_paths() if path.is_file()]
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}" for p in paths)
+
+
+def start_torchrun(cluster: Cluster, job: Job, port: int) -> None:
+    """One torchrun agent per node, rendezvous at node1 (c10d); each agent starts 2 workers."""
+    for node in cluster.nodes:
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(WORKERS),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"node1:{port}", "--rdzv-id", f"{job.strategy}-{port}",
+            "-m", "lightning_prague.demo.run", *demo_args(job.strategy, job.out),
+        ]  # fmt: skip
+        with open(job.directory / f"torchrun-{node.name}.log", "w") as log:  # the process keeps its own copy
+            job.procs.append(
+                cluster.run(node, argv, node_env(node, job.directory), stdout=log, stderr=subprocess.STDOUT)
+            )
+
+
+def start_srun(cluster: Cluster, jobs: list[Job], directory: Path) -> list[subprocess.Popen]:
+    """One srun-style launcher per node for all ``jobs`` (job ids 25001, ...): each forks its node's
+    ranks of every job from one import of Lightning."""
+    for i, job in enumerate(jobs):
+        job.job_id = str(25001 + i)
+    steps = [{"job_id": job.job_id, "argv": demo_args(job.strategy, job.out)} for job in jobs]
+    (directory / "steps.json").write_text(json.dumps(steps))
+    procs = []
+    for node in cluster.nodes:
+        argv = [
+            sys.executable, "-m", "benchmarks.cluster.srun", "--nnodes", str(NODES), "--node-id", str(node.index),
+            "--ntasks-per-node", str(WORKERS), "--nodelist", f"node[1-{NODES}]", "--master-addr", "node1",
+            "--preload", "--steps", str(directory / "steps.json"), "--log-dir", str(directory),
+            "--timeout", str(JOB_TIMEOUT), "-m", "lightning_prague.demo.run",
+        ]  # fmt: skip
+        with open(directory / f"srun-{node.name}.log", "w") as log:
+            procs.append(
+                cluster.run(node, argv, node_env(node, directory), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            )
+    return procs
+
+
+def wait(procs: list[subprocess.Popen], deadline: float) -> list[int | None]:
+    """Exit codes (``None``: still running at the deadline, then killed with its session)."""
+    codes: list[int | None] = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            codes.append(None)
+    return codes
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster, tmp_path_factory) -> dict[tuple[str, str], Job]:
+    """Every job of both launch paths, all started at once, waited for."""
+    root = tmp_path_factory.mktemp("cluster")
+    made: dict[tuple[str, str], Job] = {}
+    for path, strategies in (("torchrun", TORCHRUN), ("srun", SRUN)):
+        for strategy in strategies:
+            made[path, strategy] = Job(path, strategy, root / path / strategy)
+            made[path, strategy].directory.mkdir(parents=True)
+    for i, strategy in enumerate(TORCHRUN):
+        start_torchrun(cluster, made["torchrun", strategy], 29400 + i)
+    srun_jobs = [made["srun", strategy] for strategy in SRUN]
+    srun_procs = start_srun(cluster, srun_jobs, root / "srun")
+    deadline = time.monotonic() + JOB_TIMEOUT + 10
+    for strategy in TORCHRUN:
+        job = made["torchrun", strategy]
+        job.codes = wait(job.procs, deadline)
+    srun_codes = wait(srun_procs, deadline)
+    for job in srun_jobs:
+        job.codes = srun_codes  # the launchers' worst task of all jobs; each job is judged by its results
+    return made
+
+
+CASES = [("torchrun", s) for s in TORCHRUN] + [("srun", s) for s in SRUN]
+
+
+@pytest.mark.parametrize("path,strategy", CASES, ids=[f"{path}-{strategy}" for path, strategy in CASES])
+def test_every_rank_ends_the_fit_with_one_model(jobs, path, strategy):
+    job = jobs[path, strategy]
+    results = job.results()
+    if path == "torchrun":
+        assert job.codes == [0] * NODES, f"torchrun agents' exit codes {job.codes}\n{job.logs()}"
+    assert sorted(results) == list(range(NODES * WORKERS)), f"results of ranks {sorted(results)}\n{job.logs()}"
+    digests = {rank: r["params_sha256"] for rank, r in results.items()}
+    assert len(set(digests.values())) == 1, f"the ranks' models differ: {digests}\n{job.logs()}"
+    for rank, result in results.items():
+        assert result["epochs_run"] == 1 and result["global_step"] > 0, (rank, result["epochs_run"], job.logs())
+        assert result["lost_workers"] == {}, (rank, result["lost_workers"], job.logs())
+    assert sum(results[0]["batches_per_worker"]) > 0
+
+
+# -- the tool itself
+
+
+def in_node(cluster: Cluster, node: str, code: str) -> str:
+    """Run a line of Python inside ``node``; its output."""
+    return cluster.check_output(node, [sys.executable, "-c", code]).strip()
+
+
+def test_nodes_resolve_names_as_debian_does(cluster):
+    # each node: its own name on 127.0.1.1, the other at its bridge address
+    code = "import socket as s; n = s.gethostname(); print(n, s.gethostbyname(n), s.gethostbyname('{}'))"
+    assert in_node(cluster, "node1", code.format("node2")) == "node1 127.0.1.1 10.77.0.2"
+    assert in_node(cluster, "node2", code.format("node1")) == "node2 127.0.1.1 10.77.0.1"
+    routes = cluster.check_output("node1", ["ip", "route"])
+    assert "default" not in routes and routes.count("\n") == 1, routes  # the subnet only: nowhere else
+
+
+def test_a_server_on_the_own_names_address_is_unreachable_from_other_nodes(cluster):
+    # what made a control plane bound to the address of node1's name (127.0.1.1) fail on a real
+    # cluster: the emulation reproduces it, so the training jobs above would catch it
+    bind_own_name = (
+        "import socket as s, time; x = s.create_server((s.gethostbyname(s.gethostname()), 7071)); time.sleep(30)"
+    )
+    server = cluster.run("node1", [sys.executable, "-c", bind_own_name])
+    try:
+        connect = "import socket, time; time.sleep(0.3); socket.create_connection(('{}', 7071), timeout=2); print('ok')"
+        assert in_node(cluster, "node1", connect.format("node1")) == "ok"
+        with pytest.raises(Exception, match="ConnectionRefusedError"):
+            in_node(cluster, "node2", connect.format("node1"))
+    finally:
+        server.kill()
+        server.wait()
+
+
+LISTEN = """
+import socket, sys
+server = socket.create_server(("0.0.0.0", 7070))
+while True:
+    conn, _ = server.accept()
+    while conn.recv(1 << 16):
+        pass
+    conn.sendall(b"ok")
+    conn.close()
+"""
+
+SEND = """
+import socket, time
+start = time.monotonic()
+with socket.create_connection(("{host}", 7070), timeout={timeout}) as conn:
+    conn.sendall(b"x" * {size})
+    conn.shutdown(socket.SHUT_WR)
+    assert conn.recv(2) == b"ok"
+print(time.monotonic() - start)
+"""
+
+
+def send_seconds(cluster: Cluster, source: str, target: str, size: int, timeout: float = 10) -> float:
+    """Seconds to send ``size`` bytes from node ``source`` to the listener on node ``target``."""
+    return float(in_node(cluster, source, SEND.format(host=target, size=size, timeout=timeout)))
+
+
+@pytest.fixture(scope="module")
+def listeners(cluster):
+    """A TCP sink on port 7070 of every node."""
+    procs = [cluster.run(node, [sys.executable, "-c", LISTEN]) for node in cluster.nodes]
+    time.sleep(0.5)
+    yield
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_links_are_shaped_both_ways(cluster, listeners):
+    size = 2_000_000  # bytes: 16 Mbit, well above the token bucket's burst (256 KiB)
+    fast = send_seconds(cluster, "node1", "node2", size)
+    cluster.shape("node2", "32mbit")  # 0.5 s each way, less the burst
+    try:
+        to_node2 = send_seconds(cluster, "node1", "node2", size)
+        from_node2 = send_seconds(cluster, "node2", "node1", size)
+    finally:
+        cluster.shape("node2", "1gbit")
+    assert 0.35 < to_node2 < 2 and 0.35 < from_node2 < 2, (to_node2, from_node2)
+    assert fast < 0.2, fast
+
+
+def test_cut_partitions_a_node_and_heal_rejoins_it(cluster, listeners):
+    assert send_seconds(cluster, "node1", "node2", 1000) < 1
+    cluster.cut("node2")
+    try:
+        with pytest.raises(Exception, match="timed out|No route|unreachable"):
+            cluster.check_output("node1", [sys.executable, "-c", SEND.format(host="node2", size=1000, timeout=1)])
+    finally:
+        cluster.heal("node2")
+    assert send_seconds(cluster, "node1", "node2", 1000) < 5
+
+
+def test_teardown_removes_everything_and_is_idempotent(cluster):
+    small = Cluster(1, prefix=PREFIX, subnet="10.77.1").start()
+    small.run("node1", ["sleep", "600"])
+    assert any(ns.startswith(small.id) for ns in namespaces())
+    small.teardown()
+    small.teardown()
+    assert small.id not in cluster_ids(PREFIX)
+    assert not Path(f"/etc/netns/{small.id}-node1").exists()
+    assert small.processes[0].poll() is not None
+
+
+def test_sigterm_tears_down_and_cleanup_removes_leftovers(cluster, tmp_path):
+    cli = [sys.executable, "-m", "benchmarks.cluster"]
+    up = subprocess.Popen(
+        [*cli, "up", "--nodes", "1", "--prefix", PREFIX, "--subnet", "10.77.2"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    first = up.stdout.readline()  # "cluster ID (switch namespace ...)" once it is built
+    assert first.startswith("cluster "), first
+    built = first.split()[1]
+    assert built in cluster_ids(PREFIX)
+    up.send_signal(signal.SIGTERM)
+    assert up.wait(20) == -signal.SIGTERM
+    assert built not in cluster_ids(PREFIX)
+    # a leftover of a process long gone (pid above any pid_max), then the cleanup command
+    leftover = f"{PREFIX}4999999-1"
+    subprocess.run(["ip", "netns", "add", f"{leftover}-node1"], check=True)
+    done = subprocess.run([*cli, "cleanup", "--prefix", PREFIX], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and leftover in done.stdout, done
+    assert leftover not in cluster_ids(PREFIX)
+    assert cluster.id in cluster_ids(PREFIX), "a live cluster is left alone"
