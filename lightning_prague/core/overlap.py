@@ -18,10 +18,12 @@ made during the exchange is kept and each exchange is applied exactly once. Unde
 differences sum to zero over a group, so the sum of all replicas is conserved.
 
 Memory: a background exchange holds the snapshot and a copy of it as it was taken, two extra
-copies of the averaged state (parameters and floating-point buffers), plus the flat buffers of
-one bucket in flight. On CUDA the threads run on a stream of their own and hand snapshots and
-results over with CUDA events (`lightning_prague.core.streams`): the training thread never
-synchronises with the device for an exchange.
+copies of the averaged state (parameters and floating-point buffers), and, while its group
+average runs, the sums of every bucket and float64 temporaries: 4.5 copies at its peak as
+measured (`benchmarks/memory.py`, docs/memory.md, which also says what would remove them). On
+CUDA the threads run on a stream of their own and hand snapshots and results over with CUDA
+events (`lightning_prague.core.streams`): the training thread never synchronises with the device
+for an exchange.
 """
 
 from __future__ import annotations
