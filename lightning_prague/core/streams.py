@@ -38,11 +38,7 @@ class CommStream:
 
     def mark(self) -> Marker:
         """An event recorded on the calling thread's current stream (`None` on the CPU)."""
-        if self.stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
+        return mark_on(self.device)
 
     @staticmethod
     def keep_for(tensors: Iterable[torch.Tensor]) -> None:
@@ -58,6 +54,15 @@ class CommStream:
         """Make the calling thread's current stream wait for `marker` (host does not block)."""
         if marker is not None:
             torch.cuda.current_stream().wait_event(marker)
+
+
+def mark_on(device: torch.device) -> Marker:
+    """An event recorded on the calling thread's current stream of `device` (`None` off CUDA)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def device_of(tensors: list[torch.Tensor]) -> torch.device:

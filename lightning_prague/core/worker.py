@@ -29,6 +29,7 @@ from lightning_prague.core.errors import (
 from lightning_prague.core.generator import REQUEUE, SIGTERM, STOP_SYNC
 from lightning_prague.core.groups import GroupComm
 from lightning_prague.core.job import current_job
+from lightning_prague.core.streams import CommStream, mark_on
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +87,12 @@ class WorkerStats:
             previous = self.group_error_sum
             if previous is None:
                 total = error.clone()
-            else:
-                if error.is_cuda:  # the previous sum may come from another thread's stream
-                    stream = torch.cuda.current_stream(error.device)
-                    if self._sum_ready is not None:
-                        stream.wait_event(self._sum_ready)
-                    previous.record_stream(stream)  # its memory is not reused before this stream read it
+            else:  # the previous sum may come from another thread's stream
+                CommStream.wait(self._sum_ready)
+                CommStream.keep_for([previous])
                 total = previous + error
             self.group_error_sum = total
-            self._sum_ready = _recorded_event(total)
+            self._sum_ready = mark_on(total.device)
             self.group_error_count += 1
 
     def take_group_error(self) -> float | None:
@@ -107,15 +105,6 @@ class WorkerStats:
         if ready is not None:
             ready.synchronize()
         return float(total) / count
-
-
-def _recorded_event(tensor: torch.Tensor) -> Any:
-    """An event recorded now on the current stream of `tensor`'s device (`None` off CUDA)."""
-    if not tensor.is_cuda:
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(tensor.device))
-    return event
 
 
 class GroupWorker:

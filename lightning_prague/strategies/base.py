@@ -66,7 +66,7 @@ from lightning_prague.core.collectives import MemberCollectives
 from lightning_prague.core.control import Session
 from lightning_prague.core.coordinator import SessionConfig
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.generator import REQUEUE, SIGTERM
+from lightning_prague.core.generator import REQUEUE, SIGTERM, STOP_SYNC
 from lightning_prague.core.groups import GroupComm
 from lightning_prague.core.job import Job, init_job
 from lightning_prague.core.liveness import HangRule
@@ -572,9 +572,7 @@ class DecentralizedStrategy(DDPStrategy):
         if self.measure_consensus:
             self.consensus_error = self.worker.consensus_error()
         if self.average_at_sync:
-            while not self.worker.global_average():  # a rank was lost during it: meet again without it
-                self.worker.synchronize(f"{name}/again")
-            self.worker.version = self.worker.released_version  # one model again: one version
+            self._average_replicas(name)
         if loader is not None:
             loader.set_members(list(self.worker.members))
         self.regrouped = self._follow_membership()
@@ -590,6 +588,14 @@ class DecentralizedStrategy(DDPStrategy):
                 reached = loader.synchronized(progress)
                 if progress is None:
                     self.progress.at_synchronization(reached)
+
+    def _average_replicas(self, name: str) -> None:
+        """Right after the meeting `name`: one model on every live rank (a rank lost during the
+        average: meet again without it and average again)."""
+        assert self.worker is not None
+        while not self.worker.global_average():
+            self.worker.synchronize(f"{name}/again")
+        self.worker.version = self.worker.released_version  # one model again: one version
 
     def _follow_membership(self) -> bool:
         """After a release: if it lost ranks, the data that Lightning shards by rank (validation, and
@@ -693,8 +699,7 @@ class DecentralizedStrategy(DDPStrategy):
         trainer = self._trainer
         assert trainer is not None and self.worker is not None
         if self.average_at_sync:
-            while not self.worker.global_average():  # a rank was lost during it: meet again without it
-                self.worker.synchronize("stop/again")
+            self._average_replicas(STOP_SYNC)
         trainer._signal_connector.received_sigterm = True
         self.controller.met()  # every rank drained and met at the stop point
         if (self.worker.release or {}).get("requeue"):  # decided at the stop point: every rank alike
