@@ -11,7 +11,7 @@ import torch
 from helpers import SCRIPTS, run_core_ranks
 
 sys.path.insert(0, str(SCRIPTS))
-from group_worker import start  # noqa: E402
+from group_worker import BUCKET, PIECE, SNAPSHOT_MEMBERS, snapshot_model, start  # noqa: E402
 
 pytestmark = pytest.mark.timeout(150)
 WORLD = 16
@@ -70,3 +70,21 @@ def test_members_reach_the_weighted_group_mean_and_others_are_untouched(runs):
 def test_no_communicator_is_created_for_any_group(runs):
     assert [r["new_communicators"] for r in runs] == [0] * WORLD
     assert sum(r["messages"] for r in runs) > 0, "the groups ran point-to-point"
+
+
+def test_snapshot_averages_are_exact_and_allocate_pieces_not_buckets(runs):
+    """Three members average snapshots of a 2 x 400 KB model all-to-all: the change is the mean minus
+    each one's own, and the third step allocates nothing
+    near a bucket (a piece of 16 KB per peer, norms in small chunks)."""
+    models = [snapshot_model(r) for r in SNAPSHOT_MEMBERS]
+    mean = [sum(m[i] for m in models) / len(models) for i in range(2)]
+    for rank in SNAPSHOT_MEMBERS:
+        got = runs[rank]["snapshot"]
+        for i in range(2):
+            change = torch.tensor(got["change"][i])
+            torch.testing.assert_close(change, mean[i] - models[rank][i], rtol=0, atol=1e-5)
+        assert got["largest_allocation"] <= 2 * PIECE, f"rank {rank} allocated {got['largest_allocation']} bytes"
+        assert got["largest_allocation"] < BUCKET * 4 // 4
+    for rank in SNAPSHOT_MEMBERS:  # snapshot + change: the mean, to float32's rounding of the difference
+        for i in range(2):
+            torch.testing.assert_close(torch.tensor(runs[rank]["snapshot"]["averaged"][i]), mean[i], rtol=0, atol=1e-6)

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from lightning_prague.core.averaging import BucketedTensors
+from lightning_prague.core.averaging import BucketedTensors, FlatBuffers
 from lightning_prague.core.overlap import BackgroundAverager
 
 pytestmark = pytest.mark.timeout(60)
@@ -19,7 +19,13 @@ class FailingWorker:
     rank = 2
     version = 0
 
-    def partial_sync(self, snapshot, version):
+    def __init__(self, live: BucketedTensors) -> None:
+        self._spare = FlatBuffers(live)
+
+    def spare(self) -> FlatBuffers:
+        return self._spare
+
+    def partial_sync(self, target, version):
         raise RuntimeError("rank 2: group [1, 2, 3] failed: peer 3 closed the connection")
 
     def post_pause(self) -> None:
@@ -28,7 +34,7 @@ class FailingWorker:
 
 def averager(timeout: float = 300.0) -> BackgroundAverager:
     live = BucketedTensors([torch.ones(4)])
-    return BackgroundAverager(FailingWorker(), live, timeout)  # type: ignore[arg-type]
+    return BackgroundAverager(FailingWorker(live), live, timeout)  # type: ignore[arg-type]
 
 
 def test_an_exchange_error_is_raised_at_the_next_step_with_its_message():

@@ -7,13 +7,14 @@ most `bucket_bytes` (grouped by dtype and device) keeps it to a handful per aver
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_prague.core.groups import GroupComm, sum_is_complete
+from lightning_prague.core.groups import GroupComm
+from lightning_prague.core.norms import squared_distance, squared_norm
 
 
 def averaged_state(module: nn.Module) -> list[torch.Tensor]:
@@ -28,7 +29,7 @@ def averaged_state(module: nn.Module) -> list[torch.Tensor]:
 
 
 class BucketedTensors:
-    """A fixed list of tensors split into flat buckets for collectives."""
+    """A fixed list of tensors split into buckets (same dtype and device each) for collectives."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int = 25 * 2**20) -> None:
         self.tensors = list(tensors)
@@ -58,16 +59,61 @@ class BucketedTensors:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def flat(self, bucket: Iterable[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([t.reshape(-1) for t in bucket])
 
-    @staticmethod
-    def unflatten_(bucket: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
-        offset = 0
-        for t in bucket:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n
+class FlatBuffers:
+    """One flat tensor per bucket of `live` (its dtype and device), allocated once and refreshed in place.
+
+    The exchanges' snapshots, differences and sums live in these, so that a training step allocates
+    nothing the size of the model (DDP keeps its gradient buckets the same way). The live tensors
+    are copied in and out through `views`, views of each flat tensor shaped like the bucket's
+    tensors; the parameters themselves keep their own storage (a parameter that is a view of a
+    shared buffer would make `torch.save` of it write the whole buffer, and any `p.data = ...`
+    or dtype conversion by user code would silently detach it).
+    """
+
+    def __init__(self, live: BucketedTensors) -> None:
+        self.live = live
+        self.flats: list[torch.Tensor] = []
+        self.views: list[list[torch.Tensor]] = []
+        for bucket in live.buckets:
+            flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            self.flats.append(flat)
+            self.views.append(_shaped_views(flat, bucket))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self.flats)
+
+    def copy_from_live(self) -> None:
+        """These buffers become a copy of the live tensors."""
+        for views, bucket in zip(self.views, self.live.buckets):
+            torch._foreach_copy_(views, bucket)
+
+    def add_to_live(self) -> None:
+        """The live tensors += these buffers."""
+        for views, bucket in zip(self.views, self.live.buckets):
+            torch._foreach_add_(bucket, views)
+
+    def add_(self, other: FlatBuffers) -> None:
+        for mine, theirs in zip(self.flats, other.flats):
+            mine.add_(theirs)
+
+    def zero_(self) -> None:
+        for flat in self.flats:
+            flat.zero_()
+
+
+def _shaped_views(flat: torch.Tensor, bucket: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    views, offset = [], 0
+    for t in bucket:
+        views.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
+
+
+def gated_relative_error(distance: torch.Tensor, norm: torch.Tensor, applied: torch.Tensor) -> torch.Tensor:
+    """The relative error of an average, 0 where it was not applied (its sums hold NaN)."""
+    return torch.where(applied, relative_error(distance, norm), torch.zeros_like(distance))
 
 
 def average_(
@@ -76,6 +122,7 @@ def average_(
     members: Sequence[int],
     weight: float | None = None,
     operation: str = "average",
+    sums: FlatBuffers | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: every member's tensors become the (weighted) average over `members`, or, if a
     member disappeared during it, stay as they were (all-or-nothing: no member keeps a partial sum).
@@ -88,26 +135,134 @@ def average_(
     `||x - avg||^2 / ||avg||^2` for this member's tensors before the average, a free estimate of how
     far this replica had drifted from its group (`consensus/group_error`); `applied` whether the
     average was complete and taken. Every bucket is summed before any is written back, so the
-    decision covers the whole model (one extra copy of the tensors while it runs).
+    decision covers the whole model: `sums` (allocated for the call if not given) holds the sums,
+    one copy of the tensors. The members end with bitwise the same tensors.
     """
     scale = 1.0 / len(members) if weight is None else weight
+    sums = sums if sums is not None else FlatBuffers(tensors)
+    applied = torch.ones((), dtype=torch.bool, device=tensors.device)
     distance = torch.zeros((), dtype=torch.float64, device=tensors.device)
     norm = torch.zeros((), dtype=torch.float64, device=tensors.device)
-    applied = torch.ones((), dtype=torch.bool, device=tensors.device)
-    sums = []
-    for bucket in tensors.buckets:
-        flat = tensors.flat(bucket)
+    for flat, views, bucket in zip(sums.flats, sums.views, tensors.buckets):
+        torch._foreach_copy_(views, bucket)
         flat.mul_(scale)
         comm.sum_(flat, members, operation)
-        applied &= sum_is_complete(flat)
-        sums.append(flat)
-    for bucket, flat in zip(tensors.buckets, sums):
-        before = tensors.flat(bucket)
-        flat = torch.where(applied, flat, before)
-        distance += (before - flat).double().pow(2).sum()
-        norm += flat.double().pow(2).sum()
-        tensors.unflatten_(bucket, flat)
-    return relative_error(distance, norm), applied
+        bucket_norm = squared_norm(flat)  # non-finite if the sum is incomplete (NaN): `sum_is_complete`
+        applied &= torch.isfinite(bucket_norm)
+        norm += bucket_norm
+    for views, bucket in zip(sums.views, tensors.buckets):
+        for t, avg in zip(bucket, views):
+            distance += squared_distance(t, avg)
+            torch.where(applied, avg, t, out=t)
+    return gated_relative_error(distance, norm, applied), applied
+
+
+def average_difference_(
+    snapshot: FlatBuffers,
+    comm: GroupComm,
+    members: Sequence[int],
+    out: FlatBuffers,
+    weight: float | None = None,
+    operation: str = "average",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`out` becomes `avg - snapshot`, the (weighted, as in `average_`) average over `members` of
+    their snapshots minus this member's, or zero everywhere if a member disappeared during it
+    (all-or-nothing: `out` is the sum target of each bucket, so no other copy is needed).
+
+    `snapshot` is not changed; adding `out` to it gives the average, adding `out` to tensors that
+    moved on since the snapshot keeps their progress (AD-PSGD's atomic averaging). Returns
+    `(error, applied)` as `average_` does.
+    """
+    scale = 1.0 / len(members) if weight is None else weight
+    device = snapshot.live.device
+    applied = torch.ones((), dtype=torch.bool, device=device)
+    distance = torch.zeros((), dtype=torch.float64, device=device)
+    norm = torch.zeros((), dtype=torch.float64, device=device)
+    for mine, total in zip(snapshot.flats, out.flats):
+        torch.mul(mine, scale, out=total)
+        comm.sum_(total, members, operation)
+        bucket_norm = squared_norm(total)  # non-finite if the sum is incomplete (NaN): `sum_is_complete`
+        applied &= torch.isfinite(bucket_norm)
+        norm += bucket_norm
+        total.sub_(mine)
+        distance += squared_norm(total)
+    for total in out.flats:
+        total.masked_fill_(~applied, 0.0)
+    return gated_relative_error(distance, norm, applied), applied
+
+
+class SnapshotAverages:
+    """Group averages of a snapshot of the live tensors, taken while training goes on, and the change
+    they made, which the training thread adds to the live tensors later (AD-PSGD's atomic averaging:
+    local progress made meanwhile is kept, and every average is applied exactly once).
+
+    `snapshot` is the copy the averages run on (an average's `avg - snapshot` is added to it, so a
+    second average starts from the first one's result); `change` accumulates what they changed.
+    Memory: the two, two copies of the tensors (the snapshot may be borrowed,
+    `GroupWorker.spare`), and a third only once a second average runs before the change was
+    applied (the all-or-nothing rule needs room for an average's result while the earlier change
+    is kept).
+    """
+
+    def __init__(self, live: BucketedTensors, snapshot: FlatBuffers | None = None) -> None:
+        self.live = live
+        self.snapshot = snapshot if snapshot is not None else FlatBuffers(live)
+        self.change = FlatBuffers(live)
+        self.change.zero_()
+        self._spare: FlatBuffers | None = None
+        self._behind: FlatBuffers | None = None  # the latest result not yet added to the snapshot
+        self._taken = False  # the snapshot was taken since the change was last applied
+        #: an average ran since the change was last applied (a host-side flag: reading it costs nothing)
+        self.changed = False
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor another thread's stream may use (`CommStream.keep_for`)."""
+        extra = self._spare.flats if self._spare is not None else []
+        return [*self.snapshot.flats, *self.change.flats, *extra]
+
+    def take(self) -> None:
+        """The snapshot becomes a copy of the live tensors (the change must have been applied)."""
+        if self.changed:
+            raise RuntimeError("a new snapshot was taken before the change of the previous one was applied")
+        self.snapshot.copy_from_live()
+        self._behind = None
+        self._taken = True
+
+    def average(
+        self, comm: GroupComm, members: tuple[int, ...], weight: float | None, operation: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One group average of the snapshot (an `AverageTarget`); all-or-nothing as `average_`."""
+        if not self._taken:
+            raise RuntimeError("an average of a snapshot that was not taken since its change was applied")
+        if self._behind is not None:
+            self.snapshot.add_(self._behind)
+            self._behind = None
+        if not self.changed:
+            out = self.change  # zero: an average that does not complete leaves it zero
+        else:
+            if self._spare is None:
+                self._spare = FlatBuffers(self.live)
+            out = self._spare
+        error, applied = average_difference_(self.snapshot, comm, members, out, weight=weight, operation=operation)
+        if out is not self.change:
+            self.change.add_(out)
+        self._behind = out
+        self.changed = True
+        return error, applied
+
+    def apply(self) -> bool:
+        """Add the change to the live tensors and clear it; False if there was none.
+
+        The snapshot is then out of date: the next average needs a new one (`take`).
+        """
+        if not self.changed:
+            return False
+        self.change.add_to_live()
+        self.change.zero_()
+        self._behind = None
+        self._taken = False
+        self.changed = False
+        return True
 
 
 def averaged_optimizer_state(

@@ -42,9 +42,14 @@ from typing import Any
 
 import torch
 
-from lightning_prague.core.averaging import BucketedTensors, relative_error
+from lightning_prague.core.averaging import (
+    BucketedTensors,
+    FlatBuffers,
+    gated_relative_error,
+    squared_distance,
+    squared_norm,
+)
 from lightning_prague.core.errors import CoordinationTimeout
-from lightning_prague.core.groups import sum_is_complete
 from lightning_prague.core.overlap import Exchanger
 from lightning_prague.core.streams import Marker
 from lightning_prague.core.topology import Schedule, WeightedGroup
@@ -60,10 +65,10 @@ LEAVE_WAIT = 10.0
 class _InFlight:
     round_index: int
     weighted: WeightedGroup
-    snapshots: list[torch.Tensor]
-    sums: list[torch.Tensor] = field(default_factory=list)
     #: whether every sum of the round holds every member's share (a bool tensor: no host sync)
     complete: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.bool))
+    #: `||x_i - mean||^2 / ||mean||^2` of the round's group (a tensor, set by the communication thread)
+    error: torch.Tensor | None = None
     future: Future[Marker] | None = None  # None: the worker sits this round out, or it was waited for
 
     @property
@@ -117,6 +122,7 @@ class LaggedGossip(Exchanger):
         self._waited_before = 0.0
         self.phases = 0  #: phases ended by `drain`
         self.idle_rounds = 0  #: rounds run without a gradient step while waiting for slower workers
+        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # the communication thread's
 
     def _thread(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -129,14 +135,28 @@ class LaggedGossip(Exchanger):
     def in_flight(self) -> bool:
         return self._flight is not None
 
+    def _round_buffers(self) -> FlatBuffers:
+        """The round's snapshot, which becomes its change: the worker's spare copy of the model (free
+        while a phase runs; synchronization points use it once the phase has ended)."""
+        return self.worker.spare()
+
+    def _scratch_for(self, flat: torch.Tensor) -> torch.Tensor:
+        """In the communication thread: a bucket-sized buffer for a sum, kept across rounds."""
+        key = (flat.dtype, flat.device)
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.numel() < flat.numel():
+            largest = max(f.numel() for f in self._round_buffers().flats if (f.dtype, f.device) == key)
+            scratch = self._scratch[key] = torch.empty(largest, dtype=flat.dtype, device=flat.device)
+        return scratch[: flat.numel()]
+
     def issue(self) -> None:
         """Send this worker's current tensors into its group of the next round."""
         weighted = surviving(self.schedule.group_of(self.worker.rank, self.round), self.worker.members)
-        flight = _InFlight(self.round, weighted, [self.live.flat(b) for b in self.live.buckets])
+        flight = _InFlight(self.round, weighted)
         flight.complete = torch.ones((), dtype=torch.bool, device=self.live.device)
         self.round += 1
         if flight.exchanges:
-            flight.sums = [s.clone() for s in flight.snapshots]
+            self._round_buffers().copy_from_live()
             flight.future = self._thread().submit(self._sum, flight, self.streams.mark())
         self._flight = flight
         if not self.lagged:
@@ -145,13 +165,29 @@ class LaggedGossip(Exchanger):
             self._wait(flight)
 
     def _sum(self, flight: _InFlight, ready: Marker) -> Marker:
-        """In the communication thread: the group sums of the round's snapshot."""
+        """In the communication thread: the round's group sums, and from them the round's change
+        `(a - 1) x_i + b sum_j x_j` over the snapshot (zero everywhere if the round is incomplete)."""
         self.streams.wait(ready)
-        self.streams.keep_for(flight.sums)  # dropped by the training thread if the round is abandoned
+        buffers = self._round_buffers()
+        self.streams.keep_for(buffers.flats)
         operation = flight.operation(self.worker.rank)
-        for total in flight.sums:
+        a, b = flight.weighted.coefficients()
+        size = len(flight.weighted.members)
+        device = self.live.device
+        distance = torch.zeros((), dtype=torch.float64, device=device)
+        norm = torch.zeros((), dtype=torch.float64, device=device)
+        for flat in buffers.flats:
+            total = self._scratch_for(flat)
+            total.copy_(flat)
             self.worker.comm.sum_(total, flight.weighted.members, operation)
-            flight.complete &= sum_is_complete(total)
+            bucket_norm = squared_norm(total, 1.0 / size)  # non-finite if the sum is incomplete (NaN)
+            flight.complete &= torch.isfinite(bucket_norm)
+            norm += bucket_norm
+            distance += squared_distance(flat, total, alpha=1.0 / size)
+            flat.mul_(a - 1.0).add_(total, alpha=b)
+        for flat in buffers.flats:  # a round a member left mid-way is skipped by every member of it
+            flat.masked_fill_(~flight.complete, 0.0)
+        flight.error = gated_relative_error(distance, norm, flight.complete)
         return self.streams.mark()
 
     def _wait(self, flight: _InFlight, timeout: float | None = None) -> None:
@@ -174,26 +210,16 @@ class LaggedGossip(Exchanger):
         self.streams.wait(done)
 
     def mix(self) -> None:
-        """Wait for the exchange in flight and fold `W x - x` (of the snapshot) into the live tensors."""
+        """Wait for the exchange in flight and fold its change, `W x - x` of the snapshot, into the live tensors."""
         flight, self._flight = self._flight, None
         if flight is None:
             return
         self._wait(flight)
         if flight.exchanges:
-            a, b = flight.weighted.coefficients()
-            size = len(flight.weighted.members)
-            distance = torch.zeros((), dtype=torch.float64, device=self.live.device)
-            norm = torch.zeros((), dtype=torch.float64, device=self.live.device)
-            for bucket, snapshot, total in zip(self.live.buckets, flight.snapshots, flight.sums):
-                flat = self.live.flat(bucket)
-                change = total.mul(b).add_(snapshot, alpha=a - 1.0)
-                # a round a member left mid-way is skipped by every member of it (all-or-nothing)
-                flat.add_(torch.where(flight.complete, change, torch.zeros_like(change)))
-                self.live.unflatten_(bucket, flat)
-                mean = torch.where(flight.complete, total / size, snapshot)
-                distance += (snapshot - mean).double().pow(2).sum()
-                norm += mean.double().pow(2).sum()
-            self.worker.stats.record_group_error(relative_error(distance, norm))
+            self._round_buffers().add_to_live()
+            assert flight.error is not None
+            self.streams.keep_for([flight.error])
+            self.worker.stats.record_group_error(flight.error)
         self.exchanges += 1
 
     # -- the Exchanger interface ------------------------------------------------------------

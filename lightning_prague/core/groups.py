@@ -62,6 +62,7 @@ import torch.distributed as dist
 
 from lightning_prague.core.errors import CoordinationTimeout
 from lightning_prague.core.links import active_slow_links
+from lightning_prague.core.norms import is_finite
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ log = logging.getLogger(__name__)
 ALL_TO_ALL_MAX = 4
 #: tensors of at most this many bytes are summed by recursive doubling in groups beyond ALL_TO_ALL_MAX
 DOUBLING_MAX_BYTES = 64 << 10
+#: all-to-all exchanges send a tensor in pieces of at most this many bytes, received into one buffer per peer
+ALL_TO_ALL_CHUNK_BYTES = 4 << 20
 
 
 def backend_device(backend: str) -> torch.device:
@@ -99,7 +102,7 @@ def _communicate(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def sum_is_complete(tensor: torch.Tensor) -> torch.Tensor:
     """A boolean scalar tensor on `tensor`'s device: whether the sum `tensor` holds every member's
     contribution (no failed receive poisoned it). Reading it is left to the caller (no host sync)."""
-    return torch.isfinite(tensor).all()
+    return is_finite(tensor)
 
 
 def communicator_count() -> int:
@@ -239,19 +242,28 @@ class GroupComm:
 
     # -- algorithms ------------------------------------------------------------------------------
     def _all_to_all(self, tensor: torch.Tensor, members: tuple[int, ...], deadline: float) -> None:
+        """Every member sends its tensor to every other, in pieces of at most `ALL_TO_ALL_CHUNK_BYTES`
+        (so the receive buffers stay that small whatever the model), and adds them up in member order."""
         peers = [m for m in members if m != self.rank]
-        received = {peer: torch.empty_like(tensor) for peer in peers}
-        ops = []
-        for peer in peers:
-            ops.append(dist.P2POp(dist.isend, tensor, peer, self.pg))
-            ops.append(dist.P2POp(dist.irecv, received[peer], peer, self.pg))
-        self._exchange(ops, deadline, len(peers) * tensor.numel() * tensor.element_size())
-        total = None
-        for member in members:  # the same order on every member: bitwise the same sum
-            part = tensor if member == self.rank else received[member]
-            total = part.clone() if total is None else total.add_(part)
-        assert total is not None
-        tensor.copy_(total)
+        flat = tensor.view(-1)
+        chunk = max(1, ALL_TO_ALL_CHUNK_BYTES // flat.element_size())
+        buffers = torch.empty(len(peers), min(chunk, flat.numel()), dtype=flat.dtype, device=flat.device)
+        received = dict(zip(peers, buffers))
+        for lo in range(0, flat.numel(), chunk):
+            mine = flat[lo : lo + chunk]
+            parts = {peer: received[peer][: mine.numel()] for peer in peers}
+            ops = []
+            for peer in peers:
+                ops.append(dist.P2POp(dist.isend, mine, peer, self.pg))
+                ops.append(dist.P2POp(dist.irecv, parts[peer], peer, self.pg))
+            self._exchange(ops, deadline, len(peers) * mine.numel() * mine.element_size())
+            # the same order on every member, ((x_0 + x_1) + x_2) + ...: bitwise the same sum
+            parts[self.rank] = mine
+            total = parts[members[0]]
+            for member in members[1:]:
+                total.add_(parts[member])
+            if total is not mine:
+                mine.copy_(total)
 
     def _doubling(self, tensor: torch.Tensor, members: tuple[int, ...], deadline: float) -> None:
         """Recursive doubling over the largest power of two of members; the others fold in first.

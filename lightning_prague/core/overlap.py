@@ -17,13 +17,14 @@ snapshot `s` and the training thread later folds in `x <- x + (avg(s) - s)`, so 
 made during the exchange is kept and each exchange is applied exactly once. Under plain means the
 differences sum to zero over a group, so the sum of all replicas is conserved.
 
-Memory: a background exchange holds the snapshot and a copy of it as it was taken, two extra
-copies of the averaged state (parameters and floating-point buffers), and, while its group
-average runs, the sums of every bucket and float64 temporaries: 4.5 copies at its peak as
-measured (`benchmarks/memory.py`, docs/memory.md, which also says what would remove them). On
-CUDA the threads run on a stream of their own and hand snapshots and results over with CUDA
-events (`lightning_prague.core.streams`): the training thread never synchronises with the device
-for an exchange.
+Memory: the background exchangers keep two flat copies of the averaged state (parameters and
+floating-point buffers), allocated once and refreshed in place: the snapshot (the worker's spare
+copy, `GroupWorker.spare`, which synchronization points use for the global average) and the change
+the averages made (`SnapshotAverages`); a third only once two averages run on one snapshot. A step
+allocates nothing the size of the model (docs/memory.md has the measurements). On CUDA the threads
+run on a stream of their own and hand snapshots and results over with CUDA events
+(`lightning_prague.core.streams`): the training thread never synchronises with the device for an
+exchange.
 """
 
 from __future__ import annotations
@@ -34,9 +35,7 @@ import threading
 import time
 from typing import Any
 
-import torch
-
-from lightning_prague.core.averaging import BucketedTensors
+from lightning_prague.core.averaging import BucketedTensors, SnapshotAverages
 from lightning_prague.core.errors import CoordinationTimeout, ExchangeInterrupted
 from lightning_prague.core.streams import CommStream, Marker
 from lightning_prague.core.worker import GroupAnswer, GroupWorker
@@ -188,16 +187,18 @@ class BackgroundAverager(_ThreadedExchanger):
 
     Only one exchange is in flight at a time; a step that finds the previous exchange still
     running does not start another (the worker averages less often when communication is slower
-    than computation).
+    than computation). The snapshot is the worker's spare copy of the model (`GroupWorker.spare`),
+    refreshed in place at each step that starts an exchange; with the change buffer of
+    `SnapshotAverages`, two copies of the model in all.
     """
 
     def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float) -> None:
         super().__init__(worker, live, timeout)
-        self._jobs: queue.Queue[tuple[BucketedTensors, int, Marker] | str | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[int, Marker] | str | None] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
-        self._snapshot: BucketedTensors | None = None
-        self._original: list[torch.Tensor] = []
+        self._averages: SnapshotAverages | None = None
+        self._in_flight = False  # a job was handed to the thread and its result not folded in yet
         self._reported = 0
         self._answer: GroupAnswer | None = None
         self._done: Marker = None  # the exchange's result is ready on the device after this
@@ -207,19 +208,25 @@ class BackgroundAverager(_ThreadedExchanger):
             self._jobs = queue.Queue()
         super().start()
 
+    def _snapshots(self) -> SnapshotAverages:
+        if self._averages is None:
+            self._averages = SnapshotAverages(self.live, self.worker.spare())
+        return self._averages
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            if job is _LEAVE:
+            if job == _LEAVE:
                 self.worker.leave()
                 return
-            snapshot, version, ready = job
+            version, ready = job
             try:
+                averages = self._snapshots()
                 self.streams.wait(ready)  # the snapshot was taken on the compute stream
-                self.streams.keep_for(snapshot.tensors)
-                self._answer = self.worker.partial_sync(snapshot, version=version)
+                self.streams.keep_for(averages.buffers())
+                self._answer = self.worker.partial_sync(averages.average, version=version)
                 self._done = self.streams.mark()
             except ExchangeInterrupted:
                 raise
@@ -235,15 +242,14 @@ class BackgroundAverager(_ThreadedExchanger):
         return not self._idle.is_set() and self.running
 
     def _fold_in(self) -> None:
-        snapshot, self._snapshot = self._snapshot, None
-        answer, self._answer = self._answer, None
-        if snapshot is None or answer is None:
+        if not self._in_flight:
             return
-        self.streams.wait(self._done)  # the compute stream reads the average only once it is written
-        for bucket, averaged, original in zip(self.live.buckets, snapshot.tensors, self._original):
-            flat = self.live.flat(bucket)
-            flat.add_(averaged).sub_(original)
-            self.live.unflatten_(bucket, flat)
+        self._in_flight = False
+        answer, self._answer = self._answer, None
+        self.streams.wait(self._done)  # the compute stream reads the change only once it is written
+        self._snapshots().apply()
+        if answer is None:
+            return
         self._adopt(answer, self._reported)
         if answer.gid is not None:
             self.exchanges += 1
@@ -255,13 +261,12 @@ class BackgroundAverager(_ThreadedExchanger):
         self._raise_pending()
         self._fold_in()
         self.start()
-        flats = [self.live.flat(bucket) for bucket in self.live.buckets]
-        self._original = [f.clone() for f in flats]
-        self._snapshot = BucketedTensors(flats, bucket_bytes=0)  # one flat tensor per bucket, as in `live`
+        self._snapshots().take()
         self._reported = self.worker.version
         ready = self.streams.mark()
         self._idle.clear()
-        self._jobs.put((self._snapshot, self._reported, ready))
+        self._in_flight = True
+        self._jobs.put((self._reported, ready))
 
     def drain(self) -> None:
         start = time.monotonic()
@@ -299,12 +304,15 @@ class BackgroundAverager(_ThreadedExchanger):
 class PassiveResponder(_ThreadedExchanger):
     """Answers the exchanges other workers start with this one, from a thread, on the latest snapshot.
 
-    The training thread publishes a snapshot of the live model at every safe point. The thread
-    executes this rank's inbox in order; for each group it averages the published snapshot in
-    place, adds `avg - before` to a pending difference, and keeps any newer published snapshot
-    consistent with it. At the next safe point the pending difference is folded into the live
-    model. `drain` posts a pause marker behind everything already in the inbox, so every
+    The training thread refreshes a snapshot of the live model at every safe point (in place, in
+    the worker's spare copy) unless the thread is averaging it at that moment. The thread executes
+    this rank's inbox in order; each group averages the snapshot (`SnapshotAverages`: the snapshot
+    moves to the average, the change is accumulated), so a second exchange before the next safe
+    point starts from the first one's result. At the next safe point the change is folded into
+    the live model. `drain` posts a pause marker behind everything already in the inbox, so every
     exchange assigned before the synchronization point is served before the thread ends.
+    Memory: the snapshot and the change, plus a third copy once two exchanges come between two
+    safe points.
     """
 
     thread_name = "prague-passive"
@@ -312,18 +320,30 @@ class PassiveResponder(_ThreadedExchanger):
     def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float) -> None:
         super().__init__(worker, live, timeout)
         self._lock = threading.Lock()
-        self._published: BucketedTensors | None = None
-        self._published_ready: Marker = None
-        self._pending: list[torch.Tensor] | None = None
-        self._pending_done: Marker = None
+        self._averages: SnapshotAverages | None = None
+        self._serving = False  # the thread is averaging the snapshot: the training thread leaves it alone
+        self._trained: Marker = None  # the training thread's latest writes to the shared buffers
+        self._answered: Marker = None  # the thread's latest writes to them
         self._served = 0
 
+    def _snapshots(self) -> SnapshotAverages:
+        if self._averages is None:
+            self._averages = SnapshotAverages(self.live, self.worker.spare())
+        return self._averages
+
     def _publish(self) -> None:
-        flats = [self.live.flat(bucket) for bucket in self.live.buckets]
-        ready = self.streams.mark()
+        """At a safe point: fold in what the exchanges changed, then refresh the snapshot (both under
+        the lock, and neither while the thread is averaging it: the next safe point does)."""
+        averages = self._snapshots()
         with self._lock:
-            self._published = BucketedTensors(flats, bucket_bytes=0)
-            self._published_ready = ready
+            if self._serving:
+                return
+            self.streams.wait(self._answered)  # the thread's last result is written on its stream
+            averages.apply()
+            averages.take()
+            self.exchanges += self._served
+            self._served = 0
+            self._trained = self.streams.mark()
 
     def start(self) -> None:
         if self.running:
@@ -332,6 +352,7 @@ class PassiveResponder(_ThreadedExchanger):
         super().start()
 
     def _run(self) -> None:
+        averages = self._snapshots()
         while True:
             item = self.worker.poll_item()
             if item is None:
@@ -342,46 +363,33 @@ class PassiveResponder(_ThreadedExchanger):
                 self.worker.execute(item)
                 continue
             with self._lock:
-                snapshot, ready = self._published, self._published_ready
-            assert snapshot is not None
-            self.streams.wait(ready)
-            self.streams.keep_for(snapshot.tensors)  # the training thread may publish a newer one and drop it
-            before = [t.clone() for t in snapshot.tensors]
-            self.worker.execute(item, snapshot)
-            with self._lock:
-                delta = [after - b for after, b in zip(snapshot.tensors, before)]
-                if self._pending is None:
-                    self._pending = delta
-                else:
-                    for p, d in zip(self._pending, delta):
-                        p.add_(d)
-                if self._published is not snapshot and self._published is not None:
-                    self.streams.wait(self._published_ready)
-                    self.streams.keep_for(self._published.tensors)
-                    for t, d in zip(self._published.tensors, delta):
-                        t.add_(d)
-                self._pending_done = self.streams.mark()
-                self._served += 1
+                self._serving = True
+                self.streams.wait(self._trained)  # the snapshot was taken on the compute stream
+                self.streams.keep_for(averages.buffers())
+            served = 0
+            try:
+                self.worker.execute(item, averages.average)
+                served = 1
+            finally:
+                with self._lock:
+                    self._answered = self.streams.mark()
+                    self._served += served
+                    self._serving = False
 
     def _fold_in(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, None
-            served, self._served = self._served, 0
-            done = self._pending_done
-        if pending is not None:
-            self.streams.wait(done)
-            self.streams.keep_for(pending)  # made on the communication stream, dropped right here
-            for bucket, d in zip(self.live.buckets, pending):
-                flat = self.live.flat(bucket)
-                flat.add_(d)
-                self.live.unflatten_(bucket, flat)
-        self.exchanges += served
+        """Once the thread has ended: fold in what its last exchanges changed."""
+        averages = self._snapshots()
+        self.streams.wait(self._answered)
+        averages.apply()
+        self.exchanges += self._served
+        self._served = 0
 
     def step(self) -> None:
         self._raise_pending()
-        self._fold_in()
         if self.running:
             self._publish()
+        else:
+            self._fold_in()
 
     def drain(self) -> None:
         if self.running:

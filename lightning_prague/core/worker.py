@@ -12,12 +12,20 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
-from lightning_prague.core.averaging import BucketedTensors, average_, relative_error
+from lightning_prague.core.averaging import (
+    BucketedTensors,
+    FlatBuffers,
+    average_,
+    relative_error,
+    squared_distance,
+    squared_norm,
+)
 from lightning_prague.core.control import Session
 from lightning_prague.core.errors import (
     CONTROL_PLANE,
@@ -45,6 +53,10 @@ class PhaseEnd(Protocol):
 
     def finish(self, release: dict[str, Any]) -> None: ...
 
+
+#: runs one group average on some copy of the model: `(comm, members, weight, operation) -> (error, applied)`
+#: as `lightning_prague.core.averaging.average_` returns them; the default averages the live tensors
+AverageTarget = Callable[[GroupComm, tuple[int, ...], Optional[float], str], tuple[torch.Tensor, torch.Tensor]]
 
 PAUSE = {"t": "pause"}  # a worker posts this to its own inbox to stop a thread that serves it
 
@@ -155,6 +167,7 @@ class GroupWorker:
         #: the last synchronization point's release (`GroupGenerator`'s item), `None` before the first
         self.release: dict[str, Any] | None = None
         self._doing = "training"  # what this rank waits on, for error messages
+        self._spare: FlatBuffers | None = None
         self._stop_requests: set[str] = set()  # stops this rank asked for (once each)
 
     # -- messaging -------------------------------------------------------------------------
@@ -195,8 +208,29 @@ class GroupWorker:
         """Raise `MemberLost` naming the ranks that left the job, if any did."""
         self.session.check_members(during)
 
-    def execute(self, item: dict[str, Any], tensors: BucketedTensors | None = None) -> int | None:
-        """Carry out one inbox item on `tensors` (default: the live tensors); returns an adopted version."""
+    def spare(self) -> FlatBuffers:
+        """One flat copy of the live tensors, allocated at first use and kept: the sums of every
+        average of the live tensors (the global average, blocking exchanges, the consensus
+        measurement), so that they allocate nothing the size of the model.
+
+        An exchanger may use it for its own snapshot while its phase runs (`BackgroundAverager`,
+        `PassiveResponder` and `LaggedGossip` do): the live tensors are averaged only where the
+        phase has ended (synchronization points, which drain it first) or in a phase whose
+        exchanges average the live tensors themselves (`BlockingExchanger`), never both at once.
+        """
+        if self._spare is None:
+            self._spare = FlatBuffers(self.tensors)
+        return self._spare
+
+    def average_live(
+        self, comm: GroupComm, members: tuple[int, ...], weight: float | None, operation: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The default `AverageTarget`: average the live tensors in place (all-or-nothing)."""
+        return average_(self.tensors, comm, members, weight=weight, operation=operation, sums=self.spare())
+
+    def execute(self, item: dict[str, Any], target: AverageTarget | None = None) -> int | None:
+        """Carry out one inbox item, a group average on `target` (default: the live tensors); returns an
+        adopted version."""
         kind = item["t"]
         if kind == "group":
             members = tuple(item["members"])
@@ -204,7 +238,7 @@ class GroupWorker:
             weight = None if weights is None else float(weights[members.index(self.rank)])
             operation = f"group average #{item['gid']}"
             try:
-                error, _ = average_(tensors or self.tensors, self.comm, members, weight=weight, operation=operation)
+                error, _ = (target or self.average_live)(self.comm, members, weight, operation)
             except CoordinationTimeout as err:
                 raise self.session.explain(err, f"{operation} over ranks {list(members)}") from err
             if self.comm.failed_peers:
@@ -228,11 +262,11 @@ class GroupWorker:
         return None
 
     # -- public API ------------------------------------------------------------------------
-    def partial_sync(self, tensors: BucketedTensors | None = None, version: int | None = None) -> GroupAnswer:
+    def partial_sync(self, target: AverageTarget | None = None, version: int | None = None) -> GroupAnswer:
         """Report ready after a local step and average with the group the coordinator forms.
 
-        Groups are averaged over `tensors` (default: the live tensors given at construction),
-        which lets `BackgroundAverager` work on a snapshot.
+        Groups are averaged by `target` (default: the live tensors given at construction, in
+        place), which lets `BackgroundAverager` work on a snapshot.
         `version` (default `version`) is the model version reported with the request; the
         answer carries the newest version among the members of this request's group, if any. The
         caller decides how to adopt it (a snapshot's version is not the live one).
@@ -256,7 +290,7 @@ class GroupWorker:
                 if gid is None:
                     self.stats.skipped += 1
                 return GroupAnswer(gid, versions.get(gid))
-            newest = self.execute(item, tensors)
+            newest = self.execute(item, target)
             if item["t"] == "group":
                 versions[item["gid"]] = newest
 
@@ -429,17 +463,18 @@ class GroupWorker:
         """
         everyone = self.comm.everyone
         device = self.tensors.device
+        count = len(everyone)
         distance = torch.zeros(1, dtype=torch.float64, device=device)
         norm = torch.zeros((), dtype=torch.float64, device=device)
-        for bucket in self.tensors.buckets:
-            mine = self.tensors.flat(bucket)
-            mean = mine.clone()
-            self.comm.sum_(mean, everyone, "consensus measurement")
-            mean.div_(len(everyone))
-            distance += (mine - mean).double().pow(2).sum()
-            norm += mean.double().pow(2).sum()
+        sums = self.spare()
+        for flat, views, bucket in zip(sums.flats, sums.views, self.tensors.buckets):
+            torch._foreach_copy_(views, bucket)
+            self.comm.sum_(flat, everyone, "consensus measurement")
+            norm += squared_norm(flat, 1.0 / count)
+            for mine, total in zip(bucket, views):
+                distance += squared_distance(mine, total, alpha=1.0 / count)
         self.comm.sum_(distance, everyone, "consensus measurement")
-        return float(relative_error(distance[0] / len(everyone), norm))
+        return float(relative_error(distance[0] / count, norm))
 
     def global_average(self) -> bool:
         """Average over all live ranks; call only right after `synchronize` returned.
@@ -449,7 +484,7 @@ class GroupWorker:
         is incomplete while nobody left means the replicas hold non-finite values: an error.
         """
         try:
-            _, applied = average_(self.tensors, self.comm, self.comm.everyone, operation="global average")
+            _, applied = self.average_live(self.comm, self.comm.everyone, None, "global average")
         except CoordinationTimeout as err:
             raise self.session.explain(err, "the global average") from err
         if bool(applied):

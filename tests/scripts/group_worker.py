@@ -9,6 +9,9 @@ of with ``average_``: by default groups beyond four members sum by recursive dou
 whole world too, on gloo), with ``"ring": true`` in a ring (the whole world: gloo's all-reduce).
 It writes its tensors after every case it took part in, its final tensors, and how many
 communicators exist after the warm-up compared with the end.
+
+Then ranks 0-2 average snapshots of a larger model (`SnapshotAverages`, all-to-all in pieces of
+`PIECE` bytes) three times and write the third's result and the largest allocation it made.
 """
 
 import json
@@ -17,8 +20,40 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
-from lightning_prague.core import BucketedTensors, GroupComm, average_, communicator_count
+from lightning_prague.core import BucketedTensors, GroupComm, average_, communicator_count, groups, norms
+from lightning_prague.core.averaging import SnapshotAverages
+
+#: the snapshot test: a model of two buckets of 100,000 floats (400 KB each), sent in 16 KB pieces
+PIECE, BUCKET, SNAPSHOT_MEMBERS = 16 << 10, 100_000, (0, 1, 2)
+
+
+def snapshot_model(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(BUCKET, generator=g), torch.randn(BUCKET, generator=g)]
+
+
+def snapshot_steps(rank: int, comm: GroupComm) -> dict:
+    """Three steps of a background exchange's buffers; the third under the profiler."""
+    groups.ALL_TO_ALL_CHUNK_BYTES, norms.NORM_CHUNK = PIECE, 2048
+    model = snapshot_model(rank)
+    averages = SnapshotAverages(BucketedTensors(model, bucket_bytes=BUCKET * 4))
+
+    def step() -> None:
+        averages.apply()
+        averages.take()
+        averages.average(comm, SNAPSHOT_MEMBERS, None, "snapshot average")
+
+    step()
+    step()
+    for t, fresh in zip(model, snapshot_model(rank)):  # known values for the third step
+        t.copy_(fresh)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
+    averaged = [(s + c).tolist() for s, c in zip(averages.snapshot.flats, averages.change.flats)]
+    return {"largest_allocation": largest, "averaged": averaged, "change": [c.tolist() for c in averages.change.flats]}
 
 
 def start(rank: int) -> list[torch.Tensor]:
@@ -54,6 +89,8 @@ def main() -> None:
         "new_communicators": communicator_count() - communicators,
         "messages": comm.stats.messages + ring_comm.stats.messages,
     }
+    if rank in SNAPSHOT_MEMBERS:
+        result["snapshot"] = snapshot_steps(rank, comm)
     with open(out, "w") as f:
         json.dump(result, f)
     dist.barrier()

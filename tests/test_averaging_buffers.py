@@ -1,0 +1,184 @@
+"""Averages over persistent flat buffers: what they compute, all-or-nothing, and that a step allocates
+nothing the size of the model. In one process: the group is a stand-in whose sums add the other
+members' known shares, and whose chosen call fails as a lost member's would (NaN in the sum)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lightning_prague.core import norms
+from lightning_prague.core.averaging import (
+    BucketedTensors,
+    FlatBuffers,
+    SnapshotAverages,
+    average_,
+    average_difference_,
+)
+from lightning_prague.core.groups import sum_is_complete
+from lightning_prague.core.norms import squared_distance, squared_norm
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class PeerSums:
+    """`sum_` of a group of this rank and one peer whose tensors are `peer` (flat, per bucket in
+    order); the call numbered `fail_at` ends incomplete (NaN), as a lost member's would."""
+
+    def __init__(self, peer: list[torch.Tensor], fail_at: int | None = None) -> None:
+        self.peer, self.fail_at, self.calls = peer, fail_at, 0
+        self.weight = 0.5  # the peer's share is scaled as ours (the plain mean of two)
+
+    def sum_(self, tensor: torch.Tensor, members, operation: str = "", timeout=None) -> None:
+        index = self.calls % len(self.peer)
+        if self.calls == self.fail_at:
+            tensor.fill_(float("nan"))
+        else:
+            tensor.add_(self.peer[index], alpha=self.weight)
+        self.calls += 1
+
+
+def model(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, 3, generator=g), torch.randn(5, generator=g), torch.randn(2, 2, generator=g)]
+
+
+def live_of(tensors: list[torch.Tensor]) -> BucketedTensors:
+    return BucketedTensors(tensors, bucket_bytes=64)  # buckets: [4x3], [5, 2x2]
+
+
+def flat_buckets(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    live = live_of([t.clone() for t in tensors])
+    return [torch.cat([t.reshape(-1) for t in bucket]) for bucket in live.buckets]
+
+
+def test_flat_buffers_copy_and_add_through_views_of_one_flat_tensor_per_bucket():
+    tensors = model(0)
+    live = live_of(tensors)
+    buffers = FlatBuffers(live)
+    assert len(buffers.flats) == len(live.buckets) == 2
+    buffers.copy_from_live()
+    assert [f.tolist() for f in buffers.flats] == [f.tolist() for f in flat_buckets(tensors)]
+    before = [t.clone() for t in tensors]
+    buffers.add_to_live()
+    for t, b in zip(tensors, before):
+        torch.testing.assert_close(t, 2 * b)
+    assert buffers.nbytes == live.nbytes
+
+
+def test_average_makes_the_live_tensors_the_mean_or_leaves_them_whole():
+    mine, theirs = model(0), model(1)
+    live = live_of(mine)
+    expected = [(a + b) / 2 for a, b in zip(mine, theirs)]
+    error, applied = average_(live, PeerSums(flat_buckets(theirs)), (0, 1))
+    assert bool(applied)
+    for t, e in zip(mine, expected):
+        torch.testing.assert_close(t, e)
+    distance = sum(float((a - e).double().pow(2).sum()) for a, e in zip(model(0), expected))
+    norm = sum(float(e.double().pow(2).sum()) for e in expected)
+    assert float(error) == pytest.approx(distance / norm, rel=1e-6)
+
+    mine = model(0)
+    live = live_of(mine)
+    error, applied = average_(live, PeerSums(flat_buckets(theirs), fail_at=1), (0, 1))  # the second bucket
+    assert not bool(applied) and float(error) == 0.0
+    for t, original in zip(mine, model(0)):
+        assert torch.equal(t, original), "a failed average changed a bucket"
+
+
+def test_average_difference_writes_avg_minus_snapshot_or_zero_and_keeps_the_snapshot():
+    mine, theirs = model(0), model(1)
+    live = live_of(mine)
+    snapshot, out = FlatBuffers(live), FlatBuffers(live)
+    snapshot.copy_from_live()
+    _, applied = average_difference_(snapshot, PeerSums(flat_buckets(theirs)), (0, 1), out)
+    assert bool(applied)
+    for o, s, b in zip(out.flats, flat_buckets(mine), flat_buckets(theirs)):
+        torch.testing.assert_close(o, (s + b) / 2 - s)
+    assert [f.tolist() for f in snapshot.flats] == [f.tolist() for f in flat_buckets(mine)]
+
+    error, applied = average_difference_(snapshot, PeerSums(flat_buckets(theirs), fail_at=1), (0, 1), out)
+    assert not bool(applied) and float(error) == 0.0
+    assert all(bool((o == 0).all()) for o in out.flats), "a failed average left a partial difference"
+
+
+def test_snapshot_averages_chain_keep_local_progress_and_are_all_or_nothing():
+    mine, theirs, third = model(0), model(1), model(2)
+    live = live_of(mine)
+    averages = SnapshotAverages(live)
+    averages.take()
+    snap = flat_buckets(mine)
+    # two averages on one snapshot: the second starts from the first's result
+    averages.average(PeerSums(flat_buckets(theirs)), (0, 1), None, "first")
+    assert averages._spare is None, "the first average needs no third copy"
+    averages.average(PeerSums(flat_buckets(third)), (0, 2), None, "second")
+    assert averages._spare is not None
+    # a third one fails: the first two stay
+    averages.average(PeerSums(flat_buckets(theirs), fail_at=0), (0, 1), None, "third")
+    first = [(s + b) / 2 for s, b in zip(snap, flat_buckets(theirs))]
+    second = [(f + c) / 2 for f, c in zip(first, flat_buckets(third))]
+    for t in mine:  # local progress made while the averages ran
+        t.add_(1.0)
+    assert averages.apply()
+    for got, s, want in zip(flat_buckets(mine), snap, second):
+        torch.testing.assert_close(got, s + 1.0 + (want - s))
+    assert not averages.apply(), "a change is applied once"
+    with pytest.raises(RuntimeError, match="not taken"):
+        averages.average(PeerSums(flat_buckets(theirs)), (0, 1), None, "stale")
+    averages.take()
+    averages.average(PeerSums(flat_buckets(theirs)), (0, 1), None, "after a new snapshot")
+    with pytest.raises(RuntimeError, match="before the change"):
+        averages.take()
+
+
+def test_chunked_norms_match_a_float64_computation(monkeypatch):
+    monkeypatch.setattr(norms, "NORM_CHUNK", 7)
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(50, generator=g), torch.randn(50, generator=g)
+    assert float(squared_norm(a, 0.5)) == pytest.approx(float((0.5 * a.double()).pow(2).sum()), rel=1e-12)
+    # the difference is taken in the tensors' dtype: exact in float64, to float32's rounding otherwise
+    assert float(squared_distance(a.double(), b.double(), alpha=0.25)) == pytest.approx(
+        float((a.double() - 0.25 * b.double()).pow(2).sum()), rel=1e-12
+    )
+    assert float(squared_distance(a, b)) == pytest.approx(float((a.double() - b.double()).pow(2).sum()), rel=1e-6)
+    wide = torch.randn(6, 5, generator=g, dtype=torch.float64).t()  # not contiguous
+    other = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    assert float(squared_distance(wide, other)) == pytest.approx(float((wide - other).pow(2).sum()), rel=1e-12)
+
+
+def test_a_sum_is_complete_unless_an_element_is_nan_or_infinite(monkeypatch):
+    monkeypatch.setattr(norms, "NORM_CHUNK", 4)
+    big = torch.full((10,), 3e38)  # the largest float32 values: their squares do not overflow float64
+    assert bool(sum_is_complete(big))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        broken = big.clone()
+        broken[9] = bad  # in the last chunk
+        assert not bool(sum_is_complete(broken))
+
+
+def largest_allocation(work) -> int:
+    """The largest single allocation `work()` makes in this thread (the profiler's record)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        work()
+    return max((e.cpu_memory_usage for e in prof.events()), default=0)
+
+
+def test_a_step_of_snapshot_averages_allocates_nothing_the_size_of_a_bucket(monkeypatch):
+    monkeypatch.setattr(norms, "NORM_CHUNK", 256)
+    mine = [torch.randn(64, 64), torch.randn(64, 64)]  # 16 KiB each: a bucket each
+    live = BucketedTensors(mine, bucket_bytes=16 << 10)
+    peer = [torch.randn(64 * 64), torch.randn(64 * 64)]
+    averages = SnapshotAverages(live)
+
+    def step() -> None:
+        averages.apply()
+        averages.take()
+        averages.average(PeerSums(peer), (0, 1), None, "a step")
+
+    step()
+    step()  # the spare copy, if any, exists from here on
+    assert largest_allocation(step) < 4 << 10  # chunks of the norms and scalars only: not a quarter bucket
+
+    sums = FlatBuffers(live)
+    assert largest_allocation(lambda: average_(live, PeerSums(peer), (0, 1), sums=sums)) < 4 << 10
