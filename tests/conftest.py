@@ -7,6 +7,7 @@ from helpers import TrainingRun, run_many
 
 #: 4 CPU workers, 40 ms steps, rank 0 slowed 5x, 4 epochs of digits
 STRAGGLER = ["--devices", "4", "--epochs", "4", "--profile", "straggler", "--slow-factor", "5", "--step-time", "0.04"]
+STRAGGLER += ["--count-host-syncs"]  # scripts/train.py: this package's host reads of device values, per batch
 #: the straggler workload's runs, with each strategy's options
 STRAGGLER_RUNS = {
     "ddp": [],

@@ -31,6 +31,19 @@ def test_with_a_straggler_reaches_ddp_accuracy_and_fast_workers_do_more(straggle
         assert r["control_requests"] <= batches + 8 * 4 + 8, (r["rank"], r["control_requests"], batches)
 
 
+@pytest.mark.parametrize("strategy", ["prague", "partial_reduce", "adpsgd", "decent_adam"])
+def test_no_training_step_reads_a_device_value_on_the_host(straggler_runs, strategy):
+    """A counting stand-in for the device's synchronisation (scripts/train.py `HostSyncCounter`: `item`,
+    `tolist`, `bool`/`float`/`int` of a tensor, CUDA synchronize, from this package's code, any thread)
+    finds none in any training batch of any rank: on CUDA each would stall the host every step."""
+    run = straggler_runs[strategy]
+    assert run.status == 0, run.log[-3000:]
+    for r in [run.result, *rank_results(run.dir)]:
+        assert r["host_sync_self_check"] == 1, "the stand-in did not count a known read"
+        assert r["batches_counted"] == r["batches_per_worker"][r["rank"]], r["batches_counted"]
+        assert r["host_syncs"] == [], f"rank {r['rank']}: host reads in batches at {r['host_sync_sites']}"
+
+
 @pytest.mark.parametrize(
     ("strategy", "failing"),
     # one per kind of communication thread: BackgroundAverager (partial_reduce; prague's too), the

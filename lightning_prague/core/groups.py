@@ -10,8 +10,9 @@ Members must run the groups they share in the same order (the coordinator's orde
 schedule's): that, and messages between two ranks being matched in the order they were sent, is
 what makes it deadlock-free.
 
-Small groups exchange all-to-all (one round of messages, `|G| - 1` copies of the tensor sent by
-each member). Larger groups with a small tensor (latency-bound: the whole model of a small
+Small groups exchange all-to-all (`|G| - 1` copies of the tensor sent by each member, in pieces
+of `ALL_TO_ALL_CHUNK_BYTES` with two in flight, so that the receive buffers stay two pieces per
+peer whatever the size of the model). Larger groups with a small tensor (latency-bound: the whole model of a small
 network, or any model at a synchronization point of many ranks) use recursive doubling
 (`ceil(log2 |G|)` rounds, plus one before and one after for the members beyond a power of two);
 larger tensors a ring reduce-scatter and all-gather (`2 (|G| - 1)` rounds, about twice the tensor
@@ -70,8 +71,8 @@ log = logging.getLogger(__name__)
 ALL_TO_ALL_MAX = 4
 #: tensors of at most this many bytes are summed by recursive doubling in groups beyond ALL_TO_ALL_MAX
 DOUBLING_MAX_BYTES = 64 << 10
-#: all-to-all exchanges send a tensor in pieces of at most this many bytes, received into one buffer per peer
-ALL_TO_ALL_CHUNK_BYTES = 4 << 20
+#: all-to-all exchanges send a tensor in pieces of at most this many bytes (two per peer in flight)
+ALL_TO_ALL_CHUNK_BYTES = 1 << 20
 
 
 def backend_device(backend: str) -> torch.device:
@@ -242,21 +243,32 @@ class GroupComm:
 
     # -- algorithms ------------------------------------------------------------------------------
     def _all_to_all(self, tensor: torch.Tensor, members: tuple[int, ...], deadline: float) -> None:
-        """Every member sends its tensor to every other, in pieces of at most `ALL_TO_ALL_CHUNK_BYTES`
-        (so the receive buffers stay that small whatever the model), and adds them up in member order."""
+        """Every member sends its tensor to every other and adds them up in member order.
+
+        In pieces of at most `ALL_TO_ALL_CHUNK_BYTES`, two in flight (the next piece travels while
+        this one is added up), so the receive buffers are two pieces per peer whatever the model.
+        """
         peers = [m for m in members if m != self.rank]
         flat = tensor.view(-1)
-        chunk = max(1, ALL_TO_ALL_CHUNK_BYTES // flat.element_size())
-        buffers = torch.empty(len(peers), min(chunk, flat.numel()), dtype=flat.dtype, device=flat.device)
-        received = dict(zip(peers, buffers))
-        for lo in range(0, flat.numel(), chunk):
-            mine = flat[lo : lo + chunk]
-            parts = {peer: received[peer][: mine.numel()] for peer in peers}
+        piece = max(1, ALL_TO_ALL_CHUNK_BYTES // flat.element_size())
+        starts = list(range(0, flat.numel(), piece))
+        buffers = torch.empty(2, len(peers), min(piece, flat.numel()), dtype=flat.dtype, device=flat.device)
+
+        def post(index: int) -> tuple[torch.Tensor, dict[int, torch.Tensor], list]:
+            mine = flat[starts[index] : starts[index] + piece]
+            parts = {peer: buffers[index % 2, i, : mine.numel()] for i, peer in enumerate(peers)}
             ops = []
             for peer in peers:
                 ops.append(dist.P2POp(dist.isend, mine, peer, self.pg))
                 ops.append(dist.P2POp(dist.irecv, parts[peer], peer, self.pg))
-            self._exchange(ops, deadline, len(peers) * mine.numel() * mine.element_size())
+            return mine, parts, self._post(ops)
+
+        pending = post(0)
+        for index in range(len(starts)):
+            mine, parts, posted = pending
+            if index + 1 < len(starts):
+                pending = post(index + 1)
+            self._complete(posted, deadline, len(peers) * mine.numel() * mine.element_size(), len(peers))
             # the same order on every member, ((x_0 + x_1) + x_2) + ...: bitwise the same sum
             parts[self.rank] = mine
             total = parts[members[0]]
@@ -325,27 +337,38 @@ class GroupComm:
         is posted and waited for on its own: an operation with a peer that is gone fails at once,
         and the others still run (a receive that failed leaves NaN in its buffer).
         """
+        self._complete(self._post(ops), deadline, nbytes, len(ops) // 2 if pairs is None else pairs)
+
+    def _post(self, ops: list[dist.P2POp]) -> list[tuple[dist.P2POp | None, dist.Work | None]]:
+        """Start `ops` (see `_exchange`); an operation that fails to start has failed its peer."""
         if self.device.type != "cpu":
-            for work in _communicate(dist.batch_isend_irecv, ops):
+            return [(None, work) for work in _communicate(dist.batch_isend_irecv, ops)]
+        posted: list[tuple[dist.P2POp | None, dist.Work | None]] = []
+        for op in ops:
+            try:
+                posted.append((op, _communicate(op.op, op.tensor, op.peer, op.group)))
+            except PeerFailure as err:
+                self._peer_failed(op, err)
+                posted.append((op, None))
+        return posted
+
+    def _complete(
+        self, posted: list[tuple[dist.P2POp | None, dist.Work | None]], deadline: float, nbytes: int, pairs: int
+    ) -> None:
+        """Wait for operations `_post` started, by the deadline."""
+        for op, work in posted:
+            if work is None:
+                continue
+            if op is None:  # NCCL: one batch, waited for as a whole
                 self._wait(work, deadline)
-        else:
-            posted: list[tuple[dist.P2POp, dist.Work | None]] = []
-            for op in ops:
-                try:
-                    posted.append((op, _communicate(op.op, op.tensor, op.peer, op.group)))
-                except PeerFailure as err:
-                    self._peer_failed(op, err)
-                    posted.append((op, None))
-            for op, work in posted:
-                if work is None:
-                    continue
-                try:
-                    self._wait(work, deadline)
-                except PeerFailure as err:
-                    if time.monotonic() >= deadline:
-                        raise
-                    self._peer_failed(op, err)
-        self.stats.messages += len(ops) // 2 if pairs is None else pairs
+                continue
+            try:
+                self._wait(work, deadline)
+            except PeerFailure as err:
+                if time.monotonic() >= deadline:
+                    raise
+                self._peer_failed(op, err)
+        self.stats.messages += pairs
         self.stats.bytes_sent += nbytes
 
     def _peer_failed(self, op: dist.P2POp, err: BaseException) -> None:

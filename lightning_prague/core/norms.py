@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-#: elements per temporary in `squared_distance` and `squared_norm`: 4 MiB of float32
-NORM_CHUNK = 1 << 20
+#: elements per temporary in `squared_distance` and `squared_norm`: 1 MiB of float32 (2 MiB in float64)
+NORM_CHUNK = 1 << 18
 
 
 def squared_norm(a: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

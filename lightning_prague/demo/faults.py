@@ -93,9 +93,9 @@ def strike(fault: Fault, directory: Path) -> None:
 def _kill_in_next_exchange() -> None:
     from lightning_prague.core import groups
 
-    def exchange(self: Any, ops: list[Any], deadline: float, nbytes: int, pairs: Any = None) -> None:
+    def post(self: Any, ops: list[Any]) -> Any:  # every algorithm of GroupComm starts its messages here
         first = ops[0]
         first.op(first.tensor, first.peer, first.group)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    groups.GroupComm._exchange = exchange  # type: ignore[method-assign]
+    groups.GroupComm._post = post  # type: ignore[method-assign]

@@ -12,7 +12,8 @@ its N-th batch, after writing the time to killed.json; the others report as with
 --timer SECONDS (Lightning's Timer stops the fit), --module-stop-rank R --module-stop-batch N (the
 LightningModule sets trainer.should_stop on rank R only, at its N-th batch), --user-allreduce (every
 training step all-reduces a tensor on the world group, as a user's step may, and checks the sum),
-and the demo's --fault RANK:BATCH:KIND (lightning_prague.demo.faults).
+--count-host-syncs (counts, per training batch, this package's reads of device values on the host,
+see `HostSyncCounter`), and the demo's --fault RANK:BATCH:KIND (lightning_prague.demo.faults).
 """
 
 import argparse
@@ -28,7 +29,75 @@ import torch
 import torch.distributed as dist
 
 from lightning_prague.core.overlap import communication_threads
+from lightning_prague.core.worker import WorkerStats
 from lightning_prague.demo import run
+
+#: calls that make the host wait for the device when the tensor is on CUDA, and where they live
+HOST_READS = [(torch.Tensor, name) for name in ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")]
+HOST_READS += [(torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize")]
+
+
+class HostSyncCounter(L.Callback):
+    """A counting stand-in for the device's synchronisation: every call of `HOST_READS` made from this
+    package's code (its library modules, not the demo's report), in any thread, is counted against the
+    training batch in progress. On the CPU they cost nothing; on CUDA each would stall the host until
+    the device caught up, so a step must make none. Writes `host_syncs`: `[epoch, batch, global step,
+    count]` per batch with a non-zero count, and `batches_counted`."""
+
+    def __init__(self, reporter) -> None:
+        self.reporter = reporter
+        self.counts: dict[tuple[int, int, int], int] = {}
+        self.where: dict[str, int] = {}
+        self._batch: tuple[int, int, int] | None = None
+        self._batches = 0
+        self._saved = []
+        self.self_check = 0
+
+    def _wrap(self, owner, name):
+        original = getattr(owner, name)
+        counter = self
+
+        def counted(*args, **kwargs):
+            batch = counter._batch
+            if batch is not None:
+                caller = sys._getframe(1)
+                module = caller.f_globals.get("__name__", "")
+                if module.startswith("lightning_prague") and not module.startswith("lightning_prague.demo"):
+                    counter.counts[batch] = counter.counts.get(batch, 0) + 1
+                    site = f"{module}:{caller.f_lineno} {name}"
+                    counter.where[site] = counter.where.get(site, 0) + 1
+            return original(*args, **kwargs)
+
+        self._saved.append((owner, name, original))
+        setattr(owner, name, counted)
+
+    def on_train_start(self, trainer, pl_module):
+        for owner, name in HOST_READS:
+            self._wrap(owner, name)
+        # the stand-in itself: the worker's statistics read their sum on the host when taken (at log time)
+        stats = WorkerStats()
+        stats.record_group_error(torch.tensor(0.5))
+        self._batch = (-1, -1, -1)
+        stats.take_group_error()
+        self.self_check = self.counts.pop(self._batch, 0)
+        self.where.clear()
+        self._batch = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._batch = (trainer.current_epoch, batch_idx, trainer.global_step)
+        self._batches += 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._batch = None
+
+    def on_train_end(self, trainer, pl_module):
+        self._batch = None
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self.reporter.measurements["host_syncs"] = [[*key, n] for key, n in sorted(self.counts.items())]
+        self.reporter.measurements["host_sync_sites"] = self.where
+        self.reporter.measurements["batches_counted"] = self._batches
+        self.reporter.measurements["host_sync_self_check"] = self.self_check
 
 
 class SelfSigterm(L.Callback):
@@ -148,6 +217,7 @@ def main() -> None:
     extra.add_argument("--module-stop-batch", type=int, default=5)
     extra.add_argument("--user-allreduce", action="store_true")
     extra.add_argument("--exception-checkpoint", help="add OnExceptionCheckpoint writing to this directory")
+    extra.add_argument("--count-host-syncs", action="store_true")
     own, rest = extra.parse_known_args()
     args = run.parse_args(rest)
     callbacks = []
@@ -170,6 +240,8 @@ def main() -> None:
     if own.user_allreduce:
         trainer.callbacks.append(WriteSums(all_reduce_in_step(model), args.json))
     reporter = next(cb for cb in trainer.callbacks if isinstance(cb, run.RunReport))
+    if own.count_host_syncs:  # after the reporter: its on_train_end sets the measurements this adds to
+        trainer.callbacks.append(HostSyncCounter(reporter))
     try:
         trainer.fit(model, datamodule=data, ckpt_path=args.resume)
     except RuntimeError as err:
