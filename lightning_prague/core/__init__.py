@@ -7,7 +7,14 @@ the control plane), opens a session with `job.open_session(SessionConfig(...))`,
 `global_average()` where all ranks must agree, and `close()` at the end.
 """
 
-from lightning_prague.core.averaging import BucketedTensors, average_, averaged_state
+from lightning_prague.core.averaging import (
+    BucketedTensors,
+    FlatBuffers,
+    SnapshotAverages,
+    average_,
+    average_difference_,
+    averaged_state,
+)
 from lightning_prague.core.control import ControlClient, Session
 from lightning_prague.core.coordinator import ControlPlane, SessionConfig
 from lightning_prague.core.errors import (
@@ -34,6 +41,8 @@ __all__ = [
     "WeightedGroup",
     "make_topology",
     "BucketedTensors",
+    "FlatBuffers",
+    "SnapshotAverages",
     "CommStream",
     "ConfigurationError",
     "CoordinationTimeout",
@@ -54,6 +63,7 @@ __all__ = [
     "WorkQueueSampler",
     "WorkerStats",
     "average_",
+    "average_difference_",
     "communicator_count",
     "averaged_state",
     "make_policy",
