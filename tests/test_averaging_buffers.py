@@ -103,7 +103,7 @@ def test_average_difference_writes_avg_minus_snapshot_or_zero_and_keeps_the_snap
     assert all(bool((o == 0).all()) for o in out.flats), "a failed average left a partial difference"
 
 
-def test_snapshot_averages_chain_keep_local_progress_and_are_all_or_nothing():
+def test_snapshot_averages_chain_keep_local_progress_and_apply_once():
     mine, theirs, third = model(0), model(1), model(2)
     live = live_of(mine)
     averages = SnapshotAverages(live)
@@ -111,11 +111,8 @@ def test_snapshot_averages_chain_keep_local_progress_and_are_all_or_nothing():
     snap = flat_buckets(mine)
     # two averages on one snapshot: the second starts from the first's result
     averages.average(PeerSums(flat_buckets(theirs)), (0, 1), None, "first")
-    assert averages._spare is None, "the first average needs no third copy"
     averages.average(PeerSums(flat_buckets(third)), (0, 2), None, "second")
-    assert averages._spare is not None
-    # a third one fails: the first two stay
-    averages.average(PeerSums(flat_buckets(theirs), fail_at=0), (0, 1), None, "third")
+    assert averages.buffers() and len(averages._scratch) == 1, "a chained average needs one bucket, no copy"
     first = [(s + b) / 2 for s, b in zip(snap, flat_buckets(theirs))]
     second = [(f + c) / 2 for f, c in zip(first, flat_buckets(third))]
     for t in mine:  # local progress made while the averages ran
@@ -130,6 +127,25 @@ def test_snapshot_averages_chain_keep_local_progress_and_are_all_or_nothing():
     averages.average(PeerSums(flat_buckets(theirs)), (0, 1), None, "after a new snapshot")
     with pytest.raises(RuntimeError, match="before the change"):
         averages.take()
+
+
+def test_a_first_average_is_all_or_nothing_a_chained_one_bucket_by_bucket():
+    mine, theirs, third = model(0), model(1), model(2)
+    live = live_of(mine)
+    averages = SnapshotAverages(live)
+    averages.take()
+    _, applied = averages.average(PeerSums(flat_buckets(theirs), fail_at=1), (0, 1), None, "first, incomplete")
+    assert not bool(applied)
+    assert all(bool((c == 0).all()) for c in averages.change.flats), "the whole first average is dropped"
+    averages.average(PeerSums(flat_buckets(theirs)), (0, 1), None, "first, complete")
+    first = [(s + b) / 2 for s, b in zip(flat_buckets(model(0)), flat_buckets(theirs))]
+    # chained, with its second bucket's sum incomplete: the first bucket is averaged, the second kept
+    _, applied = averages.average(PeerSums(flat_buckets(third), fail_at=1), (0, 2), None, "chained")
+    assert not bool(applied)
+    value = [s + c for s, c in zip(flat_buckets(model(0)), averages.change.flats)]
+    torch.testing.assert_close(value[0], (first[0] + flat_buckets(third)[0]) / 2)
+    torch.testing.assert_close(value[1], first[1])
+    assert all(bool(torch.isfinite(c).all()) for c in averages.change.flats)
 
 
 def test_chunked_norms_match_a_float64_computation(monkeypatch):
@@ -175,9 +191,9 @@ def test_a_step_of_snapshot_averages_allocates_nothing_the_size_of_a_bucket(monk
         averages.apply()
         averages.take()
         averages.average(PeerSums(peer), (0, 1), None, "a step")
+        averages.average(PeerSums(peer), (0, 1), None, "a chained average")
 
-    step()
-    step()  # the spare copy, if any, exists from here on
+    step()  # the chained average's bucket exists from here on
     assert largest_allocation(step) < 4 << 10  # chunks of the norms and scalars only: not a quarter bucket
 
     sums = FlatBuffers(live)

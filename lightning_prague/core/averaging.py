@@ -191,17 +191,64 @@ def average_difference_(
     return gated_relative_error(distance, norm, applied), applied
 
 
+def average_chained_(
+    snapshot: FlatBuffers,
+    change: FlatBuffers,
+    comm: GroupComm,
+    members: Sequence[int],
+    scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor],
+    weight: float | None = None,
+    operation: str = "average",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A further average of a snapshot that earlier averages changed: `snapshot` becomes the (weighted)
+    average over `members` and `change` gains what that changed, committed **bucket by bucket**: a
+    bucket whose sum is incomplete (a member disappeared) keeps its values, on every member alike.
+
+    Whole-model all-or-nothing would need a third copy of the model, to hold the result while the
+    earlier change is kept (`average_difference_` writes its first result into a zero `change`,
+    which needs none); here each bucket needs only `scratch`, one bucket kept across calls (keyed
+    by dtype and device). Every bucket still averages complete sums only: the sum of the members'
+    buckets is conserved, and no member takes a partial sum. Returns `(error, applied)` as
+    `average_` does (`applied`: every bucket was).
+    """
+    scale = 1.0 / len(members) if weight is None else weight
+    device = snapshot.live.device
+    applied = torch.ones((), dtype=torch.bool, device=device)
+    distance = torch.zeros((), dtype=torch.float64, device=device)
+    norm = torch.zeros((), dtype=torch.float64, device=device)
+    for mine, total_change in zip(snapshot.flats, change.flats):
+        key = (mine.dtype, mine.device)
+        if key not in scratch or scratch[key].numel() < mine.numel():
+            largest = max(f.numel() for f in snapshot.flats if (f.dtype, f.device) == key)
+            scratch[key] = torch.empty(largest, dtype=mine.dtype, device=mine.device)
+        total = scratch[key][: mine.numel()]
+        torch.mul(mine, scale, out=total)
+        comm.sum_(total, members, operation)
+        bucket_norm = squared_norm(total)  # non-finite if the sum is incomplete (NaN): `sum_is_complete`
+        complete = torch.isfinite(bucket_norm)
+        applied &= complete
+        norm += bucket_norm
+        total.sub_(mine)
+        distance += squared_norm(total)
+        total.masked_fill_(~complete, 0.0)
+        mine.add_(total)
+        total_change.add_(total)
+    return gated_relative_error(distance, norm, applied), applied
+
+
 class SnapshotAverages:
     """Group averages of a snapshot of the live tensors, taken while training goes on, and the change
     they made, which the training thread adds to the live tensors later (AD-PSGD's atomic averaging:
     local progress made meanwhile is kept, and every average is applied exactly once).
 
-    `snapshot` is the copy the averages run on (an average's `avg - snapshot` is added to it, so a
-    second average starts from the first one's result); `change` accumulates what they changed.
-    Memory: the two, two copies of the tensors (the snapshot may be borrowed,
-    `GroupWorker.spare`), and a third only once a second average runs before the change was
-    applied (the all-or-nothing rule needs room for an average's result while the earlier change
-    is kept).
+    `snapshot` is the copy the averages run on (each average's result becomes its value, so a second
+    average starts from the first one's result); `change` accumulates what they changed. The first
+    average of a snapshot is all-or-nothing over the whole model (`average_difference_`, into the
+    zero change); a second one before the change was applied (a `prague` worker drawn into another
+    group while its own exchange runs, an AD-PSGD passive worker serving two exchanges between two
+    steps) commits bucket by bucket (`average_chained_`). Memory: the snapshot (it may be borrowed,
+    `GroupWorker.spare`) and the change, two copies of the tensors, and one bucket once an average
+    was chained.
     """
 
     def __init__(self, live: BucketedTensors, snapshot: FlatBuffers | None = None) -> None:
@@ -209,46 +256,41 @@ class SnapshotAverages:
         self.snapshot = snapshot if snapshot is not None else FlatBuffers(live)
         self.change = FlatBuffers(live)
         self.change.zero_()
-        self._spare: FlatBuffers | None = None
-        self._behind: FlatBuffers | None = None  # the latest result not yet added to the snapshot
+        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._behind = False  # the snapshot does not include the change yet (after a first average)
         self._taken = False  # the snapshot was taken since the change was last applied
         #: an average ran since the change was last applied (a host-side flag: reading it costs nothing)
         self.changed = False
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor another thread's stream may use (`CommStream.keep_for`)."""
-        extra = self._spare.flats if self._spare is not None else []
-        return [*self.snapshot.flats, *self.change.flats, *extra]
+        return [*self.snapshot.flats, *self.change.flats, *self._scratch.values()]
 
     def take(self) -> None:
         """The snapshot becomes a copy of the live tensors (the change must have been applied)."""
         if self.changed:
             raise RuntimeError("a new snapshot was taken before the change of the previous one was applied")
         self.snapshot.copy_from_live()
-        self._behind = None
+        self._behind = False
         self._taken = True
 
     def average(
         self, comm: GroupComm, members: tuple[int, ...], weight: float | None, operation: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One group average of the snapshot (an `AverageTarget`); all-or-nothing as `average_`."""
+        """One group average of the snapshot (an `AverageTarget`); see the class docstring."""
         if not self._taken:
             raise RuntimeError("an average of a snapshot that was not taken since its change was applied")
-        if self._behind is not None:
-            self.snapshot.add_(self._behind)
-            self._behind = None
-        if not self.changed:
-            out = self.change  # zero: an average that does not complete leaves it zero
-        else:
-            if self._spare is None:
-                self._spare = FlatBuffers(self.live)
-            out = self._spare
-        error, applied = average_difference_(self.snapshot, comm, members, out, weight=weight, operation=operation)
-        if out is not self.change:
-            self.change.add_(out)
-        self._behind = out
-        self.changed = True
-        return error, applied
+        if not self.changed:  # the change is zero: an average that does not complete leaves it zero
+            error, applied = average_difference_(
+                self.snapshot, comm, members, self.change, weight=weight, operation=operation
+            )
+            self._behind = True
+            self.changed = True
+            return error, applied
+        if self._behind:
+            self.snapshot.add_(self.change)
+            self._behind = False
+        return average_chained_(self.snapshot, self.change, comm, members, self._scratch, weight, operation)
 
     def apply(self) -> bool:
         """Add the change to the live tensors and clear it; False if there was none.
@@ -259,7 +301,7 @@ class SnapshotAverages:
             return False
         self.change.add_to_live()
         self.change.zero_()
-        self._behind = None
+        self._behind = False
         self._taken = False
         self.changed = False
         return True

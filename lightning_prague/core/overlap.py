@@ -20,7 +20,7 @@ differences sum to zero over a group, so the sum of all replicas is conserved.
 Memory: the background exchangers keep two flat copies of the averaged state (parameters and
 floating-point buffers), allocated once and refreshed in place: the snapshot (the worker's spare
 copy, `GroupWorker.spare`, which synchronization points use for the global average) and the change
-the averages made (`SnapshotAverages`); a third only once two averages run on one snapshot. A step
+the averages made (`SnapshotAverages`), plus one bucket once two averages run on one snapshot. A step
 allocates nothing the size of the model (docs/memory.md has the measurements). On CUDA the threads
 run on a stream of their own and hand snapshots and results over with CUDA events
 (`lightning_prague.core.streams`): the training thread never synchronises with the device for an
@@ -311,8 +311,8 @@ class PassiveResponder(_ThreadedExchanger):
     point starts from the first one's result. At the next safe point the change is folded into
     the live model. `drain` posts a pause marker behind everything already in the inbox, so every
     exchange assigned before the synchronization point is served before the thread ends.
-    Memory: the snapshot and the change, plus a third copy once two exchanges come between two
-    safe points.
+    Memory: the snapshot and the change, plus one bucket once two exchanges come between two safe
+    points (the second commits bucket by bucket, `SnapshotAverages`).
     """
 
     thread_name = "prague-passive"
