@@ -32,6 +32,10 @@ def test_group_sums_overlap_and_gossip_run_on_the_gpu_through_the_same_code(tmp_
         assert streams["default"] not in (streams["background"], streams["gossip"]), streams
         assert r["exchanges"] > 0
         assert r["gossip_mean"] == pytest.approx(mean, abs=1e-5)
+        # the no-sync assertion (scripts/host_reads.py): the training thread's steps and a gossip round
+        # read no device value on the host, by any thread of this package (the stand-in counts a known one)
+        assert r["host_read_self_check"] == 1
+        assert r["host_reads"] == {}, r["host_read_sites"]
     # overlapped exchanges conserve the sum of all replicas: nothing lost or applied twice
     assert sum(r["sum"] for r in results) == pytest.approx(total_before, rel=1e-5)
     # the consensus error from what the ranks hold: every element of a replica's float32 tensor is the

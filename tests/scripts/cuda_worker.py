@@ -32,6 +32,9 @@ from lightning_prague.core import (
 from lightning_prague.core.gossip import LaggedGossip
 from lightning_prague.core.overlap import BackgroundAverager
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_reads import HostReadCounter  # noqa: E402
+
 
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -63,12 +66,17 @@ def main() -> None:
     exchanger = BackgroundAverager(worker, tensors, timeout=60)
     start_sum = float(params.double().sum())
     added = 0.0
+    reads = HostReadCounter()  # the no-sync assertion: no step reads a device value on the host
+    reads.install()
+    result["host_read_self_check"] = reads.self_check()
     exchanger.start()
     for _ in range(20):
         params.add_(0.5 * (rank + 1))
         added += 0.5 * (rank + 1) * params.numel()
         worker.version += 1
+        reads.key = "background steps"
         exchanger.step()
+        reads.key = None
     exchanger.drain()
     worker.synchronize("overlapped")
     result.update(start_sum=start_sum, added=added, sum=float(params.double().sum()), exchanges=exchanger.exchanges)
@@ -82,8 +90,13 @@ def main() -> None:
     for t in (params, half):
         t.fill_(float(rank))
     gossip = LaggedGossip(worker, tensors, make_topology("complete", world), timeout=60, name="cuda")
+    reads.key = "gossip round"
     gossip.issue()
     gossip.mix()
+    reads.key = None
+    reads.remove()
+    result["host_reads"] = reads.counts
+    result["host_read_sites"] = reads.where
     gossip.close()
     result["gossip_mean"] = float(params.mean())
     result["sum_threads"] = seen

@@ -29,75 +29,43 @@ import torch
 import torch.distributed as dist
 
 from lightning_prague.core.overlap import communication_threads
-from lightning_prague.core.worker import WorkerStats
 from lightning_prague.demo import run
 
-#: calls that make the host wait for the device when the tensor is on CUDA, and where they live
-HOST_READS = [(torch.Tensor, name) for name in ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")]
-HOST_READS += [(torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize")]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_reads import HostReadCounter  # noqa: E402
 
 
 class HostSyncCounter(L.Callback):
-    """A counting stand-in for the device's synchronisation: every call of `HOST_READS` made from this
-    package's code (its library modules, not the demo's report), in any thread, is counted against the
-    training batch in progress. On the CPU they cost nothing; on CUDA each would stall the host until
-    the device caught up, so a step must make none. Writes `host_syncs`: `[epoch, batch, global step,
-    count]` per batch with a non-zero count, and `batches_counted`."""
+    """Counts this package's host reads of device values (`host_reads.HostReadCounter`) per training
+    batch, from its start to its end, in any thread. Writes `host_syncs`: `[epoch, batch, global step,
+    count]` per batch with a non-zero count, `host_sync_sites`, `batches_counted` and
+    `host_sync_self_check` (1: the stand-in counted a known read)."""
 
     def __init__(self, reporter) -> None:
         self.reporter = reporter
-        self.counts: dict[tuple[int, int, int], int] = {}
-        self.where: dict[str, int] = {}
-        self._batch: tuple[int, int, int] | None = None
-        self._batches = 0
-        self._saved = []
+        self.counter = HostReadCounter()
         self.self_check = 0
-
-    def _wrap(self, owner, name):
-        original = getattr(owner, name)
-        counter = self
-
-        def counted(*args, **kwargs):
-            batch = counter._batch
-            if batch is not None:
-                caller = sys._getframe(1)
-                module = caller.f_globals.get("__name__", "")
-                if module.startswith("lightning_prague") and not module.startswith("lightning_prague.demo"):
-                    counter.counts[batch] = counter.counts.get(batch, 0) + 1
-                    site = f"{module}:{caller.f_lineno} {name}"
-                    counter.where[site] = counter.where.get(site, 0) + 1
-            return original(*args, **kwargs)
-
-        self._saved.append((owner, name, original))
-        setattr(owner, name, counted)
+        self._batches = 0
 
     def on_train_start(self, trainer, pl_module):
-        for owner, name in HOST_READS:
-            self._wrap(owner, name)
-        # the stand-in itself: the worker's statistics read their sum on the host when taken (at log time)
-        stats = WorkerStats()
-        stats.record_group_error(torch.tensor(0.5))
-        self._batch = (-1, -1, -1)
-        stats.take_group_error()
-        self.self_check = self.counts.pop(self._batch, 0)
-        self.where.clear()
-        self._batch = None
+        self.counter.install()
+        self.self_check = self.counter.self_check()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._batch = (trainer.current_epoch, batch_idx, trainer.global_step)
+        self.counter.key = (trainer.current_epoch, batch_idx, trainer.global_step)
         self._batches += 1
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self._batch = None
+        self.counter.key = None
 
     def on_train_end(self, trainer, pl_module):
-        self._batch = None
-        for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
-        self.reporter.measurements["host_syncs"] = [[*key, n] for key, n in sorted(self.counts.items())]
-        self.reporter.measurements["host_sync_sites"] = self.where
-        self.reporter.measurements["batches_counted"] = self._batches
-        self.reporter.measurements["host_sync_self_check"] = self.self_check
+        self.counter.key = None
+        self.counter.remove()
+        measurements = self.reporter.measurements
+        measurements["host_syncs"] = [[*key, n] for key, n in sorted(self.counter.counts.items())]
+        measurements["host_sync_sites"] = self.counter.where
+        measurements["batches_counted"] = self._batches
+        measurements["host_sync_self_check"] = self.self_check
 
 
 class SelfSigterm(L.Callback):
