@@ -2,6 +2,7 @@
 
     lightning-prague bench --preset quick --out bench-quick     # 4 workers, 3 epochs, 2 profiles: about a minute
     lightning-prague bench --preset full --out bench-full       # 8 workers, 4 epochs, 3 profiles
+    lightning-prague bench --cluster slow_node inter_node       # an emulated cluster with slow links (root)
 
 Each run trains the digits workload (`lightning_prague.demo.run`) with ConsensusMonitor and
 StragglerMonitor, its worker processes forked from this one: Lightning is imported once for all
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_prague.callbacks.slowdown import PROFILES
+from lightning_prague.cluster_bench import CLUSTER_PROFILES
 from lightning_prague.core.runtime_model import ComputeProfile, Link, predict
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -67,7 +69,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target-acc", type=float, default=0.8, help="validation accuracy for time-to-target")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="print a line per run instead of a progress bar")
+    cluster = parser.add_argument_group(
+        "emulated cluster (root, a source checkout)",
+        "run on an emulated cluster with slow links instead of slowdown profiles: see lightning_prague.cluster_bench",
+    )
+    cluster.add_argument(
+        "--cluster", nargs="+", choices=CLUSTER_PROFILES, metavar="PROFILE",
+        help=f"cluster profiles: {', '.join(CLUSTER_PROFILES)} (--epochs, --step-time override theirs)",
+    )  # fmt: skip
+    cluster.add_argument("--rate", default="200mbit", help="the fast links' rate (tc syntax)")
+    cluster.add_argument("--slow-ratio", type=float, default=20.0, help="how much slower the slow_node's link is")
+    cluster.add_argument("--hidden", type=int, help="override the profiles' model width (their model size)")
+    cluster.add_argument("--batch-size", type=int, help="override the profiles' batch size")
+    cluster.add_argument("--job-timeout", type=float, default=600.0, help="seconds one run may take")
+    cluster.add_argument(
+        "--predict-from", type=Path, metavar="RUNS_JSON",
+        help="run nothing: predict and tabulate the runs a --cluster bench saved (its --out/runs.json)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.cluster:
+        return _cluster_args(parser, args)
     preset = PRESETS[args.preset]
     args.profiles = list(dict.fromkeys(args.profiles or preset["profiles"]))
     args.devices = preset["devices"] if args.devices is None else args.devices
@@ -94,6 +115,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if problems:
         parser.error("; ".join(problems))
     args.strategies = list(dict.fromkeys(["ddp", *args.strategies]))  # speed-ups are measured against DDP, run first
+    return args
+
+
+def _cluster_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The options of a ``--cluster`` run, checked; the cluster tool's own check (root, tools) too."""
+    from lightning_prague import cluster_bench
+
+    args.cluster = list(dict.fromkeys(args.cluster))
+    args.group_size = 3 if args.group_size is None else args.group_size
+    problems = cluster_bench.check(args)
+    if args.epochs is not None and args.epochs < 1:
+        problems.append(f"--epochs {args.epochs}: train at least one epoch")
+    if args.step_time is not None and args.step_time <= 0:
+        problems.append(f"--step-time {args.step_time}: must be positive (seconds)")
+    if args.group_size < 2:
+        problems.append(f"--group-size {args.group_size}: a group needs at least 2 workers")
+    if args.out.exists() and not args.out.is_dir():
+        problems.append(f"--out {args.out}: exists and is not a directory")
+    if args.predict_from is not None and not args.predict_from.is_file():
+        problems.append(f"--predict-from {args.predict_from}: no such file")
+    if not problems and args.predict_from is None:
+        reason = cluster_bench.unavailable()
+        if reason:
+            problems.append(f"--cluster: cannot build an emulated cluster here: {reason}")
+    if problems:
+        parser.error("; ".join(problems))
+    args.strategies = list(dict.fromkeys(["ddp", *args.strategies]))
     return args
 
 
@@ -262,6 +310,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
     args = parse_args(argv)
+    if args.cluster:
+        from lightning_prague import cluster_bench
+
+        return cluster_bench.main(args)
     torch.set_num_threads(1)  # the forked workers inherit it: one compute thread per worker
     plan = [(profile, strategy) for profile in args.profiles for strategy in args.strategies]
     rows = []

@@ -4,6 +4,12 @@
     lightning-prague plan --workers 8 --step-time 0.05 --slow 0:5 --model-mb 100 --bandwidth-gbps 10
     lightning-prague plan --timings stragglers.json   # written by StragglerMonitor(path="stragglers.json")
     lightning-prague plan --workers 16 --workers-per-node 4 --inter-bandwidth-gbps 10 --topology alternating_exp_ring
+    lightning-prague plan --workers 4 --step-time 0.1 --model-mb 2.5 --node-bandwidth-gbps 0.2 0.2 0.2 0.01
+
+With `--node-bandwidth-gbps` (one rate per node: what its link carries each way) a transfer between
+two nodes runs at the slower of their links, exchanges that leave a node at once share its link,
+and the asynchronous strategies' synchronization points (their drain and global average) are
+priced too (see `core.runtime_model`).
 
 Prints per strategy the predicted time per iteration, throughput, share of the physical limit
 (the sum of the workers' speeds) and the extra wait at each synchronization point, and recommends
@@ -44,7 +50,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--latency-ms", "--inter-latency-ms", dest="latency_ms", type=float, default=0.1)
     parser.add_argument("--intra-bandwidth-gbps", type=float, default=800.0, help="between workers of one node")
     parser.add_argument("--intra-latency-ms", type=float, default=0.01)
+    parser.add_argument(
+        "--node-bandwidth-gbps",
+        type=float,
+        nargs="+",
+        metavar="GBPS",
+        help="each node's own link, one per node (instead of one --bandwidth-gbps for all): a slow node",
+    )
     parser.add_argument("--topology", default="ring", choices=sorted(TOPOLOGIES), help="decent_adam's topology")
+    parser.add_argument("--grouping", default="random", choices=["random", "static"], help="prague's grouping")
     parser.add_argument(
         "--backward-fraction",
         type=float,
@@ -106,6 +120,15 @@ def check(args: argparse.Namespace) -> list[str]:
             problems.append(f"--slow {spec}: expected RANK:FACTOR with 0 <= RANK < --workers and FACTOR > 0")
     if args.timings is not None and not args.timings.is_file():
         problems.append(f"--timings {args.timings}: no such file")
+    if args.node_bandwidth_gbps is not None:
+        if any(rate <= 0 for rate in args.node_bandwidth_gbps):
+            problems.append(f"--node-bandwidth-gbps {args.node_bandwidth_gbps}: every rate must be positive")
+        nodes = -(-args.workers // max(1, args.workers_per_node))
+        if args.timings is None and len(args.node_bandwidth_gbps) != nodes:
+            problems.append(
+                f"--node-bandwidth-gbps: {len(args.node_bandwidth_gbps)} rates for {nodes} nodes "
+                f"(--workers {args.workers} / --workers-per-node {args.workers_per_node})"
+            )
     return problems
 
 
@@ -129,11 +152,14 @@ def profiles_from(args: argparse.Namespace) -> list[ComputeProfile]:
 
 
 def format_table(predictions: list[Prediction]) -> str:
-    lines = [f"{'strategy':<15} {'s/iteration':>12} {'batches/s':>10} {'of limit':>9} {'sync wait':>10}  method"]
+    lines = [
+        f"{'strategy':<15} {'s/iteration':>12} {'batches/s':>10} {'of limit':>9} {'sync wait':>10} "
+        f"{'sync average':>12}  method"
+    ]
     for p in predictions:
         lines.append(
             f"{p.strategy:<15} {p.seconds_per_iteration:>12.4f} {p.throughput:>10.1f} "
-            f"{p.throughput / p.limit:>8.0%} {p.sync_wait:>9.3f}s  {p.method}"
+            f"{p.throughput / p.limit:>8.0%} {p.sync_wait:>9.3f}s {p.sync_seconds:>11.3f}s  {p.method}"
         )
     return "\n".join(lines)
 
@@ -145,6 +171,9 @@ def main(argv: list[str] | None = None) -> list[Prediction]:
         args.workers_per_node,
         intra=Link(bandwidth=args.intra_bandwidth_gbps * 1e9 / 8, latency=args.intra_latency_ms / 1000),
         inter=Link(bandwidth=args.bandwidth_gbps * 1e9 / 8, latency=args.latency_ms / 1000),
+        node_links=None
+        if args.node_bandwidth_gbps is None
+        else tuple(Link(bandwidth=g * 1e9 / 8, latency=args.latency_ms / 1000) for g in args.node_bandwidth_gbps),
     )
     predictions = predict(
         workers,
@@ -156,6 +185,7 @@ def main(argv: list[str] | None = None) -> list[Prediction]:
         topology=args.topology,
         backward_fraction=args.backward_fraction,
         bucket_bytes=int(args.bucket_mb * 2**20),
+        grouping=args.grouping,
     )
     print(format_table(predictions))
     best = recommend(predictions)

@@ -17,6 +17,12 @@ What runs (about 45 s on two cores; each job's ranks start and train concurrentl
   nodes within the suite's time. The ranks are forked from one process per node that imported
   Lightning once (``--preload``): fresh interpreters would cost 4 x 7 s of imports per job here.
 
+**A partition** shares those jobs: once every srun-style rank has set up, node2's link is cut for
+``CUT_SECONDS`` (10 s). ``decent_adam``'s job has a 3 s detection bound: node2's ranks are counted
+lost, node1's finish with one model, and node2's fence themselves (exit status 75, a message that
+says they were cut off). The other jobs have a 30 s bound: the cut is short for them, and every rank
+finishes as without it. (The torchrun job may be cut too, in its set-up or its training: a short cut.)
+
 ``LPC_CLUSTER_ALL=1`` runs every strategy both ways (about twice as long).
 
 Plus checks of the tool itself: hosts and host names, shaping, cut and heal, the tear-down.
@@ -48,7 +54,14 @@ pytestmark = pytest.mark.timeout(240)
 STRATEGIES = ("prague", "partial_reduce", "adpsgd", "decent_adam")
 EVERY_WAY = bool(os.environ.get("LPC_CLUSTER_ALL"))  # every strategy on both launch paths (about twice as long)
 TORCHRUN = STRATEGIES if EVERY_WAY else ("prague",)
-SRUN = STRATEGIES if EVERY_WAY else ("partial_reduce", "adpsgd", "decent_adam")
+#: the srun-style job whose ranks on node2 are cut off for longer than its detection bound
+PARTITIONED = "decent_adam"
+SRUN = STRATEGIES if EVERY_WAY else ("partial_reduce", "adpsgd", PARTITIONED)
+#: node2's link is down this long once every srun-style rank has set up: longer than the partitioned
+#: job's detection bound (`PARTITION_HANG` s, or 5 times its longest recent step if longer, as a loaded
+#: machine may stretch them), well under every other job's (`HANG` s), whose cut is short
+CUT_SECONDS = 10.0
+PARTITION_HANG, HANG = 3.0, 30.0
 NODES, WORKERS = 2, 2
 #: a test prefix of our own, so that a left-over check never mistakes another user's cluster for ours
 PREFIX = "lpcltest-"
@@ -67,11 +80,19 @@ def cluster():
         yield built
 
 
-def demo_args(strategy: str, out: Path) -> list[str]:
-    """The demo's options for one short job of ``strategy`` on the cluster."""
+def demo_args(strategy: str, out: Path, partitioned: bool = False) -> list[str]:
+    """The demo's options for one short job of ``strategy`` on the cluster; the srun-style jobs train
+    through node2's cut (`CUT_SECONDS`), the partitioned one with a detection bound under it."""
+    timing = ["--epochs", "1", "--step-time", "0.02", "--hang-timeout", str(HANG)]
+    if partitioned:
+        timing = ["--epochs", "6", "--step-time", "0.05", "--hang-timeout", str(PARTITION_HANG), "--hang-factor", "5"]
+        timing += ["--profile", "homogeneous"]
+    elif out.parent.parent.name == "srun":
+        timing = ["--epochs", "1", "--step-time", "0.3", "--hang-timeout", str(HANG)]
+        timing += ["--profile", "homogeneous"]
     return [
-        "--strategy", strategy, "--devices", str(WORKERS), "--num-nodes", str(NODES), "--epochs", "1",
-        "--step-time", "0.02", "--grouping-timeout", "60", "--json", str(out),
+        "--strategy", strategy, "--devices", str(WORKERS), "--num-nodes", str(NODES), *timing,
+        "--grouping-timeout", "60", "--json", str(out),
     ]  # fmt: skip
 
 
@@ -139,7 +160,9 @@ def start_srun(cluster: Cluster, jobs: list[Job], directory: Path) -> list[subpr
     ranks of every job from one import of Lightning."""
     for i, job in enumerate(jobs):
         job.job_id = str(25001 + i)
-    steps = [{"job_id": job.job_id, "argv": demo_args(job.strategy, job.out)} for job in jobs]
+    steps = [
+        {"job_id": job.job_id, "argv": demo_args(job.strategy, job.out, job.strategy == PARTITIONED)} for job in jobs
+    ]
     (directory / "steps.json").write_text(json.dumps(steps))
     procs = []
     for node in cluster.nodes:
@@ -169,6 +192,25 @@ def wait(procs: list[subprocess.Popen], deadline: float) -> list[int | None]:
     return codes
 
 
+#: what Lightning prints in each rank's set-up under SLURM: the rank is about to train
+READY = "SLURM auto-requeueing"
+
+
+def cut_node2(cluster: Cluster, jobs: list[Job], procs: list[subprocess.Popen], deadline: float) -> None:
+    """Once every rank of the srun-style ``jobs`` has set up: node2's link down for `CUT_SECONDS`."""
+    logs = [job.directory.parent / f"job{job.job_id}.rank{rank}.log" for job in jobs for rank in range(NODES * WORKERS)]
+    while not all(log.exists() and READY in log.read_text(errors="replace") for log in logs):
+        if time.monotonic() > deadline or any(proc.poll() is not None for proc in procs):
+            return  # the jobs' own checks report what went wrong
+        time.sleep(0.2)
+    time.sleep(1.0)
+    cluster.cut("node2")
+    try:
+        time.sleep(CUT_SECONDS)
+    finally:
+        cluster.heal("node2")
+
+
 @pytest.fixture(scope="module")
 def jobs(cluster, tmp_path_factory) -> dict[tuple[str, str], Job]:
     """Every job of both launch paths, all started at once, waited for."""
@@ -183,6 +225,7 @@ def jobs(cluster, tmp_path_factory) -> dict[tuple[str, str], Job]:
     srun_jobs = [made["srun", strategy] for strategy in SRUN]
     srun_procs = start_srun(cluster, srun_jobs, root / "srun")
     deadline = time.monotonic() + JOB_TIMEOUT + 10
+    cut_node2(cluster, srun_jobs, srun_procs, deadline)
     for strategy in TORCHRUN:
         job = made["torchrun", strategy]
         job.codes = wait(job.procs, deadline)
@@ -192,7 +235,7 @@ def jobs(cluster, tmp_path_factory) -> dict[tuple[str, str], Job]:
     return made
 
 
-CASES = [("torchrun", s) for s in TORCHRUN] + [("srun", s) for s in SRUN]
+CASES = [("torchrun", s) for s in TORCHRUN] + [("srun", s) for s in SRUN if s != PARTITIONED]
 
 
 @pytest.mark.parametrize("path,strategy", CASES, ids=[f"{path}-{strategy}" for path, strategy in CASES])
@@ -208,6 +251,25 @@ def test_every_rank_ends_the_fit_with_one_model(jobs, path, strategy):
         assert result["epochs_run"] == 1 and result["global_step"] > 0, (rank, result["epochs_run"], job.logs())
         assert result["lost_workers"] == {}, (rank, result["lost_workers"], job.logs())
     assert sum(results[0]["batches_per_worker"]) > 0
+
+
+def test_a_node_cut_off_beyond_the_bound_fences_itself_and_the_other_finishes(jobs):
+    """Node2's ranks of the partitioned job are silent beyond its bound: the control plane counts them
+    lost, node1's ranks finish with one model, and node2's end themselves with exit status 75 and a
+    message that says why (they never finish a fit of their own)."""
+    job = jobs["srun", PARTITIONED]
+    results = job.results()
+    survivors, cut = list(range(WORKERS)), list(range(WORKERS, NODES * WORKERS))
+    assert sorted(results) == survivors, f"results of ranks {sorted(results)}\n{job.logs()}"
+    assert len({results[r]["params_sha256"] for r in survivors}) == 1, job.logs()
+    for rank in survivors:
+        assert sorted(map(int, results[rank]["lost_workers"])) == cut, (rank, results[rank]["lost_workers"])
+        assert results[rank]["epochs_run"] == 6, (rank, results[rank]["epochs_run"], job.logs())
+    launcher = (job.directory.parent / "srun-node2.log").read_text()
+    for rank in cut:
+        assert f"(job {job.job_id} rank {rank}) exited with 75" in launcher, f"{launcher}\n{job.logs()}"
+        log = (job.directory.parent / f"job{job.job_id}.rank{rank}.log").read_text()
+        assert "cut off from the control plane" in log or "the control plane fenced this rank" in log, log[-3000:]
 
 
 # -- the tool itself

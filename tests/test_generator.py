@@ -269,3 +269,59 @@ def test_a_requeue_stop_is_announced_even_after_a_sigterm_stop_and_its_release_s
     generator.handle({"op": "arrive", "rank": 0, "sync": STOP_SYNC})
     out = generator.handle({"op": "arrive", "rank": 1, "sync": STOP_SYNC})
     assert all(items[0]["requeue"] and items[0]["stop"] for items in out.values())
+
+
+def test_with_avoid_busy_groups_draw_only_workers_that_finished_their_last_group():
+    world = 4
+    generator = GroupGenerator(world, make_policy("random", world, 3, seed=0), avoid_busy=True)
+    out = generator.handle({"op": "ready", "rank": 3, "req": 1})  # rank 3 (a slow link, say) asks first
+    first = tuple(out[3][0]["members"])
+    assert len(first) == 3 and generator.busy == set(first)
+    idle = [r for r in range(world) if r not in first]
+    # the one idle worker finds nobody idle to average with: no group, rather than a wait behind rank 3's
+    out = generator.handle({"op": "ready", "rank": idle[0], "req": 1})
+    assert out == {idle[0]: [{"t": "answer", "req": 1, "gid": None}]}
+    # a member of it asks: it runs that group now (it was issued before this answer) and gets no other
+    other = next(r for r in first if r != 3)
+    out = generator.handle({"op": "ready", "rank": other, "req": 1})
+    assert out == {other: [{"t": "answer", "req": 1, "gid": None}]} and generator.is_busy(other)
+    # when it asks again it has finished that group: it is idle, and so a group of two forms
+    out = generator.handle({"op": "ready", "rank": other, "req": 2})
+    assert sorted(out[other][0]["members"]) == sorted([other, idle[0]])
+    assert generator.is_busy(3) and generator.is_busy(idle[0])
+    # a synchronization point's release: everyone has drained, nobody is busy
+    for r in range(world):
+        generator.handle({"op": "arrive", "rank": r, "sync": "epoch_end"})
+    assert generator.busy == set()
+    # without avoid_busy (the paper's Group Generator) busy workers are drawn as before
+    plain = GroupGenerator(world, make_policy("random", world, 3, seed=0))
+    plain.handle({"op": "ready", "rank": 3, "req": 1})
+    out = plain.handle({"op": "ready", "rank": idle[0], "req": 1})
+    assert len(out[idle[0]][0]["members"]) == 3 and plain.busy == set()
+
+
+@settings(max_examples=40, deadline=None)
+@given(setups(policies=("random", "division")))
+def test_avoiding_busy_workers_stays_deadlock_free(setup):
+    world, group, per_node, name, seed, steps = setup
+    generator = GroupGenerator(world, make_policy(name, world, group, seed, per_node), avoid_busy=True)
+    result = simulate(generator, dict(enumerate(steps)), random.Random(seed))
+    assert result.released
+    assert_consistent_order(result)
+    assert result.steps == dict(enumerate(steps))
+
+
+def test_with_avoid_busy_a_lagging_worker_averages_in_pairs():
+    world = 6
+    generator = GroupGenerator(world, make_policy("random", world, 3, seed=0), avoid_busy=True)
+    req = 0
+    for _ in range(10):  # ranks 1..5 ask ten times (each finishing its group first) while rank 0 asks none
+        for r in range(1, world):
+            req += 1
+            generator.handle({"op": "ready", "rank": r, "req": req})
+            generator.busy.clear()  # as if every group had finished at once
+            generator._waiting.clear()
+    assert generator.lagging() == {0}
+    out = generator.handle({"op": "ready", "rank": 0, "req": 1})
+    group = out[0][0]
+    assert group["t"] == "group" and len(group["members"]) == 2 and 0 in group["members"]

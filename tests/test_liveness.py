@@ -82,15 +82,29 @@ def test_a_frozen_worker_is_declared_from_silence_and_a_waiting_one_is_not():
     assert progress > 0
 
 
-def test_a_busy_worker_gets_the_session_timeout():
+def test_a_busy_worker_whose_beacon_beats_is_never_hung():
     hangs, clock = detector(timeout=60.0)
     hangs.joined(0)
     run_steps(hangs, clock, 0, 0.05, 3)
     hangs.beat(0, 999, waiting=False, busy=True, step=0.05)  # a long checkpoint starts
-    clock.now += 59.0
+    for _ in range(120):  # its beacon thread beats through it: a busy worker is not hung
+        clock.now += 1.0
+        hangs.beat(0, 999, waiting=False, busy=True, step=0.05)
+        assert hangs.hung() == []
+
+
+def test_a_busy_worker_that_goes_silent_gets_three_times_its_bound():
+    # a cut link or a frozen process in a busy stretch (an epoch's end): not the session's timeout
+    hangs, clock = detector(timeout=1800.0)
+    hangs.joined(0)
+    run_steps(hangs, clock, 0, 0.05, 3)
+    hangs.beat(0, 999, waiting=True, busy=True, step=0.05)  # at a synchronization point
+    clock.now += 29.0
     assert hangs.hung() == []
     clock.now += 2.0
-    assert hangs.hung()[0][0] == 0
+    found = hangs.hung()
+    assert found[0][0] == 0 and "nothing heard from it for 31.0s (bound 30.0s from 3 x its bound" in found[0][1]
+    assert HangRule().silence_bound(None, True, 1800.0) == 1800.0  # no step timed yet: the long bound
 
 
 def test_the_beacon_times_steps_without_waits_or_busy_stretches():

@@ -159,3 +159,55 @@ def test_plan_checks_every_option_before_computing(capsys):
         with pytest.raises(SystemExit) as stop:
             plan(argv)
         assert stop.value.code == 2 and expected in capsys.readouterr().err, argv
+
+
+def test_per_node_links_price_each_exchange_at_its_nodes_links():
+    fast, slow = Link(bandwidth=10 * MB, latency=0.0), Link(bandwidth=MB, latency=0.0)
+    cluster = Cluster(1, intra=Link(bandwidth=float("inf"), latency=0.0), inter=slow, node_links=(fast,) * 3 + (slow,))
+    assert cluster.exchange_seconds([0, 1], MB) == pytest.approx(0.1)
+    assert cluster.exchange_seconds([0, 3], MB) == pytest.approx(1.0), "a pair runs at the slower link"
+    # all-to-all among 4 (the library's small groups): node 3 sends its model to 3 others and receives 3
+    assert cluster.exchange_seconds([0, 1, 2, 3], MB) == pytest.approx(3.0)
+    assert cluster.allreduce_seconds([0, 1, 2, 3], MB) == pytest.approx(1.5), "DDP's ring: 2 (n-1)/n over it"
+    # exchanges leaving a node at once share its link
+    costs = cluster.round_seconds([(0, 3), (1, 2)], MB)
+    assert costs[(0, 3)] == pytest.approx(1.0) and costs[(1, 2)] == pytest.approx(0.1)
+    two_nodes = Cluster(2, intra=Link(bandwidth=float("inf"), latency=0.0), inter=fast, node_links=(fast, fast))
+    costs = two_nodes.round_seconds([(0, 2), (1, 3)], MB)
+    assert costs[(0, 2)] == pytest.approx(0.2) and costs[(1, 3)] == pytest.approx(0.2)
+
+
+def test_with_a_slow_node_background_exchanges_cost_at_synchronization_points_not_per_step():
+    fast, slow = Link(bandwidth=10 * MB, latency=0.0), Link(bandwidth=MB, latency=0.0)
+    cluster = Cluster(1, intra=fast, inter=slow, node_links=(fast,) * 3 + (slow,))
+    workers = [ComputeProfile(0.1)] * 4
+    result = by_name(predict(workers, MB, cluster=cluster))
+    assert result["ddp"].seconds_per_iteration == pytest.approx(0.1 + 1.5)
+    for name in ("prague", "partial_reduce", "adpsgd"):  # no step waits for an exchange in flight
+        assert result[name].throughput == pytest.approx(40.0)
+        assert result[name].sync_seconds == pytest.approx(3.0), "the global average: node 3 sends 3 models"
+        assert 0.5 <= result[name].sync_wait <= 2.0, "draining the slow exchange in flight"
+    assert result["ddp"].sync_seconds == 0.0
+    static = predict(workers, MB, strategies=["prague"], cluster=cluster, grouping="static")[0]
+    assert static.method == "monte carlo" and static.throughput < 40.0, "the static schedule's rounds wait"
+
+
+def test_one_crossing_per_round_beats_the_ring_on_two_nodes():
+    fast, inter = Link(bandwidth=100 * MB, latency=0.0), Link(bandwidth=5 * MB, latency=0.0)
+    cluster = Cluster(4, intra=fast, inter=inter, node_links=(inter, inter))
+    workers = [ComputeProfile(0.2)] * 8
+    ring, alternating = (
+        predict(workers, MB, strategies=["decent_adam"], cluster=cluster, topology=t)[0]
+        for t in ("ring", "alternating_exp_ring")
+    )
+    ddp = predict(workers, MB, strategies=["ddp"], cluster=cluster)[0]
+    assert alternating.throughput > ring.throughput > ddp.throughput
+
+
+def test_plan_takes_a_link_per_node(capsys):
+    plan(["--workers", "4", "--step-time", "0.1", "--model-mb", "1", "--node-bandwidth-gbps", "1", "1", "1", "0.05"])
+    out = capsys.readouterr().out
+    assert "sync average" in out and "recommended: " in out
+    with pytest.raises(SystemExit):
+        plan(["--workers", "4", "--node-bandwidth-gbps", "1", "1"])
+    assert "--node-bandwidth-gbps: 2 rates for 4 nodes" in capsys.readouterr().err

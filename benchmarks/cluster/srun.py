@@ -170,16 +170,18 @@ def srun_node(
         importlib.import_module(module)
     base = {**os.environ, **(extra_env or {})}
     pids = []
+    tasks: dict[int, str] = {}
     for step in steps:
         for local_id in range(layout.ntasks_per_node):
             env = task_environment(base, layout, step.job_id, local_id)
             log = None if log_dir is None else log_dir / f"job{step.job_id}.rank{layout.rank(local_id)}.log"
             pids.append(start_task(module, step.argv, env, log, preload))
+            tasks[pids[-1]] = f"job {step.job_id} rank {layout.rank(local_id)}"
     codes = wait_all(pids, timeout)
     worst = max(codes.values(), key=abs)
     for pid, code in codes.items():
         if code:
-            print(f"srun: task pid {pid} exited with {code}", file=sys.stderr, flush=True)
+            print(f"srun: task pid {pid} ({tasks[pid]}) exited with {code}", file=sys.stderr, flush=True)
     return worst
 
 

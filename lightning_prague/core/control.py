@@ -20,15 +20,17 @@ import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from lightning_prague.core.coordinator import SessionConfig
+from lightning_prague.core.coordinator import ALIVE, SessionConfig
 from lightning_prague.core.errors import CONTROL_PLANE, ControlPlaneError, CoordinationTimeout, MemberLost
-from lightning_prague.core.liveness import Beacon, HangRule
+from lightning_prague.core.liveness import BEAT_SECONDS, Beacon, HangRule
+from lightning_prague.core.partition import FENCED_EXIT_STATUS, MARGIN_SECONDS, drop_connections, own_addresses
 from lightning_prague.core.transport import ROUTED, Message, MessageLink
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,8 @@ class ControlClient:
 
     # -- the reader thread ------------------------------------------------------------------------
     def _route(self, message: Message) -> bool:
+        if message.get("t") == ALIVE:  # the answer to a beat: its arrival is all it says
+            return ROUTED
         if message.get("t") == "reply":
             with self._lock:
                 waiter = self._replies.pop(int(message["req"]), None)
@@ -122,8 +126,11 @@ class ControlClient:
     # -- sessions ------------------------------------------------------------------------------
     def open_session(self, number: int, config: SessionConfig) -> Session:
         """Join session `number` (one fit); every rank of the session must join it with the same config."""
-        session = Session(self, number, config.world_size, Beacon(config.hang))
+        # the control plane's hang detector uses the longer of the two as the bound of a busy worker
+        long_bound = max(config.timeout, config.sync_timeout or 0.0)
+        session = Session(self, number, config.world_size, Beacon(config.hang), long_bound)
         self._sessions[number] = session
+        local = self.link.local_address()
         self.send(
             {
                 "op": "join",
@@ -132,9 +139,16 @@ class ControlClient:
                 "config": config.encode(),
                 "pid": os.getpid(),
                 "host": socket.gethostname(),
+                # where other nodes reach this process: a survivor drops its connections there once
+                # every rank of this node is lost (`lightning_prague.core.partition`)
+                "addresses": own_addresses(local),
             }
         )
-        session.beacon.start(lambda fields: session.send("beat", **fields), f"prague-control-beacon-{self.rank}")
+        session.beacon.start(
+            lambda fields: session.send("beat", **fields),
+            f"prague-control-beacon-{self.rank}",
+            watch=session.check_reachable,
+        )
         log.debug("rank %d: joined session %d", self.rank, number)
         return session
 
@@ -148,8 +162,18 @@ class ControlClient:
 class Session:
     """One fit's messages, inbox, flags and counters (see the module docstring)."""
 
-    def __init__(self, client: ControlClient, number: int, world_size: int, beacon: Beacon | None = None) -> None:
+    def __init__(
+        self,
+        client: ControlClient,
+        number: int,
+        world_size: int,
+        beacon: Beacon | None = None,
+        long_bound: float | None = None,
+    ) -> None:
         self.client = client
+        #: the hang bound of this rank while it is busy or has not timed a step (`HangRule.bound`)
+        self.long_bound = client.timeout if long_bound is None else long_bound
+        self._opened = time.monotonic()
         #: what this rank's training thread reports to the hang detector (`lightning_prague.core.liveness`)
         self.beacon = beacon if beacon is not None else Beacon(HangRule())
         self.number = number
@@ -178,7 +202,6 @@ class Session:
             self.departed[int(item["rank"])] = str(item["reason"])
             self.departed_at[int(item["rank"])] = time.time()
             self.members = [int(r) for r in item.get("members", self.members) if int(r) != int(item["rank"])]
-            self._departure.set()
             log.warning(
                 "rank %d: rank %d left the job (%s); remaining members %s",
                 self.rank,
@@ -186,9 +209,13 @@ class Session:
                 item["reason"],
                 self.members,
             )
+            if item.get("unreachable"):  # every rank of its node is lost: no exchange may wait on that node
+                node = item.get("node", "its node")
+                drop_connections(item["unreachable"], self.rank, f"every rank of {node} left the job")
+            self._departure.set()
         elif kind == "fenced":  # declared hung: end this process, as a local one would be SIGKILLed
             log.error("rank %d: the control plane fenced this rank (%s); exiting", self.rank, item.get("reason"))
-            os._exit(75)
+            os._exit(FENCED_EXIT_STATUS)
         elif kind == "stop" and (self.stop_reason is None or item.get("reason") == "requeue"):
             self.stop_reason = str(item.get("reason", "sigterm"))
             log.debug("rank %d: the job is stopping (%s)", self.rank, self.stop_reason)
@@ -196,6 +223,41 @@ class Session:
 
     def send(self, op: str, **fields: Any) -> None:
         self.client.send({"op": op, "s": self.number, "rank": self.rank, **fields})
+
+    def check_reachable(self) -> None:
+        """End this process if the control plane has not been heard from for this rank's hang bound
+        plus `MARGIN_SECONDS` (called by the beacon thread before each beat, and every beat is
+        answered): it has declared this rank lost by then, and the other ranks go on without it.
+
+        This is the cut side of a network partition (`lightning_prague.core.partition`): the control
+        plane's `fenced` item cannot reach it, so it fences itself, with the same exit status, rather
+        than train on apart from the others or wait on them until an operation's timeout.
+        """
+        link = self.client.link
+        if not self.open:
+            return
+        heard = max(link.last_received, self._opened)
+        silent = time.monotonic() - heard
+        # the bound the control plane applies: from the state of the latest beat it got, which may be
+        # any sent since the control plane was last heard from (a beat takes a moment to be answered)
+        hang = self.beacon.bound(self.long_bound, since=heard - BEAT_SECONDS)
+        if silent <= hang + MARGIN_SECONDS:
+            return
+        # a closed connection fails a wait on the control plane at once; this ends a rank that waits on
+        # something else (an exchange with a peer across the partition) too
+        closed = f" ({link.close_error})" if link.closed and link.close_error else ""
+        message = (
+            f"rank {self.rank} on {socket.gethostname()}: cut off from the control plane at {self.client.address}"
+            f"{closed}: nothing heard from it for {silent:.1f}s, longer than this rank's hang bound ({hang:.1f}s) plus "
+            f"{MARGIN_SECONDS:.0f}s. The control plane has declared this rank lost (a network partition, or the "
+            f"control plane's node is down) and the ranks that reach it go on without it; ending this process "
+            f"(exit status {FENCED_EXIT_STATUS}) so that it never trains on apart from them"
+        )
+        try:
+            sys.stderr.write(f"lightning_prague: {message}\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(FENCED_EXIT_STATUS)
 
     def request(self, op: str, what: str, timeout: float | None = None, **fields: Any) -> Any:
         self.requests += 1

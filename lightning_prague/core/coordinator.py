@@ -17,13 +17,20 @@ connection, in one global order (the server handles one message at a time):
 * **failures** - a rank whose fit fails sends `leave` from its teardown (right after Lightning's
   `on_exception`): it departs for the others at once, then runs what was already assigned to it
   and gets its `left` item.
-* **hangs** - every member's beacon beats once a second (`lightning_prague.core.liveness`); a
+* **hangs** - every member's beacon beats once a second (`lightning_prague.core.liveness`), and each
+  beat is answered (`ALIVE`); a
   member the `HangDetector` finds hung departs like a crashed one and is **fenced**: SIGKILLed
   when its process runs on the supervisor's host, otherwise sent a `fenced` item on which it ends
   itself (a frozen process on another host cannot be ended from here: its peers' exchanges with it
   end at the process group's timeout). Fencing turns a hang into a crash, which the exchanges of
   the survivors already survive (a dead peer fails only its own pairs, see
   `lightning_prague.core.groups`).
+* **partitions** - a member cut off from the control plane (its node's link is down) is silent:
+  it is declared hung by the same rule, and the survivors go on. The `fenced` item cannot reach
+  it, so it fences itself: its beats go unanswered, and once nothing has come from the control
+  plane for its own hang bound plus a margin it ends its process with an error that says so
+  (`lightning_prague.core.control.Session.check_reachable`). Whichever side of a partition holds
+  the control plane goes on; the other stops: no split brain.
 
 Messages of a session carry `"s"` (its number) and `"rank"`; items sent back carry `"s"` too, and
 replies to requests (`"req"`) are `{"t": "reply", "req", "value"}`.
@@ -49,6 +56,8 @@ from lightning_prague.core.policies import GroupingPolicy
 log = logging.getLogger(__name__)
 
 Out = dict[int, list[Item]]
+#: the item that answers a member's beat: the control plane still counts it in (`Session.check_reachable`)
+ALIVE = "alive"
 #: suffix of a work queue's key: the chunks of lost ranks, handed out before the queue goes on
 REQUEUED = "/requeued"
 
@@ -70,6 +79,8 @@ class SessionConfig:
     #: seconds every rank may take to reach a synchronization point; also the hang bound of a
     #: worker busy outside its steps or before its first timed step (`HangRule`); default: `timeout`
     sync_timeout: float | None = None
+    #: groups draw only workers not busy in another group (`GroupGenerator.avoid_busy`)
+    avoid_busy: bool = False
 
     def encode(self) -> str:
         return base64.b64encode(pickle.dumps(self)).decode()
@@ -94,10 +105,13 @@ class CoordinatorSession:
             config.avoid_stragglers,
             sync_averages=config.sync_averages,
             min_workers=config.min_workers,
+            avoid_busy=config.avoid_busy,
         )
         self.hangs = HangDetector(config.hang, max(config.timeout, config.sync_timeout or 0.0))
         #: rank -> (pid, host name) of its process, as it said when it joined (for fencing)
         self.processes: dict[int, tuple[int, str]] = {}
+        #: rank -> the addresses other nodes reach it at, as it said when it joined
+        self.addresses: dict[int, list[str]] = {}
         self.generator.record_history = config.record_history
         self.members: set[int] = set()
         self.closed: set[int] = set()
@@ -126,12 +140,26 @@ class CoordinatorSession:
         self._requeue(rank)
         self.departed[rank] = reason
         log.warning("session %d: rank %d departed (%s)", self.number, rank, reason)
+        notice: Item = {"t": "departed", "rank": rank, "reason": reason, "members": sorted(self.members)}
+        node, unreachable = self._lost_node(rank)
+        if unreachable:  # the survivors drop their connections there (`lightning_prague.core.partition`)
+            notice.update(node=node, unreachable=unreachable)
+            log.warning("session %d: every rank of %s is gone (addresses %s)", self.number, node, unreachable)
         for member in sorted(self.members):  # first: a meeting's error that the departure causes comes after
-            out.setdefault(member, []).append(
-                {"t": "departed", "rank": rank, "reason": reason, "members": sorted(self.members)}
-            )
+            out.setdefault(member, []).append(notice)
         if not leaving:
             self.generator.depart(rank, out)
+
+    def _lost_node(self, rank: int) -> tuple[str, list[str]]:
+        """`rank`'s node and its addresses if every rank of it has now departed and it is not the control
+        plane's node (a partition or a node that went down: its connections never close by themselves)."""
+        host = self.processes.get(rank, (0, ""))[1]
+        if not host or host == socket.gethostname():
+            return host, []
+        ranks = [r for r, (_, h) in self.processes.items() if h == host]
+        if any(r not in self.departed and r not in self.closed for r in ranks):
+            return host, []
+        return host, sorted({a for r in ranks for a in self.addresses.get(r, [])})
 
     # -- the key-value table --------------------------------------------------------------------
     def kv(self, rank: int, req: int, message: dict[str, Any], out: Out) -> None:
@@ -283,6 +311,7 @@ class ControlPlane:
             session.members.add(rank)
             session.hangs.joined(rank)
             session.processes[rank] = (int(message.get("pid", 0)), str(message.get("host", "")))
+            session.addresses[rank] = [str(a) for a in message.get("addresses", ())]
             return
         if session is None:
             # every rank failed or left, so the session is over: a failed rank's teardown still leaves
@@ -297,6 +326,7 @@ class ControlPlane:
             session.hangs.beat(
                 rank, int(message["progress"]), bool(message["waiting"]), bool(message["busy"]), message.get("step")
             )
+            out[rank] = [{"t": ALIVE}]  # the worker hears the control plane too (it fences itself without it)
             return
         if op == "kv":
             session.kv(rank, int(message["req"]), message, out)

@@ -111,8 +111,15 @@ class GroupGenerator:
         avoid_stragglers: bool = True,
         sync_averages: bool = False,
         min_workers: int = 1,
+        avoid_busy: bool = False,
     ) -> None:
         self.world_size = world_size
+        #: draw no worker into another's group while a group of its own is still unfinished (see `busy`)
+        self.avoid_busy = avoid_busy
+        #: workers in a group issued since their last request: busy until they ask again
+        self.busy: set[int] = set()
+        #: rank -> groups of others issued to it since its last request (it starts them at its next)
+        self._waiting: dict[int, int] = {}
         self.min_workers = min_workers
         self.sync_averages = sync_averages  # synchronization points average globally (workers then agree)
         self.policy = policy
@@ -211,6 +218,24 @@ class GroupGenerator:
         median = counts[len(counts) // 2]
         return {r for r in available if self.rounds[r] + 2 < median / 2}
 
+    def is_busy(self, rank: int) -> bool:
+        """Whether `rank` is in a group issued since its last request (`avoid_busy` only).
+
+        A worker asks for a group only when its previous exchange is done (one in flight at a time,
+        `core.overlap.BackgroundAverager`), and it runs every group issued to it in order. So a
+        group drawing a busy worker waits, every member of it, until that worker has finished the
+        exchange it is in, however slow its link. With `avoid_busy` groups draw only idle workers
+        (a requester still gets a group if one other is idle, a smaller one if fewer than
+        `group_size - 1` are), and a requester that was drawn into another's group meanwhile gets
+        no new group of its own: it runs that one. So every worker is in at most one group at a
+        time, nobody queues behind a slow link's exchange, and a synchronization point drains at
+        most one exchange per worker. A lagging requester (`lagging`: it asks far less often than
+        the others, because its steps or its exchanges are slow) gets a pair rather than a full
+        group, holding up one other worker. Cost: one pass over the candidates per request while
+        some are busy.
+        """
+        return rank in self.busy
+
     def _note_report(self) -> None:
         self._reports_since_lagging += 1
         if self._reports_since_lagging >= self._lagging_every:
@@ -275,14 +300,30 @@ class GroupGenerator:
             pool = self._candidates()
             if rank not in pool:  # a lagging requester still asks for groups of its own
                 pool = Candidates([*pool.ranks, rank])
+        if self.avoid_busy:
+            if self._waiting.pop(rank, 0):  # groups wait for it: it runs them now, and no new one of its own
+                self._answer(rank, req, None, out)
+                return
+            self.busy.discard(rank)  # everything issued to it is done
+            if self.busy:
+                pool = Candidates([r for r in pool.ranks if r not in self.busy])
         members = self.policy.select(rank, round_index, pool)
         if members is None or len(members) < 2:
             self._answer(rank, req, None, out)
             return
+        if self.avoid_busy and rank in self._lagging and len(members) > 2:
+            # a lagging worker (a slow step, or a slow link that keeps its exchanges long) averages in
+            # pairs: each of its exchanges holds up one other worker, and moves half the bytes
+            members = tuple(sorted((rank, self.policy.rng.choice([m for m in members if m != rank]))))
         if self.policy.issues_per_round:
             gid = self._round_group(round_index, members, out)
         else:
             gid = self._issue(members, out)
+        if self.avoid_busy:
+            self.busy.update(members)
+            for member in members:
+                if member != rank:  # it starts this group at its next request
+                    self._waiting[member] = self._waiting.get(member, 0) + 1
         self._answer(rank, req, gid, out)
 
     def _round_group(self, round_index: int, members: Group, out: dict[int, list[Item]]) -> int:
@@ -375,6 +416,8 @@ class GroupGenerator:
         self._per_round.clear()
         self.policy.restart()
         self._lagging = set()
+        self.busy.clear()  # every worker ran everything issued to it before the release
+        self._waiting.clear()
         self._changed()
 
     def _leave(self, rank: int, out: dict[int, list[Item]]) -> None:
@@ -392,6 +435,8 @@ class GroupGenerator:
             return
         self.left.add(rank)
         self.live.remove(rank)
+        self.busy.discard(rank)
+        self._waiting.pop(rank, None)
         self._ready = deque(entry for entry in self._ready if entry[0] != rank)
         self.parked.pop(rank, None)
         self._untrained.pop(rank, None)

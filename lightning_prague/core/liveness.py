@@ -15,8 +15,10 @@ nothing at all was heard from it (the process is frozen: its beacon is silent to
 steps and for a worker 5 times slower (250 ms) alike, since the bound follows each worker's own
 history and never the others'. Until a worker has timed a step (its first batch of a fit), and
 while it says it is busy, the bound is the session's `sync_timeout` (a first step that compiles, a
-long checkpoint: 1800 s by default, as DDP survives). A worker that waits on a hung peer is not
-hung: it says it is waiting. When a worker's state changes (busy to stepping, its first timed
+long checkpoint: 1800 s by default, as DDP survives); a busy worker's beacon still beats, though, so
+one that goes silent while busy is declared after `silent_busy_factor` (3) times its stepping bound
+(a frozen process, or one cut off by a network partition at an epoch's end). A worker that waits
+on a hung peer is not hung: it says it is waiting. When a worker's state changes (busy to stepping, its first timed
 step) its training thread sends a beat itself, before the step, so that the control plane knows
 its bound before it can hang.
 
@@ -39,6 +41,8 @@ log = logging.getLogger(__name__)
 
 #: seconds between two beats of a worker's beacon
 BEAT_SECONDS = 1.0
+#: a worker not heard from for this long has gone silent (its beacon stopped), not merely slow
+SILENT_SECONDS = 3 * BEAT_SECONDS
 
 
 @dataclass(frozen=True)
@@ -50,11 +54,25 @@ class HangRule:
     #: steps a worker must have timed before its own history sets its bound
     min_steps: int = 1
 
+    #: a busy worker (outside its steps) is declared hung after this many times its bound without a
+    #: word: its beacon thread beats whatever its training thread does, so a long silence means the
+    #: process is frozen or cut off (a network partition), even in a checkpoint that may take longer
+    silent_busy_factor: float = 3.0
+
     def bound(self, step: Optional[float], busy: bool, timeout: float) -> float:
-        """Seconds without progress (or without a word) after which a worker is declared hung."""
+        """Seconds without progress after which a worker is declared hung."""
         if busy or step is None:
             return timeout
         return max(self.floor, self.factor * step)
+
+    def silence_bound(self, step: Optional[float], busy: bool, timeout: float) -> float:
+        """Seconds without a word (not even a beat) after which a worker is declared hung: its bound, or
+        `silent_busy_factor` times its stepping bound while it is busy (before its first timed step:
+        `timeout`, as for progress: a first step that compiles may hold the interpreter)."""
+        if step is None:
+            return timeout
+        stepping = max(self.floor, self.factor * step)
+        return min(timeout, self.silent_busy_factor * stepping) if busy else stepping
 
 
 class Beacon:
@@ -78,6 +96,8 @@ class Beacon:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sent: tuple[bool, bool] = (True, False)  # (busy, step known) of the last beat
+        #: (when, step, busy) of the latest beats (about an hour's), for `bound(since=...)`
+        self._reported: deque[tuple[float, Optional[float], bool]] = deque(maxlen=4096)
         self._send: Optional[Callable[[dict[str, Any]], None]] = None
         self._thread: Optional[threading.Thread] = None
 
@@ -123,6 +143,17 @@ class Beacon:
         with self._lock:
             return max(self._steps) if len(self._steps) >= self.rule.min_steps else None
 
+    def bound(self, timeout: float, since: Optional[float] = None) -> float:
+        """This worker's bound of silence (`HangRule.silence_bound`, `timeout` being the session's long
+        one): now, or
+        with `since` the shortest of now and of every beat sent since then (the control plane judges
+        the worker by whichever of them reached it last)."""
+        step = self.step_seconds
+        with self._lock:
+            busy = self.busy
+            sent = [(s, b) for when, s, b in self._reported if since is not None and when >= since]
+        return min(self.rule.silence_bound(s, b, timeout) for s, b in [(step, busy), *sent])
+
     def report(self) -> dict[str, Any]:
         """One beat's fields (and the start of the next beat's window)."""
         step = self.step_seconds
@@ -130,6 +161,7 @@ class Beacon:
             waiting = self._waiting > 0 or self._waited
             self._waited = False
             self._sent = (self.busy, step is not None)
+            self._reported.append((time.monotonic(), step, self.busy))
             return {"progress": self.progress, "waiting": waiting, "busy": self.busy, "step": step}
 
     # -- the beacon thread ----------------------------------------------------------------------
@@ -144,12 +176,21 @@ class Beacon:
             log.debug("a beat could not be sent", exc_info=True)
             return False
 
-    def start(self, send: Callable[[dict[str, Any]], None], name: str) -> None:
+    def start(
+        self, send: Callable[[dict[str, Any]], None], name: str, watch: Optional[Callable[[], None]] = None
+    ) -> None:
+        """Beat every `interval` seconds from a thread of its own; `watch()` runs before each beat (the
+        session's check that the control plane still answers)."""
         self._send = send
 
         def beat() -> None:
+            beating = True
             while not self._stop.wait(self.interval):
-                if not self._beat():
+                if watch is not None:  # also once beats fail (the connection closed): it may end the process
+                    watch()
+                if beating:
+                    beating = self._beat()
+                elif watch is None:
                     return
 
         self._thread = threading.Thread(target=beat, name=name, daemon=True)
@@ -206,10 +247,18 @@ class HangDetector:
         found = []
         for rank, entry in list(self._ranks.items()):
             bound = self.rule.bound(entry.step, entry.busy, self.timeout)
+            quiet = self.rule.silence_bound(entry.step, entry.busy, self.timeout)
             silent, still = now - entry.last_heard, now - entry.last_advance
             basis = "its sync_timeout" if entry.busy or entry.step is None else f"its step time {entry.step:.3f}s"
-            if silent > bound:
-                why = f"nothing heard from it for {silent:.1f}s (bound {bound:.1f}s from {basis}): it is frozen"
+            if silent > quiet or (still > bound and silent > SILENT_SECONDS):
+                quiet_basis = basis
+                if entry.busy and entry.step is not None and quiet < bound:
+                    quiet_basis = f"{self.rule.silent_busy_factor:g} x its bound from its step time {entry.step:.3f}s"
+                    quiet_basis += ", busy"
+                why = (
+                    f"nothing heard from it for {silent:.1f}s (bound {min(quiet, bound):.1f}s from {quiet_basis}): "
+                    "it is frozen, or cut off from the control plane (a network partition, or its node is down)"
+                )
             elif still > bound:
                 why = f"no training progress for {still:.1f}s (bound {bound:.1f}s from {basis})"
             else:

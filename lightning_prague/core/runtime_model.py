@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.groups import ALL_TO_ALL_MAX
+from lightning_prague.core.policies import StaticPolicy
 from lightning_prague.core.topology import Schedule, make_topology
 
 STRATEGY_MODELS = ("ddp", "prague", "partial_reduce", "adpsgd", "decent_adam")
@@ -98,6 +100,9 @@ class Cluster:
     workers_per_node: int = 1
     intra: Link = Link(bandwidth=100e9, latency=1e-5)
     inter: Link = Link()
+    #: each node's own link (node order), when they differ: a transfer between two nodes runs at the
+    #: slower of their links; `None`: every node on `inter`
+    node_links: tuple[Link, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.workers_per_node < 1:
@@ -108,11 +113,67 @@ class Cluster:
         """Every pair of workers joined by the same `link`."""
         return cls(1, link, link)
 
+    def node_of(self, rank: int) -> int:
+        return rank // self.workers_per_node
+
+    def link_of(self, node: int) -> Link:
+        """Node `node`'s own link to the others."""
+        return self.node_links[node] if self.node_links else self.inter
+
+    def bottleneck(self, members: Sequence[int]) -> Link:
+        """The link a ring among `members` runs at: the node's own inside one node, else the slowest
+        link of the nodes it spans."""
+        nodes = {self.node_of(m) for m in members}
+        if len(nodes) == 1:
+            return self.intra
+        return min((self.link_of(n) for n in nodes), key=lambda link: link.bandwidth)
+
     def allreduce_seconds(self, members: Sequence[int], nbytes: int) -> float:
-        """An all-reduce among `members` (global ranks)."""
-        nodes = {m // self.workers_per_node for m in members}
-        link = self.intra if len(nodes) == 1 else self.inter
-        return link.allreduce_seconds(len(members), nbytes)
+        """A ring all-reduce among `members` (global ranks), as DDP's gloo or NCCL runs it."""
+        return self.bottleneck(members).allreduce_seconds(len(members), nbytes)
+
+    def exchange_seconds(self, members: Sequence[int], nbytes: int, sharing: dict[int, int] | None = None) -> float:
+        """The library's group sum among `members` (`core.groups`): all-to-all up to `ALL_TO_ALL_MAX`
+        members (each sends its whole tensor to every other), a ring beyond. Inside one node it runs
+        on `intra`; across nodes each node's link carries what its members send out of the node (its
+        `m` members to the `k - m` others all-to-all; one ring edge each way for consecutive ranks),
+        `sharing[node]` concurrent exchanges of the same size sharing that link."""
+        k = len(members)
+        if k < 2:
+            return 0.0
+        by_node: dict[int, int] = {}
+        for m in members:
+            by_node[self.node_of(m)] = by_node.get(self.node_of(m), 0) + 1
+        if len(by_node) == 1:
+            if k <= ALL_TO_ALL_MAX:
+                return (k - 1) * nbytes / self.intra.bandwidth + self.intra.latency
+            return self.intra.allreduce_seconds(k, nbytes)
+        worst = 0.0
+        for node, here in by_node.items():
+            crossing = here * (k - here) * nbytes if k <= ALL_TO_ALL_MAX else 2 * (k - 1) / k * nbytes
+            share = (sharing or {}).get(node, 1)
+            worst = max(worst, crossing * share / self.link_of(node).bandwidth)
+        rounds = 1 if k <= ALL_TO_ALL_MAX else 2 * (k - 1)
+        return worst + rounds * max(self.link_of(n).latency for n in by_node)
+
+    def round_seconds(self, groups: Sequence[Sequence[int]], nbytes: int) -> dict[tuple[int, ...], float]:
+        """Each group's exchange when all of `groups` run at once: groups that leave a node share its
+        link, groups inside a node share its `intra` link (a loopback is the node's memory and CPU)."""
+        crossing: dict[int, int] = {}
+        inside: dict[int, int] = {}
+        for group in groups:
+            nodes = {self.node_of(m) for m in group}
+            if len(group) < 2:
+                continue
+            counts = inside if len(nodes) == 1 else crossing
+            for node in nodes:
+                counts[node] = counts.get(node, 0) + 1
+        out = {}
+        for g in groups:
+            nodes = {self.node_of(m) for m in g}
+            share = inside.get(next(iter(nodes)), 1) if len(nodes) == 1 else 1
+            out[tuple(g)] = share * self.exchange_seconds(g, nbytes, crossing)
+        return out
 
     def random_group_seconds(self, world: int, size: int, nbytes: int) -> float:
         """Expected all-reduce time of a group of `size` drawn uniformly from `world` workers."""
@@ -134,6 +195,8 @@ class Prediction:
     #: extra seconds each synchronization point costs beyond a lock-step strategy's: a work-queue
     #: epoch ends when the queue runs dry, and every worker first finishes the step it is in
     sync_wait: float = 0.0
+    #: seconds each synchronization point spends averaging every replica (a world-wide all-reduce)
+    sync_seconds: float = 0.0
 
 
 def _ddp(
@@ -206,15 +269,45 @@ def _lagged_gossip(
     n = len(workers)
     finish = [0.0] * n
     costs: dict[tuple[int, ...], float] = {}
+    rounds: dict[int, dict[tuple[int, ...], float]] = {}
     for t in range(steps):
         previous = list(finish)
+        if cluster.node_links is not None and t % schedule.period not in rounds:  # groups share node links
+            rounds[t % schedule.period] = cluster.round_seconds([g.members for g in schedule.groups(t)], nbytes)
         for i, w in enumerate(workers):
             peers = schedule.group_of(i, t).members
-            if peers not in costs:
-                costs[peers] = cluster.allreduce_seconds(peers, nbytes)
-            ready = max(previous[j] for j in peers) + costs[peers]
+            if cluster.node_links is not None:
+                cost = rounds[t % schedule.period][peers]
+            else:
+                if peers not in costs:
+                    costs[peers] = cluster.allreduce_seconds(peers, nbytes)
+                cost = costs[peers]
+            ready = max(previous[j] for j in peers) + cost
             finish[i] = max(previous[i] + w.sample(rng, t, i), ready)
     return n * steps / max(finish)
+
+
+def _background(
+    workers: Sequence[ComputeProfile], cluster: Cluster, size: int, nbytes: int, steps: int, rng: random.Random
+) -> tuple[float, str, float]:
+    """Strategies whose exchanges run in a background thread, one at a time, skipped while one is in
+    flight (`core.overlap.BackgroundAverager`): no step waits for an exchange, so each worker runs
+    at its compute speed. What the links cost them is at a synchronization point, which first
+    drains the exchanges in flight: the expected remaining time of the slowest one, where a worker's
+    groups are `size` workers drawn at random (the remaining time of an exchange found in flight at a
+    random moment is its length's second moment over twice its mean)."""
+    throughput, method = _independent(workers, 0.0, steps, rng)
+    n = len(workers)
+    drain = 0.0
+    for rank in range(n):
+        lengths = []
+        for _ in range(64):
+            others = rng.sample([r for r in range(n) if r != rank], min(size, n) - 1)
+            lengths.append(cluster.exchange_seconds(sorted([rank, *others]), nbytes))
+        mean = sum(lengths) / len(lengths)
+        if mean > 0:
+            drain = max(drain, sum(x * x for x in lengths) / len(lengths) / (2 * mean))
+    return throughput, method, drain
 
 
 def predict(
@@ -229,6 +322,7 @@ def predict(
     topology: str = "ring",
     backward_fraction: float = 0.0,
     bucket_bytes: int = 25 * 2**20,
+    grouping: str = "random",
 ) -> list[Prediction]:
     """Predicted throughput of each strategy on this cluster (see the module docstring).
 
@@ -262,6 +356,16 @@ def predict(
             schedule = make_topology(topology, n, cluster.workers_per_node)
             throughput = _lagged_gossip(workers, schedule, cluster, model_bytes, steps, rng)
             method = "monte carlo"
+        elif name == "prague" and grouping == "static":
+            schedule = StaticPolicy(n, min(group_size, n), seed, cluster.workers_per_node).schedule  # as the strategy
+            throughput = _lagged_gossip(workers, schedule, cluster, model_bytes, steps, rng)
+            method = "monte carlo"
+        elif cluster.node_links is not None:
+            size = 2 if name == "adpsgd" else min(group_size, n)
+            throughput, method, drain = _background(workers, cluster, size, model_bytes, steps, rng)
+            if residual is None:
+                residual = _residual_wait(workers, random.Random(seed))
+            sync_wait = max(residual, drain)
         else:
             size = 2 if name == "adpsgd" else min(group_size, n)
             exchange = cluster.random_group_seconds(n, size, model_bytes)
@@ -269,7 +373,11 @@ def predict(
             if residual is None:
                 residual = _residual_wait(workers, random.Random(seed))
             sync_wait = residual
-        out.append(Prediction(name, throughput, n / throughput, limit, method, sync_wait))
+        # a synchronization point of a decentralized strategy averages every replica (`average_at_sync`)
+        sync_seconds = (
+            0.0 if name == "ddp" or cluster.node_links is None else cluster.exchange_seconds(everyone, model_bytes)
+        )
+        out.append(Prediction(name, throughput, n / throughput, limit, method, sync_wait, sync_seconds))
     return out
 
 

@@ -19,11 +19,11 @@ Built-in topologies (`make_topology(name, ...)`):
 - `alternating_exp_ring`: node-aware: workers sit on `M` nodes of `L = workers_per_node`
   consecutive ranks, and node pairs `(n, n + 2^i)` cycle through the `H = ceil(log2 M)` hops
   `1, 2, 4, ...` below `M` (a node whose partner would fall past the last node sits the crossing
-  out). With `L > 2` rounds are staggered: in each round half of a node's workers (a window of
-  `floor(L / 2)` local ranks that moves by one per round) average with the workers of the same
-  local rank on the partner node while the others average inside the node; the period is
-  `lcm(H, L)`. With `L <= 2` rounds alternate an exact node average with every worker crossing
-  (period `2 H`). On one node: the node average. See `alternating_exp_ring`.
+  out). With `L > 2` rounds are staggered: in each round one worker of each node (local rank
+  `t mod L`) averages with the worker of the same local rank on the partner node while the others
+  average inside the node; the period is `lcm(H, L)`. With `L <= 2` rounds alternate an exact
+  node average with every worker crossing (period `2 H`). On one node: the node average. See
+  `alternating_exp_ring`.
 - `static`: Prague's conflict-free static schedule for homogeneous clusters (`prague_static`).
 
 A user schedule (`schedule_from_spec`) is a list of rounds; a round is a list of groups; a
@@ -231,18 +231,25 @@ def _nodes(world_size: int, workers_per_node: int, name: str) -> int:
 
 
 def alternating_exp_ring(world_size: int, workers_per_node: int) -> Schedule:
-    """Node-aware exponential ring, staggered: half of each node's workers use the inter-node
-    link at a time while the other half average inside the node.
+    """Node-aware exponential ring, staggered: one worker of each node uses the inter-node link at
+    a time while the others average inside the node.
 
     With `L` workers per node and `M` nodes, round `t` uses the hop `h = 2^(t mod H)`
-    (`H` hops `1, 2, 4, ...` below `M`) and a window of `floor(L / 2)` consecutive local
-    ranks starting at `t mod L` (cyclically): each worker in the window averages with the worker
-    of the same local rank on the partner node (node pairs `(n, n + h)` as in
-    `_pairs_at_hop`), and the workers outside it average together inside their node. The
-    window moves by one local rank per round, so the halves overlap from round to round and every
-    worker mixes with its whole node; the period is `lcm(H, L)`. With `L <= 2` the halves
-    could never meet inside a node, so rounds alternate an exact node average with every worker
-    crossing (unstaggered); on one node, the node average alone.
+    (`H` hops `1, 2, 4, ...` below `M`) and the local rank `t mod L`: that worker averages with
+    the worker of the same local rank on the partner node (node pairs `(n, n + h)` as in
+    `_pairs_at_hop`), and the node's other workers average together inside it. The crossing local
+    rank moves by one per round, so every worker crosses once every `L` rounds and mixes with its
+    whole node in the others; the period is `lcm(H, L)`.
+
+    Why one at a time: the workers of a node share its link, so `k` of them crossing in one round
+    make that round cost `k` models over the link. With one, every round sends exactly one model
+    each way over each node's link, which overlaps a step's compute where the ring's crossing
+    rounds send two at once (its pairs `(L - 1, L)` and `(N - 1, 0)` on two nodes; on more, one
+    per neighbouring node) and its other rounds none: measured on an emulated cluster of 2 nodes x
+    4 workers, half of the workers crossing at a time was slower than the ring, one at a time
+    faster (docs/multi_node.md). With `L <= 2` the crossing worker would leave no node average
+    to mix it with, so rounds alternate an exact node average with every worker crossing
+    (unstaggered); on one node, the node average alone.
     """
     nodes = _nodes(world_size, workers_per_node, "alternating_exp_ring")
     per = workers_per_node
@@ -265,9 +272,8 @@ def alternating_exp_ring(world_size: int, workers_per_node: int) -> Schedule:
         for hop in hops:
             rounds += [whole_nodes, crossing(list(range(per)), hop)]
         return Schedule(world_size, rounds, "alternating_exp_ring")
-    width = per // 2  # the staying half keeps at least 2, so consecutive halves overlap
     for t in range(math.lcm(len(hops), per)):
-        window = [(t + k) % per for k in range(width)]
+        window = [t % per]
         staying = [local for local in range(per) if local not in window]
         groups = [WeightedGroup.uniform([n * per + local for local in staying]) for n in range(nodes)]
         rounds.append(groups + crossing(window, hops[t % len(hops)]))

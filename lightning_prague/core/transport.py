@@ -50,10 +50,32 @@ def encode_line(message: Message) -> bytes:
     return json.dumps(message, separators=(",", ":")).encode() + b"\n"
 
 
+#: Linux's ``TCP_RTO_MAX_MS`` socket option (kernel 6.15 and newer; not in Python's `socket` module yet)
+TCP_RTO_MAX_MS = 44
+#: the longest retransmission timeout of a control-plane connection, milliseconds (the kernel's default
+#: is 120 s): after a network partition heals, the connection carries messages again within about
+#: this long, instead of waiting for a retransmission backed off to about the partition's own length
+RTO_MAX_MS = 1000
+#: how long a control-plane connection may carry unacknowledged data before the kernel gives it up,
+#: milliseconds: about what the kernel's default retries (`tcp_retries2`) allow with its default backoff
+USER_TIMEOUT_MS = 15 * 60 * 1000
+
+
 def _nodelay(sock: socket.socket) -> None:
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except OSError:  # not a TCP socket (e.g. a socketpair): nothing to tune
+        return
+    try:  # best effort: older kernels and other systems keep their default backoff
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, RTO_MAX_MS)
+    except OSError:
+        return
+    # with retransmissions a second apart the kernel would give a silent connection up after its 15
+    # retries, about 15 s: keep it for as long as with the default backoff, so that a partition ends
+    # a worker by the hang rule (its bound may be longer), never by a broken connection
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
+    except (OSError, AttributeError):
         pass
 
 
@@ -335,6 +357,9 @@ class MessageLink:
         self._queue: queue.Queue[Message | None] = queue.Queue()
         self.sent = 0
         self.received = 0
+        #: `time.monotonic()` when data last came from the server (the connection's start, at first):
+        #: how a worker tells that it is cut off from the control plane (`lightning_prague.core.control`)
+        self.last_received = time.monotonic()
         self.closed = False
         self.close_error: str | None = None
         #: the server's own error, if it failed (it said so before it closed the connection)
@@ -342,6 +367,13 @@ class MessageLink:
         self.send({"op": HELLO, "rank": rank})
         self._reader = threading.Thread(target=self._read_forever, name=f"prague-control-{rank}", daemon=True)
         self._reader.start()
+
+    def local_address(self) -> str | None:
+        """The address this connection leaves from (what the server sees as this process's)."""
+        try:
+            return str(self._sock.getsockname()[0])
+        except OSError:
+            return None
 
     def send(self, message: Message) -> None:
         line = encode_line(message)
@@ -364,6 +396,7 @@ class MessageLink:
                 data, error = b"", f" ({err})"
             if not data:
                 break
+            self.last_received = time.monotonic()
             buffer += data
             end = buffer.rfind(b"\n")
             if end < 0:

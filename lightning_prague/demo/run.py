@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--hidden", type=int, default=64, help="width of the model's two hidden layers")
     parser.add_argument("--limit-train-batches", type=int, help="training batches per worker and epoch")
     parser.add_argument("--step-time", type=float, default=0.05, help="simulated compute time per step (s)")
     parser.add_argument("--profile", default="straggler", choices=list(PROFILES))
@@ -73,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--hang-timeout", type=float, default=10.0, help="shortest time without progress before a worker is hung (s)"
     )
     parser.add_argument(
+        "--hang-factor", type=float, default=20.0, help="a worker is hung after this many times its step time (or more)"
+    )
+    parser.add_argument(
         "--fault",
         action="append",
         default=[],
@@ -98,6 +102,7 @@ def build_strategy(args: argparse.Namespace) -> Any:
         "start_method": args.start_method,
         "min_workers": args.min_workers,
         "hang_timeout": args.hang_timeout,
+        "hang_factor": args.hang_factor,
     }
     if args.strategy in ("prague", "partial_all_reduce"):
         return lightning_prague.PartialAllReduceStrategy(group_size=args.group_size, grouping=args.grouping, **shared)
@@ -155,15 +160,22 @@ class RunReport(L.Callback):
         )
 
 
-def time_allreduce(module: torch.nn.Module, repeats: int = 20) -> float:
+def time_allreduce(module: torch.nn.Module, repeats: int = 20, budget: float = 2.0) -> float:
     """Seconds one all-reduce of all of `module`'s parameters takes across the world, on this machine:
-    the exchange DDP does every step (the bench calibrates its runtime model with it)."""
+    the exchange DDP does every step (the bench calibrates its runtime model with it). At most
+    `repeats` of them, fewer when the first shows they would take longer than about `budget`
+    seconds (a slow link); every rank runs the same number, agreed on with the slowest first one."""
     flat = torch.zeros(sum(p.numel() for p in module.parameters()), device=next(module.parameters()).device)
     torch.distributed.barrier()
     start = time.perf_counter()
-    for _ in range(repeats):
+    torch.distributed.all_reduce(flat)
+    first = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=flat.device)
+    torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MAX)
+    more = min(repeats - 1, int(budget / max(float(first), 1e-9)))
+    start = time.perf_counter()
+    for _ in range(more):
         torch.distributed.all_reduce(flat)
-    return (time.perf_counter() - start) / repeats
+    return (time.perf_counter() - start) / more if more > 0 else float(first)
 
 
 def build(
@@ -222,6 +234,7 @@ def build(
         num_sanity_val_steps=0,
     )
     model = DigitsClassifier(
+        hidden=args.hidden,
         lr=args.lr,
         optimizer=args.optimizer,
         accum_steps=args.accum_steps,

@@ -396,6 +396,7 @@ class DecentralizedStrategy(DDPStrategy):
             hang=self.hang_rule,
             min_workers=self.min_workers,
             sync_timeout=self.sync_timeout,
+            avoid_busy=getattr(self, "avoid_busy", False),
         )
         return SessionPlan(
             config, self.make_exchanger, self.operation_timeout, int(self.bucket_mb * 2**20), self.sync_timeout

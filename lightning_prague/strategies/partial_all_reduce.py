@@ -43,6 +43,11 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
             sampler (equal shards, step-based settings allowed), as `decent_adam` does.
         avoid_stragglers: leave workers that lag far behind out of other workers' groups (they
             still average through the groups they ask for); see `GroupGenerator.lagging`.
+        avoid_busy: draw into a worker's group only workers that are not in an unfinished group
+            already (`random` and `division` grouping; see `GroupGenerator.is_busy`): a worker on a
+            slow link then holds up only the group it is in, never a queue of groups behind it, and a
+            synchronization point drains at most one exchange per worker. `False`: Prague's Group
+            Generator as in the paper, which draws from every worker.
         overlap: run each group exchange on a snapshot in a background thread and fold the result
             in at the next step (no worker ever blocks on its group); `False` blocks the training
             thread until the group is averaged, as in the paper.
@@ -59,6 +64,7 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         grouping: Grouping = "random",
         avoid_stragglers: bool = True,
         overlap: bool = True,
+        avoid_busy: bool = True,
         **kwargs: Any,
     ) -> None:
         check_group_size(group_size)
@@ -72,6 +78,9 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         self.grouping = grouping
         self.avoid_stragglers = avoid_stragglers
         self.overlap = overlap
+        # only where the requester's group is drawn from everyone (random, division); a blocking
+        # exchange finishes before the next request anyway, but a busy member still stalls the group
+        self.avoid_busy = avoid_busy and grouping in ("random", "division")
         if grouping == "static":
             # lock-step rounds: a work queue could not let fast workers take more batches
             self.shards_by_work_queue = False
