@@ -179,19 +179,19 @@ def worker_profiles(profile: str, args: argparse.Namespace, overhead: float = 0.
 
 
 def summarize(strategy: str, profile: str, result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    limit = sum(result["batch_size"] / w.mean for w in worker_profiles(profile, args))
+    return {"strategy": strategy, "profile": profile, **measured(result, args.target_acc), "limit": limit}
+
+
+def measured(result: dict[str, Any], target_acc: float) -> dict[str, Any]:
+    """The columns of a bench row read from one run's result (`lightning_prague.demo.run`)."""
     seconds = result["train_seconds"]
     samples = result["samples_per_epoch"] * result["epochs_run"]
-    reached = [t for t, acc in result["timeline"] if acc >= args.target_acc]
-    timings = result.get("worker_timings", [])
-    waits = [t["wait_seconds"] / seconds for t in timings if seconds > 0]
+    reached = [t for t, acc in result["timeline"] if acc >= target_acc]
+    waits = [t["wait_seconds"] / seconds for t in result.get("worker_timings", []) if seconds > 0]
     errors = result.get("consensus_error") or [0.0]
-    batch = result["batch_size"]
-    limit = sum(batch / w.mean for w in worker_profiles(profile, args))
     return {
-        "strategy": strategy,
-        "profile": profile,
         "throughput": samples / seconds,
-        "limit": limit,
         "time_to_target": reached[0] if reached else None,
         "final_acc": result["val_acc"],
         "consensus_error": errors[-1],

@@ -318,28 +318,14 @@ def run_on_cluster(
 
 
 def summarize(label: str, profile: ClusterProfile, result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    seconds = result["train_seconds"]
-    samples = result["samples_per_epoch"] * result["epochs_run"]
-    reached = [t for t, acc in result["timeline"] if acc >= args.target_acc]
-    timings = result.get("worker_timings", [])
-    waits = [t["wait_seconds"] / seconds for t in timings if seconds > 0]
-    errors = result.get("consensus_error") or [0.0]
-    per_worker = result["batches_per_worker"]
+    from lightning_prague.bench import measured
+
     return {
         "strategy": label,
         "profile": profile.name,
-        "throughput": samples / seconds,
+        **measured(result, args.target_acc),
         "limit": profile.world * result["batch_size"] / profile.step_time,
-        "time_to_target": reached[0] if reached else None,
-        "final_acc": result["val_acc"],
-        "consensus_error": errors[-1],
-        "sync_fraction": sum(waits) / len(waits) if waits else 0.0,
-        "train_seconds": seconds,
-        "step_seconds": result["step_seconds"],
-        "batches": sum(per_worker),
-        "batches_per_worker": per_worker,
-        "timeline": result["timeline"],
-        "measured_allreduce_seconds": result.get("allreduce_seconds"),
+        "batches_per_worker": result["batches_per_worker"],
         "batch_size": result["batch_size"],
     }
 

@@ -111,6 +111,17 @@ def _shaped_views(flat: torch.Tensor, bucket: Sequence[torch.Tensor]) -> list[to
     return views
 
 
+def _accumulators(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An average's running results on `device`: whether every bucket's sum was complete, and the
+    squared distance and norm of its group error (tensors: no host synchronisation)."""
+    applied = torch.ones((), dtype=torch.bool, device=device)
+    return (
+        applied,
+        torch.zeros((), dtype=torch.float64, device=device),
+        torch.zeros((), dtype=torch.float64, device=device),
+    )
+
+
 def gated_relative_error(distance: torch.Tensor, norm: torch.Tensor, applied: torch.Tensor) -> torch.Tensor:
     """The relative error of an average, 0 where it was not applied (its sums hold NaN)."""
     return torch.where(applied, relative_error(distance, norm), torch.zeros_like(distance))
@@ -140,9 +151,7 @@ def average_(
     """
     scale = 1.0 / len(members) if weight is None else weight
     sums = sums if sums is not None else FlatBuffers(tensors)
-    applied = torch.ones((), dtype=torch.bool, device=tensors.device)
-    distance = torch.zeros((), dtype=torch.float64, device=tensors.device)
-    norm = torch.zeros((), dtype=torch.float64, device=tensors.device)
+    applied, distance, norm = _accumulators(tensors.device)
     for flat, views, bucket in zip(sums.flats, sums.views, tensors.buckets):
         torch._foreach_copy_(views, bucket)
         flat.mul_(scale)
@@ -174,10 +183,7 @@ def average_difference_(
     `(error, applied)` as `average_` does.
     """
     scale = 1.0 / len(members) if weight is None else weight
-    device = snapshot.live.device
-    applied = torch.ones((), dtype=torch.bool, device=device)
-    distance = torch.zeros((), dtype=torch.float64, device=device)
-    norm = torch.zeros((), dtype=torch.float64, device=device)
+    applied, distance, norm = _accumulators(snapshot.live.device)
     for mine, total in zip(snapshot.flats, out.flats):
         torch.mul(mine, scale, out=total)
         comm.sum_(total, members, operation)
@@ -212,10 +218,7 @@ def average_chained_(
     `average_` does (`applied`: every bucket was).
     """
     scale = 1.0 / len(members) if weight is None else weight
-    device = snapshot.live.device
-    applied = torch.ones((), dtype=torch.bool, device=device)
-    distance = torch.zeros((), dtype=torch.float64, device=device)
-    norm = torch.zeros((), dtype=torch.float64, device=device)
+    applied, distance, norm = _accumulators(snapshot.live.device)
     for mine, total_change in zip(snapshot.flats, change.flats):
         key = (mine.dtype, mine.device)
         if key not in scratch or scratch[key].numel() < mine.numel():
