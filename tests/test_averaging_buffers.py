@@ -4,9 +4,11 @@ members' known shares, and whose chosen call fails as a lost member's would (NaN
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
+from helpers import SCRIPTS
 
 from lightning_prague.core import norms
 from lightning_prague.core.averaging import (
@@ -18,6 +20,9 @@ from lightning_prague.core.averaging import (
 )
 from lightning_prague.core.groups import sum_is_complete
 from lightning_prague.core.norms import squared_distance, squared_norm
+
+sys.path.insert(0, str(SCRIPTS))
+import peak_memory  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -174,10 +179,8 @@ def test_a_sum_is_complete_unless_an_element_is_nan_or_infinite(monkeypatch):
 
 
 def largest_allocation(work) -> int:
-    """The largest single allocation `work()` makes in this thread (the profiler's record)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        work()
-    return max((e.cpu_memory_usage for e in prof.events()), default=0)
+    """The largest storage `work()` allocates in this thread (scripts/peak_memory.py)."""
+    return peak_memory.largest_allocation(work)[0]
 
 
 def test_a_step_of_snapshot_averages_allocates_nothing_the_size_of_a_bucket(monkeypatch):

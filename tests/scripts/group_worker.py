@@ -20,10 +20,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
 
 from lightning_prague.core import BucketedTensors, GroupComm, average_, communicator_count, groups, norms
 from lightning_prague.core.averaging import SnapshotAverages
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peak_memory import largest_allocation  # noqa: E402
 
 #: the snapshot test: a model of two buckets of 100,000 floats (400 KB each), sent in 16 KB pieces
 PIECE, BUCKET, SNAPSHOT_MEMBERS = 16 << 10, 100_000, (0, 1, 2)
@@ -35,25 +37,33 @@ def snapshot_model(rank: int) -> list[torch.Tensor]:
 
 
 def snapshot_steps(rank: int, comm: GroupComm) -> dict:
-    """Three steps of a background exchange's buffers; the third under the profiler."""
+    """Three steps of a background exchange's buffers (an average and a chained one each); the largest
+    storage the third allocates."""
     groups.ALL_TO_ALL_CHUNK_BYTES, norms.NORM_CHUNK = PIECE, 2048
     model = snapshot_model(rank)
     averages = SnapshotAverages(BucketedTensors(model, bucket_bytes=BUCKET * 4))
 
-    def step() -> None:
+    def step(chained: bool = True) -> None:
         averages.apply()
         averages.take()
         averages.average(comm, SNAPSHOT_MEMBERS, None, "snapshot average")
+        if chained:
+            averages.average(comm, SNAPSHOT_MEMBERS, None, "a chained snapshot average")
 
     step()
     step()
-    for t, fresh in zip(model, snapshot_model(rank)):  # known values for the third step
+    largest, where = largest_allocation(step)
+    for t, fresh in zip(model, snapshot_model(rank)):  # known values for a last step
         t.copy_(fresh)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
+    averages.apply()
+    step(chained=False)
     averaged = [(s + c).tolist() for s, c in zip(averages.snapshot.flats, averages.change.flats)]
-    return {"largest_allocation": largest, "averaged": averaged, "change": [c.tolist() for c in averages.change.flats]}
+    return {
+        "largest_allocation": largest,
+        "allocated_by": where,
+        "averaged": averaged,
+        "change": [c.tolist() for c in averages.change.flats],
+    }
 
 
 def start(rank: int) -> list[torch.Tensor]:
