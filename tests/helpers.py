@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import json
 import multiprocessing
 import os
@@ -71,6 +73,9 @@ def _run_script_in_child(script: Path, argv: list[str], environ: dict[str, str],
         os.dup2(out.fileno(), 2)
     _write_to_the_log()
     _warnings_to_stderr()
+    faulthandler.enable()  # a crash of a forked rank leaves its stacks in its log
+    if "torch" in sys.modules:  # the parent's OpenMP threads do not exist here: one compute thread
+        sys.modules["torch"].set_num_threads(1)
     os.environ.clear()
     os.environ.update(environ)
     sys.argv = [str(script), *argv]
@@ -85,6 +90,19 @@ def _run_script_in_child(script: Path, argv: list[str], environ: dict[str, str],
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # never run the test process's exit handlers in a child
+
+
+def _start_forked(procs: list[multiprocessing.process.BaseProcess]) -> None:
+    """Fork `procs` with every object of the test process frozen: a child's garbage collector never
+    finalises what earlier tests left behind (a finaliser of a process group or thread that only the
+    parent has crashed a forked rank with SIGSEGV in the full suite)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        gc.unfreeze()
 
 
 def run_core_ranks(
@@ -117,8 +135,7 @@ def run_core_ranks(
         )
         for r in range(world)
     ]
-    for p in procs:
-        p.start()
+    _start_forked(procs)
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
@@ -247,8 +264,7 @@ def run_external_ranks(
         )
         for r in range(world)
     ]
-    for p in procs:
-        p.start()
+    _start_forked(procs)
     deadline = time.monotonic() + timeout
     codes: list[int | None] = []
     for p in procs:

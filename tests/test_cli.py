@@ -225,6 +225,17 @@ def test_example_configs_parse(config):
     assert graph is None  # no config assumes a number of workers
 
 
+def test_a_printed_config_parses_again_and_holds_no_removed_option(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        parse("--config", str(CONFIGS / "prague_digits.yaml"), "--print_config")
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "sync_every:" in printed and "max_groups" not in printed
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(printed)
+    assert isinstance(parse("--config", str(saved)).trainer.strategy, PartialAllReduceStrategy)
+
+
 def test_help_lists_every_subcommand_and_version(capsys):
     main(["--help"])
     text = capsys.readouterr().out

@@ -109,9 +109,9 @@ def test_decent_adam_is_registered_and_allows_step_based_settings():
     assert trainer.strategy.topology == "ring" and not trainer.strategy.shards_by_work_queue
 
 
-def test_max_groups_is_deprecated_and_says_why():
-    with pytest.warns(FutureWarning, match="max_groups is deprecated and has no effect"):
-        PartialAllReduceStrategy(max_groups=64)
+def test_max_groups_deprecated_in_0_1_is_gone():
+    with pytest.raises(TypeError, match="max_groups"):
+        PartialAllReduceStrategy(max_groups=64)  # type: ignore[call-arg]
 
 
 def test_the_command_lists_every_subcommand_and_its_version(capsys):

@@ -166,7 +166,6 @@ class DecentralizedStrategy(DDPStrategy):
         seed: int = 0,
         timeout: float = 300.0,
         average_at_sync: bool = True,
-        max_groups: Optional[int] = None,
         bucket_mb: float = 25.0,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -198,8 +197,6 @@ class DecentralizedStrategy(DDPStrategy):
                 timeout (the process group's, beyond `sync_timeout`).
             average_at_sync: average all replicas at synchronization points (validation, epoch
                 end, end of fit) so that they see one consensus model.
-            max_groups: deprecated and ignored: groups no longer have communicators of their own
-                (every group runs on the world process group), so there is nothing to bound.
             bucket_mb: size of the flat buffers averaged in one collective.
             accelerator: Lightning's; the Trainer sets it from its `accelerator`, leave it unset.
             parallel_devices: Lightning's; the Trainer sets it from its `devices`, leave it unset.
@@ -256,13 +253,6 @@ class DecentralizedStrategy(DDPStrategy):
             raise ConfigurationError(
                 f"sync_timeout={sync_timeout} is shorter than timeout={timeout}: a synchronization point contains "
                 "operations, so its bound must be at least one operation's"
-            )
-        if max_groups is not None:
-            warnings.warn(
-                "max_groups is deprecated and has no effect: groups run point-to-point on the world process group "
-                "and no longer create communicators; remove the option",
-                FutureWarning,  # shown by default: it is meant for the user who set the option
-                stacklevel=2,
             )
         super().__init__(
             accelerator=accelerator,

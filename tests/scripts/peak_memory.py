@@ -2,9 +2,9 @@
 
 `largest_allocation(work)` runs `work` under a `TorchDispatchMode` that looks at every operation's
 outputs and records the size of each storage that none of its inputs held: the temporaries and new
-tensors it makes, however glibc or the caching allocator then places them. Used in place of the
-profiler (not safe in a process forked from one that used it) and of resident memory (a forked
-child reuses its parent's free heap without touching new pages). The calling thread only.
+tensors it makes, however glibc or the caching allocator then places them. Used in place of
+resident memory (a forked child reuses its parent's free heap without touching new pages) and of
+the profiler (a dependency on its event format for one number). The calling thread only.
 """
 
 from __future__ import annotations
