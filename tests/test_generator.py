@@ -102,6 +102,7 @@ def test_stop_releases_everyone_only_after_all_arrive_at_the_stop_point():
         "speeds": [0.0] * 3,
         "pending": [],
         "members": [0, 1, 2],
+        "complete": True,
     }
     assert all(out[r] == [release] for r in range(3))
     # requests after a stop are answered without a group
@@ -198,6 +199,22 @@ def test_a_leaving_worker_is_withdrawn_and_the_others_go_on_without_it():
     assert generator.handle({"op": "ready", "rank": 1, "req": 5, "version": 0}) == {
         1: [{"t": "answer", "req": 5, "gid": None}]
     }
+
+
+def test_a_commit_meeting_says_complete_only_if_no_live_rank_reported_an_incomplete_sum():
+    generator = GroupGenerator(3, make_policy("random", 3, 2))
+    generator.handle({"op": "arrive", "rank": 0, "sync": "end/commit"})
+    generator.handle({"op": "arrive", "rank": 1, "sync": "end/commit", "incomplete": True})
+    out = generator.handle({"op": "arrive", "rank": 2, "sync": "end/commit"})
+    assert [out[r][0]["complete"] for r in range(3)] == [False] * 3  # one decision for every rank
+    # the next meeting starts afresh; an incomplete report of a rank that then departs does not count
+    generator.handle({"op": "arrive", "rank": 1, "sync": "again/commit", "incomplete": True})
+    generator.handle({"op": "arrive", "rank": 0, "sync": "again/commit"})
+    out = {}
+    generator.depart(1, out)
+    assert out == {}  # rank 2 has not arrived yet
+    out = generator.handle({"op": "arrive", "rank": 2, "sync": "again/commit"})
+    assert out[0][0]["complete"] is True and out[0][0]["members"] == [0, 2]
 
 
 def test_a_departure_releases_a_meeting_that_waited_for_it_and_below_min_workers_the_job_stops():

@@ -65,3 +65,21 @@ def test_the_survivors_sums_afterwards_are_exact(runs):
                 torch.testing.assert_close(torch.tensor(runs[r]["cases"][index]["after"], dtype=torch.float64), mean)
         for r in survivors:
             state[r] = torch.tensor(runs[r]["cases"][index]["after"], dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def global_average_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lost_global")
+    return run_core_ranks(tmp, 4, "3", script="global_average_fault.py", timeout=90, may_die=(3,))
+
+
+def test_a_member_dying_mid_send_of_the_global_average_leaves_the_survivors_agreeing(global_average_runs):
+    """Rank 3 reaches rank 0 with its share and dies before the others get theirs: rank 0's sum is
+    complete, 1's and 2's are not. The control plane's decision makes every survivor drop the first
+    average alike, meet again without rank 3 and take the second: the mean of ranks 0-2."""
+    survivors = [r for r in global_average_runs if r]
+    assert [r["rank"] for r in survivors] == [0, 1, 2]
+    for result in survivors:
+        assert result["members"] == [0, 1, 2]
+        assert result["attempts"] == 2, f"rank {result['rank']} took an average the others dropped"
+        assert result["params"] == [1.0] * 64

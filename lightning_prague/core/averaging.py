@@ -7,7 +7,7 @@ most `bucket_bytes` (grouped by dtype and device) keeps it to a handful per aver
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -134,6 +134,7 @@ def average_(
     weight: float | None = None,
     operation: str = "average",
     sums: FlatBuffers | None = None,
+    decide: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: every member's tensors become the (weighted) average over `members`, or, if a
     member disappeared during it, stay as they were (all-or-nothing: no member keeps a partial sum).
@@ -148,6 +149,11 @@ def average_(
     average was complete and taken. Every bucket is summed before any is written back, so the
     decision covers the whole model: `sums` (allocated for the call if not given) holds the sums,
     one copy of the tensors. The members end with bitwise the same tensors.
+
+    A member that dies part-way through its sends can leave one member's sum complete and
+    another's not. `decide`, given this member's completeness, returns whether to apply, the same
+    on every member (a decision taken elsewhere, e.g. by the control plane) before anything is
+    written back; without it each member applies its own complete sum.
     """
     scale = 1.0 / len(members) if weight is None else weight
     sums = sums if sums is not None else FlatBuffers(tensors)
@@ -159,6 +165,8 @@ def average_(
         bucket_norm = squared_norm(flat)  # non-finite if the sum is incomplete (NaN): `sum_is_complete`
         applied &= torch.isfinite(bucket_norm)
         norm += bucket_norm
+    if decide is not None:
+        applied = decide(applied)
     for views, bucket in zip(sums.views, tensors.buckets):
         for t, avg in zip(bucket, views):
             distance += squared_distance(t, avg)

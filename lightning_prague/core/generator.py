@@ -24,7 +24,9 @@ Inbox items (plain dicts, JSON-serialisable):
   seconds per batch and `pending`: the work-queue chunks every rank holds untrained, as they
   reported them with `arrive`; `final`
   (gossip on a fixed schedule only): the round every rank runs its gossip to before the meeting
-  ends (see `Gossip phases` below); `members`: the workers still in the job (see `Membership`).
+  ends (see `Gossip phases` below); `members`: the workers still in the job (see `Membership`);
+  `complete`: no live worker arrived reporting `incomplete` (the global average's commit meeting,
+  `<sync>/commit`: see `Membership`).
 - `{"t": "idle"}`: the gossip phase switched to idle rounds (see below).
 - `{"t": "left"}`: the answer to `leave` (a worker shutting down after an error): nothing more will
   name it.
@@ -54,9 +56,13 @@ picks from the live workers only, so a group of the policy's that contained it b
 of its other members (skipped if one is left), each averaging with the plain mean over the members
 present, which keeps every round's mixing doubly stochastic. Its pending request is withdrawn,
 meetings wait for the live workers only, and the next release names the live `members`, so every
-survivor changes its membership at the same point of its sequence of exchanges (groups issued
-before the departure that contain it fail on every member alike, see
-`lightning_prague.core.groups`). `min_workers`: when fewer remain, the job is asked to stop (the
+survivor changes its membership at the same point of its sequence of exchanges. A group sum
+with a member that died fails on every other member alike if it had posted nothing (see
+`lightning_prague.core.groups`); one that died part-way through its sends may have reached some
+members and not others, so their sums can differ in completeness. Each then keeps its own tensors
+or takes the complete average, never a partial one; where the members must agree, the global
+average of a synchronization point, they report their completeness at one more meeting and all
+apply it only if the release says `complete`. `min_workers`: when fewer remain, the job is asked to stop (the
 `"request"` stop: every rank ends its epoch, and the next release says stop).
 
 The cost of a message does not grow with the number of workers: the set of workers that may be
@@ -135,6 +141,7 @@ class GroupGenerator:
         self._speeds: list[float] = [0.0] * world_size  # seconds per batch, as reported with `arrive`
         self._untrained: dict[int, list[int]] = {}
         self._rounds: dict[int, int] = {}  # gossip rounds reported with `arrive`, this meeting
+        self._incomplete: set[int] = set()  # ranks whose last collective was incomplete, this meeting
         self._settling = False  # this meeting settles a gossip phase's final round (see above)
         self._idle = False  # this meeting's gossip phase switched to idle rounds
         #: groups shared by a round (static, buffer): (round, members) -> [gid, members yet to ask for it]
@@ -170,6 +177,8 @@ class GroupGenerator:
                 self._speeds[rank] = float(message["speed"])
             if "untrained" in message:
                 self._untrained[rank] = [int(c) for c in message["untrained"]]
+            if message.get("incomplete"):
+                self._incomplete.add(rank)
             if "round" in message:
                 self._rounds[rank] = int(message["round"])
                 self._settling = bool(message.get("settle"))
@@ -385,6 +394,8 @@ class GroupGenerator:
                 "speeds": list(self._speeds),
                 "pending": sorted(c for chunks in self._untrained.values() for c in chunks),
                 "members": list(self.live),
+                # every live rank completed the collective this meeting decides on (`GroupWorker.global_average`)
+                "complete": not self._incomplete,
             }
             if self._rounds:
                 rounds = set(self._rounds.values())
@@ -410,6 +421,7 @@ class GroupGenerator:
         self.parked.clear()
         self._untrained = {}
         self._rounds = {}
+        self._incomplete = set()
         self._settling = False
         self._idle = False
         self.rounds = [0] * self.world_size
@@ -441,6 +453,7 @@ class GroupGenerator:
         self.parked.pop(rank, None)
         self._untrained.pop(rank, None)
         self._rounds.pop(rank, None)
+        self._incomplete.discard(rank)  # the survivors' completeness decides
         self._lagging.discard(rank)
         self._changed()
         if len(self.live) < self.min_workers:

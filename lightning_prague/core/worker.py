@@ -359,6 +359,22 @@ class GroupWorker:
                     report = {**report, **exchanger.meeting_report()}
                 self._send("arrive", sync=target, **report)
 
+    def _agreed(self, complete: torch.Tensor) -> torch.Tensor:
+        """Whether every live member's sum of the global average is complete, as the control plane
+        decides from their reports at one more meeting (`<sync>/commit`); the first release stays
+        this worker's `release`, with the members named by the second."""
+        first, version = self.release or {}, self.released_version
+        name = f"{first.get('sync', STOP_SYNC)}/commit"
+        mine = bool(complete)  # a synchronization point: reading one flag on the host is its cost
+        with self.session.beacon.waiting():
+            self._meet(name, time.monotonic(), None, {} if mine else {"incomplete": True})
+        decided = self.release or {}
+        agreed = bool(decided.get("complete", mine))
+        self.release = {**first, "members": decided.get("members", first.get("members"))}
+        self.released_version = version
+        log.debug("rank %d: global average at %r: complete here %s, on every member %s", self.rank, name, mine, agreed)
+        return torch.full_like(complete, agreed)
+
     def settle_rounds(self, issued: int) -> int:
         """The final round of a gossip phase whose release said `settle`: every rank meets once more,
         reporting the rounds it has `issued`, and gets the largest (see `GroupGenerator`). The
@@ -480,22 +496,25 @@ class GroupWorker:
         """Average over all live ranks; call only right after `synchronize` returned.
 
         Returns False, on every member alike, if a member was lost during it (every member kept its
-        tensors): meet again (the release leaves the lost member out) and average again. A sum that
-        is incomplete while nobody left means the replicas hold non-finite values: an error.
+        tensors): meet again (the release leaves the lost member out) and average again. The
+        members' completeness is decided at the control plane before anything is written back (a
+        member that dies part-way through its sends can leave one survivor's sum complete and
+        another's not). A sum that is incomplete while nobody left means the replicas hold
+        non-finite values: an error.
         """
         try:
-            _, applied = self.average_live(self.comm, self.comm.everyone, None, "global average")
+            _, applied = average_(
+                self.tensors, self.comm, self.comm.everyone, operation="global average", sums=self.spare(),
+                decide=self._agreed,
+            )  # fmt: skip
         except CoordinationTimeout as err:
             raise self.session.explain(err, "the global average") from err
         if bool(applied):
             return True
-        deadline = time.monotonic() + min(self.timeout, 30.0)
-        while not set(self.session.departed) & set(self.comm.everyone):  # the notice may trail the failure
-            if time.monotonic() > deadline:
-                raise SyncMismatchError(
-                    f"rank {self.rank}: the global average over ranks {list(self.comm.everyone)} was not finite "
-                    "although no rank left: a replica holds NaN or infinite values (training diverged?)"
-                )
-            time.sleep(0.01)
+        if set((self.release or {}).get("members", self.comm.everyone)) >= set(self.comm.everyone):
+            raise SyncMismatchError(
+                f"rank {self.rank}: the global average over ranks {list(self.comm.everyone)} was not finite "
+                "although no rank left: a replica holds NaN or infinite values (training diverged?)"
+            )
         log.warning("rank %d: a rank was lost during the global average; meeting again without it", self.rank)
         return False

@@ -1,0 +1,53 @@
+"""One rank of a global average during which a member dies part-way through its sends (gloo).
+
+Usage: global_average_fault.py RANK WORLD PORT OUT_JSON DIES
+
+Every rank holds a tensor of its rank's value and meets at a synchronization point; rank DIES
+then sends its first message of the global average's all-to-all (to the lowest other rank, whose
+sum is then complete while the others' are not) and SIGKILLs itself. The survivors average again
+until one average is taken, as a strategy does at a synchronization point, and write their tensor,
+their members and how many averages they tried.
+"""
+
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from lightning_prague.core import BucketedTensors, GroupComm, GroupWorker, SessionConfig, init_job, make_policy
+
+
+def die_after_the_first_send(comm: GroupComm) -> None:
+    def post(ops):  # the all-to-all's first piece: a send to each peer, a receive from each
+        first = next(op for op in ops if op.op is dist.isend)
+        first.op(first.tensor, first.peer, first.group).wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    comm._post = post
+
+
+def main() -> None:
+    rank, world, port, out, dies = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    job = init_job(rank, world, "gloo", timeout=60)
+    session = job.open_session(SessionConfig(world, make_policy("random", world, 2, seed=1)))
+    params = torch.full((64,), float(rank), dtype=torch.float64)
+    worker = GroupWorker(session, BucketedTensors([params]), timeout=30)
+    worker.synchronize("end")
+    if rank == dies:
+        die_after_the_first_send(worker.comm)
+    attempts = 1
+    while not worker.global_average():
+        worker.synchronize("end/again")
+        attempts += 1
+    result = {"rank": rank, "params": params.tolist(), "members": list(worker.members), "attempts": attempts}
+    worker.close()
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
