@@ -6,6 +6,7 @@
 
 from lightning_prague.core.errors import (
     ConfigurationError,
+    ControlPlaneError,
     CoordinationTimeout,
     MemberLost,
     PragueError,
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ADPSGDStrategy",
     "ConfigurationError",
+    "ControlPlaneError",
     "CoordinationTimeout",
     "DecentAdamStrategy",
     "DecentralizedStrategy",

@@ -1,7 +1,11 @@
 """The documentation and the code in step, where a machine can check it: every option of every
-strategy is described in its reference (the docstrings the API pages render), every example config
-names only options that exist and says what it claims, and every error class the troubleshooting
-page names exists."""
+strategy is described in its reference (the docstrings the API pages render) and in its page's
+Options table with the code's default, every example config names only options that exist and says
+what it claims, every error class the troubleshooting page names exists and every error the package
+exports is explained there, every `lightning_prague.…` name and every tests/benchmarks/examples file
+a page names exists, and every link into the docs from outside the site (README, messages,
+docstrings, configs) points to a page and heading that exist. Links between pages are the strict
+docs build's to check (`mkdocs build --strict`)."""
 
 from __future__ import annotations
 
@@ -87,3 +91,136 @@ def test_every_error_class_the_troubleshooting_page_names_exists():
     for name in sorted(named):
         exists = hasattr(errors, name) or hasattr(lightning_prague, name) or hasattr(builtins, name)
         assert exists, f"troubleshooting.md names {name}, which does not exist"
+
+
+# -- the user guide's pages against the code ------------------------------------------------------
+
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.rglob("*.md"))
+STRATEGY_PAGES = {
+    lightning_prague.PartialAllReduceStrategy: "prague.md",
+    lightning_prague.PartialReduceStrategy: "partial_reduce.md",
+    lightning_prague.ADPSGDStrategy: "adpsgd.md",
+    lightning_prague.DecentAdamStrategy: "decent_adam.md",
+}
+
+
+def options_table(page: str) -> dict[str, str]:
+    """`| option | default | meaning |` rows of a page's `## Options` section: name -> default cell."""
+    text = (DOCS / page).read_text()
+    section = text.split("## Options", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]*) \|", section, flags=re.MULTILINE)
+    return {name: cell.strip() for name, cell in rows}
+
+
+def literal(cell: str) -> object:
+    """A default as the page writes it (`3`, `true`, `None`, `` `random` ``), or `...` for prose."""
+    text = cell.strip("` ")
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    return text if re.fullmatch(r"[a-z_]+", text) else ...
+
+
+@pytest.mark.parametrize("cls", list(STRATEGY_PAGES), ids=lambda c: c.__name__)
+def test_every_strategy_page_lists_every_option_of_its_own_with_the_codes_default(cls):
+    page = STRATEGY_PAGES[cls]
+    table = options_table(page)
+    defaults = {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()}
+    for name in options(cls):
+        assert name in table, f"docs/{page}: option {name} missing from its Options table"
+        written = literal(table[name])
+        if written is not ...:  # prose such as "devices per node" is not compared
+            assert written == defaults[name], f"docs/{page}: {name} default {table[name]!r}, code {defaults[name]!r}"
+
+
+def test_every_dotted_name_of_the_package_that_the_docs_name_exists():
+    """`lightning_prague.x.y` in backticks on any page resolves to a module or an attribute."""
+    import importlib
+
+    missing = []
+    for page in PAGES:
+        for name in sorted(set(re.findall(r"`(lightning_prague(?:\.\w+)+)", page.read_text()))):
+            parts = name.split(".")
+            obj, i = None, len(parts)
+            while i > 0:  # the longest importable prefix, then attributes
+                try:
+                    obj = importlib.import_module(".".join(parts[:i]))
+                    break
+                except ImportError:
+                    i -= 1
+            for attr in parts[i:]:
+                obj = getattr(obj, attr, None)
+            if obj is None:
+                missing.append(f"{page.relative_to(ROOT)}: {name}")
+    assert not missing, "names the docs use that the package does not have:\n" + "\n".join(missing)
+
+
+def test_every_test_benchmark_and_example_file_the_docs_name_exists():
+    """`tests/...py`, `benchmarks/...py`, `examples/...` (and `file.py::function`) on any page exist."""
+    missing = []
+    for page in PAGES:
+        text = page.read_text()
+        for path, function in re.findall(r"\b((?:tests|benchmarks|examples)/[\w/.-]+\.(?:py|yaml))(?:::(\w+))?", text):
+            target = ROOT / path
+            if not target.is_file():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+            elif function and not re.search(rf"^def {function}\(", target.read_text(), flags=re.MULTILINE):
+                missing.append(f"{page.relative_to(ROOT)}: {path}::{function}")
+    assert not missing, "files the docs name that do not exist:\n" + "\n".join(missing)
+
+
+def slug(heading: str) -> str:
+    """The anchor MkDocs' table of contents gives a heading (Python-Markdown's default slugify)."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # links keep their text
+    text = re.sub(r"[`*]", "", text)
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def anchors(page: Path) -> set[str]:
+    found, seen = set(), {}
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.MULTILINE | re.DOTALL)  # not code blocks
+    for heading in re.findall(r"^#{1,6} (.+?)\s*$", text, flags=re.MULTILINE):
+        explicit = re.search(r"\{#([\w-]+)\}$", heading)
+        base = explicit.group(1) if explicit else slug(heading)
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        found.add(base if not count else f"{base}_{count}")
+    return found
+
+
+def test_every_docs_link_outside_the_site_points_to_a_page_and_heading_that_exist():
+    """The strict docs build checks links between pages; this checks the links into the docs from
+    the README, the package (messages, docstrings), the examples, the tests and the benchmarks."""
+    sources = [ROOT / "README.md", *ROOT.glob("examples/**/*.py"), *ROOT.glob("examples/**/*.yaml")]
+    for folder in ("lightning_prague", "tests", "benchmarks"):
+        sources += ROOT.glob(f"{folder}/**/*.py")
+    broken = []
+    for source in sources:
+        for page, anchor in re.findall(r"\bdocs/([\w/.-]+\.md)(?:#([\w-]+))?", source.read_text()):
+            target = DOCS / page
+            if not target.is_file():
+                broken.append(f"{source.relative_to(ROOT)}: docs/{page}")
+            elif anchor and anchor not in anchors(target):
+                broken.append(f"{source.relative_to(ROOT)}: docs/{page}#{anchor}")
+    assert not broken, "links into the docs that lead nowhere:\n" + "\n".join(broken)
+
+
+def test_every_error_the_package_exports_is_explained_on_the_troubleshooting_page():
+    text = (DOCS / "troubleshooting.md").read_text()
+    exported = [name for name in lightning_prague.__all__ if isinstance(getattr(lightning_prague, name), type)]
+    errors_ = [name for name in exported if issubclass(getattr(lightning_prague, name), BaseException)]
+    assert "ControlPlaneError" in errors_, "the package exports its errors"
+    for name in errors_:
+        assert re.search(rf"`(?:lightning_prague\.)?{name}`", text), f"troubleshooting.md does not explain {name}"

@@ -19,6 +19,7 @@ from lightning_prague.core.control import ControlClient, Session
 from lightning_prague.core.coordinator import ControlPlane, SessionConfig
 from lightning_prague.core.errors import (
     ConfigurationError,
+    ControlPlaneError,
     CoordinationTimeout,
     MemberLost,
     PragueError,
@@ -45,6 +46,7 @@ __all__ = [
     "SnapshotAverages",
     "CommStream",
     "ConfigurationError",
+    "ControlPlaneError",
     "CoordinationTimeout",
     "ControlClient",
     "ControlPlane",

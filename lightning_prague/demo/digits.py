@@ -82,9 +82,10 @@ class DigitsClassifier(L.LightningModule):
         hidden: width of the two hidden layers.
         lr: learning rate.
         momentum: SGD momentum.
-        sync_dist_train_loss: log each step's training loss reduced across ranks, as under DDP.
+        sync_dist_train_loss: log each step's training loss reduced across ranks, and a training
+            accuracy metric that syncs its state every step (`dist_sync_on_step`), as under DDP.
             Asynchronous strategies cannot reduce between synchronization points (ranks are at
-            different steps): they log the local value instead and warn once.
+            different steps): they use the local values instead and warn once for each.
         optimizer: one of `OPTIMIZERS` (`sgd`, `adam`, `accum_adam`, `accum_adamw`, ...).
         accum_steps: tau of `accum_adam` / `accum_adamw`.
         lr_decay: multiply the LR by this after every epoch.
@@ -113,14 +114,23 @@ class DigitsClassifier(L.LightningModule):
             nn.Linear(hidden, 10),
         )
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+        # with `sync_dist_train_loss`, a training metric that syncs its state every step as well
+        self.train_acc = (
+            torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro", dist_sync_on_step=True)
+            if sync_dist_train_loss
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits, y)
         self.log("train_loss", loss, on_step=True, sync_dist=self.hparams.sync_dist_train_loss)
+        if self.train_acc is not None:
+            self.log("train_acc", self.train_acc(logits, y), on_step=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--sync-dist-train-loss",
         action="store_true",
-        help="log each step's loss reduced across ranks (asynchronous strategies warn and log it unreduced)",
+        help="log each step's loss reduced across ranks and a training accuracy metric that syncs every step "
+        "(asynchronous strategies warn and use the local values)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-nodes", type=int, default=1)

@@ -867,7 +867,10 @@ class DecentralizedStrategy(DDPStrategy):
         return torch.stack(gathered)
 
     def _gather_metric_state(self, result: Tensor, group: Optional[Any] = None) -> list[Tensor]:
-        """torchmetrics' `dist_sync_fn`: the states of every member (of the survivors after a loss)."""
+        """torchmetrics' `dist_sync_fn`: the states of every member (of the survivors after a loss);
+        between synchronization points (`dist_sync_on_step=True`) this rank's own, as for `reduce`."""
+        if self._local_instead("a torchmetrics metric's state sync (dist_sync_on_step=True)"):
+            return [result]
         members = self._members()
         if members is None:
             return gather_all_tensors(result, group)

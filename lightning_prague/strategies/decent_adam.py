@@ -43,7 +43,7 @@ class DecentAdamStrategy(DecentralizedStrategy):
     `lightning_prague.optim.AccumAdam`, with any LR scheduler) on its own replica, and
     mixes replicas by gossip on a fixed, time-varying topology:
     `x_i^{t+1} = sum_j w_ij x_j^t - lr * d_i^t`. The exchange of `x^t` is issued right after
-    update `t` (one all-reduce per bucket, within the worker's group of that round), runs while
+    update `t` (one group sum per bucket, point-to-point within the worker's group of that round), runs while
     the next forward and backward pass compute the gradient at the un-averaged `x^t`, and is
     waited for just before the next update (one-step lag). A worker waits only for the members
     of its group, never for the slowest of all.
@@ -55,14 +55,16 @@ class DecentAdamStrategy(DecentralizedStrategy):
     ends a phase tolerates unequal step counts anyway: a worker out of batches runs idle rounds
     (mixing only) until every worker has reached the same final round, which the meeting settles
     (see `lightning_prague.core.gossip`). Synchronization points (validation, epoch end, end of
-    fit) then average all replicas (`average_at_sync`). A SIGTERM stops training at the next
-    synchronization point.
+    fit) then average all replicas (`average_at_sync`). A SIGTERM (or SLURM's requeue signal)
+    stops every worker before its next batch once the stop reaches it: the workers settle their
+    final gossip round, a step or two apart, and meet at the stop point, where they average.
 
     Args:
         topology: `"ring"` (one peer, alternating sides), `"one_peer_exp"` (one peer at
             distance 2^r; needs a power-of-two number of workers), `"complete"` (exact
-            averaging), `"alternating_exp_ring"` (node-aware: half of each node's workers
-            average across a node pair while the other half average inside the node) or
+            averaging), `"alternating_exp_ring"` (node-aware: in each round one worker of each
+            node averages with its counterpart on a partner node, the node pairs cycling through
+            exponential hops, while the others average inside the node) or
             `"static"` (Prague's schedule on the node layout); see
             `lightning_prague.core.topology`.
         schedule: a user schedule instead of a named topology: a list of rounds, each a list of
