@@ -215,6 +215,11 @@ def test_a_commit_meeting_says_complete_only_if_no_live_rank_reported_an_incompl
     assert out == {}  # rank 2 has not arrived yet
     out = generator.handle({"op": "arrive", "rank": 2, "sync": "again/commit"})
     assert out[0][0]["complete"] is True and out[0][0]["members"] == [0, 2]
+    # a stop does not hold a commit meeting back (the ranks run to the stop point after it)
+    generator.handle({"op": "stop", "rank": 0})
+    generator.handle({"op": "arrive", "rank": 0, "sync": "again/commit"})
+    out = generator.handle({"op": "arrive", "rank": 2, "sync": "again/commit"})
+    assert [item["t"] for item in out[0]] == ["release"] and out[0][0]["stop"] is True
 
 
 def test_a_departure_releases_a_meeting_that_waited_for_it_and_below_min_workers_the_job_stops():

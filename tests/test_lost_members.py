@@ -70,7 +70,7 @@ def test_the_survivors_sums_afterwards_are_exact(runs):
 @pytest.fixture(scope="module")
 def global_average_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lost_global")
-    return run_core_ranks(tmp, 4, "3", script="global_average_fault.py", timeout=90, may_die=(3,))
+    return run_core_ranks(tmp, 4, "3", "average", script="global_average_fault.py", timeout=90, may_die=(3,))
 
 
 def test_a_member_dying_mid_send_of_the_global_average_leaves_the_survivors_agreeing(global_average_runs):
@@ -83,3 +83,21 @@ def test_a_member_dying_mid_send_of_the_global_average_leaves_the_survivors_agre
         assert result["members"] == [0, 1, 2]
         assert result["attempts"] == 2, f"rank {result['rank']} took an average the others dropped"
         assert result["params"] == [1.0] * 64
+
+
+@pytest.fixture(scope="module")
+def gather_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lost_gather")
+    return run_core_ranks(tmp, 4, "3", "gather", script="global_average_fault.py", timeout=90, may_die=(3,))
+
+
+def test_a_member_dying_mid_send_of_a_gather_leaves_the_survivors_in_step(gather_runs):
+    """Lightning's collectives over the members (`MemberCollectives`) run two sums each; with the
+    control plane's decision after each, no survivor goes on to the second sum of a gather the
+    others gave up, so the next gather, without the lost rank, is exact on every survivor."""
+    survivors = [r for r in gather_runs if r]
+    assert [r["rank"] for r in survivors] == [0, 1, 2]
+    for result in survivors:
+        assert result["first"] is None, f"rank {result['rank']} took a gather the others dropped"
+        assert result["members"] == [0, 1, 2]
+        assert result["second"] == [[0.0], [1.0, 1.0], [2.0, 2.0, 2.0]]

@@ -6,7 +6,11 @@ collectives a member that dies in the middle can leave the others waiting: gloo'
 wait on a live neighbour that gave up, until the process group's timeout, which then closes every
 connection of the process. These collectives are built on `GroupComm.sum_` instead, whose sums
 survive a member that disappears (`lightning_prague.core.groups`): each returns `None` when the
-result is incomplete, identically on every member, and the caller falls back to its own value.
+result is incomplete and the caller falls back to its own value. A member that dies part-way
+through its sends can leave one member's sum complete and another's not; with `agree` (the
+control plane's decision, `GroupWorker.agree`) every member takes the same branch after each sum,
+so the results are alike and the members' next messages stay in step. Without it (after a fit,
+when no control plane runs) the members decide each on its own.
 A gather costs two sums (the shapes, then the padded tensors in one slot per member), a
 broadcast of an object two sums (its size, then its bytes). They run where no exchange is in
 flight (the strategies call them where the ranks are aligned).
@@ -15,6 +19,7 @@ flight (the strategies call them where the ranks are aligned).
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -27,12 +32,16 @@ class MemberCollectives:
 
     `timeout`: seconds each may wait for the others (default: `comm`'s, one operation's). At a
     synchronization point that is its bound (`sync_timeout`): a barrier after rank 0 wrote a
-    checkpoint waits as long as the write takes, as DDP's does.
+    checkpoint waits as long as the write takes, as DDP's does. `agree`: given this member's
+    completeness of a sum, whether every member's was complete (the same answer on every member).
     """
 
-    def __init__(self, comm: GroupComm, timeout: Optional[float] = None) -> None:
+    def __init__(
+        self, comm: GroupComm, timeout: Optional[float] = None, agree: Optional[Callable[[bool], bool]] = None
+    ) -> None:
         self.comm = comm
         self.timeout = timeout
+        self.agree = agree
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -42,7 +51,10 @@ class MemberCollectives:
         """`tensor` summed over the members (on the comm's device), or `None` if a member was lost."""
         total = tensor.to(self.comm.device, copy=True)
         self.comm.sum_(total, self.members, what, timeout=self.timeout)
-        return total if bool(torch.isfinite(total).all()) else None
+        complete = bool(torch.isfinite(total).all())
+        if self.agree is not None:
+            complete = self.agree(complete)
+        return total if complete else None
 
     def barrier(self) -> bool:
         """Every member reached it (True), or one was lost on the way (False)."""

@@ -81,6 +81,9 @@ from lightning_prague.core.policies import FirstReadyPolicy, Group, GroupingPoli
 
 Item = dict[str, Any]
 STOP_SYNC = "__stop__"
+#: the suffix of a commit meeting (`<sync>/commit`): the members' completeness of a collective;
+#: released whenever every live worker arrived, while stopping too
+COMMIT = "/commit"
 #: reasons of a stop at once (every rank drains at its next batch): a signal, or the cluster's requeue signal
 SIGTERM, REQUEUE = "sigterm", "requeue"
 
@@ -382,7 +385,8 @@ class GroupGenerator:
         if not self.parked or len(self.parked) < len(self.live):
             return
         names = set(self.parked.values())
-        if self.stopping and not all(n == STOP_SYNC or n.startswith(f"{STOP_SYNC}/") for n in names):
+        settled = (n == STOP_SYNC or n.startswith(f"{STOP_SYNC}/") or n.endswith(COMMIT) for n in names)
+        if self.stopping and not all(settled):
             return  # every rank sees the stop item and arrives at the stop point (or its settling); wait
         if len(names) == 1:
             release: Item = {

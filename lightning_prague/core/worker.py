@@ -34,7 +34,7 @@ from lightning_prague.core.errors import (
     ExchangeInterrupted,
     SyncMismatchError,
 )
-from lightning_prague.core.generator import REQUEUE, SIGTERM, STOP_SYNC
+from lightning_prague.core.generator import COMMIT, REQUEUE, SIGTERM, STOP_SYNC
 from lightning_prague.core.groups import GroupComm
 from lightning_prague.core.job import current_job
 from lightning_prague.core.streams import CommStream, mark_on
@@ -318,9 +318,12 @@ class GroupWorker:
             self._stopped = True
         return target == STOP_SYNC
 
-    def _meet(self, target: str, start: float, exchanger: PhaseEnd | None, report: dict[str, Any]) -> str:
+    def _meet(
+        self, target: str, start: float, exchanger: PhaseEnd | None, report: dict[str, Any], follow_stop: bool = True
+    ) -> str:
         """Arrive at `target` and execute the inbox until its release; returns the point met (the
-        stop point if a SIGTERM stop came meanwhile)."""
+        stop point if a SIGTERM stop came meanwhile and `follow_stop`: a commit meeting does not
+        move, the control plane releases it while stopping too)."""
         self._doing = f"synchronization point {target!r}"
         idle_after = exchanger.idle_after if exchanger is not None else None
         idle = asked_idle = False
@@ -352,28 +355,35 @@ class GroupWorker:
                 continue
             if item["t"] != "pause":  # a pause left over from a communication thread that ended on its own
                 self.execute(item)
-            if self.stop_seen and target != STOP_SYNC:
+            if follow_stop and self.stop_seen and target != STOP_SYNC:
                 target = STOP_SYNC
                 self._doing = f"synchronization point {target!r}"
                 if exchanger is not None:  # its round moved on if it served idle rounds meanwhile
                     report = {**report, **exchanger.meeting_report()}
                 self._send("arrive", sync=target, **report)
 
-    def _agreed(self, complete: torch.Tensor) -> torch.Tensor:
-        """Whether every live member's sum of the global average is complete, as the control plane
-        decides from their reports at one more meeting (`<sync>/commit`); the first release stays
-        this worker's `release`, with the members named by the second."""
+    def agree(self, complete: bool) -> bool:
+        """Whether every live member completed the collective it just ran, as the control plane
+        decides from their reports at one more meeting (`<sync>/commit`). Call only where the ranks
+        are aligned, every one after the same collective. A member that dies part-way through its
+        sends can leave one member's sum complete and another's not; deciding here keeps the
+        members' results, and their next operations, in step. The first release stays this
+        worker's `release`, with the members named by the second."""
         first, version = self.release or {}, self.released_version
-        name = f"{first.get('sync', STOP_SYNC)}/commit"
-        mine = bool(complete)  # a synchronization point: reading one flag on the host is its cost
+        name = f"{first['sync']}{COMMIT}" if "sync" in first else COMMIT.lstrip("/")
         with self.session.beacon.waiting():
-            self._meet(name, time.monotonic(), None, {} if mine else {"incomplete": True})
+            self._meet(name, time.monotonic(), None, {} if complete else {"incomplete": True}, follow_stop=False)
         decided = self.release or {}
-        agreed = bool(decided.get("complete", mine))
+        agreed = bool(decided.get("complete", complete))
         self.release = {**first, "members": decided.get("members", first.get("members"))}
         self.released_version = version
-        log.debug("rank %d: global average at %r: complete here %s, on every member %s", self.rank, name, mine, agreed)
-        return torch.full_like(complete, agreed)
+        log.debug("rank %d: %r: complete here %s, on every member %s", self.rank, name, complete, agreed)
+        return agreed
+
+    def _agreed(self, complete: torch.Tensor) -> torch.Tensor:
+        """`agree` for `average_`'s `decide`: reading the one flag on the host is a synchronization
+        point's cost."""
+        return torch.full_like(complete, self.agree(bool(complete)))
 
     def settle_rounds(self, issued: int) -> int:
         """The final round of a gossip phase whose release said `settle`: every rank meets once more,

@@ -790,7 +790,7 @@ class DecentralizedStrategy(DDPStrategy):
     def _members(self) -> Optional[MemberCollectives]:
         """Collectives that survive a lost member: during a fit, and after one that lost a rank."""
         if self.worker is not None:
-            return MemberCollectives(self.worker.comm, self.sync_timeout)
+            return MemberCollectives(self.worker.comm, self.sync_timeout, agree=self.worker.agree)
         job = self.job
         if self._survivors is None or job is None:
             return None  # no fit, nobody lost: the world group's collectives

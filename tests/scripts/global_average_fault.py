@@ -1,12 +1,16 @@
-"""One rank of a global average during which a member dies part-way through its sends (gloo).
+"""One rank of a collective during which a member dies part-way through its sends (gloo).
 
-Usage: global_average_fault.py RANK WORLD PORT OUT_JSON DIES
+Usage: global_average_fault.py RANK WORLD PORT OUT_JSON DIES average|gather
 
 Every rank holds a tensor of its rank's value and meets at a synchronization point; rank DIES
-then sends its first message of the global average's all-to-all (to the lowest other rank, whose
-sum is then complete while the others' are not) and SIGKILLs itself. The survivors average again
-until one average is taken, as a strategy does at a synchronization point, and write their tensor,
-their members and how many averages they tried.
+then sends its first message of the collective's all-to-all (to the lowest other rank, whose sum
+is then complete while the others' are not) and SIGKILLs itself.
+
+`average`: the global average; the survivors average again until one average is taken, as a
+strategy does at a synchronization point, and write their tensor, their members and how many
+averages they tried. `gather`: a gather of `MemberCollectives` with the control plane's decision
+(as Lightning's collectives run during a fit); the survivors write whether it returned, meet
+again (without the lost rank) and gather again.
 """
 
 import json
@@ -18,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_prague.core import BucketedTensors, GroupComm, GroupWorker, SessionConfig, init_job, make_policy
+from lightning_prague.core.collectives import MemberCollectives
 
 
 def die_after_the_first_send(comm: GroupComm) -> None:
@@ -31,6 +36,7 @@ def die_after_the_first_send(comm: GroupComm) -> None:
 
 def main() -> None:
     rank, world, port, out, dies = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+    mode = sys.argv[6]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     job = init_job(rank, world, "gloo", timeout=60)
     session = job.open_session(SessionConfig(world, make_policy("random", world, 2, seed=1)))
@@ -39,11 +45,23 @@ def main() -> None:
     worker.synchronize("end")
     if rank == dies:
         die_after_the_first_send(worker.comm)
-    attempts = 1
-    while not worker.global_average():
+    if mode == "average":
+        attempts = 1
+        while not worker.global_average():
+            worker.synchronize("end/again")
+            attempts += 1
+        result = {"rank": rank, "params": params.tolist(), "members": list(worker.members), "attempts": attempts}
+    else:
+        mine = torch.full((rank + 1,), float(rank))  # shapes differ: a gather's two sums
+        first = MemberCollectives(worker.comm, 30, agree=worker.agree).gather(mine)
         worker.synchronize("end/again")
-        attempts += 1
-    result = {"rank": rank, "params": params.tolist(), "members": list(worker.members), "attempts": attempts}
+        second = MemberCollectives(worker.comm, 30, agree=worker.agree).gather(mine)
+        result = {
+            "rank": rank,
+            "first": None if first is None else [t.tolist() for t in first],
+            "second": None if second is None else [t.tolist() for t in second],
+            "members": list(worker.members),
+        }
     worker.close()
     with open(out, "w") as f:
         json.dump(result, f)
