@@ -86,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--predict-from", type=Path, metavar="RUNS_JSON",
         help="run nothing: predict and tabulate the runs a --cluster bench saved (its --out/runs.json)",
     )  # fmt: skip
+    cluster.add_argument(
+        "--reprobe", action="store_true",
+        help="with --predict-from: build each profile's cluster and measure its links' probes anew (no training)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.cluster:
         return _cluster_args(parser, args)
@@ -135,7 +139,9 @@ def _cluster_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         problems.append(f"--out {args.out}: exists and is not a directory")
     if args.predict_from is not None and not args.predict_from.is_file():
         problems.append(f"--predict-from {args.predict_from}: no such file")
-    if not problems and args.predict_from is None:
+    if args.reprobe and args.predict_from is None:
+        problems.append("--reprobe: only with --predict-from (a full run probes its clusters anyway)")
+    if not problems and (args.predict_from is None or args.reprobe):
         reason = cluster_bench.unavailable()
         if reason:
             problems.append(f"--cluster: cannot build an emulated cluster here: {reason}")

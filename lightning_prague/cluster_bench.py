@@ -22,7 +22,8 @@ grouping, ``partial_reduce``, ``adpsgd``, and ``decent_adam`` with its ``ring`` 
 
 On two loaded CPU cores ``inter_node`` takes about 4 minutes and ``slow_node`` about 17: DDP, the
 ring and the static schedules run at the slow link's pace there (``--epochs 1`` or ``--strategies``
-shorten it). ``--predict-from RUNS_JSON`` re-tabulates saved runs without building anything.
+shorten it). ``--predict-from RUNS_JSON`` re-tabulates saved runs without building anything;
+with ``--reprobe`` it builds each profile's cluster to measure its probes anew (no training).
 """
 
 from __future__ import annotations
@@ -102,10 +103,16 @@ class ClusterProfile:
         """One model's transfer at the fastest link's rate."""
         return self.model_bytes() * 8 / max(self.rates)
 
-    def model_cluster(self, efficiency: float = 1.0, loopback: Link = LOOPBACK) -> Cluster:
+    def model_cluster(
+        self, efficiency: float = 1.0, loopback: Link = LOOPBACK, single_flow: float | None = None
+    ) -> Cluster:
         """The runtime model's view: each node's link (bytes/s, ``efficiency`` of its shaped rate:
-        what TCP gets through ``tbf``) and the loopback inside a node."""
-        links = tuple(Link(bandwidth=efficiency * rate / 8, latency=EMULATED_LATENCY) for rate in self.rates)
+        what TCP gets through ``tbf`` with the link kept busy; ``single_flow``: the share one
+        point-to-point exchange gets by itself, `Link.single_flow`) and the loopback inside a node."""
+        links = tuple(
+            Link(efficiency * rate / 8, EMULATED_LATENCY, single_flow * rate / 8 if single_flow else None)
+            for rate in self.rates
+        )
         return Cluster(self.workers_per_node, intra=loopback, inter=min(links, key=lambda k: k.bandwidth),
                        node_links=links)  # fmt: skip
 
@@ -198,7 +205,7 @@ import os, sys, time, torch, torch.distributed as dist
 rank, nbytes = int(os.environ["PROBE_RANK"]), int(os.environ["PROBE_BYTES"])
 dist.init_process_group("gloo", init_method="tcp://" + os.environ["PROBE_MASTER"], rank=rank, world_size=2)
 x, y, times = torch.ones(nbytes // 4), torch.empty(nbytes // 4), []
-for _ in range(4):  # the first warms the connection up
+for _ in range(1 + int(os.environ["PROBE_REPEATS"])):  # the first warms the connection up
     dist.barrier()
     start = time.perf_counter()
     ops = [dist.P2POp(dist.isend, x, 1 - rank), dist.P2POp(dist.irecv, y, 1 - rank)]
@@ -206,24 +213,31 @@ for _ in range(4):  # the first warms the connection up
         work.wait()
     times.append(time.perf_counter() - start)
 if rank == 0:
-    print("PROBE", sum(times[1:]) / 3, flush=True)
+    print("PROBE", sum(times[1:]) / len(times[1:]), flush=True)
 dist.destroy_process_group()
 """
 
 
+#: exchanges a probe times (after one that warms the connection up): one exchange over a shaped link
+#: takes 0.7 to 1.5 times its mean (losses at tbf's full queue, recovery), so a few are not enough
+PROBE_REPEATS = 20
+
+
 def probe_exchange(
-    cluster: Any, profile: ClusterProfile, port: int, inside: bool = False, timeout: float = 120.0
+    cluster: Any, profile: ClusterProfile, port: int, inside: bool = False, timeout: float = 300.0
 ) -> float | None:
-    """Seconds one model takes each way at once between node1 and the node with the slowest link
-    (the second node when all are equal), or with ``inside`` between two processes on node1 (its
-    loopback): what the library's point-to-point exchanges get from the shaped links and from this
-    machine's loopback, measured with two bare gloo processes (`None` if the probe failed)."""
+    """Mean seconds one model takes each way at once between node1 and the node with the slowest
+    link (the second node when all are equal), or with ``inside`` between two processes on node1
+    (its loopback), over `PROBE_REPEATS` exchanges: what one of the library's point-to-point
+    exchanges gets from the shaped links by itself and from this machine's loopback, measured with
+    two bare gloo processes (`None` if the probe failed)."""
     tool = load_cluster_tool()
     slowest = 0 if inside else min(range(1, profile.nodes), key=lambda i: profile.rates[i])
     procs = []
     for rank, node in enumerate((cluster.nodes[0], cluster.nodes[slowest])):
         env = tool.clean_environment({
             "PROBE_RANK": str(rank), "PROBE_BYTES": str(profile.model_bytes()), "OMP_NUM_THREADS": "1",
+            "PROBE_REPEATS": str(PROBE_REPEATS),
             "PROBE_MASTER": f"{cluster.nodes[0].address}:{port}", "GLOO_SOCKET_IFNAME": node.ifname,
         })  # fmt: skip
         procs.append(cluster.run(node, [sys.executable, "-c", PROBE], env, stdout=subprocess.PIPE,
@@ -350,9 +364,11 @@ def add_cluster_predictions(rows: list[dict[str, Any]], profiles: dict[str, Clus
 
     As `bench.add_predictions`, three things are calibrated per profile from its DDP run: the
     training time outside steps per epoch (validation, Lightning's loop); the links' efficiency, the
-    share of the shaped rate that TCP gets through ``tbf`` (the model's ring all-reduce over the
-    rates against the all-reduce DDP timed after training); and the host time per step beyond the
-    simulated compute and that all-reduce. The rates themselves are the ones the cluster was shaped to.
+    share of the shaped rate that TCP gets through ``tbf`` with the link kept busy (the model's ring
+    all-reduce over the rates against the all-reduce DDP timed after training: `Link.bandwidth`);
+    and the host time per step beyond the simulated compute and that all-reduce. The probe gives
+    the share one exchange gets by itself (`Link.single_flow`). The rates themselves are the ones
+    the cluster was shaped to.
     """
     for name, profile in profiles.items():
         mine = [row for row in rows if row["profile"] == name]
@@ -375,7 +391,9 @@ def add_cluster_predictions(rows: list[dict[str, Any]], profiles: dict[str, Clus
         p2p_efficiency = min(1.0, nbytes * 8 / slowest / probe) if probe else efficiency
         inside = next((row.get("probe_loopback_seconds") for row in mine if row.get("probe_loopback_seconds")), None)
         loopback = Link(bandwidth=nbytes / inside, latency=LOOPBACK.latency) if inside else LOOPBACK
-        exchanges = profile.model_cluster(p2p_efficiency, loopback)
+        # a link kept busy (exchanges sharing it, the library's ring) carries what DDP's ring got through
+        # it; one exchange by itself what the probe's did
+        exchanges = profile.model_cluster(efficiency, loopback, single_flow=p2p_efficiency)
         workers = [ComputeProfile(profile.step_time, overhead=step_overhead) for _ in range(profile.world)]
         for row in mine:
             strategy, options = model_name(row["strategy"])
@@ -419,7 +437,10 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every profile of ``args.cluster``: build its cluster, run each strategy, tear down; the rows."""
     profiles = {p.name: p for p in profiles_from(args)}
     if args.predict_from is not None:
-        return tabulate(json.loads(args.predict_from.read_text()), profiles, args)
+        saved = json.loads(args.predict_from.read_text())
+        if getattr(args, "reprobe", False):
+            reprobe(saved, profiles, args)
+        return tabulate(saved, profiles, args)
     tool = load_cluster_tool()
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
@@ -435,12 +456,8 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
                   f"{profile.exchange_seconds():.2f}s per transfer at the fastest link, step {profile.step_time}s",
                   flush=True)  # fmt: skip
             print(cluster.describe(), flush=True)
-            port += 1
-            exchange = probe_exchange(cluster, profile, port)
-            port += 1
-            loopback = probe_exchange(cluster, profile, port, inside=True) if profile.workers_per_node > 1 else None
-            print(f"{profile.name}: one model each way between node1 and its slowest peer: {exchange}s, "
-                  f"inside node1: {loopback}s", flush=True)  # fmt: skip
+            port += 2
+            exchange, loopback = probe_cluster(cluster, profile, port)
             for label, strategy, extra in runs(args):
                 port += 1
                 directory = args.out / "logs" / f"{profile.name}-{label.replace('/', '-')}"
@@ -457,6 +474,42 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
                       f"batches per worker {row['batches_per_worker']} (elapsed {time.perf_counter() - start:.0f}s)",
                       flush=True)  # fmt: skip
     return tabulate(rows, profiles, args)
+
+
+def probe_cluster(cluster: Any, profile: ClusterProfile, port: int) -> tuple[float | None, float | None]:
+    """The profile's two probes (`probe_exchange`): between node1 and the slowest link's node, and
+    inside node1 (``None`` with one worker per node)."""
+    exchange = probe_exchange(cluster, profile, port)
+    loopback = probe_exchange(cluster, profile, port + 1, inside=True) if profile.workers_per_node > 1 else None
+    print(f"{profile.name}: one model each way between node1 and its slowest peer: {exchange}s, "
+          f"inside node1: {loopback}s (means of {PROBE_REPEATS})", flush=True)  # fmt: skip
+    return exchange, loopback
+
+
+def reprobe(rows: list[dict[str, Any]], profiles: dict[str, ClusterProfile], args: argparse.Namespace) -> None:
+    """``--reprobe``: build each profile's cluster again, measure its probes and put them into the saved
+    rows in place (the saved ones stay as ``saved_probe_*``), written to ``--out``/runs.json for later
+    ``--predict-from``; nothing is trained."""
+    tool = load_cluster_tool()
+    port = 21000 + os.getpid() % 2000 * 10
+    for profile in profiles.values():
+        mine = [row for row in rows if row["profile"] == profile.name]
+        if not mine:
+            continue
+        rates = {f"node{i + 1}": rate_text(rate) for i, rate in enumerate(profile.rates)}
+        try:
+            cluster = tool.Cluster(profile.nodes, rate=rate_text(max(profile.rates)), rates=rates).start()
+        except tool.ClusterError as err:
+            raise SystemExit(f"bench --cluster: cannot build the emulated cluster: {err}") from err
+        with cluster:
+            port += 2
+            exchange, loopback = probe_cluster(cluster, profile, port)
+        for row in mine:
+            for key, value in (("probe_exchange_seconds", exchange), ("probe_loopback_seconds", loopback)):
+                row.setdefault(f"saved_{key}", row.get(key))
+                row[key] = value
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "runs.json").write_text(json.dumps(rows, indent=2))
 
 
 def tabulate(

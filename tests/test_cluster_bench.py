@@ -122,13 +122,50 @@ def test_predictions_use_the_shaped_links_calibrated_by_the_ddp_run():
     assert ddp["step_overhead"] == pytest.approx(0.0, abs=1e-9)
     assert ddp["predicted_throughput"] == pytest.approx(ddp["throughput"], rel=1e-3), "DDP's own run is reproduced"
     # the asynchronous strategy computes at full speed; each epoch ends with a drain and the global
-    # average, an all-to-all in which node4 sends and receives the model three times over its slow link
+    # average, an all-to-all in which node4 sends and receives the model three times over its slow link:
+    # three flows at once keep it busy, at DDP's 90%; one exchange by itself gets the probe's 80%
     workers = [ComputeProfile(profile.step_time)] * 4
-    cluster = profile.model_cluster(0.8)
+    cluster = profile.model_cluster(0.9, single_flow=0.8)
+    assert cluster.link_of(3).flow_bandwidth == pytest.approx(0.8 * 10e6 / 8)
     model = predict(workers, profile.model_bytes(), strategies=["partial_reduce"], cluster=cluster)[0]
-    assert model.sync_seconds == pytest.approx(3 * transfer / 0.8, rel=0.01)
+    assert model.sync_seconds == pytest.approx(3 * transfer / 0.9, rel=0.01)
+    assert cluster.exchange_seconds([0, 3], profile.model_bytes()) == pytest.approx(transfer / 0.8, rel=0.01)
     predicted_seconds = rows[1]["batches"] / model.throughput + epochs * (
         per_epoch + model.sync_wait + model.sync_seconds
     )
     assert partial["predicted_throughput"] == pytest.approx(40.0 * 30.0 / predicted_seconds)
     assert partial["predicted_error"] == pytest.approx(partial["predicted_throughput"] / 40.0 - 1)
+
+
+def test_reprobe_measures_the_probes_anew_for_saved_runs_and_keeps_the_saved_ones(available, tmp_path, monkeypatch):
+    with pytest.raises(SystemExit):  # a full run probes its clusters anyway
+        bench.parse_args(["--cluster", "slow_node", "--reprobe", "--out", str(tmp_path)])
+    saved = [{"strategy": "ddp", "profile": "slow_node", "probe_exchange_seconds": 2.2, "probe_loopback_seconds": None},
+             {"strategy": "ddp", "profile": "inter_node", "probe_exchange_seconds": 0.3}]  # fmt: skip
+    built = []
+
+    class FakeCluster:  # the cluster tool, without a cluster
+        def __init__(self, nodes, rate, rates):
+            built.append((nodes, rates))
+
+        def start(self):
+            return self
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Tool:
+        Cluster, ClusterError = FakeCluster, RuntimeError
+
+    monkeypatch.setattr(cluster_bench, "load_cluster_tool", lambda: Tool)
+    monkeypatch.setattr(cluster_bench, "probe_cluster", lambda cluster, profile, port: (2.9, None))
+    args = bench.parse_args(["--cluster", "slow_node", "--out", str(tmp_path), "--predict-from", __file__, "--reprobe"])
+    cluster_bench.reprobe(saved, {"slow_node": cluster_profile("slow_node", 200e6, 20)}, args)
+    assert built == [(4, {"node1": "200000000bit", "node2": "200000000bit", "node3": "200000000bit",
+                          "node4": "10000000bit"})]  # fmt: skip
+    assert saved[0]["probe_exchange_seconds"] == 2.9 and saved[0]["saved_probe_exchange_seconds"] == 2.2
+    assert saved[1] == {"strategy": "ddp", "profile": "inter_node", "probe_exchange_seconds": 0.3}, "not re-probed"
+    assert (tmp_path / "runs.json").is_file(), "the re-probed rows, for later --predict-from"

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
 from lightning_prague.callbacks.straggler import StragglerMonitor, WorkerTiming
+from lightning_prague.core import runtime_model
+from lightning_prague.core.bipartite import BipartiteGraph
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.runtime_model import Cluster, ComputeProfile, Link, predict, recommend
 from lightning_prague.plan import main as plan
@@ -211,3 +214,75 @@ def test_plan_takes_a_link_per_node(capsys):
     with pytest.raises(SystemExit):
         plan(["--workers", "4", "--node-bandwidth-gbps", "1", "1"])
     assert "--node-bandwidth-gbps: 2 rates for 4 nodes" in capsys.readouterr().err
+
+
+def test_a_lone_exchange_runs_at_one_flows_rate_and_concurrent_ones_share_the_links_rate():
+    link = Link(bandwidth=10 * MB, latency=0.0, single_flow=5 * MB)  # a lone TCP flow gets half of it
+    two_nodes = Cluster(2, intra=Link(bandwidth=float("inf"), latency=0.0), inter=link, node_links=(link, link))
+    assert two_nodes.exchange_seconds([0, 2], MB) == pytest.approx(0.2), "one flow each way: single_flow"
+    costs = two_nodes.round_seconds([(0, 2), (1, 3)], MB)  # two flows keep the link busy
+    assert costs[(0, 2)] == pytest.approx(0.2) and costs[(1, 3)] == pytest.approx(0.2)
+    costs = two_nodes.round_seconds([(0, 2), (1, 3)], 4 * MB)
+    assert costs[(0, 2)] == pytest.approx(0.8), "max(2 x 4 MB at 10 MB/s, 4 MB at 5 MB/s)"
+    ring = Cluster(1, intra=link, inter=link, node_links=(link,) * 8)
+    assert ring.exchange_seconds(range(8), 8 * MB) == pytest.approx(2 * 7 / 8 * 8 / 10), "a pipelined ring: bandwidth"
+    assert Link(bandwidth=MB).flow_bandwidth == MB and Link(MB, 0.0, 2 * MB).flow_bandwidth == MB
+
+
+def test_the_meeting_that_ends_a_gossip_phase_waits_for_the_last_round_and_the_idle_rounds_run_before_it():
+    # a ring of 4 where every group with worker 3 (behind a slow link) takes 2 s and the others 0.1 s;
+    # rounds alternate (0,1),(2,3) and (0,3),(1,2); the last round issued (odd) is (0,3),(1,2)
+    pairs = {0: [(0, 1), (2, 3)], 1: [(0, 3), (1, 2)]}
+
+    def done(issued, i, t):
+        group = next(g for g in pairs[t % 2] if i in g)
+        return max(issued[j] for j in group) + (2.0 if 3 in group else 0.1)
+
+    arrivals = [-3.0, -3.0, -0.5, 0.0]  # 0 and 1 finished their steps early, 3 last
+    # without idle rounds the meeting waits for round (0,3) in flight
+    assert runtime_model._phase_end(list(arrivals), 1, done, idle_after=10.0) == pytest.approx(2.0)
+    # 0 and 1 wait over 1 s: 1 and 2 run an idle round once their pair (1,2) is done; after the release
+    # every worker runs to that round, so (2,3) waits for (0,3) and crosses the slow link once more
+    assert runtime_model._phase_end(list(arrivals), 1, done, idle_after=1.0) == pytest.approx(4.0)
+    # nobody arrives long before the others: no idle round
+    assert runtime_model._phase_end([-0.5, -0.5, -0.5, 0.0], 1, done, idle_after=1.0) == pytest.approx(2.0)
+    # rounds that cost nothing: the idle rounds end anyway
+    free = lambda issued, i, t: max(issued)  # noqa: E731
+    assert runtime_model._phase_end([-5.0, 0.0], 0, free, idle_after=1.0) == pytest.approx(0.0)
+
+
+def test_lagged_gossip_pays_its_last_round_at_every_synchronization_point():
+    link = Link(bandwidth=10 * MB, latency=0.0)
+    cluster = Cluster(1, intra=link, inter=link, node_links=(link,) * 4)
+    decent = predict([ComputeProfile(0.5)] * 4, MB, strategies=["decent_adam"], cluster=cluster)[0]
+    assert decent.seconds_per_iteration == pytest.approx(0.5), "the exchange (0.1 s) hides behind the steps"
+    assert decent.sync_wait == pytest.approx(0.1), "but nothing hides the round in flight at the meeting"
+
+
+def test_a_passive_worker_serving_several_actives_queues_them_and_the_drain_grows_with_them():
+    fast, slow = Link(bandwidth=100 * MB, latency=0.0), Link(bandwidth=MB, latency=0.0)
+    workers = [ComputeProfile(0.1)] * 5
+
+    def drain(actives):  # actives 0 .. actives - 1 and one passive behind a slow link (1 s per exchange)
+        cluster = Cluster(1, intra=fast, inter=fast, node_links=(fast,) * actives + (slow,))
+        graph = BipartiteGraph(actives + 1, [(a, actives) for a in range(actives)])
+        return runtime_model._passive_drain(workers[: actives + 1], cluster, graph, MB, 400, random.Random(0))
+
+    one, two, four = drain(1), drain(2), drain(4)
+    assert one == pytest.approx(0.5, abs=0.1), "one exchange in flight: half of it remains on average"
+    assert one < two < four, "each active that picked the passive waits behind the others"
+    assert four > 2.0, "four actives nearly always queued at the slow passive: most of 4 exchanges remain"
+    # through the model: AD-PSGD on a slow node drains more than one exchange's residual
+    slow_node = Cluster(1, intra=fast, inter=slow, node_links=(fast,) * 3 + (slow,))
+    adpsgd = predict(workers[:4], MB, strategies=["adpsgd"], cluster=slow_node)[0]
+    assert adpsgd.sync_wait > 1.0, "both actives queue at passive node 3 (1 s each)"
+
+
+def test_partial_reduce_averages_the_workers_left_over_from_full_groups_after_the_others_drained():
+    link = Link(bandwidth=10 * MB, latency=0.0)
+    pair = 0.1  # a pair's exchange of 1 MB: each sends its model once
+    for n, extra in ((8, pair), (6, 0.0), (4, 0.0)):  # groups of 3: 2, 0 and 1 workers left over
+        cluster = Cluster(1, intra=link, inter=link, node_links=(link,) * n)
+        workers = [ComputeProfile(0.001)] * n  # steps short enough that the drain decides
+        prague, partial = predict(workers, MB, strategies=["prague", "partial_reduce"], cluster=cluster)
+        assert partial.sync_wait - prague.sync_wait == pytest.approx(extra, abs=1e-9), n

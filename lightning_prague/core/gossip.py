@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 
 #: seconds a worker leaving after an error waits for its last exchange (a peer that left too ends it sooner)
 LEAVE_WAIT = 10.0
+#: seconds a worker waits at the meeting that ends a phase before it asks for idle rounds (`LaggedGossip`)
+IDLE_AFTER = 1.0
 
 
 @dataclass
@@ -101,7 +103,7 @@ class LaggedGossip(Exchanger):
         timeout: float,
         overlap: bool = True,
         name: str = "gossip",
-        idle_after: float = 1.0,
+        idle_after: float = IDLE_AFTER,
         lagged: bool = True,
     ) -> None:
         if schedule.world_size != worker.world_size:
