@@ -446,12 +446,7 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     start = time.perf_counter()
     port = 21000 + os.getpid() % 2000 * 10  # a fresh port per run: no socket of an earlier run in its way
     for profile in profiles.values():
-        rates = {f"node{i + 1}": rate_text(rate) for i, rate in enumerate(profile.rates)}
-        try:
-            cluster = tool.Cluster(profile.nodes, rate=rate_text(max(profile.rates)), rates=rates).start()
-        except tool.ClusterError as err:
-            raise SystemExit(f"bench --cluster: cannot build the emulated cluster: {err}") from err
-        with cluster:
+        with build_cluster(tool, profile) as cluster:
             print(f"{profile.name}: {profile.description}; model {profile.model_bytes() / 2**20:.1f} MiB, "
                   f"{profile.exchange_seconds():.2f}s per transfer at the fastest link, step {profile.step_time}s",
                   flush=True)  # fmt: skip
@@ -476,6 +471,16 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     return tabulate(rows, profiles, args)
 
 
+def build_cluster(tool: Any, profile: ClusterProfile) -> Any:
+    """The profile's emulated cluster, started (a context manager that tears it down); the bench
+    stops with the reason if it cannot be built."""
+    rates = {f"node{i + 1}": rate_text(rate) for i, rate in enumerate(profile.rates)}
+    try:
+        return tool.Cluster(profile.nodes, rate=rate_text(max(profile.rates)), rates=rates).start()
+    except tool.ClusterError as err:
+        raise SystemExit(f"bench --cluster: cannot build the emulated cluster: {err}") from err
+
+
 def probe_cluster(cluster: Any, profile: ClusterProfile, port: int) -> tuple[float | None, float | None]:
     """The profile's two probes (`probe_exchange`): between node1 and the slowest link's node, and
     inside node1 (``None`` with one worker per node)."""
@@ -496,12 +501,7 @@ def reprobe(rows: list[dict[str, Any]], profiles: dict[str, ClusterProfile], arg
         mine = [row for row in rows if row["profile"] == profile.name]
         if not mine:
             continue
-        rates = {f"node{i + 1}": rate_text(rate) for i, rate in enumerate(profile.rates)}
-        try:
-            cluster = tool.Cluster(profile.nodes, rate=rate_text(max(profile.rates)), rates=rates).start()
-        except tool.ClusterError as err:
-            raise SystemExit(f"bench --cluster: cannot build the emulated cluster: {err}") from err
-        with cluster:
+        with build_cluster(tool, profile) as cluster:
             port += 2
             exchange, loopback = probe_cluster(cluster, profile, port)
         for row in mine:
