@@ -103,6 +103,20 @@ def test_decent_adam_topology_is_validated_against_the_world_before_training(kwa
         trainer.strategy.make_policy()
 
 
+@pytest.mark.parametrize(("nodes", "warns"), [(2, True), (1, False)])
+def test_static_grouping_says_when_it_does_not_use_group_size(nodes, warns, recwarn):
+    strategy = PartialAllReduceStrategy(grouping="static", group_size=3)
+    trainer = L.Trainer(accelerator="cpu", devices=4, num_nodes=nodes, strategy=strategy, logger=False)
+    trainer.strategy.set_world_ranks()
+    trainer.strategy.make_policy()
+    said = [str(w.message) for w in recwarn if "group_size=3 is not used" in str(w.message)]
+    expected = (
+        "grouping='static' on 2 nodes of 4 workers groups by the node layout (node averages, pairs inside a node "
+        "and one group across the nodes); group_size=3 is not used"
+    )
+    assert said == ([expected] if warns else [])
+
+
 def test_decent_adam_is_registered_and_allows_step_based_settings():
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="decent_adam", logger=False, max_steps=10)
     assert isinstance(trainer.strategy, lightning_prague.DecentAdamStrategy)

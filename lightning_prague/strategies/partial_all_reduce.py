@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from lightning_prague.core.averaging import BucketedTensors
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.gossip import LaggedGossip
 from lightning_prague.core.overlap import BackgroundAverager, BlockingExchanger, Exchanger
-from lightning_prague.core.policies import GroupingPolicy, SchedulePolicy, make_policy
+from lightning_prague.core.policies import GroupingPolicy, SchedulePolicy, StaticPolicy, make_policy
 from lightning_prague.core.topology import Schedule
 from lightning_prague.core.worker import GroupWorker
 from lightning_prague.strategies.base import DecentralizedStrategy
@@ -89,6 +91,12 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
     def make_policy(self) -> GroupingPolicy:
         policy = make_policy(self.grouping, self.world_size, self.group_size, self.seed, self.workers_per_node)
         self.schedule = policy.schedule if isinstance(policy, SchedulePolicy) else None
+        if isinstance(policy, StaticPolicy) and policy.workers_per_node != self.group_size:
+            nodes, per_node = self.world_size // policy.workers_per_node, policy.workers_per_node
+            rank_zero_warn(
+                f"grouping='static' on {nodes} nodes of {per_node} workers groups by the node layout (node averages, "
+                f"pairs inside a node and one group across the nodes); group_size={self.group_size} is not used"
+            )
         return policy
 
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
