@@ -5,7 +5,7 @@
     python benchmarks/coordinator_load.py --sizes 256 --mode claims
 
 The real :class:`~lightning_prague.core.ControlPlane` runs behind the real
-:class:`~lightning_prague.core.transport.MessageServer` in this process, as in the supervisor
+:class:`~lightning_prague.core.plane.server.MessageServer` in this process, as in the supervisor
 (no TCPStore: its address is passed to the clients directly). Simulated workers run in a few
 forked client processes: each opens one connection per rank it simulates, sends ``hello`` and
 ``join`` (one session, one :class:`~lightning_prague.core.SessionConfig` with the policy of
@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_prague.core import ControlPlane, SessionConfig, make_policy
-from lightning_prague.core.transport import HELLO, MessageServer, encode_line
+from lightning_prague.core.plane.server import MessageServer
+from lightning_prague.core.protocol import HELLO, encode_line
 
 SESSION = 1  # the session number every simulated rank joins
 CURSOR = "epoch/0/cursor"  # the work queue's claim counter of epoch 0

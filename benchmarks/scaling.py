@@ -48,10 +48,10 @@ from lightning_prague.core import (
     make_policy,
     make_topology,
 )
-from lightning_prague.core.bipartite import BipartiteGraph
-from lightning_prague.core.gossip import LaggedGossip
-from lightning_prague.core.overlap import BackgroundAverager, Exchanger, PassiveResponder
-from lightning_prague.core.policies import GossipPolicy, GroupingPolicy, SchedulePolicy
+from lightning_prague.core.exchange.gossip import LaggedGossip
+from lightning_prague.core.exchange.overlap import BackgroundAverager, Exchanger, PassiveResponder
+from lightning_prague.core.grouping.bipartite import BipartiteGraph
+from lightning_prague.core.grouping.policies import GossipPolicy, GroupingPolicy, SchedulePolicy
 
 STRATEGIES = ("ddp", "prague", "partial_reduce", "adpsgd", "decent_adam")
 PROFILES = ("straggler", "homogeneous")

@@ -4,12 +4,12 @@
     python benchmarks/straggler_vs_ddp.py --strategies decent_adam --profiles jitter homogeneous
 
 Any option of ``lightning-prague bench`` can be given; results go to ``bench-full/`` unless
-``--out`` says otherwise. See ``lightning_prague/bench.py`` and ``docs/benchmarks.md``.
+``--out`` says otherwise. See ``lightning_prague/tools/bench.py`` and ``docs/benchmarks.md``.
 """
 
 import sys
 
-from lightning_prague.bench import main
+from lightning_prague.tools.bench import main
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

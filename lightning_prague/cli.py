@@ -1,7 +1,7 @@
 """`lightning-prague`: LightningCLI with the strategies registered, plus `plan` and `bench`.
 
     lightning-prague fit --config examples/configs/prague_digits.yaml
-    lightning-prague plan --workers 8 --step-time 0.05 --sigma 0.5    # predict (core.runtime_model)
+    lightning-prague plan --workers 8 --step-time 0.05 --sigma 0.5    # predict (lightning_prague.tools.runtime_model)
     lightning-prague bench --preset quick --out bench-results         # measure against DDP
 
 Any LightningModule/LightningDataModule can be named with `--model`/`--data` class paths. The
@@ -90,12 +90,12 @@ def main(args: list[str] | None = None) -> None:
         print(f"usage: lightning-prague {{fit,validate,test,predict,plan,bench}} ... | --version\n\n{SUBCOMMANDS}")
         return
     if argv and argv[0] == "plan":
-        from lightning_prague import plan
+        from lightning_prague.tools import plan
 
         plan.main(argv[1:])
         return
     if argv and argv[0] == "bench":
-        from lightning_prague import bench
+        from lightning_prague.tools import bench
 
         bench.main(argv[1:])
         return

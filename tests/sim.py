@@ -13,7 +13,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from lightning_prague.core.generator import GroupGenerator
+from lightning_prague.core.plane.generator import GroupGenerator
 
 
 @dataclass

@@ -7,11 +7,11 @@ import random
 import pytest
 from sim import assert_consistent_order, simulate
 
-from lightning_prague.core.bipartite import BipartiteGraph
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.generator import GroupGenerator
-from lightning_prague.core.policies import GossipPolicy
-from lightning_prague.core.syncgraph import SyncGraph
+from lightning_prague.core.grouping.bipartite import BipartiteGraph
+from lightning_prague.core.grouping.policies import GossipPolicy
+from lightning_prague.core.grouping.syncgraph import SyncGraph
+from lightning_prague.core.plane.generator import GroupGenerator
 
 
 @pytest.mark.parametrize("world", range(2, 65))

@@ -10,16 +10,16 @@ import pytest
 import torch
 from helpers import SCRIPTS
 
-from lightning_prague.core import norms
-from lightning_prague.core.averaging import (
+from lightning_prague.core.comm import norms
+from lightning_prague.core.comm.averaging import (
     BucketedTensors,
     FlatBuffers,
     SnapshotAverages,
     average_,
     average_difference_,
 )
-from lightning_prague.core.groups import sum_is_complete
-from lightning_prague.core.norms import squared_distance, squared_norm
+from lightning_prague.core.comm.groups import sum_is_complete
+from lightning_prague.core.comm.norms import squared_distance, squared_norm
 
 sys.path.insert(0, str(SCRIPTS))
 import peak_memory  # noqa: E402

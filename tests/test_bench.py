@@ -11,7 +11,8 @@ import sys
 import pytest
 from helpers import ROOT, env
 
-from lightning_prague.bench import FIELDS, add_predictions
+from lightning_prague.tools.bench import add_predictions
+from lightning_prague.tools.results import FIELDS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -85,7 +86,7 @@ def test_predictions_calibrate_epoch_cost_step_overhead_and_all_reduce_from_the_
 
 
 def test_bench_arguments_are_checked_before_any_run(capsys):
-    from lightning_prague.bench import parse_args
+    from lightning_prague.tools.bench import parse_args
 
     for argv, expected in [
         (["--strategies", "pragu"], "invalid choice: 'pragu'"),
@@ -103,8 +104,8 @@ def test_bench_arguments_are_checked_before_any_run(capsys):
 
 
 def test_a_failing_run_stops_the_bench_with_the_end_of_its_output(tmp_path, monkeypatch):
-    from lightning_prague import bench
     from lightning_prague.demo import run as demo_run
+    from lightning_prague.tools import bench
 
     def broken(argv, extra_callbacks=None):
         print("training started")

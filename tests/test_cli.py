@@ -24,8 +24,8 @@ from lightning_prague import (
 )
 from lightning_prague.cli import PragueCLI, main
 from lightning_prague.cli_names import rewrite_config, rewrite_strategy_args, strategy_spec
-from lightning_prague.core.policies import WEIGHTINGS
-from lightning_prague.core.topology import TOPOLOGIES
+from lightning_prague.core.grouping.policies import WEIGHTINGS
+from lightning_prague.core.grouping.topology import TOPOLOGIES
 from lightning_prague.strategies import STRATEGIES
 from lightning_prague.strategies.decent_adam import Topology
 from lightning_prague.strategies.partial_all_reduce import PRAGUE_POLICIES, Grouping

@@ -1,6 +1,6 @@
 """Several nodes for real: the strategies on an emulated cluster of 2 nodes x 2 workers.
 
-The cluster (`benchmarks.cluster`) makes each node a network namespace with its own host name and a
+The cluster (`lightning_prague.tools.cluster`) makes each node a network namespace with its own host name and a
 Debian-style ``/etc/hosts`` (the node's own name on 127.0.1.1, the other node at its bridge
 address), joined by 1 Gbit/s links shaped with ``tc``; gloo is told each node's interface
 (``GLOO_SOCKET_IFNAME``), as on any machine with more than one. Each node's processes are started
@@ -11,7 +11,7 @@ What runs (about 45 s on two cores; each job's ranks start and train concurrentl
 
 - **torchrun** (``--rdzv-backend c10d --rdzv-endpoint node1:PORT``, one agent per node, fresh
   interpreters: 6 imports of Lightning per job, the costliest launch here): ``prague``.
-- **srun-style** (``benchmarks.cluster.srun``: per rank the variables ``srun`` sets, ``MASTER_ADDR``
+- **srun-style** (``lightning_prague.tools.cluster.srun``: per rank the variables ``srun`` sets, ``MASTER_ADDR``
   node1, ``MASTER_PORT`` from the job id as Lightning's ``SLURMEnvironment`` derives it):
   ``partial_reduce``, ``adpsgd`` and ``decent_adam``, so that every strategy runs once on several
   nodes within the suite's time. The ranks are forked from one process per node that imported
@@ -46,8 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
 
-from benchmarks.cluster import Cluster, ClusterUnavailable, clean_environment  # noqa: E402
-from benchmarks.cluster.emulate import cluster_ids, namespaces  # noqa: E402
+from lightning_prague.tools.cluster import Cluster, ClusterUnavailable, clean_environment  # noqa: E402
+from lightning_prague.tools.cluster.emulate import cluster_ids, namespaces  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -167,7 +167,8 @@ def start_srun(cluster: Cluster, jobs: list[Job], directory: Path) -> list[subpr
     procs = []
     for node in cluster.nodes:
         argv = [
-            sys.executable, "-m", "benchmarks.cluster.srun", "--nnodes", str(NODES), "--node-id", str(node.index),
+            sys.executable, "-m", "lightning_prague.tools.cluster.srun", "--nnodes", str(NODES),
+            "--node-id", str(node.index),
             "--ntasks-per-node", str(WORKERS), "--nodelist", f"node[1-{NODES}]", "--master-addr", "node1",
             "--preload", "--steps", str(directory / "steps.json"), "--log-dir", str(directory),
             "--timeout", str(JOB_TIMEOUT), "-m", "lightning_prague.demo.run",
@@ -380,7 +381,7 @@ def test_teardown_removes_everything_and_is_idempotent(cluster):
 
 
 def test_sigterm_tears_down_and_cleanup_removes_leftovers(cluster, tmp_path):
-    cli = [sys.executable, "-m", "benchmarks.cluster"]
+    cli = [sys.executable, "-m", "lightning_prague.tools.cluster"]
     up = subprocess.Popen(
         [*cli, "up", "--nodes", "1", "--prefix", PREFIX, "--subnet", "10.77.2"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_prague import bench, cluster_bench
-from lightning_prague.cluster_bench import (
+from lightning_prague.tools import bench, cluster_bench
+from lightning_prague.tools.cluster_bench import (
     CLUSTER_PROFILES,
     add_cluster_predictions,
     cluster_profile,
@@ -18,7 +18,7 @@ from lightning_prague.cluster_bench import (
     profiles_from,
     runs,
 )
-from lightning_prague.core.runtime_model import ComputeProfile, predict
+from lightning_prague.tools.runtime_model import ComputeProfile, predict
 
 
 @pytest.fixture

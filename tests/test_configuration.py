@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_prague
 from lightning_prague import ConfigurationError, PartialAllReduceStrategy
-from lightning_prague.core.supervisor import PORT_VARIABLE
+from lightning_prague.core.protocol import PORT_VARIABLE
 from lightning_prague.strategies._checks import check_layer_sync, check_trainer
 
 

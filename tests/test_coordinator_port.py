@@ -15,8 +15,9 @@ import torch.distributed as dist
 from helpers import free_port
 
 from lightning_prague import ConfigurationError, PartialAllReduceStrategy
-from lightning_prague.core.control import ControlClient
-from lightning_prague.core.supervisor import PORT_VARIABLE, address_key, launch, wait_until_listening
+from lightning_prague.core.client.control import ControlClient
+from lightning_prague.core.plane.launch import launch, wait_until_listening
+from lightning_prague.core.protocol import PORT_VARIABLE, address_key
 from lightning_prague.strategies import base
 
 

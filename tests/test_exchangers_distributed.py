@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import run_core_ranks
 
-from lightning_prague.core.bipartite import BipartiteGraph
+from lightning_prague.core.grouping.bipartite import BipartiteGraph
 
 pytestmark = pytest.mark.timeout(150)
 

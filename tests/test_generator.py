@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from sim import assert_consistent_order, request_waves, simulate
 
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.generator import STOP_SYNC, GroupGenerator
-from lightning_prague.core.policies import POLICY_NAMES, make_policy
+from lightning_prague.core.grouping.policies import POLICY_NAMES, make_policy
+from lightning_prague.core.plane.generator import GroupGenerator
+from lightning_prague.core.protocol import STOP_SYNC
 
 
 @st.composite

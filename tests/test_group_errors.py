@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_prague.core.comm.groups import GroupComm, PeerFailure, sum_is_complete
 from lightning_prague.core.errors import CoordinationTimeout
-from lightning_prague.core.groups import GroupComm, PeerFailure, sum_is_complete
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_a_workers_error_item_is_the_control_planes_failure_or_the_ranks_disagre
     from types import SimpleNamespace
 
     from lightning_prague.core.errors import CONTROL_PLANE, ControlPlaneError, SyncMismatchError
-    from lightning_prague.core.worker import GroupWorker
+    from lightning_prague.core.exchange.worker import GroupWorker
 
     worker = SimpleNamespace(rank=3)
     failed = {"t": "error", "source": CONTROL_PLANE, "message": "the control plane rejected 'arrive': KeyError"}

@@ -6,7 +6,9 @@ import time
 
 import pytest
 
-from lightning_prague.core.liveness import Beacon, HangDetector, HangRule
+from lightning_prague.core.client.beacon import Beacon
+from lightning_prague.core.plane.liveness import HangDetector
+from lightning_prague.core.protocol import HangRule
 
 
 class Clock:

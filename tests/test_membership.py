@@ -8,12 +8,13 @@ import random
 import pytest
 import torch
 
-from lightning_prague.core.bipartite import BipartiteGraph
-from lightning_prague.core.coordinator import CoordinatorSession, SessionConfig
-from lightning_prague.core.generator import GroupGenerator
-from lightning_prague.core.gossip import surviving
-from lightning_prague.core.policies import POLICY_NAMES, GossipPolicy, make_policy
-from lightning_prague.core.topology import TOPOLOGIES, is_doubly_stochastic, make_topology
+from lightning_prague.core.exchange.gossip import surviving
+from lightning_prague.core.grouping.bipartite import BipartiteGraph
+from lightning_prague.core.grouping.policies import POLICY_NAMES, GossipPolicy, make_policy
+from lightning_prague.core.grouping.topology import TOPOLOGIES, is_doubly_stochastic, make_topology
+from lightning_prague.core.plane.coordinator import CoordinatorSession
+from lightning_prague.core.plane.generator import GroupGenerator
+from lightning_prague.core.protocol import SessionConfig
 
 WORLD = 8
 LOST = (2, 5)

@@ -248,10 +248,10 @@ def _links_rank() -> None:
     import torch
     import torch.distributed as dist
 
+    from lightning_prague.callbacks.slowdown import SlowLinks, simulate_slow_links
     from lightning_prague.core import BucketedTensors, SessionConfig, init_job, make_policy, make_topology
-    from lightning_prague.core.gossip import LaggedGossip
-    from lightning_prague.core.links import SlowLinks, simulate_slow_links
-    from lightning_prague.core.worker import GroupWorker
+    from lightning_prague.core.exchange.gossip import LaggedGossip
+    from lightning_prague.core.exchange.worker import GroupWorker
 
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

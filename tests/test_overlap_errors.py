@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from lightning_prague.core.averaging import BucketedTensors, FlatBuffers
-from lightning_prague.core.overlap import BackgroundAverager
+from lightning_prague.core.comm.averaging import BucketedTensors, FlatBuffers
+from lightning_prague.core.exchange.overlap import BackgroundAverager
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from sim import assert_consistent_order, propagation_delays, simulate, simulate_first_ready
 
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.generator import GroupGenerator
-from lightning_prague.core.policies import FirstReadyPolicy, make_policy
-from lightning_prague.core.staleness import staleness_weights
-from lightning_prague.core.syncgraph import SyncGraph
+from lightning_prague.core.grouping.policies import FirstReadyPolicy, make_policy
+from lightning_prague.core.grouping.staleness import staleness_weights
+from lightning_prague.core.grouping.syncgraph import SyncGraph
+from lightning_prague.core.plane.generator import GroupGenerator
 
 
 def test_staleness_weights_reproduce_the_reference_example():

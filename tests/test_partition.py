@@ -9,11 +9,12 @@ import time
 
 import pytest
 
-from lightning_prague.core import partition
-from lightning_prague.core.control import Session
-from lightning_prague.core.coordinator import ALIVE, ControlPlane, SessionConfig
-from lightning_prague.core.liveness import Beacon, HangRule
-from lightning_prague.core.policies import RandomPolicy
+from lightning_prague.core.client import partition
+from lightning_prague.core.client.beacon import Beacon
+from lightning_prague.core.client.control import Session
+from lightning_prague.core.grouping.policies import RandomPolicy
+from lightning_prague.core.plane.coordinator import ControlPlane
+from lightning_prague.core.protocol import ALIVE, HangRule, SessionConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,7 +93,7 @@ def test_a_worker_that_hears_nothing_from_the_control_plane_beyond_its_bound_fen
     def exit_(status: int) -> None:
         raise Exited(status)
 
-    monkeypatch.setattr("lightning_prague.core.control.os._exit", exit_)
+    monkeypatch.setattr("lightning_prague.core.client.control.os._exit", exit_)
     beacon = Beacon(HangRule(floor=10.0))
     beacon.bump()
     beacon.bump()  # one step timed: the bound is 10 s

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_prague.core.phases import Phase, SyncController, Validation
+from lightning_prague.core.exchange.phases import Phase, SyncController, Validation
 
 
 def test_a_fit_alternates_aligned_stretches_and_asynchronous_phases():

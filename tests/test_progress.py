@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_prague.core.data.progress import Boundary, ProgressSchedule
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.progress import Boundary, ProgressSchedule
 
 
 def test_boundaries_of_validation_checkpoints_and_budget():

@@ -8,11 +8,11 @@ import random
 import pytest
 
 from lightning_prague.callbacks.straggler import StragglerMonitor, WorkerTiming
-from lightning_prague.core import runtime_model
-from lightning_prague.core.bipartite import BipartiteGraph
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.runtime_model import Cluster, ComputeProfile, Link, predict, recommend
-from lightning_prague.plan import main as plan
+from lightning_prague.core.grouping.bipartite import BipartiteGraph
+from lightning_prague.tools import runtime_model
+from lightning_prague.tools.plan import main as plan
+from lightning_prague.tools.runtime_model import Cluster, ComputeProfile, Link, predict, recommend
 
 MB = 2**20
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from lightning_prague.core import ControlClient, ControlPlane, SessionConfig, make_policy
+from lightning_prague.core.data.sharding import WorkQueueSampler
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.sharding import WorkQueueSampler
-from lightning_prague.core.transport import MessageServer
+from lightning_prague.core.plane.server import MessageServer
 
 
 @pytest.fixture()

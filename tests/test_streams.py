@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from lightning_prague.core.streams import CommStream
+from lightning_prague.core.comm.streams import CommStream
 
 
 def test_tensors_on_cuda_are_recorded_on_the_using_threads_stream_and_others_are_left_alone(monkeypatch):

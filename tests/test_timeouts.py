@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from lightning_prague import DecentAdamStrategy, PartialAllReduceStrategy
-from lightning_prague.core.averaging import BucketedTensors
+from lightning_prague.core.comm.averaging import BucketedTensors
 from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout
-from lightning_prague.core.worker import GroupWorker
+from lightning_prague.core.exchange.worker import GroupWorker
 
 
 def test_the_defaults_form_a_hierarchy_that_survives_what_ddp_survives():
@@ -67,7 +67,7 @@ def test_a_synchronization_point_is_bounded_as_a_whole_not_per_item():
 
 def test_a_worker_busy_outside_its_steps_gets_the_synchronization_bound_before_it_is_declared_hung():
     from lightning_prague.core import SessionConfig, make_policy
-    from lightning_prague.core.coordinator import CoordinatorSession
+    from lightning_prague.core.plane.coordinator import CoordinatorSession
 
     config = SessionConfig(2, make_policy("random", 2, 2), timeout=300.0, sync_timeout=1800.0)
     assert CoordinatorSession(1, config).hangs.timeout == 1800.0

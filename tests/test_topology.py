@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.policies import StaticPolicy
-from lightning_prague.core.topology import (
+from lightning_prague.core.grouping.policies import StaticPolicy
+from lightning_prague.core.grouping.topology import (
     alternating_exp_ring,
     complete,
     is_doubly_stochastic,

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from lightning_prague.core import ControlClient, ControlPlane, SessionConfig, make_policy
+from lightning_prague.core.client.link import MessageLink
 from lightning_prague.core.errors import CONTROL_PLANE, ControlPlaneError, CoordinationTimeout
-from lightning_prague.core.transport import MessageLink, MessageServer
+from lightning_prague.core.plane.server import MessageServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -210,7 +211,8 @@ def test_the_supervisor_exits_by_itself_when_nobody_comes_and_when_everyone_has_
     import torch.distributed as dist
     from helpers import free_port
 
-    from lightning_prague.core.supervisor import address_key, launch, wait_until_listening
+    from lightning_prague.core.plane.launch import launch, wait_until_listening
+    from lightning_prague.core.protocol import address_key
 
     # nobody connects within its timeout: it goes
     port = free_port()

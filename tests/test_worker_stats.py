@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from lightning_prague.core.worker import WorkerStats
+from lightning_prague.core.exchange.worker import WorkerStats
 
 
 def test_group_errors_recorded_from_one_thread_and_taken_from_another_keep_sum_and_count_together():

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_prague.callbacks.straggler import log_metrics
-from lightning_prague.core.averaging import averaged_state, relative_error
-from lightning_prague.core.groups import backend_device
+from lightning_prague.core.comm.averaging import averaged_state, relative_error
+from lightning_prague.core.comm.groups import backend_device
 from lightning_prague.strategies.base import DecentralizedStrategy
 
 

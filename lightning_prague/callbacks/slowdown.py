@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
@@ -22,11 +24,34 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_prague.core.comm.groups import set_link_delay
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.links import SlowLinks, simulate_slow_links
 
 Profile = Literal["homogeneous", "straggler", "jitter", "periodic"]
 PROFILES = ("homogeneous", "straggler", "jitter", "periodic")
+
+
+@dataclass(frozen=True)
+class SlowLinks:
+    """Workers behind a slow link, and the extra seconds each byte of a group sum costs there.
+
+    While it is active (`simulate_slow_links`), every group sum of this process that involves one of
+    those workers completes no sooner than `seconds_per_byte * bytes` after it was issued (through
+    `lightning_prague.core.comm.groups.set_link_delay`): every member of such a group sees the same
+    delay, as with a real bottleneck link.
+    """
+
+    ranks: frozenset[int]
+    seconds_per_byte: float
+
+    def delay(self, members: Iterable[int], nbytes: int) -> float:
+        """Extra seconds a collective of `nbytes` among `members` takes."""
+        return nbytes * self.seconds_per_byte if self.ranks.intersection(members) else 0.0
+
+
+def simulate_slow_links(links: SlowLinks | None) -> None:
+    """Make `links` apply to this process's group collectives (`None` turns it off)."""
+    set_link_delay(links.delay if links is not None else None)
 
 
 class SlowdownInjector(Callback):
@@ -51,7 +76,7 @@ class SlowdownInjector(Callback):
         slow_link_ranks: workers behind a slow network link (default: none).
         link_seconds_per_byte: extra seconds per byte of every synchronization that involves one
             of them: the group collectives of this package's strategies
-            (`lightning_prague.core.links`; overlapped exchanges can hide it) and, with
+            (`SlowLinks`; overlapped exchanges can hide it) and, with
             Lightning's DDP, its gradient all-reduce (through a DDP communication hook).
     """
 

@@ -7,7 +7,8 @@ the control plane), opens a session with `job.open_session(SessionConfig(...))`,
 `global_average()` where all ranks must agree, and `close()` at the end.
 """
 
-from lightning_prague.core.averaging import (
+from lightning_prague.core.client.control import ControlClient, Session
+from lightning_prague.core.comm.averaging import (
     BucketedTensors,
     FlatBuffers,
     SnapshotAverages,
@@ -15,8 +16,9 @@ from lightning_prague.core.averaging import (
     average_difference_,
     averaged_state,
 )
-from lightning_prague.core.control import ControlClient, Session
-from lightning_prague.core.coordinator import ControlPlane, SessionConfig
+from lightning_prague.core.comm.groups import GroupComm, communicator_count
+from lightning_prague.core.comm.streams import CommStream
+from lightning_prague.core.data.sharding import WorkQueueSampler
 from lightning_prague.core.errors import (
     ConfigurationError,
     ControlPlaneError,
@@ -25,14 +27,13 @@ from lightning_prague.core.errors import (
     PragueError,
     SyncMismatchError,
 )
-from lightning_prague.core.generator import GroupGenerator
-from lightning_prague.core.groups import GroupComm, communicator_count
+from lightning_prague.core.exchange.worker import GroupWorker, WorkerStats
+from lightning_prague.core.grouping.policies import POLICY_NAMES, GroupingPolicy, SchedulePolicy, make_policy
+from lightning_prague.core.grouping.topology import TOPOLOGIES, Schedule, WeightedGroup, make_topology, static_schedule
 from lightning_prague.core.job import Job, current_job, init_job
-from lightning_prague.core.policies import POLICY_NAMES, GroupingPolicy, SchedulePolicy, make_policy
-from lightning_prague.core.sharding import WorkQueueSampler
-from lightning_prague.core.streams import CommStream
-from lightning_prague.core.topology import TOPOLOGIES, Schedule, WeightedGroup, make_topology, static_schedule
-from lightning_prague.core.worker import GroupWorker, WorkerStats
+from lightning_prague.core.plane.coordinator import ControlPlane
+from lightning_prague.core.plane.generator import GroupGenerator
+from lightning_prague.core.protocol import SessionConfig
 
 __all__ = [
     "POLICY_NAMES",

@@ -4,7 +4,7 @@
 would be (the strategies call it from `setup_distributed`; a script without Lightning calls it
 itself). It
 
-1. has global rank 0 start the supervisor (`lightning_prague.core.supervisor`), which hosts the
+1. has global rank 0 start the supervisor (`lightning_prague.core.plane.supervisor`), which hosts the
    store and the control plane in a process of its own; under torchrun the agent's store is used
    (`TORCHELASTIC_USE_AGENT_STORE`) and the supervisor hosts the control plane only;
 2. initialises the default process group with every rank a client of that store;
@@ -36,10 +36,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_prague.core.control import ControlClient, Session
-from lightning_prague.core.coordinator import SessionConfig
+from lightning_prague.core.client.control import ControlClient, Session
 from lightning_prague.core.errors import CoordinationTimeout
-from lightning_prague.core.supervisor import Supervisor, address_key, launch, wait_until_listening
+from lightning_prague.core.plane.launch import Supervisor, launch, wait_until_listening
+from lightning_prague.core.protocol import SessionConfig, address_key
 
 log = logging.getLogger(__name__)
 

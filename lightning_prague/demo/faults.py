@@ -91,7 +91,7 @@ def strike(fault: Fault, directory: Path) -> None:
 
 
 def _kill_in_next_exchange() -> None:
-    from lightning_prague.core import groups
+    from lightning_prague.core.comm import groups
 
     def post(self: Any, ops: list[Any]) -> Any:  # every algorithm of GroupComm starts its messages here
         first = ops[0]

@@ -20,7 +20,7 @@ import torch
 import lightning_prague  # noqa: F401  (registers the strategies)
 from lightning_prague.callbacks import ConsensusMonitor, SlowdownInjector, StragglerMonitor, WorkerSummary
 from lightning_prague.callbacks.slowdown import PROFILES
-from lightning_prague.core.overlap import communication_threads
+from lightning_prague.core.exchange.overlap import communication_threads
 from lightning_prague.demo.captured import run_captured
 from lightning_prague.demo.digits import OPTIMIZERS, DigitsClassifier, DigitsDataModule
 from lightning_prague.demo.faults import KINDS, Fault, inject_faults

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from lightning_prague.core.averaging import BucketedTensors
-from lightning_prague.core.bipartite import BipartiteGraph
-from lightning_prague.core.overlap import BackgroundAverager, Exchanger, PassiveResponder
-from lightning_prague.core.policies import GossipPolicy, GroupingPolicy
-from lightning_prague.core.worker import GroupWorker
+from lightning_prague.core.comm.averaging import BucketedTensors
+from lightning_prague.core.exchange.overlap import BackgroundAverager, Exchanger, PassiveResponder
+from lightning_prague.core.exchange.worker import GroupWorker
+from lightning_prague.core.grouping.bipartite import BipartiteGraph
+from lightning_prague.core.grouping.policies import GossipPolicy, GroupingPolicy
 from lightning_prague.strategies.base import DecentralizedStrategy
 
 GraphSpec = Union[list[list[int]], dict[int, list[int]]]

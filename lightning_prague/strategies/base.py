@@ -17,7 +17,7 @@ who averages with whom (`make_policy`) and how an exchange runs relative to the 
   `trainer.should_stop` set on any rank (Timer, EarlyStopping, the module) stops every rank at
   the same synchronization point.
 * **lost workers** - a rank whose process ends (exit, exception, kill -9) or that hangs (declared
-  from its own step times and fenced, `lightning_prague.core.liveness`) leaves the job and the
+  from its own step times and fenced, `lightning_prague.core.plane.liveness`) leaves the job and the
   survivors finish the fit: from the next synchronization point on they exchange among
   themselves, Lightning's collectives run on their group, the lowest live rank takes over global
   rank 0's duties (checkpoints, logging), and at the end a warning names who was lost, when and
@@ -61,24 +61,21 @@ from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 from typing_extensions import override
 
-from lightning_prague.core.averaging import BucketedTensors, averaged_optimizer_state, averaged_state
-from lightning_prague.core.collectives import MemberCollectives
-from lightning_prague.core.control import Session
-from lightning_prague.core.coordinator import SessionConfig
+from lightning_prague.core.client.control import Session
+from lightning_prague.core.comm.averaging import BucketedTensors, averaged_optimizer_state, averaged_state
+from lightning_prague.core.comm.collectives import MemberCollectives
+from lightning_prague.core.comm.groups import GroupComm
+from lightning_prague.core.data.progress import ProgressCounter
+from lightning_prague.core.data.progress_loader import ProgressLoader
+from lightning_prague.core.data.sharding import WorkQueueSampler
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.generator import REQUEUE, SIGTERM, STOP_SYNC
-from lightning_prague.core.groups import GroupComm
+from lightning_prague.core.exchange.overlap import Exchanger
+from lightning_prague.core.exchange.phases import SyncController
+from lightning_prague.core.exchange.training import SessionPlan, TrainingSession
+from lightning_prague.core.exchange.worker import GroupWorker
+from lightning_prague.core.grouping.policies import GroupingPolicy
 from lightning_prague.core.job import Job, init_job
-from lightning_prague.core.liveness import HangRule
-from lightning_prague.core.overlap import Exchanger
-from lightning_prague.core.phases import SyncController
-from lightning_prague.core.policies import GroupingPolicy
-from lightning_prague.core.progress import ProgressCounter
-from lightning_prague.core.progress_loader import ProgressLoader
-from lightning_prague.core.sharding import WorkQueueSampler
-from lightning_prague.core.supervisor import resolve_control_port
-from lightning_prague.core.training import SessionPlan, TrainingSession
-from lightning_prague.core.worker import GroupWorker
+from lightning_prague.core.protocol import REQUEUE, SIGTERM, STOP_SYNC, HangRule, SessionConfig, resolve_control_port
 from lightning_prague.strategies import _patches
 from lightning_prague.strategies._checks import check_layer_sync, check_lightning_internals, check_trainer
 from lightning_prague.strategies.ddp_options import check_ddp_options, strategy_options
@@ -211,7 +208,7 @@ class DecentralizedStrategy(DDPStrategy):
             min_workers: stop the job (every rank at its next synchronization point, as when
                 `trainer.should_stop` is set) when fewer workers than this remain.
             hang_timeout: the shortest time without training progress after which a worker is
-                declared hung and fenced (`lightning_prague.core.liveness`).
+                declared hung and fenced (`lightning_prague.core.plane.liveness`).
             hang_factor: a worker is declared hung after `max(hang_timeout, hang_factor x` its
                 longest recent step`)` without progress (steps timed on that worker).
             sync_timeout: seconds the ranks may take to all reach a synchronization point (its
@@ -327,7 +324,7 @@ class DecentralizedStrategy(DDPStrategy):
 
     @abstractmethod
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
-        """How this rank's exchanges run relative to its steps (see `lightning_prague.core.overlap`)."""
+        """How this rank's exchanges run relative to its steps (see `lightning_prague.core.exchange.overlap`)."""
 
     # -- setup / teardown ---------------------------------------------------------------------
     @property

@@ -7,17 +7,17 @@ from typing import Any, Literal, Optional, get_args
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.optim import Optimizer
 
-from lightning_prague.core.averaging import BucketedTensors
+from lightning_prague.core.comm.averaging import BucketedTensors
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.gossip import LaggedGossip
-from lightning_prague.core.overlap import Exchanger
-from lightning_prague.core.policies import GroupingPolicy, SchedulePolicy
-from lightning_prague.core.topology import Schedule, make_topology
-from lightning_prague.core.worker import GroupWorker
+from lightning_prague.core.exchange.gossip import LaggedGossip
+from lightning_prague.core.exchange.overlap import Exchanger
+from lightning_prague.core.exchange.worker import GroupWorker
+from lightning_prague.core.grouping.policies import GroupingPolicy, SchedulePolicy
+from lightning_prague.core.grouping.topology import Schedule, make_topology
 from lightning_prague.strategies.base import DecentralizedStrategy
 
 Topology = Literal["complete", "ring", "one_peer_exp", "alternating_exp_ring", "static"]
-"""The named topologies of `DecentAdamStrategy` (its `topology` option); see `lightning_prague.core.topology`."""
+"""The named topologies of `DecentAdamStrategy` (its `topology` option): `lightning_prague.core.grouping.topology`."""
 
 
 class MixPoint(Callback):
@@ -54,7 +54,7 @@ class DecentAdamStrategy(DecentralizedStrategy):
     step-based settings (`max_steps`, `val_check_interval`) are allowed. The meeting that
     ends a phase tolerates unequal step counts anyway: a worker out of batches runs idle rounds
     (mixing only) until every worker has reached the same final round, which the meeting settles
-    (see `lightning_prague.core.gossip`). Synchronization points (validation, epoch end, end of
+    (see `lightning_prague.core.exchange.gossip`). Synchronization points (validation, epoch end, end of
     fit) then average all replicas (`average_at_sync`). A SIGTERM (or SLURM's requeue signal)
     stops every worker before its next batch once the stop reaches it: the workers settle their
     final gossip round, a step or two apart, and meet at the stop point, where they average.
@@ -66,7 +66,7 @@ class DecentAdamStrategy(DecentralizedStrategy):
             node averages with its counterpart on a partner node, the node pairs cycling through
             exponential hops, while the others average inside the node) or
             `"static"` (Prague's schedule on the node layout); see
-            `lightning_prague.core.topology`.
+            `lightning_prague.core.grouping.topology`.
         schedule: a user schedule instead of a named topology: a list of rounds, each a list of
             groups, each a list of ranks or `{"members": [...], "self_weight": w}`. Validated:
             every round must put every rank in exactly one group. Given, it replaces `topology`.

@@ -1,4 +1,4 @@
-"""Lightning's step-based features driven by global progress (see `lightning_prague.core.progress`).
+"""Lightning's step-based features driven by global progress (see `lightning_prague.core.data.progress`).
 
 Under an asynchronous strategy with the work queue, every per-step schedule of the trainer follows
 the global number of batches trained instead of this worker's own step count:
@@ -30,10 +30,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer import call
 from torch.utils.data import DataLoader
 
+from lightning_prague.core.data.progress import Boundary, ProgressSchedule
+from lightning_prague.core.data.progress_loader import ProgressLoader
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.phases import SyncController
-from lightning_prague.core.progress import Boundary, ProgressSchedule
-from lightning_prague.core.progress_loader import ProgressLoader
+from lightning_prague.core.exchange.phases import SyncController
 
 #: `meet(name, progress, inside_epoch, validate)`: every rank meets at a boundary (the strategy's
 #: synchronization point, which tells the `SyncController` it met)

@@ -6,13 +6,13 @@ from typing import Any, Literal, get_args
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_prague.core.averaging import BucketedTensors
+from lightning_prague.core.comm.averaging import BucketedTensors
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.gossip import LaggedGossip
-from lightning_prague.core.overlap import BackgroundAverager, BlockingExchanger, Exchanger
-from lightning_prague.core.policies import GroupingPolicy, SchedulePolicy, StaticPolicy, make_policy
-from lightning_prague.core.topology import Schedule
-from lightning_prague.core.worker import GroupWorker
+from lightning_prague.core.exchange.gossip import LaggedGossip
+from lightning_prague.core.exchange.overlap import BackgroundAverager, BlockingExchanger, Exchanger
+from lightning_prague.core.exchange.worker import GroupWorker
+from lightning_prague.core.grouping.policies import GroupingPolicy, SchedulePolicy, StaticPolicy, make_policy
+from lightning_prague.core.grouping.topology import Schedule
 from lightning_prague.strategies.base import DecentralizedStrategy
 
 Grouping = Literal["random", "buffer", "division", "static"]
@@ -38,9 +38,9 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         group_size: workers per group (2 to the number of workers).
         grouping: `"random"` (Prague's Group Generator), `"buffer"` (Group Buffer),
             `"division"` (Group Division) or `"static"` (conflict-free schedule for
-            homogeneous clusters); see `lightning_prague.core.policies`. With `"static"`
+            homogeneous clusters); see `lightning_prague.core.grouping.policies`. With `"static"`
             every worker knows its group of every round, so no exchange asks the coordinator: the
-            rounds run as gossip (`lightning_prague.core.gossip.LaggedGossip`) and, since a
+            rounds run as gossip (`lightning_prague.core.exchange.gossip.LaggedGossip`) and, since a
             worker's group waits for it every round, training keeps Lightning's distributed
             sampler (equal shards, step-based settings allowed), as `decent_adam` does.
         avoid_stragglers: leave workers that lag far behind out of other workers' groups (they

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from lightning_prague.core.averaging import BucketedTensors
-from lightning_prague.core.overlap import BackgroundAverager, BlockingExchanger, Exchanger
-from lightning_prague.core.policies import FirstReadyPolicy, GroupingPolicy, make_policy
-from lightning_prague.core.worker import GroupWorker
+from lightning_prague.core.comm.averaging import BucketedTensors
+from lightning_prague.core.exchange.overlap import BackgroundAverager, BlockingExchanger, Exchanger
+from lightning_prague.core.exchange.worker import GroupWorker
+from lightning_prague.core.grouping.policies import FirstReadyPolicy, GroupingPolicy, make_policy
 from lightning_prague.strategies.base import DecentralizedStrategy
 from lightning_prague.strategies.partial_all_reduce import check_group_size
 
@@ -27,7 +27,7 @@ class PartialReduceStrategy(DecentralizedStrategy):
     Args:
         group_size: P, the workers per group (2 to the number of workers).
         weighting: `"uniform"` (`x_i <- mean of the group`) or `"staleness"` (fresher
-            models weigh more; `lightning_prague.core.staleness.staleness_weights`).
+            models weigh more; `lightning_prague.core.grouping.staleness.staleness_weights`).
         alpha: the staleness decay of `weighting="staleness"` (0 < alpha < 1).
         mixing_window: ready reports after which, if some workers' models have not mixed with
             the others' (directly or through others) since the window began, the coordinator

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_prague.core import BucketedTensors, GroupWorker, SessionConfig, communicator_count, init_job, make_policy
-from lightning_prague.core.averaging import averaged_optimizer_state
+from lightning_prague.core.comm.averaging import averaged_optimizer_state
 
 
 def main() -> None:

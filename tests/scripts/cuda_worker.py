@@ -29,8 +29,8 @@ from lightning_prague.core import (
     make_policy,
     make_topology,
 )
-from lightning_prague.core.gossip import LaggedGossip
-from lightning_prague.core.overlap import BackgroundAverager
+from lightning_prague.core.exchange.gossip import LaggedGossip
+from lightning_prague.core.exchange.overlap import BackgroundAverager
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_reads import HostReadCounter  # noqa: E402

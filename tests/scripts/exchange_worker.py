@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_prague.core import BucketedTensors, GroupWorker, SessionConfig, init_job
-from lightning_prague.core.bipartite import BipartiteGraph
-from lightning_prague.core.overlap import BackgroundAverager, PassiveResponder, communication_threads
-from lightning_prague.core.policies import GossipPolicy, make_policy
+from lightning_prague.core.exchange.overlap import BackgroundAverager, PassiveResponder, communication_threads
+from lightning_prague.core.grouping.bipartite import BipartiteGraph
+from lightning_prague.core.grouping.policies import GossipPolicy, make_policy
 
 
 def comm_threads() -> list[str]:

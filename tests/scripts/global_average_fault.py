@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_prague.core import BucketedTensors, GroupComm, GroupWorker, SessionConfig, init_job, make_policy
-from lightning_prague.core.collectives import MemberCollectives
+from lightning_prague.core.comm.collectives import MemberCollectives
 
 
 def die_after_the_first_send(comm: GroupComm) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_prague.core import BucketedTensors, GroupWorker, SessionConfig, init_job, make_policy, make_topology
-from lightning_prague.core.gossip import LaggedGossip
+from lightning_prague.core.exchange.gossip import LaggedGossip
 
 DIM, LR = 7, 0.3
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_prague.core import BucketedTensors, GroupComm, average_, communicator_count, groups, norms
-from lightning_prague.core.averaging import SnapshotAverages
+from lightning_prague.core.comm.averaging import SnapshotAverages
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peak_memory import largest_allocation  # noqa: E402

@@ -56,7 +56,7 @@ class HostReadCounter:
     def self_check(self) -> int:
         """How many reads it counts in `WorkerStats.take_group_error`, which reads its sum on the host
         once (at log time): 1 if the stand-in works. Leaves no count behind."""
-        from lightning_prague.core.worker import WorkerStats
+        from lightning_prague.core.exchange.worker import WorkerStats
 
         stats = WorkerStats()
         stats.record_group_error(torch.tensor(0.5))

@@ -28,7 +28,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from lightning_prague.core.overlap import communication_threads
+from lightning_prague.core.exchange.overlap import communication_threads
 from lightning_prague.demo import run
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -1,7 +1,0 @@
-"""``python -m benchmarks.cluster``: the emulated cluster's command line (see `emulate`)."""
-
-import sys
-
-from .emulate import main
-
-sys.exit(main())

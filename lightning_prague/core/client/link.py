@@ -1,0 +1,161 @@
+"""A training process's connection to the control plane: `MessageLink`, read by a thread of its own.
+
+The server side is `lightning_prague.core.plane.server.MessageServer`; what travels between them is
+`lightning_prague.core.protocol`'s. A reader thread takes every line off the socket as it arrives
+and hands it to a router, so a worker learns of a departure or a stop even while no thread of it
+waits on the link.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+from lightning_prague.core.errors import ControlPlaneError, CoordinationTimeout, PragueError
+from lightning_prague.core.protocol import FAILED, HELLO, RECV_BYTES, Message, encode_line, tune_socket
+
+log = logging.getLogger(__name__)
+
+
+class MessageLink:
+    """One process's connection to a `MessageServer`, read by a thread of its own.
+
+    Any thread may `send` (a lock keeps lines whole, and one connection keeps one order). The
+    reader thread passes every message to `router` (if given) as it arrives; what the router does
+    not take (returns a false value) is queued for `receive`. When the server closes the
+    connection, `on_close(error)` runs once and `receive` raises `CoordinationTimeout`.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        timeout: float,
+        router: Callable[[Message], bool] | None = None,
+        on_close: Callable[[str], None] | None = None,
+        peer: str = "the control plane",
+    ) -> None:
+        self.rank = rank
+        self.timeout = timeout
+        self.peer = peer
+        self.router = router
+        self.on_close = on_close
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as err:
+            raise CoordinationTimeout(f"rank {rank}: cannot connect to {peer} at {host}:{port} ({err})") from None
+        tune_socket(self._sock)
+        # the reader blocks in recv without a timeout (a quiet control plane is no error: a gossiping
+        # worker may hear nothing for a long time); only sends are bounded, by the kernel
+        self._sock.settimeout(None)
+        seconds = max(1.0, float(timeout))
+        self._sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+        )
+        self._send_lock = threading.Lock()
+        self._queue: queue.Queue[Message | None] = queue.Queue()
+        self.sent = 0
+        self.received = 0
+        #: `time.monotonic()` when data last came from the server (the connection's start, at first):
+        #: how a worker tells that it is cut off from the control plane (`lightning_prague.core.client.control`)
+        self.last_received = time.monotonic()
+        self.closed = False
+        self.close_error: str | None = None
+        #: the server's own error, if it failed (it said so before it closed the connection)
+        self.server_error: str | None = None
+        self.send({"op": HELLO, "rank": rank})
+        self._reader = threading.Thread(target=self._read_forever, name=f"prague-control-{rank}", daemon=True)
+        self._reader.start()
+
+    def local_address(self) -> str | None:
+        """The address this connection leaves from (what the server sees as this process's)."""
+        try:
+            return str(self._sock.getsockname()[0])
+        except OSError:
+            return None
+
+    def send(self, message: Message) -> None:
+        line = encode_line(message)
+        with self._send_lock:
+            try:
+                self._sock.sendall(line)
+            except OSError as err:
+                raise CoordinationTimeout(
+                    f"rank {self.rank}: cannot send {message.get('op')!r} to {self.peer} ({err}); it may have stopped"
+                ) from None
+            self.sent += 1
+
+    def _read_forever(self) -> None:
+        buffer = bytearray()
+        error = ""
+        while True:
+            try:
+                data = self._sock.recv(RECV_BYTES)
+            except OSError as err:
+                data, error = b"", f" ({err})"
+            if not data:
+                break
+            self.last_received = time.monotonic()
+            buffer += data
+            end = buffer.rfind(b"\n")
+            if end < 0:
+                continue
+            lines = bytes(buffer[:end]).split(b"\n")
+            del buffer[: end + 1]
+            for line in lines:
+                message = json.loads(line)
+                self.received += 1
+                if message.get("t") == FAILED:
+                    self.server_error = str(message.get("error"))
+                elif self.router is None or not self.router(message):
+                    self._queue.put(message)
+        self.closed = True
+        if self.server_error is not None:
+            self.close_error = f"rank {self.rank}: {self.peer} failed: {self.server_error}"
+        else:
+            self.close_error = f"rank {self.rank}: {self.peer} closed the connection{error}; it stopped or failed"
+        if self.on_close is not None:
+            try:
+                self.on_close(self.close_error)
+            except Exception:
+                log.exception("rank %d: error while handling the closed connection", self.rank)
+        self._queue.put(None)
+
+    def receive(self, timeout: float | None = None) -> Message | None:
+        """The next message not taken by the router, or `None` if none arrived within `timeout`
+        (default: the link's). Raises `CoordinationTimeout` once the server closed the connection."""
+        try:
+            message = self._queue.get(timeout=self.timeout if timeout is None else max(0.0, timeout))
+        except queue.Empty:
+            return None
+        if message is None:
+            self._queue.put(None)  # every later receive fails the same way
+            raise self.closed_error()
+        return message
+
+    def closed_error(self, during: str = "") -> PragueError:
+        """The error for a wait on this closed link: `ControlPlaneError` if the server failed (with
+        its error), else `CoordinationTimeout` (it stopped, or the connection broke)."""
+        text = self.close_error or f"rank {self.rank}: the connection to {self.peer} closed"
+        if during:
+            text = f"{text} (during {during})"
+        if self.server_error is not None:
+            return ControlPlaneError(text)
+        return CoordinationTimeout(text)
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        if threading.current_thread() is not self._reader:
+            self._reader.join(5.0)
+        self.closed = True

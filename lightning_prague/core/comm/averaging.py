@@ -1,0 +1,383 @@
+"""Averaging model state over a group, a few flat buckets at a time.
+
+One collective per tensor would cost a round trip per parameter; flattening into buckets of at
+most `bucket_bytes` (grouped by dtype and device) keeps it to a handful per average.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_prague.core.comm.groups import GroupComm
+from lightning_prague.core.comm.norms import squared_distance, squared_norm
+
+
+def averaged_state(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors that replicas must agree on: parameters and floating-point buffers.
+
+    Integer buffers (e.g. BatchNorm's `num_batches_tracked`) are counters, not estimates, and are
+    left alone.
+    """
+    tensors = [p.data for p in module.parameters()]
+    tensors += [b.data for b in module.buffers() if torch.is_floating_point(b)]
+    return tensors
+
+
+class BucketedTensors:
+    """A fixed list of tensors split into buckets (same dtype and device each) for collectives."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int = 25 * 2**20) -> None:
+        self.tensors = list(tensors)
+        self.buckets: list[list[torch.Tensor]] = []
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in self.tensors:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        for group in by_kind.values():
+            current: list[torch.Tensor] = []
+            size = 0
+            for t in group:
+                nbytes = t.numel() * t.element_size()
+                if current and size + nbytes > bucket_bytes:
+                    self.buckets.append(current)
+                    current, size = [], 0
+                current.append(t)
+                size += nbytes
+            if current:
+                self.buckets.append(current)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tensors live (the CPU for none)."""
+        return self.tensors[0].device if self.tensors else torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+class FlatBuffers:
+    """One flat tensor per bucket of `live` (its dtype and device), allocated once and refreshed in place.
+
+    The exchanges' snapshots, differences and sums live in these, so that a training step allocates
+    nothing the size of the model (DDP keeps its gradient buckets the same way). The live tensors
+    are copied in and out through `views`, views of each flat tensor shaped like the bucket's
+    tensors; the parameters themselves keep their own storage (a parameter that is a view of a
+    shared buffer would make `torch.save` of it write the whole buffer, and any `p.data = ...`
+    or dtype conversion by user code would silently detach it).
+    """
+
+    def __init__(self, live: BucketedTensors) -> None:
+        self.live = live
+        self.flats: list[torch.Tensor] = []
+        self.views: list[list[torch.Tensor]] = []
+        for bucket in live.buckets:
+            flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            self.flats.append(flat)
+            self.views.append(_shaped_views(flat, bucket))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self.flats)
+
+    def copy_from_live(self) -> None:
+        """These buffers become a copy of the live tensors."""
+        for views, bucket in zip(self.views, self.live.buckets):
+            torch._foreach_copy_(views, bucket)
+
+    def add_to_live(self) -> None:
+        """The live tensors += these buffers."""
+        for views, bucket in zip(self.views, self.live.buckets):
+            torch._foreach_add_(bucket, views)
+
+    def add_(self, other: FlatBuffers) -> None:
+        for mine, theirs in zip(self.flats, other.flats):
+            mine.add_(theirs)
+
+    def zero_(self) -> None:
+        for flat in self.flats:
+            flat.zero_()
+
+
+def _shaped_views(flat: torch.Tensor, bucket: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    views, offset = [], 0
+    for t in bucket:
+        views.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
+
+
+def _accumulators(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An average's running results on `device`: whether every bucket's sum was complete, and the
+    squared distance and norm of its group error (tensors: no host synchronisation)."""
+    applied = torch.ones((), dtype=torch.bool, device=device)
+    return (
+        applied,
+        torch.zeros((), dtype=torch.float64, device=device),
+        torch.zeros((), dtype=torch.float64, device=device),
+    )
+
+
+def gated_relative_error(distance: torch.Tensor, norm: torch.Tensor, applied: torch.Tensor) -> torch.Tensor:
+    """The relative error of an average, 0 where it was not applied (its sums hold NaN)."""
+    return torch.where(applied, relative_error(distance, norm), torch.zeros_like(distance))
+
+
+def average_(
+    tensors: BucketedTensors,
+    comm: GroupComm,
+    members: Sequence[int],
+    weight: float | None = None,
+    operation: str = "average",
+    sums: FlatBuffers | None = None,
+    decide: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: every member's tensors become the (weighted) average over `members`, or, if a
+    member disappeared during it, stay as they were (all-or-nothing: no member keeps a partial sum).
+
+    With `weight=None` this is the plain mean. Otherwise each member contributes `weight * x`
+    and the weights of the members must sum to 1 (staleness-aware Partial Reduce).
+
+    Returns `(error, applied)`, scalar tensors on the tensors' device (reading them is left to
+    whoever needs the numbers, so the average costs no host synchronisation): `error` is
+    `||x - avg||^2 / ||avg||^2` for this member's tensors before the average, a free estimate of how
+    far this replica had drifted from its group (`consensus/group_error`); `applied` whether the
+    average was complete and taken. Every bucket is summed before any is written back, so the
+    decision covers the whole model: `sums` (allocated for the call if not given) holds the sums,
+    one copy of the tensors. The members end with bitwise the same tensors.
+
+    A member that dies part-way through its sends can leave one member's sum complete and
+    another's not. `decide`, given this member's completeness, returns whether to apply, the same
+    on every member (a decision taken elsewhere, e.g. by the control plane) before anything is
+    written back; without it each member applies its own complete sum.
+    """
+    scale = 1.0 / len(members) if weight is None else weight
+    sums = sums if sums is not None else FlatBuffers(tensors)
+    applied, distance, norm = _accumulators(tensors.device)
+    for flat, views, bucket in zip(sums.flats, sums.views, tensors.buckets):
+        torch._foreach_copy_(views, bucket)
+        flat.mul_(scale)
+        comm.sum_(flat, members, operation)
+        bucket_norm = squared_norm(flat)  # non-finite if the sum is incomplete (NaN): `sum_is_complete`
+        applied &= torch.isfinite(bucket_norm)
+        norm += bucket_norm
+    if decide is not None:
+        applied = decide(applied)
+    for views, bucket in zip(sums.views, tensors.buckets):
+        for t, avg in zip(bucket, views):
+            distance += squared_distance(t, avg)
+            torch.where(applied, avg, t, out=t)
+    return gated_relative_error(distance, norm, applied), applied
+
+
+def average_difference_(
+    snapshot: FlatBuffers,
+    comm: GroupComm,
+    members: Sequence[int],
+    out: FlatBuffers,
+    weight: float | None = None,
+    operation: str = "average",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`out` becomes `avg - snapshot`, the (weighted, as in `average_`) average over `members` of
+    their snapshots minus this member's, or zero everywhere if a member disappeared during it
+    (all-or-nothing: `out` is the sum target of each bucket, so no other copy is needed).
+
+    `snapshot` is not changed; adding `out` to it gives the average, adding `out` to tensors that
+    moved on since the snapshot keeps their progress (AD-PSGD's atomic averaging). Returns
+    `(error, applied)` as `average_` does.
+    """
+    scale = 1.0 / len(members) if weight is None else weight
+    applied, distance, norm = _accumulators(snapshot.live.device)
+    for mine, total in zip(snapshot.flats, out.flats):
+        torch.mul(mine, scale, out=total)
+        comm.sum_(total, members, operation)
+        bucket_norm = squared_norm(total)  # non-finite if the sum is incomplete (NaN): `sum_is_complete`
+        applied &= torch.isfinite(bucket_norm)
+        norm += bucket_norm
+        total.sub_(mine)
+        distance += squared_norm(total)
+    for total in out.flats:
+        total.masked_fill_(~applied, 0.0)
+    return gated_relative_error(distance, norm, applied), applied
+
+
+def average_chained_(
+    snapshot: FlatBuffers,
+    change: FlatBuffers,
+    comm: GroupComm,
+    members: Sequence[int],
+    scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor],
+    weight: float | None = None,
+    operation: str = "average",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A further average of a snapshot that earlier averages changed: `snapshot` becomes the (weighted)
+    average over `members` and `change` gains what that changed, committed **bucket by bucket**: a
+    bucket whose sum is incomplete (a member disappeared) keeps its values, on every member alike.
+
+    Whole-model all-or-nothing would need a third copy of the model, to hold the result while the
+    earlier change is kept (`average_difference_` writes its first result into a zero `change`,
+    which needs none); here each bucket needs only `scratch`, one bucket kept across calls (keyed
+    by dtype and device). Every bucket still averages complete sums only: the sum of the members'
+    buckets is conserved, and no member takes a partial sum. Returns `(error, applied)` as
+    `average_` does (`applied`: every bucket was).
+    """
+    scale = 1.0 / len(members) if weight is None else weight
+    applied, distance, norm = _accumulators(snapshot.live.device)
+    for mine, total_change in zip(snapshot.flats, change.flats):
+        key = (mine.dtype, mine.device)
+        if key not in scratch or scratch[key].numel() < mine.numel():
+            largest = max(f.numel() for f in snapshot.flats if (f.dtype, f.device) == key)
+            scratch[key] = torch.empty(largest, dtype=mine.dtype, device=mine.device)
+        total = scratch[key][: mine.numel()]
+        torch.mul(mine, scale, out=total)
+        comm.sum_(total, members, operation)
+        bucket_norm = squared_norm(total)  # non-finite if the sum is incomplete (NaN): `sum_is_complete`
+        complete = torch.isfinite(bucket_norm)
+        applied &= complete
+        norm += bucket_norm
+        total.sub_(mine)
+        distance += squared_norm(total)
+        total.masked_fill_(~complete, 0.0)
+        mine.add_(total)
+        total_change.add_(total)
+    return gated_relative_error(distance, norm, applied), applied
+
+
+class SnapshotAverages:
+    """Group averages of a snapshot of the live tensors, taken while training goes on, and the change
+    they made, which the training thread adds to the live tensors later (AD-PSGD's atomic averaging:
+    local progress made meanwhile is kept, and every average is applied exactly once).
+
+    `snapshot` is the copy the averages run on (each average's result becomes its value, so a second
+    average starts from the first one's result); `change` accumulates what they changed. The first
+    average of a snapshot is all-or-nothing over the whole model (`average_difference_`, into the
+    zero change); a second one before the change was applied (a `prague` worker drawn into another
+    group while its own exchange runs, an AD-PSGD passive worker serving two exchanges between two
+    steps) commits bucket by bucket (`average_chained_`). Memory: the snapshot (it may be borrowed,
+    `GroupWorker.spare`) and the change, two copies of the tensors, and one bucket once an average
+    was chained.
+    """
+
+    def __init__(self, live: BucketedTensors, snapshot: FlatBuffers | None = None) -> None:
+        self.live = live
+        self.snapshot = snapshot if snapshot is not None else FlatBuffers(live)
+        self.change = FlatBuffers(live)
+        self.change.zero_()
+        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._behind = False  # the snapshot does not include the change yet (after a first average)
+        self._taken = False  # the snapshot was taken since the change was last applied
+        #: an average ran since the change was last applied (a host-side flag: reading it costs nothing)
+        self.changed = False
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor another thread's stream may use (`CommStream.keep_for`)."""
+        return [*self.snapshot.flats, *self.change.flats, *self._scratch.values()]
+
+    def take(self) -> None:
+        """The snapshot becomes a copy of the live tensors (the change must have been applied)."""
+        if self.changed:
+            raise RuntimeError("a new snapshot was taken before the change of the previous one was applied")
+        self.snapshot.copy_from_live()
+        self._behind = False
+        self._taken = True
+
+    def average(
+        self, comm: GroupComm, members: tuple[int, ...], weight: float | None, operation: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One group average of the snapshot (an `AverageTarget`); see the class docstring."""
+        if not self._taken:
+            raise RuntimeError("an average of a snapshot that was not taken since its change was applied")
+        if not self.changed:  # the change is zero: an average that does not complete leaves it zero
+            error, applied = average_difference_(
+                self.snapshot, comm, members, self.change, weight=weight, operation=operation
+            )
+            self._behind = True
+            self.changed = True
+            return error, applied
+        if self._behind:
+            self.snapshot.add_(self.change)
+            self._behind = False
+        return average_chained_(self.snapshot, self.change, comm, members, self._scratch, weight, operation)
+
+    def apply(self) -> bool:
+        """Add the change to the live tensors and clear it; False if there was none.
+
+        The snapshot is then out of date: the next average needs a new one (`take`).
+        """
+        if not self.changed:
+            return False
+        self.change.add_to_live()
+        self.change.zero_()
+        self._behind = False
+        self._taken = False
+        self.changed = False
+        return True
+
+
+def averaged_optimizer_state(
+    state: dict[str, Any], comm: GroupComm, members: Sequence[int], operation: str = "optimizer state average"
+) -> tuple[dict[str, Any], bool]:
+    """A copy of an optimizer's `state_dict()` whose floating-point state tensors (Adam's moments and
+    step count, SGD's momentum buffers) are the mean over `members`; the optimizer is not changed.
+
+    Replicas that are averaged at synchronization points have moments of the same model, so a
+    checkpoint holds their mean as it holds the mean of the parameters, and a resumed run starts
+    every worker from it rather than from one worker's. A collective of `members`, where they are
+    aligned. Returns `(state, averaged)`: this rank's own state, unchanged, if a member was lost
+    meanwhile (all-or-nothing, as every average) or if the members' states do not have the same
+    structure (a worker that never stepped holds no moments yet): the mean of those would be wrong.
+    """
+    per_param = {key: dict(entry) for key, entry in state.get("state", {}).items()}
+    names = sorted(
+        ((key, name) for key, entry in per_param.items() for name, value in entry.items() if _averageable(value)),
+        key=str,
+    )
+    copy = {**state, "state": per_param}
+    if len(members) < 2:
+        return copy, True
+    layout = repr(
+        [(key, name, tuple(per_param[key][name].shape), str(per_param[key][name].dtype)) for key, name in names]
+    )
+    # every member runs this check, even one with no state yet, so the sums below match on every member
+    if not _same_everywhere(zlib.crc32(layout.encode()) % (1 << 20), comm, members, operation):
+        return copy, False
+    if not names:  # no floating-point state (plain SGD) on any member: nothing to average
+        return copy, True
+    averaged = [per_param[key][name].detach().clone() for key, name in names]  # the optimizer keeps its own
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in averaged:
+        by_device.setdefault(tensor.device, []).append(tensor)
+    complete = True
+    for group in by_device.values():
+        _, applied = average_(BucketedTensors(group), comm, members, operation=operation)
+        complete = complete and bool(applied)
+    if complete:  # all-or-nothing over the whole state, not per device
+        for (key, name), tensor in zip(names, averaged):
+            per_param[key][name] = tensor
+    return copy, complete
+
+
+def _averageable(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _same_everywhere(signature: int, comm: GroupComm, members: Sequence[int], operation: str) -> bool:
+    """Whether every member has the same `signature` (below 2**20: its sum and its sum of squares
+    are exact in float64, and they equal `count` times its value and square only if all are equal)."""
+    mine = torch.tensor([float(signature), float(signature) ** 2, 1.0], dtype=torch.float64, device=comm.device)
+    comm.sum_(mine, members, f"{operation}: the layouts")
+    if not bool(torch.isfinite(mine).all()):
+        return False
+    count = float(len(members))
+    return bool(mine[0] == count * signature and mine[1] == count * float(signature) ** 2 and mine[2] == count)
+
+
+def relative_error(distance: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """`distance / norm` (both squared norms, scalar tensors), 0 when both are 0, inf when only norm is."""
+    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+    zero_norm = torch.where(distance == 0, torch.zeros_like(distance), torch.full_like(distance, float("inf")))
+    return torch.where(norm > 0, distance / safe, zero_norm)

@@ -1,0 +1,102 @@
+"""Collectives among the live members that a lost member cannot hang: barrier, sum, gather, broadcast.
+
+Lightning runs collectives at synchronization points (a `sync_dist` reduce, `ModelCheckpoint`'s
+broadcast, `EarlyStopping`'s decision, torchmetrics' state sync, a barrier). On the backends' own
+collectives a member that dies in the middle can leave the others waiting: gloo's ring algorithms
+wait on a live neighbour that gave up, until the process group's timeout, which then closes every
+connection of the process. These collectives are built on `GroupComm.sum_` instead, whose sums
+survive a member that disappears (`lightning_prague.core.comm.groups`): each returns `None` when the
+result is incomplete and the caller falls back to its own value. A member that dies part-way
+through its sends can leave one member's sum complete and another's not; with `agree` (the
+control plane's decision, `GroupWorker.agree`) every member takes the same branch after each sum,
+so the results are alike and the members' next messages stay in step. Without it (after a fit,
+when no control plane runs) the members decide each on its own.
+A gather costs two sums (the shapes, then the padded tensors in one slot per member), a
+broadcast of an object two sums (its size, then its bytes). They run where no exchange is in
+flight (the strategies call them where the ranks are aligned).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from lightning_prague.core.comm.groups import GroupComm
+
+
+class MemberCollectives:
+    """Collectives over `comm.everyone` (the live members) on `comm`'s process group.
+
+    `timeout`: seconds each may wait for the others (default: `comm`'s, one operation's). At a
+    synchronization point that is its bound (`sync_timeout`): a barrier after rank 0 wrote a
+    checkpoint waits as long as the write takes, as DDP's does. `agree`: given this member's
+    completeness of a sum, whether every member's was complete (the same answer on every member).
+    """
+
+    def __init__(
+        self, comm: GroupComm, timeout: Optional[float] = None, agree: Optional[Callable[[bool], bool]] = None
+    ) -> None:
+        self.comm = comm
+        self.timeout = timeout
+        self.agree = agree
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return self.comm.everyone
+
+    def _sum(self, tensor: torch.Tensor, what: str) -> Optional[torch.Tensor]:
+        """`tensor` summed over the members (on the comm's device), or `None` if a member was lost."""
+        total = tensor.to(self.comm.device, copy=True)
+        self.comm.sum_(total, self.members, what, timeout=self.timeout)
+        complete = bool(torch.isfinite(total).all())
+        if self.agree is not None:
+            complete = self.agree(complete)
+        return total if complete else None
+
+    def barrier(self) -> bool:
+        """Every member reached it (True), or one was lost on the way (False)."""
+        return self._sum(torch.ones(1), "a barrier") is not None
+
+    def sum(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """The members' `tensor`s summed (dtype and device of `tensor`), or `None`."""
+        total = self._sum(tensor.double(), "a reduce")
+        return None if total is None else total.to(tensor.device, tensor.dtype)
+
+    def gather(self, tensor: torch.Tensor) -> Optional[list[torch.Tensor]]:
+        """Every member's `tensor` (shapes may differ), in member order, or `None`."""
+        count, index = len(self.members), self.members.index(self.comm.rank)
+        shapes = torch.zeros(count, 1 + tensor.dim(), dtype=torch.float64)
+        shapes[index, 0] = tensor.dim()
+        shapes[index, 1:] = torch.tensor(tensor.shape, dtype=torch.float64)
+        summed = self._sum(shapes, "a gather's shapes")
+        if summed is None:
+            return None
+        sizes = [int(torch.Size(int(d) for d in row[1:]).numel()) for row in summed]
+        slots = torch.zeros(count, max(sizes), dtype=torch.float64)
+        slots[index, : tensor.numel()] = tensor.detach().reshape(-1).double()
+        gathered = self._sum(slots, "a gather")
+        if gathered is None:
+            return None
+        out = []
+        for row, size, data in zip(summed, sizes, gathered):
+            shape = [int(d) for d in row[1:]]
+            out.append(data[:size].reshape(shape).to(tensor.device, tensor.dtype))
+        return out
+
+    def broadcast_object(self, obj: Any, src: int) -> tuple[bool, Any]:
+        """`(True, src's obj)` on every member, or `(False, None)` if a member was lost."""
+        mine = self.comm.rank == src
+        payload = pickle.dumps(obj) if mine else b""
+        size = self._sum(torch.tensor([float(len(payload))]), "a broadcast's size")
+        if size is None:
+            return False, None
+        buffer = torch.zeros(int(size.item()), dtype=torch.float64)
+        if mine:
+            buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8).double())
+        data = self._sum(buffer, "a broadcast")
+        if data is None:
+            return False, None
+        return True, pickle.loads(bytes(data.to(torch.uint8).tolist()))

@@ -1,0 +1,227 @@
+"""The training loader of an asynchronous worker: the user's batches, each with a global ticket.
+
+It wraps any iterable of batches: a `DataLoader` over a map-style dataset fed by the global work
+queue (`WorkQueueSampler`), or over an `IterableDataset`
+whose stream each worker reads on its own (DataLoader worker processes included). Every batch it
+yields is given a ticket from `ProgressCounter`; when a claim
+fails (budget spent, or another worker's stream ended the epoch) it stops, and the batch it fetched
+is not trained (a streaming epoch reads every sample at most once).
+
+Its `state_dict` is what makes a mid-epoch resume exact: the global progress at the last
+synchronization point and, for map-style data, the queue's cursor and the chunks handed out but not
+yet trained on every worker. Lightning saves and restores it with the checkpoint (the fit loop keeps
+the state of stateful training loaders).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Optional
+
+from lightning_prague.core.data.progress import ProgressCounter
+from lightning_prague.core.data.sharding import WorkQueueSampler
+
+
+class ProgressLoader:
+    """Batches of `loader` with global tickets; attributes it does not have are the loader's."""
+
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        counter: ProgressCounter,
+        current_epoch: Callable[[], int],
+        sampler: Optional[WorkQueueSampler] = None,
+        batches_per_epoch: Optional[int] = None,
+        start: int = 0,
+    ) -> None:
+        self.loader = loader
+        self.counter = counter
+        self.current_epoch = current_epoch
+        self.sampler = sampler
+        #: batches in one epoch of map-style data (`None`: a stream)
+        self.batches_per_epoch = batches_per_epoch
+        self.tickets: deque[Optional[int]] = deque()  # of the batches yielded and not yet trained, in order
+        #: claims start when training does: batches a trainer fetches while it sets up get theirs then
+        self.armed = False
+        self.epoch: Optional[int] = None
+        self.epoch_base = start
+        #: global batches trained at the last synchronization point (`start`: before this fit)
+        self.progress = start
+        self._restored: Optional[dict[str, Any]] = None
+        self._resumed_progress: Optional[int] = None
+        #: chunks every rank held untrained at the last synchronization point (for checkpoints)
+        self.pending: list[int] = []
+        self._first_epoch: Optional[int] = None  # the oldest epoch whose store keys may still exist
+        #: the rank that writes checkpoints: 0, or the lowest live rank once rank 0 was lost
+        self.leader = 0
+        if sampler is not None and batches_per_epoch is not None and not (getattr(loader, "num_workers", 0) or 0):
+            # the loader runs in this process: the sampler is asked for a chunk exactly when the batch is
+            # built, so the batch's ticket can come in the same message as its chunk (one per batch)
+            sampler.ticketing = self._ticket_request
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:  # no length: how many batches a worker trains depends on its speed
+        raise TypeError("a ProgressLoader has no length")
+
+    @property
+    def store(self) -> Any:
+        return self.counter.store
+
+    @property
+    def rank(self) -> int:
+        return self.counter.rank
+
+    @property
+    def streaming(self) -> bool:
+        return self.batches_per_epoch is None
+
+    @property
+    def epoch_end(self) -> Optional[int]:
+        """Where the epoch's global progress ends when that is known in advance (map-style data):
+        its last ticket rounded up to whole global steps."""
+        if self.batches_per_epoch is None:
+            return None
+        return self.counter.padded(self.epoch_base + self.batches_per_epoch)
+
+    # -- iteration --------------------------------------------------------------------------------
+    @property
+    def restored_progress(self) -> Optional[int]:
+        """The global batch count of the checkpoint this fit resumed from (`None`: a fresh fit)."""
+        return self._resumed_progress
+
+    def begin_epoch(self) -> None:
+        """Set this epoch's ticket origin (from a restored checkpoint, or where the last epoch ended)."""
+        epoch = self.current_epoch()
+        offset = 0
+        restored, self._restored = self._restored, None
+        if restored is not None:
+            self.progress = int(restored["progress"])
+            if int(restored["epoch"]) == epoch:  # resuming inside the epoch the checkpoint was taken in
+                self.epoch_base = int(restored["epoch_base"])
+                offset = self.progress - self.epoch_base
+                if self.sampler is not None and "cursor" in restored:
+                    self.sampler.resume(epoch, int(restored["cursor"]), list(restored["pending"]))
+            else:
+                self.epoch_base = self.progress
+        elif self.epoch is not None and epoch != self.epoch:
+            self.epoch_base = self.counter.final_count()
+        self.epoch = epoch
+        if self._first_epoch is None:
+            self._first_epoch = epoch
+        if self.sampler is not None:  # the trainer sets it after its first fetch of a (resumed) fit
+            self.sampler.set_epoch(epoch)
+        self.counter.begin_epoch(epoch, self.epoch_base, offset)
+        self.tickets.clear()
+
+    def _ticket_request(self) -> Optional[tuple[str, int]]:
+        if not self.armed or self.batches_per_epoch is None or not self.counter.first_taken:
+            return None  # the epoch's first ticket is set aside for this worker: claims come after it
+        return self.counter.tickets_key, self.batches_per_epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        self.begin_epoch()
+        stashed = self.sampler.ticket_values if self.sampler is not None else None
+        for batch in self.loader:
+            value = stashed.popleft() if stashed else None
+            if value is not None:  # claimed with the batch's chunk
+                ticket = self.counter.accept(value)
+            else:
+                ticket = self.counter.claim() if self.armed else None
+            if self.armed and ticket is None:
+                if self.counter.budget_spent:
+                    # hand the batch over untrained: the trainer stops at the budget's synchronization point
+                    # before it, in the middle of its epoch (a checkpoint there resumes the same epoch)
+                    self.tickets.append(None)
+                    yield batch
+                return
+            self.tickets.append(ticket)
+            yield batch
+        if self.streaming:
+            self.counter.end_stream()
+        else:
+            assert self.batches_per_epoch is not None
+            self.counter.exhausted(self.epoch_base + self.batches_per_epoch)
+
+    def arm(self) -> None:
+        """Training starts: claim tickets for the batches fetched before (a failed claim drops its batch)."""
+        self.armed = True
+        claimed = (self.counter.claim() if ticket is None else ticket for ticket in self.tickets)
+        self.tickets = deque(ticket for ticket in claimed if ticket is not None)
+
+    def batch_trained(self) -> int:
+        """The ticket of the batch just trained (the trainer calls this once per batch)."""
+        if self.sampler is not None and self.sampler.untrained:
+            self.sampler.untrained.popleft()
+        ticket = self.tickets.popleft()
+        assert ticket is not None, "a batch was trained before the loader was armed"
+        return ticket
+
+    @property
+    def current_ticket(self) -> Optional[int]:
+        """The ticket of the batch being trained (or of the next one, between batches)."""
+        return self.tickets[0] if self.tickets else None
+
+    # -- synchronization points and checkpoints ---------------------------------------------------
+    def set_members(self, members: list[int]) -> None:
+        """The ranks still in the job (a release's): the work queue and the tickets of the next epoch
+        are shared among them."""
+        self.counter.set_members(members)
+        self.leader = min(members)
+        if self.sampler is not None:
+            self.sampler.set_members(members)
+
+    def untrained(self) -> list[int]:
+        """The chunks this rank holds untrained (reported when the ranks meet, for checkpoints)."""
+        return list(self.sampler.untrained) if self.sampler is not None else []
+
+    def synchronized(self, progress: Optional[int]) -> int:
+        """At a synchronization point, after the ranks met: record and return the global progress
+        (`None`: the epoch is over on every rank, read its count)."""
+        self.progress = self.counter.final_count() if progress is None else progress
+        return self.progress
+
+    def forget_finished_epochs(self) -> None:
+        """Delete the store keys of the epochs before the current one (one rank calls it, right
+        after the ranks met): so the store holds a bounded number of keys however long the run.
+
+        Every rank reads an epoch's keys for the last time right after the meeting that ends it,
+        before it trains the next epoch; a meeting in a later epoch comes after those reads on
+        every rank.
+        """
+        if self.epoch is None or self._first_epoch is None:
+            return
+        for epoch in range(self._first_epoch, self.epoch):
+            self.counter.forget_epoch(epoch)
+            if self.sampler is not None:
+                self.sampler.forget_epoch(epoch)
+        self._first_epoch = self.epoch
+
+    def epochs_in_store(self) -> list[int]:
+        """The epochs up to the current one that still have keys in the store (a diagnostic: after
+        a synchronization point of epoch `e`, only `e`'s)."""
+        if self.epoch is None:
+            return []
+        sampler = self.sampler
+        return [
+            epoch
+            for epoch in range(self.epoch + 1)
+            if self.counter.has_keys(epoch) or (sampler is not None and sampler.has_keys(epoch))
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where training stands; complete on rank 0 (which writes checkpoints) at a synchronization point."""
+        state: dict[str, Any] = {"epoch": self.epoch, "epoch_base": self.epoch_base, "progress": self.progress}
+        if self.sampler is not None and self.rank == self.leader:
+            state["pending"] = sorted(self.pending)
+            state["cursor"] = self.sampler.cursor()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's state at the start of the next epoch iteration."""
+        self._restored = dict(state)
+        self._resumed_progress = int(state["progress"])

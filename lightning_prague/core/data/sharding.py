@@ -1,0 +1,290 @@
+"""Heterogeneity-aware data sharding: one global work queue per epoch.
+
+An epoch is one pass over a shuffled permutation of the dataset, cut into chunks of one batch.
+Every rank first takes the chunk numbered by its rank (so nobody ends an epoch empty-handed), then
+claims further chunks from an atomic counter of the session's coordinator (`Session.counters`).
+Fast ranks claim more chunks; nobody idles at the end of the epoch waiting for a slow rank's fixed
+shard. The permutation depends only on `seed` and the epoch, so all ranks agree on it without
+communicating.
+
+Tail awareness: near the end of an epoch a slow rank would hold the last chunk while everyone else
+waits for it at the epoch's synchronization point. A rank therefore stops claiming when it is much
+slower than the others (`slow_ratio` times their mean time per chunk) *and* the others will
+consume all remaining chunks within one of its steps. Both figures come from the counter values the
+rank already sees (plus one read of the counter per rank, in the first epoch, before any estimate
+exists), so this costs no extra communication per chunk; ranks that are not slow never stop early,
+so every chunk is still trained on.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import Sampler
+
+from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.protocol import REQUEUED
+
+
+class WorkQueueSampler(Sampler[int]):
+    """Yields dataset indices, a chunk at a time, claimed from a counter every rank shares.
+
+    `store`: where the counters live, with TCPStore's `add`/`check`/`delete_key` (the session's
+    `Counters` in training; a TCPStore works too).
+
+    It deliberately has no `__len__`: how many batches a rank gets depends on its speed, and a
+    length would make trainers schedule per-rank events (mid-epoch validation) at batch counts that
+    differ between ranks.
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        chunk_size: int,
+        rank: int,
+        world_size: int,
+        store: Any,
+        shuffle: bool = True,
+        seed: int = 0,
+        timeout: float = 300.0,
+        slow_ratio: float = 2.0,
+        lookahead: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if chunk_size < 1:
+            raise ConfigurationError(f"chunk_size (the batch size) must be at least 1, got {chunk_size}")
+        self.dataset_size = dataset_size
+        self.chunk_size = chunk_size
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.timeout = timeout
+        self.slow_ratio = slow_ratio
+        self.lookahead = lookahead
+        self.clock = clock  # seconds, for the speed estimates; injectable so tests can run a schedule
+        self._my_seconds: float | None = None
+        self._others_rate: float | None = None
+        self._epoch_started = 0.0  # when this rank began the current epoch (monotonic)
+        self.chunks_left_to_others = 0  # chunks this rank declined at the end of the last epoch
+        self.epoch = 0
+        self.chunks_taken = 0  # in the current epoch
+        self.total_chunks_taken = 0
+        #: chunks handed to the data loader and not yet trained (the trainer pops one per trained batch)
+        self.untrained: deque[int] = deque()
+        #: asked before leaving an epoch's tail; the strategy says no while a synchronization point is ahead
+        self.may_leave_tail: Callable[[], bool] = lambda: True
+        #: asked before each claim: `(tickets counter, chunks below which a chunk gets a ticket)` to claim
+        #: the batch's global-progress ticket in the same message as its chunk, or `None` (see ProgressLoader)
+        self.ticketing: Callable[[], Optional[tuple[str, int]]] = lambda: None
+        #: the ticket counter values claimed with the chunks handed out this epoch, in order (`None`: none)
+        self.ticket_values: deque[Optional[int]] = deque()
+        self._resume: Optional[tuple[int, int, list[int]]] = None  # (epoch, cursor, chunks to hand out first)
+        self._first_claimed = world_size  # chunk number of this epoch's first claim
+        self._store = store
+        #: the ranks in the job (every rank until some are lost); set between epochs (`set_members`)
+        self.members: list[int] = list(range(world_size))
+        if self.num_chunks < world_size:
+            raise ConfigurationError(
+                f"the training set has {dataset_size} samples, {self.num_chunks} batches of {chunk_size}, fewer than "
+                f"the {world_size} workers; use a smaller batch size or fewer devices"
+            )
+
+    @property
+    def num_chunks(self) -> int:
+        return math.ceil(self.dataset_size / self.chunk_size)
+
+    def set_members(self, members: Sequence[int]) -> None:
+        """The ranks still in the job, from the next epoch on (this one's chunks are handed out)."""
+        self.members = sorted(members)
+        self.world_size = len(self.members)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_store"] = None  # a connection does not pickle; a copy (in another process) cannot claim
+        return state
+
+    def _connect(self) -> Any:
+        if self._store is None:
+            raise RuntimeError("a copy of a WorkQueueSampler in another process cannot claim chunks")
+        return self._store
+
+    def _claim(self) -> tuple[int, Optional[int]]:
+        """The next chunk of the queue and, if `ticketing` asks for it, the ticket claimed with it.
+
+        The control plane's counters are told which chunks this rank holds untrained, so that they
+        go back to the queue if this rank is lost (a plain store, in tests, just counts)."""
+        store = self._connect()
+        request = self.ticketing()
+        if hasattr(store, "claim"):
+            tickets, ticketed = request if request is not None else (None, 0)
+            return store.claim(
+                self._cursor_key, self._first_claimed, tickets, ticketed, held=self.untrained, num=self.num_chunks
+            )
+        assert request is None, "tickets are claimed with chunks only from the control plane's counters"
+        return self._first_claimed + int(store.add(self._cursor_key, 1)) - 1, None
+
+    def cursor(self) -> int:
+        """The next chunk the queue will hand out in the current epoch."""
+        return self._first_claimed + int(self._connect().add(self._cursor_key, 0))
+
+    def resume(self, epoch: int, cursor: int, pending: list[int]) -> None:
+        """Continue `epoch` where a checkpoint stopped it: the `pending` chunks (handed out, not
+        trained) first, shared round-robin by rank, then the queue from `cursor`."""
+        self._resume = (epoch, cursor, sorted(pending))
+
+    def should_leave_tail(self, remaining: int, horizon: float, my_chunk_seconds: float, others_rate: float) -> bool:
+        """True when this rank is `slow_ratio` times slower than the others' mean and they will
+        consume the `remaining` chunks within `horizon` seconds (before a chunk claimed now
+        would be done here)."""
+        if others_rate <= 0 or self.world_size < 2:
+            return False
+        others_chunk_seconds = (self.world_size - 1) / others_rate
+        return my_chunk_seconds > self.slow_ratio * others_chunk_seconds and remaining <= others_rate * horizon
+
+    def permutation(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.dataset_size))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.dataset_size, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.permutation()
+        self.chunks_taken = 0
+        self.chunks_left_to_others = 0
+        self.untrained.clear()
+        self.ticket_values.clear()
+        # the first world_size chunks are pre-assigned: no store traffic at an epoch's start
+        # (among the members: a lost rank's first chunk is another's; they change between epochs only)
+        first: list[int] = [self.members.index(self.rank)]
+        self._first_claimed = len(self.members)
+        if self._resume is not None and self._resume[0] == self.epoch:
+            _, self._first_claimed, pending = self._resume
+            first = pending[self.members.index(self.rank) :: len(self.members)]
+        self._resume = None
+        previous: tuple[float, int] | None = None  # (time, chunk) of this rank's previous claim
+        self._epoch_started = self.clock()
+        chunk, ticket = (first.pop(0), None) if first else self._claim()
+        while chunk < self.num_chunks:
+            self.chunks_taken += 1
+            self.total_chunks_taken += 1
+            self.untrained.append(chunk)
+            self.ticket_values.append(ticket)
+            yield from order[chunk * self.chunk_size : (chunk + 1) * self.chunk_size]
+            if first:
+                chunk, ticket = first.pop(0), None
+                continue
+            if self.slow_ratio > 0 and self._leave_tail(previous):
+                return
+            claimed_at = self.clock()
+            chunk, ticket = self._claim()
+            self._observe(previous, claimed_at, chunk)
+            previous = (claimed_at, chunk)
+
+    @property
+    def _cursor_key(self) -> str:
+        return self._epoch_keys(self.epoch)[0]
+
+    @staticmethod
+    def _epoch_keys(epoch: int) -> list[str]:
+        """Every store key the queue may write in `epoch` (with the chunks of ranks lost in it)."""
+        cursor = f"epoch/{epoch}/cursor"
+        return [cursor, f"epoch/{epoch}/left", cursor + REQUEUED]
+
+    def has_keys(self, epoch: int) -> bool:
+        """Whether `epoch` still has keys in the store."""
+        store = self._connect()
+        return any(store.check([key]) for key in self._epoch_keys(epoch))
+
+    def forget_epoch(self, epoch: int) -> None:
+        """Delete `epoch`'s keys from the store; call once every rank is done with that epoch."""
+        store = self._connect()
+        for key in self._epoch_keys(epoch):
+            store.delete_key(key)
+
+    def _observe(self, previous: tuple[float, int] | None, claimed_at: float, chunk: int) -> None:
+        """Update the speed estimates from two consecutive claims of this rank.
+
+        Between them this rank trained one chunk and the others claimed the ones in between; the
+        estimates carry over epochs, so the first decision of an epoch (after the pre-assigned
+        chunk, which a slow rank may be the only one it should take) is informed too. An interval
+        in which the queue ran dry still times this rank's step but says nothing about the others'
+        speed (`share_speeds` supplies it where this rank never sees the queue running).
+        """
+        if previous is None:
+            return
+        elapsed = max(claimed_at - previous[0], 1e-6)
+        self._my_seconds = self._ema(self._my_seconds, elapsed)
+        if chunk < self.num_chunks:
+            self._others_rate = self._ema(self._others_rate, max(chunk - previous[1] - 1, 0) / elapsed)
+
+    @property
+    def seconds_per_chunk(self) -> float:
+        """This rank's estimated seconds per chunk (0.0 before it has timed one)."""
+        return self._my_seconds or 0.0
+
+    def set_speeds(self, seconds_per_chunk: Sequence[float]) -> None:
+        """Every rank's `seconds_per_chunk`, as exchanged at a synchronization point.
+
+        A slow rank in an epoch of few chunks per rank may never see the queue running (it is
+        dry whenever this rank comes back for more), so it could not tell how fast the others
+        are; with everyone's times it can. Nothing changes while any rank has no time yet (0).
+        """
+        if len(seconds_per_chunk) <= max(self.members):
+            return
+        others = [seconds_per_chunk[rank] for rank in self.members if rank != self.rank]
+        if min(seconds_per_chunk[rank] for rank in self.members) <= 0:
+            return
+        self._my_seconds = float(seconds_per_chunk[self.rank])
+        self._others_rate = sum(1.0 / s for s in others)
+
+    def _leave_tail(self, previous: tuple[float, int] | None) -> bool:
+        """Whether to leave the rest of the epoch to the others, judged from this rank's own claims.
+
+        The queue's position now is extrapolated from this rank's last claim at the others' rate,
+        so once the estimates exist the decision costs no store operation (the claim that follows
+        is the only one per chunk); before, it reads the queue's position once.
+        """
+        now = self.clock()
+        if self._my_seconds is None or self._others_rate is None:
+            if previous is None:
+                return False
+            # no estimates yet (this job's first epoch): one read of the queue's position, once,
+            # rather than a second claim, so a slow rank does not take a chunk it cannot finish
+            cursor = self.cursor()
+            if cursor >= self.num_chunks:
+                return False  # the queue ran dry: the claim that follows ends the epoch
+            self._observe(previous, now, cursor)
+            previous = (now, cursor - 1)
+        if not self._others_rate:
+            return False
+        if previous is None:  # the pre-assigned chunk: the others took theirs, then claimed at their rate
+            since, position = self._epoch_started, self._first_claimed
+        else:
+            since, position = previous[0], previous[1] + 1
+        cursor = position + self._others_rate * (now - since)
+        horizon = self._my_seconds * (1 + self.lookahead)  # a claimed chunk is trained after the prefetched ones
+        remaining = max(0, math.ceil(self.num_chunks - cursor))
+        if not self.should_leave_tail(remaining, horizon, self._my_seconds, self._others_rate):
+            return False
+        if not self.may_leave_tail():
+            return False
+        # the last rank still taking chunks must not leave, whatever its estimates say: the rest
+        # of the epoch would be trained by nobody (one store operation per leaving rank and epoch)
+        if int(self._connect().add(self._epoch_keys(self.epoch)[1], 1)) >= self.world_size:
+            return False
+        self.chunks_left_to_others = remaining
+        return True
+
+    @staticmethod
+    def _ema(old: float | None, new: float, weight: float = 0.5) -> float:
+        return new if old is None else weight * new + (1 - weight) * old

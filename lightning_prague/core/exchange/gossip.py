@@ -1,0 +1,308 @@
+"""Gossip on a fixed topology with a one-step lag (decentralized Adam's communicate-while-adapt).
+
+Each exchange is one round of a `Schedule`: the worker's
+group sums the members' models (one group sum per bucket, with the same point-to-point primitive
+as every other strategy, `GroupComm`: a schedule's groups
+cost no setup, so none are pre-built) and every member takes `x_i <- a x_i + b sum_j x_j`,
+which is row `i` of `W x` for the round's mixing matrix. The sums run in a communication
+thread of the worker (on CUDA, on its own stream, ordered against compute with events).
+
+`LaggedGossip` issues the exchange of the parameters `x^t` right after update `t` (and
+at the start of each asynchronous phase), lets it run in the backend while the next forward and
+backward pass compute the gradient at the un-averaged `x^t`, and waits for it just before
+update `t + 1`, so that `x^{t+1} = sum_j w_ij x_j^t - lr d_i^t`. `overlap=False` waits for the
+exchange as soon as it is issued: the same parameters, without the overlap. `lagged=False` also
+mixes it in at once, so the next gradient is taken at the averaged parameters (Prague's blocking
+Partial All-Reduce with its `static` schedule uses that).
+
+Rounds are counted per worker, and each round is a collective of its group, so every worker must
+end a phase at the same round. The phase ends in the meeting of every rank that ends any
+strategy's phase (`GroupWorker.synchronize`, decided by `GroupGenerator`): each rank arrives with
+its round. Normally (equal data shards) all workers stop at the same round and end there. If a
+worker finds itself waiting `idle_after` seconds for the others, it asks the coordinator for
+*idle* rounds, and every waiting worker runs them (mixing only, no gradient) so that neighbours
+with more steps are never stuck. A waiting worker starts an idle round only once its previous
+round is done, so it keeps reading its inbox. The ranks then settle the final round: each stops,
+reports the rounds it issued, and all run to the largest (`GroupWorker.settle_rounds`).
+
+A worker that leaves the job: a round it was in fails on every member alike (its share is
+missing, see `lightning_prague.core.comm.groups`) and changes nobody's model. From the next meeting's
+release on, each round's groups lose it (`surviving`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_prague.core.comm.averaging import (
+    BucketedTensors,
+    FlatBuffers,
+    gated_relative_error,
+    squared_distance,
+    squared_norm,
+)
+from lightning_prague.core.comm.streams import Marker
+from lightning_prague.core.errors import CoordinationTimeout
+from lightning_prague.core.exchange.overlap import Exchanger
+from lightning_prague.core.exchange.worker import GroupWorker
+from lightning_prague.core.grouping.topology import Schedule, WeightedGroup
+
+log = logging.getLogger(__name__)
+
+#: seconds a worker leaving after an error waits for its last exchange (a peer that left too ends it sooner)
+LEAVE_WAIT = 10.0
+#: seconds a worker waits at the meeting that ends a phase before it asks for idle rounds (`LaggedGossip`)
+IDLE_AFTER = 1.0
+
+
+@dataclass
+class _InFlight:
+    round_index: int
+    weighted: WeightedGroup
+    #: whether every sum of the round holds every member's share (a bool tensor: no host sync)
+    complete: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.bool))
+    #: `||x_i - mean||^2 / ||mean||^2` of the round's group (a tensor, set by the communication thread)
+    error: torch.Tensor | None = None
+    future: Future[Marker] | None = None  # None: the worker sits this round out, or it was waited for
+
+    @property
+    def exchanges(self) -> bool:
+        return len(self.weighted.members) > 1
+
+    def operation(self, rank: int) -> str:
+        return f"gossip round {self.round_index} of rank {rank} with ranks {list(self.weighted.members)}"
+
+
+def surviving(group: WeightedGroup, members: Sequence[int]) -> WeightedGroup:
+    """`group` without the ranks that left the job: the others keep their weight for each other and
+    each takes the lost members' weight onto itself, so every round's mixing matrix stays
+    symmetric with rows summing to one (doubly stochastic)."""
+    live = set(members)
+    kept = tuple(m for m in group.members if m in live)
+    if len(kept) == len(group.members):
+        return group
+    return WeightedGroup(kept, 1.0 - (len(kept) - 1) * group.peer_weight)
+
+
+class LaggedGossip(Exchanger):
+    """Issues one gossip round after every update and mixes it in just before the next one."""
+
+    def __init__(
+        self,
+        worker: GroupWorker,
+        live: BucketedTensors,
+        schedule: Schedule,
+        timeout: float,
+        overlap: bool = True,
+        name: str = "gossip",
+        idle_after: float = IDLE_AFTER,
+        lagged: bool = True,
+    ) -> None:
+        if schedule.world_size != worker.world_size:
+            raise ValueError(f"topology for {schedule.world_size} workers used by a world of {worker.world_size}")
+        super().__init__(worker, live, timeout)
+        self.schedule = schedule
+        self.overlap = overlap
+        #: `False`: mix each round in as soon as it is issued, so the next gradient is taken at the
+        #: averaged parameters (Prague's blocking Partial All-Reduce); implies waiting at once
+        self.lagged = lagged
+        self.round = 0  #: exchanges issued so far; equal on every worker at synchronization points
+        self._flight: _InFlight | None = None
+        self._phase_open = False
+        self._executor: ThreadPoolExecutor | None = None
+        self._name = name  # names this instance's threads
+        self.idle_after = idle_after  # seconds a finished worker waits before it asks for idle rounds
+        self._meeting_started: float | None = None
+        self._waited_before = 0.0
+        self.phases = 0  #: phases ended by `drain`
+        self.idle_rounds = 0  #: rounds run without a gradient step while waiting for slower workers
+        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # the communication thread's
+
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix=f"prague-gossip-{self.worker.rank}", initializer=self.streams.bind
+            )
+        return self._executor
+
+    @property
+    def in_flight(self) -> bool:
+        return self._flight is not None
+
+    def _round_buffers(self) -> FlatBuffers:
+        """The round's snapshot, which becomes its change: the worker's spare copy of the model (free
+        while a phase runs; synchronization points use it once the phase has ended)."""
+        return self.worker.spare()
+
+    def _scratch_for(self, flat: torch.Tensor) -> torch.Tensor:
+        """In the communication thread: a bucket-sized buffer for a sum, kept across rounds."""
+        key = (flat.dtype, flat.device)
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.numel() < flat.numel():
+            largest = max(f.numel() for f in self._round_buffers().flats if (f.dtype, f.device) == key)
+            scratch = self._scratch[key] = torch.empty(largest, dtype=flat.dtype, device=flat.device)
+        return scratch[: flat.numel()]
+
+    def issue(self) -> None:
+        """Send this worker's current tensors into its group of the next round."""
+        weighted = surviving(self.schedule.group_of(self.worker.rank, self.round), self.worker.members)
+        flight = _InFlight(self.round, weighted)
+        flight.complete = torch.ones((), dtype=torch.bool, device=self.live.device)
+        self.round += 1
+        if flight.exchanges:
+            self._round_buffers().copy_from_live()
+            flight.future = self._thread().submit(self._sum, flight, self.streams.mark())
+        self._flight = flight
+        if not self.lagged:
+            self.mix()
+        elif not self.overlap:
+            self._wait(flight)
+
+    def _sum(self, flight: _InFlight, ready: Marker) -> Marker:
+        """In the communication thread: the round's group sums, and from them the round's change
+        `(a - 1) x_i + b sum_j x_j` over the snapshot (zero everywhere if the round is incomplete)."""
+        self.streams.wait(ready)
+        buffers = self._round_buffers()
+        self.streams.keep_for(buffers.flats)
+        operation = flight.operation(self.worker.rank)
+        a, b = flight.weighted.coefficients()
+        size = len(flight.weighted.members)
+        device = self.live.device
+        distance = torch.zeros((), dtype=torch.float64, device=device)
+        norm = torch.zeros((), dtype=torch.float64, device=device)
+        for flat in buffers.flats:
+            total = self._scratch_for(flat)
+            total.copy_(flat)
+            self.worker.comm.sum_(total, flight.weighted.members, operation)
+            bucket_norm = squared_norm(total, 1.0 / size)  # non-finite if the sum is incomplete (NaN)
+            flight.complete &= torch.isfinite(bucket_norm)
+            norm += bucket_norm
+            distance += squared_distance(flat, total, alpha=1.0 / size)
+            flat.mul_(a - 1.0).add_(total, alpha=b)
+        for flat in buffers.flats:  # a round a member left mid-way is skipped by every member of it
+            flat.masked_fill_(~flight.complete, 0.0)
+        flight.error = gated_relative_error(distance, norm, flight.complete)
+        return self.streams.mark()
+
+    def _wait(self, flight: _InFlight, timeout: float | None = None) -> None:
+        """Until the round's sums are done; an error of the communication thread is raised here, as it was."""
+        future, flight.future = flight.future, None
+        if future is None:
+            return
+        start = time.monotonic()
+        limit = self.timeout if timeout is None else timeout
+        try:
+            done = future.result(limit + 5.0)  # the sums time out on their own after self.timeout
+        except CoordinationTimeout as err:
+            raise self.worker.session.explain(err, flight.operation(self.worker.rank)) from err
+        except FutureTimeout:
+            raise CoordinationTimeout(
+                f"rank {self.worker.rank}: {flight.operation(self.worker.rank)} did not finish within {limit:.0f}s"
+            ) from None
+        finally:
+            self.wait_seconds += time.monotonic() - start
+        self.streams.wait(done)
+
+    def mix(self) -> None:
+        """Wait for the exchange in flight and fold its change, `W x - x` of the snapshot, into the live tensors."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        self._wait(flight)
+        if flight.exchanges:
+            self._round_buffers().add_to_live()
+            assert flight.error is not None
+            self.streams.keep_for([flight.error])
+            self.worker.stats.record_group_error(flight.error)
+        self.exchanges += 1
+
+    # -- the Exchanger interface ------------------------------------------------------------
+    def start(self) -> None:
+        """The first exchange of a phase overlaps the phase's first forward and backward pass."""
+        if not self._phase_open:
+            self._phase_open = True
+            if self._flight is None:
+                self.issue()
+
+    def step(self) -> None:
+        self.mix()  # normally already mixed just before the update; a no-op then
+        self.issue()
+
+    def drain(self) -> None:
+        """Nothing to finish alone: a gossip phase ends in the meeting of every rank (the hooks below)."""
+
+    # -- the meeting that ends the phase (GroupWorker.synchronize) ------------------------------
+    def meeting_report(self) -> dict[str, Any]:
+        if self._meeting_started is None:  # (asked again when a meeting turns into the stop point)
+            self._meeting_started = time.monotonic()
+            self._waited_before = self.wait_seconds
+        return {"round": self.round}
+
+    def serve(self) -> None:
+        """An idle round, if the round in flight is done (else nothing: the meeting goes on reading
+        its inbox, so a release is never missed while a partner is elsewhere)."""
+        flight = self._flight
+        if flight is not None and flight.future is not None and not flight.future.done():
+            return
+        self._idle_round()
+
+    def _idle_round(self) -> None:
+        """Mix the round in flight and issue the next, without a gradient step."""
+        self.mix()
+        self.issue()
+        self.idle_rounds += 1
+
+    def finish(self, release: dict[str, Any]) -> None:
+        """Run to the phase's final round (every rank does), mix the last one in: the phase is over.
+
+        The release names it, or says `settle`: ranks may have stopped at different rounds (idle
+        rounds, or rounds that ended at once because a member was lost), so they agree on the
+        largest round any of them issued first.
+        """
+        if release.get("settle"):
+            final = self.worker.settle_rounds(self.round)
+        else:
+            final = int(release.get("final", self.round))
+        if final < self.round:  # cannot happen: the settled round is the largest issued
+            raise RuntimeError(f"rank {self.worker.rank}: gossip at round {self.round} is past the final round {final}")
+        while self.round < final:
+            self._idle_round()
+        self.mix()
+        # the whole end of the phase is waiting
+        started = self._meeting_started if self._meeting_started is not None else time.monotonic()
+        self.wait_seconds = self._waited_before + time.monotonic() - started
+        self._meeting_started = None
+        self.phases += 1
+        self._phase_open = False
+
+    def end_phase(self, name: str) -> None:
+        """For programs without Lightning: end the phase with a meeting of every rank named `name`."""
+        self.drain()
+        self.worker.synchronize(name, self)
+
+    def close(self) -> None:
+        self._flight = None  # an unfinished sum ends at its peers' exit or its timeout
+        self._phase_open = False
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+            for thread in list(getattr(executor, "_threads", ())):
+                thread.join(min(self.timeout, 10.0))
+                if thread.is_alive():
+                    log.warning(
+                        "rank %d: %s is still blocked in an exchange at teardown", self.worker.rank, thread.name
+                    )
+
+    def leave(self) -> None:
+        flight, self._flight = self._flight, None
+        if flight is not None:  # finish our part of the round in flight if the peers get there soon
+            self._wait(flight, min(self.timeout, LEAVE_WAIT))
+        super().leave()

@@ -1,0 +1,406 @@
+"""How a worker's group exchanges run relative to its training steps.
+
+Every strategy calls an *exchanger* at the same points of the training loop: `start` when
+an asynchronous phase begins, `step` at the safe point after each local optimizer step,
+`drain` at a synchronization point (afterwards nothing is in flight and no thread runs),
+and `close` at teardown, also after an exception.
+
+* `BlockingExchanger` - the exchange runs in the training thread (Prague's paper).
+* `BackgroundAverager` - the worker's own requests run on a snapshot in a communication
+  thread while the next steps compute (Prague with `overlap`, Partial Reduce, AD-PSGD's active
+  workers).
+* `PassiveResponder` - a thread answers exchanges other workers start (AD-PSGD's passive
+  workers) on the latest published snapshot.
+
+The background ones keep AD-PSGD's atomicity without stopping compute: an exchange averages a
+snapshot `s` and the training thread later folds in `x <- x + (avg(s) - s)`, so local progress
+made during the exchange is kept and each exchange is applied exactly once. Under plain means the
+differences sum to zero over a group, so the sum of all replicas is conserved.
+
+Memory: the background exchangers keep two flat copies of the averaged state (parameters and
+floating-point buffers), allocated once and refreshed in place: the snapshot (the worker's spare
+copy, `GroupWorker.spare`, which synchronization points use for the global average) and the change
+the averages made (`SnapshotAverages`), plus one bucket once two averages run on one snapshot. A step
+allocates nothing the size of the model (docs/memory.md has the measurements). On CUDA the threads
+run on a stream of their own and hand snapshots and results over with CUDA events
+(`lightning_prague.core.comm.streams`): the training thread never synchronises with the device for an
+exchange.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from lightning_prague.core.comm.averaging import BucketedTensors, SnapshotAverages
+from lightning_prague.core.comm.streams import CommStream, Marker
+from lightning_prague.core.errors import CoordinationTimeout, ExchangeInterrupted
+from lightning_prague.core.exchange.worker import GroupAnswer, GroupWorker
+
+log = logging.getLogger(__name__)
+_LEAVE = "leave"  # a job: send `leave` and serve what is assigned until `left`
+
+
+def communication_threads() -> list[str]:
+    """Names of this process's exchange threads now alive (not the control connection's reader, which
+    lives as long as the process): after a synchronization point or teardown there must be none."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("prague-") and "control" not in t.name]
+
+
+class Exchanger:
+    """The interface every strategy drives; see the module docstring."""
+
+    def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float) -> None:
+        self.worker = worker
+        self.live = live
+        self.timeout = timeout
+        self.exchanges = 0  # exchanges folded into the live model
+        #: seconds the training thread spent blocked on exchanges (not hidden behind computation)
+        self.wait_seconds = 0.0
+        #: the stream communication threads run on, and the events that order it against compute
+        self.streams = CommStream(live.device)
+
+    def start(self) -> None:
+        """An asynchronous phase begins (idempotent)."""
+
+    def step(self) -> None:
+        """Safe point after a local optimizer step."""
+        raise NotImplementedError
+
+    def drain(self) -> None:
+        """Finish and fold in whatever is in flight; afterwards the worker belongs to the training thread."""
+
+    # -- the meeting that ends a phase (`GroupWorker.synchronize`) ------------------------------
+    #: seconds a rank waits at a meeting before it asks for idle rounds (`None`: it never serves)
+    idle_after: float | None = None
+
+    def meeting_report(self) -> dict[str, Any]:
+        """What this rank tells the coordinator when it arrives at a meeting."""
+        return {}
+
+    def serve(self) -> None:
+        """While waiting at a meeting in idle mode: serve the neighbours that still step (one round)."""
+
+    def finish(self, release: dict[str, Any]) -> None:
+        """The meeting's release came: end the phase as it says."""
+
+    def close(self) -> None:
+        """Stop any thread without raising (teardown)."""
+
+    def leave(self) -> None:
+        """Shut down in the middle of a phase (an error): run what peers wait for, then stop.
+
+        See `GroupWorker.await_left`; afterwards no thread runs and nothing names this rank.
+        """
+        self.worker.send_leave()
+        self.worker.await_left()
+
+    def _adopt(self, answer: GroupAnswer, reported: int) -> None:
+        if answer.version is not None:  # newest version of the group, plus local steps made since reporting
+            self.worker.version += max(0, answer.version - reported)
+
+
+class BlockingExchanger(Exchanger):
+    """The training thread requests a group and averages the live model before the next step."""
+
+    def step(self) -> None:
+        reported = self.worker.version
+        start = time.monotonic()
+        answer = self.worker.partial_sync(version=reported)
+        self.wait_seconds += time.monotonic() - start
+        self._adopt(answer, reported)
+        if answer.gid is not None:
+            self.exchanges += 1
+
+
+class _ThreadedExchanger(Exchanger):
+    """Owns one communication thread per asynchronous phase and the fold-in of its results."""
+
+    thread_name = "prague-comm"
+
+    def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float) -> None:
+        super().__init__(worker, live, timeout)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self._raise_pending()  # an error of the previous thread surfaces here, never silently dropped
+        self._thread = threading.Thread(
+            target=self._guarded, name=f"{self.thread_name}-{self.worker.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _guarded(self) -> None:
+        try:
+            self.streams.bind()
+            self._run()
+        except ExchangeInterrupted:
+            pass
+        except BaseException as err:  # re-raised in the training thread at its next safe point
+            self._error = err
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def _join(self, what: str) -> None:
+        if self._thread is None:
+            return
+        self._thread.join(self.timeout)
+        if self._thread.is_alive():
+            raise CoordinationTimeout(
+                f"rank {self.worker.rank}: the communication thread did not finish {what} within {self.timeout:.0f}s"
+            )
+        self._thread = None
+
+    def close(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None or not thread.is_alive():
+            return
+        self._interrupt()
+        thread.join(min(self.timeout, 10.0))
+        if thread.is_alive():  # blocked inside a collective with a dead peer; it ends at that collective's timeout
+            log.warning("rank %d: %s is still blocked in an exchange at teardown", self.worker.rank, thread.name)
+
+    def _interrupt(self) -> None:
+        try:
+            self.worker.post_pause()
+        except Exception:  # the store may be gone already
+            log.debug("could not interrupt the communication thread", exc_info=True)
+
+
+class BackgroundAverager(_ThreadedExchanger):
+    """Runs the worker's own group requests on snapshots in a communication thread.
+
+    Only one exchange is in flight at a time; a step that finds the previous exchange still
+    running does not start another (the worker averages less often when communication is slower
+    than computation). The snapshot is the worker's spare copy of the model (`GroupWorker.spare`),
+    refreshed in place at each step that starts an exchange; with the change buffer of
+    `SnapshotAverages`, two copies of the model in all.
+    """
+
+    def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float) -> None:
+        super().__init__(worker, live, timeout)
+        self._jobs: queue.Queue[tuple[int, Marker] | str | None] = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._averages: SnapshotAverages | None = None
+        self._in_flight = False  # a job was handed to the thread and its result not folded in yet
+        self._reported = 0
+        self._answer: GroupAnswer | None = None
+        self._done: Marker = None  # the exchange's result is ready on the device after this
+
+    def start(self) -> None:
+        if not self.running:
+            self._jobs = queue.Queue()
+        super().start()
+
+    def _snapshots(self) -> SnapshotAverages:
+        if self._averages is None:
+            self._averages = SnapshotAverages(self.live, self.worker.spare())
+        return self._averages
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job == _LEAVE:
+                self.worker.leave()
+                return
+            version, ready = job
+            try:
+                averages = self._snapshots()
+                self.streams.wait(ready)  # the snapshot was taken on the compute stream
+                self.streams.keep_for(averages.buffers())
+                self._answer = self.worker.partial_sync(averages.average, version=version)
+                self._done = self.streams.mark()
+            except ExchangeInterrupted:
+                raise
+            except BaseException as err:
+                self._error = err  # stored before the training thread can see the exchange as finished
+                raise
+            finally:
+                self._idle.set()
+
+    @property
+    def busy(self) -> bool:
+        """An exchange is in flight (a thread that died with a job queued is not busy: its error is due)."""
+        return not self._idle.is_set() and self.running
+
+    def _fold_in(self) -> None:
+        if not self._in_flight:
+            return
+        self._in_flight = False
+        answer, self._answer = self._answer, None
+        self.streams.wait(self._done)  # the compute stream reads the change only once it is written
+        self._snapshots().apply()
+        if answer is None:
+            return
+        self._adopt(answer, self._reported)
+        if answer.gid is not None:
+            self.exchanges += 1
+
+    def step(self) -> None:
+        """Fold in a finished exchange and start the next; returns at once if one is still running."""
+        if self.busy:
+            return
+        self._raise_pending()
+        self._fold_in()
+        self.start()
+        self._snapshots().take()
+        self._reported = self.worker.version
+        ready = self.streams.mark()
+        self._idle.clear()
+        self._in_flight = True
+        self._jobs.put((self._reported, ready))
+
+    def drain(self) -> None:
+        start = time.monotonic()
+        deadline = start + self.timeout
+        while self.busy and time.monotonic() < deadline:
+            self._idle.wait(min(0.5, max(0.0, deadline - time.monotonic())))
+        self.wait_seconds += time.monotonic() - start
+        self._raise_pending()  # the thread's own error, as it was raised, before any timeout
+        if self.busy:
+            raise CoordinationTimeout(
+                f"rank {self.worker.rank}: the background group exchange did not finish within {self.timeout:.0f}s"
+            )
+        self._fold_in()
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._join("its last exchange")
+
+    def close(self) -> None:
+        if self.running and not self.busy:
+            self._jobs.put(None)  # idle: a sentinel ends it at once
+        super().close()
+        self._idle.set()
+
+    def leave(self) -> None:
+        # the thread finishes the exchange in flight and sends `leave` itself: on the connection
+        # that carried its requests, so the coordinator answers every one of them before `left`
+        if self.running:
+            self._jobs.put(_LEAVE)
+            self._join("its last exchange before leaving")
+            self._raise_pending()
+        else:
+            super().leave()
+
+
+class PassiveResponder(_ThreadedExchanger):
+    """Answers the exchanges other workers start with this one, from a thread, on the latest snapshot.
+
+    The training thread refreshes a snapshot of the live model at every safe point (in place, in
+    the worker's spare copy) unless the thread is averaging it at that moment. The thread executes
+    this rank's inbox in order; each group averages the snapshot (`SnapshotAverages`: the snapshot
+    moves to the average, the change is accumulated), so a second exchange before the next safe
+    point starts from the first one's result. At the next safe point the change is folded into
+    the live model. `drain` posts a pause marker behind everything already in the inbox, so every
+    exchange assigned before the synchronization point is served before the thread ends.
+    Memory: the snapshot and the change, plus one bucket once two exchanges come between two safe
+    points (the second commits bucket by bucket, `SnapshotAverages`).
+    """
+
+    thread_name = "prague-passive"
+
+    def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float) -> None:
+        super().__init__(worker, live, timeout)
+        self._lock = threading.Lock()
+        self._averages: SnapshotAverages | None = None
+        self._serving = False  # the thread is averaging the snapshot: the training thread leaves it alone
+        self._trained: Marker = None  # the training thread's latest writes to the shared buffers
+        self._answered: Marker = None  # the thread's latest writes to them
+        self._served = 0
+
+    def _snapshots(self) -> SnapshotAverages:
+        if self._averages is None:
+            self._averages = SnapshotAverages(self.live, self.worker.spare())
+        return self._averages
+
+    def _publish(self) -> None:
+        """At a safe point: fold in what the exchanges changed, then refresh the snapshot (both under
+        the lock, and neither while the thread is averaging it: the next safe point does)."""
+        averages = self._snapshots()
+        with self._lock:
+            if self._serving:
+                return
+            self.streams.wait(self._answered)  # the thread's last result is written on its stream
+            averages.apply()
+            averages.take()
+            self.exchanges += self._served
+            self._served = 0
+            self._trained = self.streams.mark()
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self._publish()
+        super().start()
+
+    def _run(self) -> None:
+        averages = self._snapshots()
+        while True:
+            item = self.worker.poll_item()
+            if item is None:
+                continue  # nobody exchanged with us for a while: keep listening
+            if item["t"] in ("pause", "left"):
+                return
+            if item["t"] != "group":
+                self.worker.execute(item)
+                continue
+            with self._lock:
+                self._serving = True
+                self.streams.wait(self._trained)  # the snapshot was taken on the compute stream
+                self.streams.keep_for(averages.buffers())
+            served = 0
+            try:
+                self.worker.execute(item, averages.average)
+                served = 1
+            finally:
+                with self._lock:
+                    self._answered = self.streams.mark()
+                    self._served += served
+                    self._serving = False
+
+    def _fold_in(self) -> None:
+        """Once the thread has ended: fold in what its last exchanges changed."""
+        averages = self._snapshots()
+        self.streams.wait(self._answered)
+        averages.apply()
+        self.exchanges += self._served
+        self._served = 0
+
+    def step(self) -> None:
+        self._raise_pending()
+        if self.running:
+            self._publish()
+        else:
+            self._fold_in()
+
+    def drain(self) -> None:
+        if self.running:
+            self.worker.post_pause()
+            self._join("the exchanges assigned before the synchronization point")
+        self._raise_pending()
+        self._fold_in()
+
+    def leave(self) -> None:
+        self.worker.send_leave()
+        if self.running:  # the responder serves everything before `left` and ends there
+            self._join("the exchanges assigned before leaving")
+        else:
+            self.worker.await_left()

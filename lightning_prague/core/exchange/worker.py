@@ -1,0 +1,530 @@
+"""The worker side of decentralized training: ask for groups, run them in order, meet at sync points.
+
+A `GroupWorker` belongs to one rank. After a local step it sends `ready` and executes its
+inbox in order until the coordinator's answer; at a synchronization point it sends `arrive` and
+keeps executing its inbox (other workers may still average with it) until everyone has arrived.
+Then nothing is in flight anywhere, and a world-wide average is safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+import torch
+
+from lightning_prague.core.client.control import Session
+from lightning_prague.core.comm.averaging import (
+    BucketedTensors,
+    FlatBuffers,
+    average_,
+    relative_error,
+    squared_distance,
+    squared_norm,
+)
+from lightning_prague.core.comm.groups import GroupComm
+from lightning_prague.core.comm.streams import CommStream, mark_on
+from lightning_prague.core.errors import (
+    CONTROL_PLANE,
+    ControlPlaneError,
+    CoordinationTimeout,
+    ExchangeInterrupted,
+    SyncMismatchError,
+)
+from lightning_prague.core.job import current_job
+from lightning_prague.core.protocol import COMMIT, REQUEUE, SIGTERM, STOP_SYNC
+
+log = logging.getLogger(__name__)
+
+
+class PhaseEnd(Protocol):
+    """What a meeting asks of the exchanger whose phase it ends (`lightning_prague.core.exchange.overlap.Exchanger`)."""
+
+    idle_after: float | None
+
+    def meeting_report(self) -> dict[str, Any]: ...
+
+    def serve(self) -> None: ...
+
+    def finish(self, release: dict[str, Any]) -> None: ...
+
+
+#: runs one group average on some copy of the model: `(comm, members, weight, operation) -> (error, applied)`
+#: as `lightning_prague.core.comm.averaging.average_` returns them; the default averages the live tensors
+AverageTarget = Callable[[GroupComm, tuple[int, ...], Optional[float], str], tuple[torch.Tensor, torch.Tensor]]
+
+PAUSE = {"t": "pause"}  # a worker posts this to its own inbox to stop a thread that serves it
+
+
+@dataclass(frozen=True)
+class GroupAnswer:
+    """The outcome of one group request: the group id (`None`: no group) and the adopted model version."""
+
+    gid: int | None
+    version: int | None = None
+
+
+@dataclass
+class WorkerStats:
+    """What one worker did; read by monitors and benchmarks."""
+
+    requests: int = 0
+    groups_executed: int = 0
+    skipped: int = 0
+    syncs: int = 0
+    sync_seconds: float = 0.0
+    group_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=4096))  # of the latest groups
+    #: messages this worker sent to and received from the coordinator
+    messages: int = 0
+    #: seconds from each of the latest group requests to the coordinator's first reply (its group or answer)
+    reply_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    #: sum and count of `||x_i - avg||^2 / ||avg||^2` over the group averages this worker took part in;
+    #: the sum stays a tensor on the model's device until it is read (no host synchronisation per step)
+    group_error_sum: torch.Tensor | None = None
+    group_error_count: int = 0
+    # the communication thread records while the training thread takes: both under this lock
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # on CUDA: when the latest sum is computed (it was computed on the recording thread's stream)
+    _sum_ready: Any = field(default=None, repr=False, compare=False)
+
+    def record_group_error(self, error: torch.Tensor) -> None:
+        """Add one group average's error (a 0-d tensor, from any thread and its current stream)."""
+        error = error.detach()
+        with self._lock:
+            previous = self.group_error_sum
+            if previous is None:
+                total = error.clone()
+            else:  # the previous sum may come from another thread's stream
+                CommStream.wait(self._sum_ready)
+                CommStream.keep_for([previous])
+                total = previous + error
+            self.group_error_sum = total
+            self._sum_ready = mark_on(total.device)
+            self.group_error_count += 1
+
+    def take_group_error(self) -> float | None:
+        """Mean group error since the last call (`None` if there was no group average)."""
+        with self._lock:
+            total, count, ready = self.group_error_sum, self.group_error_count, self._sum_ready
+            self.group_error_sum, self.group_error_count, self._sum_ready = None, 0, None
+        if total is None or not count:
+            return None
+        if ready is not None:
+            ready.synchronize()
+        return float(total) / count
+
+
+class GroupWorker:
+    """One rank's client of its session's coordinator, executing the groups it is assigned.
+
+    Args:
+        session: this rank's session of the control plane (`ControlClient.open_session`).
+        tensors: the live tensors that group averages change.
+        timeout: seconds any one wait may take.
+        sync_timeout: seconds every rank may take to reach one synchronization point, the whole
+            meeting (default and at least: `timeout`).
+        comm: the group sums; default: over the library's process group of this process's job
+            (`lightning_prague.core.job`), or the world group where there is no job.
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        tensors: BucketedTensors,
+        timeout: float,
+        comm: GroupComm | None = None,
+        sync_timeout: float | None = None,
+    ) -> None:
+        self.session = session
+        self.rank = session.rank
+        self.world_size = session.world_size
+        self.tensors = tensors
+        self.timeout = timeout
+        self.sync_timeout = max(timeout, sync_timeout or 0.0)
+        #: the session's counters in the coordinator (the end-of-phase agreement of gossip)
+        self.counters = session.counters
+        if comm is None:
+            job = current_job()
+            comm = GroupComm(self.rank, self.world_size, timeout, job.group if job is not None else None)
+        #: sums over any group on one process group that spans every rank; no communicator per group
+        self.comm = comm
+        self.comm.abandon = lambda members: any(m in session.departed for m in members)
+        self.comm.waiting = session.beacon.waiting
+        self.comm.warm_up()
+        self.stats = WorkerStats()
+        self.stop_seen = False
+        self._stopped = False
+        self._req = 0
+        #: local updates of this replica (Partial Reduce's model version); group members adopt the newest
+        self.version = 0
+        #: the newest version any worker had reported when the last synchronization point was released
+        self.released_version = 0
+        #: the last synchronization point's release (`GroupGenerator`'s item), `None` before the first
+        self.release: dict[str, Any] | None = None
+        self._doing = "training"  # what this rank waits on, for error messages
+        self._spare: FlatBuffers | None = None
+        self._stop_requests: set[str] = set()  # stops this rank asked for (once each)
+
+    # -- messaging -------------------------------------------------------------------------
+    def _send(self, op: str, **fields: Any) -> None:
+        self.session.send(op, **fields)
+        self.stats.messages += 1
+
+    def poll_item(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The next item of this rank's inbox, or `None` if none came within the timeout."""
+        item = self.session.receive(timeout)
+        if item is not None:
+            self.stats.messages += 1
+        return item
+
+    def _next_item(self, waiting_for: str, deadline: float | None = None) -> dict[str, Any]:
+        """The next inbox item within `timeout`, or by `deadline` (a meeting's overall bound)."""
+        limit = self.timeout if deadline is None else max(0.0, deadline - time.monotonic())
+        with self.session.beacon.waiting():
+            item = self.poll_item(limit)
+        if item is None:
+            raise self._timed_out(waiting_for, self.timeout if deadline is None else self.sync_timeout)
+        return item
+
+    def _timed_out(self, waiting_for: str, seconds: float) -> CoordinationTimeout:
+        return CoordinationTimeout(
+            f"rank {self.rank}: waited {seconds:.0f}s for {waiting_for}{self._parked_hint()}; a rank may have stalled"
+        )
+
+    def _parked_hint(self) -> str:
+        try:
+            parked = self.session.request("parked", "the ranks at the synchronization point", timeout=5.0)
+        except Exception:  # the hint is best effort; the timeout is the error
+            return ""
+        missing = sorted(set(self.comm.everyone) - set(parked))
+        return f" (ranks not at the synchronization point: {missing})" if parked else ""
+
+    def check_members(self, during: str) -> None:
+        """Raise `MemberLost` naming the ranks that left the job, if any did."""
+        self.session.check_members(during)
+
+    def spare(self) -> FlatBuffers:
+        """One flat copy of the live tensors, allocated at first use and kept: the sums of every
+        average of the live tensors (the global average, blocking exchanges, the consensus
+        measurement), so that they allocate nothing the size of the model.
+
+        An exchanger may use it for its own snapshot while its phase runs (`BackgroundAverager`,
+        `PassiveResponder` and `LaggedGossip` do): the live tensors are averaged only where the
+        phase has ended (synchronization points, which drain it first) or in a phase whose
+        exchanges average the live tensors themselves (`BlockingExchanger`), never both at once.
+        """
+        if self._spare is None:
+            self._spare = FlatBuffers(self.tensors)
+        return self._spare
+
+    def average_live(
+        self, comm: GroupComm, members: tuple[int, ...], weight: float | None, operation: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The default `AverageTarget`: average the live tensors in place (all-or-nothing)."""
+        return average_(self.tensors, comm, members, weight=weight, operation=operation, sums=self.spare())
+
+    def execute(self, item: dict[str, Any], target: AverageTarget | None = None) -> int | None:
+        """Carry out one inbox item, a group average on `target` (default: the live tensors); returns an
+        adopted version."""
+        kind = item["t"]
+        if kind == "group":
+            members = tuple(item["members"])
+            weights = item.get("weights")
+            weight = None if weights is None else float(weights[members.index(self.rank)])
+            operation = f"group average #{item['gid']}"
+            try:
+                error, _ = (target or self.average_live)(self.comm, members, weight, operation)
+            except CoordinationTimeout as err:
+                raise self.session.explain(err, f"{operation} over ranks {list(members)}") from err
+            if self.comm.failed_peers:
+                gone = sorted(self.comm.failed_peers)
+                log.info("rank %d: %s was cancelled: ranks %s are gone", self.rank, operation, gone)
+            self.stats.record_group_error(error)
+            self.stats.groups_executed += 1
+            self.stats.group_sizes.append(len(members))
+            return item.get("version")
+        if kind in ("pause", "left"):
+            raise ExchangeInterrupted(f"rank {self.rank}: exchange interrupted at shutdown")
+        if kind == "departed":  # the session noted it; the next release changes the membership
+            return None
+        if kind == "stop":
+            if item.get("reason", SIGTERM) in (SIGTERM, REQUEUE):
+                self.stop_seen = True
+        elif kind == "error":
+            if item.get("source") == CONTROL_PLANE:  # its handler failed on one of this rank's messages
+                raise ControlPlaneError(f"rank {self.rank}: {item['message']}")
+            raise SyncMismatchError(f"rank {self.rank}: {item['message']}")
+        return None
+
+    # -- public API ------------------------------------------------------------------------
+    def partial_sync(self, target: AverageTarget | None = None, version: int | None = None) -> GroupAnswer:
+        """Report ready after a local step and average with the group the coordinator forms.
+
+        Groups are averaged by `target` (default: the live tensors given at construction, in
+        place), which lets `BackgroundAverager` work on a snapshot.
+        `version` (default `version`) is the model version reported with the request; the
+        answer carries the newest version among the members of this request's group, if any. The
+        caller decides how to adopt it (a snapshot's version is not the live one).
+        """
+        self._req += 1
+        req = self._req
+        self._doing = f"group request #{req}"
+        self.stats.requests += 1
+        reported = self.version if version is None else version
+        sent = time.monotonic()
+        self._send("ready", req=req, version=reported)
+        versions: dict[int, int | None] = {}
+        first = True
+        while True:
+            item = self._next_item(f"the coordinator's answer to group request #{req}")
+            if first:
+                self.stats.reply_seconds.append(time.monotonic() - sent)
+                first = False
+            if item["t"] == "answer" and item["req"] == req:
+                gid = item["gid"]
+                if gid is None:
+                    self.stats.skipped += 1
+                return GroupAnswer(gid, versions.get(gid))
+            newest = self.execute(item, target)
+            if item["t"] == "group":
+                versions[item["gid"]] = newest
+
+    def synchronize(self, name: str, exchanger: PhaseEnd | None = None, **report: Any) -> bool:
+        """Wait until every rank reached `name` with nothing in flight; True if training is stopping (SIGTERM).
+
+        `report`: what this rank tells the others at the meeting (`stop`: it wants the job to stop;
+        `speed`: its seconds per batch; `untrained`: the work-queue chunks it holds untrained); the
+        release (`release`) carries everyone's. `exchanger`: the exchanger whose phase ends here
+        (gossip on a fixed schedule reports its round, serves neighbours while waiting once the
+        phase goes idle, and runs to the release's final round; see `GroupGenerator`).
+        """
+        start = time.monotonic()
+        target = STOP_SYNC if self.stop_seen else name
+        if exchanger is not None:
+            report = {**report, **exchanger.meeting_report()}
+        with self.session.beacon.waiting():
+            target = self._meet(target, start, exchanger, report)
+        if exchanger is not None:
+            exchanger.finish(self.release)  # the phase's last rounds, among the phase's members
+        self.change_members((self.release or {}).get("members"))
+        self.stats.syncs += 1
+        self.stats.sync_seconds += time.monotonic() - start
+        if target == STOP_SYNC:
+            self._stopped = True
+        return target == STOP_SYNC
+
+    def _meet(
+        self, target: str, start: float, exchanger: PhaseEnd | None, report: dict[str, Any], follow_stop: bool = True
+    ) -> str:
+        """Arrive at `target` and execute the inbox until its release; returns the point met (the
+        stop point if a SIGTERM stop came meanwhile and `follow_stop`: a commit meeting does not
+        move, the control plane releases it while stopping too)."""
+        self._doing = f"synchronization point {target!r}"
+        idle_after = exchanger.idle_after if exchanger is not None else None
+        idle = asked_idle = False
+        deadline = start + self.sync_timeout  # the whole meeting; each group executed in it has its own bound
+        self._send("arrive", sync=target, **report)
+        while True:
+            waiting = f"the other ranks at synchronization point {target!r}"
+            if idle_after is None:
+                item = self._next_item(waiting, deadline)
+            else:  # poll: a rank out of steps may have to serve its neighbours (idle rounds)
+                if idle:
+                    assert exchanger is not None
+                    exchanger.serve()
+                item = self.poll_item(0.001 if idle else 0.01)
+                if item is None:
+                    waited = time.monotonic() - start
+                    if not asked_idle and waited > idle_after:
+                        asked_idle = True
+                        self._send("idle")
+                    if time.monotonic() > deadline:
+                        raise self._timed_out(waiting, self.sync_timeout)
+                    continue
+            if item["t"] == "release" and item["sync"] == target:
+                self.released_version = int(item.get("version", 0))
+                self.release = item
+                return target
+            if item["t"] == "idle":
+                idle = True
+                continue
+            if item["t"] != "pause":  # a pause left over from a communication thread that ended on its own
+                self.execute(item)
+            if follow_stop and self.stop_seen and target != STOP_SYNC:
+                target = STOP_SYNC
+                self._doing = f"synchronization point {target!r}"
+                if exchanger is not None:  # its round moved on if it served idle rounds meanwhile
+                    report = {**report, **exchanger.meeting_report()}
+                self._send("arrive", sync=target, **report)
+
+    def agree(self, complete: bool) -> bool:
+        """Whether every live member completed the collective it just ran, as the control plane
+        decides from their reports at one more meeting (`<sync>/commit`). Call only where the ranks
+        are aligned, every one after the same collective. A member that dies part-way through its
+        sends can leave one member's sum complete and another's not; deciding here keeps the
+        members' results, and their next operations, in step. The first release stays this
+        worker's `release`, with the members named by the second."""
+        first, version = self.release or {}, self.released_version
+        name = f"{first['sync']}{COMMIT}" if "sync" in first else COMMIT.lstrip("/")
+        with self.session.beacon.waiting():
+            self._meet(name, time.monotonic(), None, {} if complete else {"incomplete": True}, follow_stop=False)
+        decided = self.release or {}
+        agreed = bool(decided.get("complete", complete))
+        self.release = {**first, "members": decided.get("members", first.get("members"))}
+        self.released_version = version
+        log.debug("rank %d: %r: complete here %s, on every member %s", self.rank, name, complete, agreed)
+        return agreed
+
+    def _agreed(self, complete: torch.Tensor) -> torch.Tensor:
+        """`agree` for `average_`'s `decide`: reading the one flag on the host is a synchronization
+        point's cost."""
+        return torch.full_like(complete, self.agree(bool(complete)))
+
+    def settle_rounds(self, issued: int) -> int:
+        """The final round of a gossip phase whose release said `settle`: every rank meets once more,
+        reporting the rounds it has `issued`, and gets the largest (see `GroupGenerator`). The
+        first release stays this worker's `release`, with the members named by the second."""
+        first, version = self.release or {}, self.released_version
+        name = f"{first.get('sync', STOP_SYNC)}/rounds"
+        log.debug("rank %d: settling the final gossip round at %r (issued %d)", self.rank, name, issued)
+        with self.session.beacon.waiting():
+            self._meet(name, time.monotonic(), None, {"round": issued, "settle": True})
+        settled = self.release or {}
+        final = int(settled.get("final", issued))
+        self.release = {**first, "members": settled.get("members", first.get("members"))}
+        self.released_version = version
+        log.debug("rank %d: the final gossip round is %d", self.rank, final)
+        return final
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks this worker exchanges with (every rank until some left the job)."""
+        return self.comm.everyone
+
+    def change_members(self, members: list[int] | None) -> None:
+        """From now on exchange among `members` (a release's live ranks), if they changed: every
+        survivor calls this right after the same release, so all switch at the same point. The
+        job's process group is rebuilt among them (no communicator that held a lost rank is used
+        again)."""
+        if members is None or tuple(members) == self.comm.everyone:
+            return
+        gone = sorted(set(self.comm.everyone) - set(members))
+        job = current_job()
+        group = job.regroup(members) if job is not None and self.comm.pg is job.group else self.comm.pg
+        self.comm.rebind(group, members)
+        log.warning("rank %d: going on without ranks %s; members now %s", self.rank, gone, list(members))
+
+    def request_stop(self, reason: str = "sigterm") -> None:
+        """Ask every rank to stop. `"sigterm"`: they drain their groups at the next step and leave
+        together (`"requeue"`: the same, and every rank then writes the requeue checkpoint);
+        `"request"`: they end their epochs early and the next release says stop.
+
+        Safe to call from the training thread while a communication thread uses the worker.
+        """
+        if reason in self._stop_requests or (self.stop_seen and reason != REQUEUE):
+            return
+        if reason == "request" and self.session.stop_reason is not None:
+            return  # the job is stopping already
+        self._stop_requests.add(reason)
+        self._send("stop", reason=reason)
+
+    def send_leave(self) -> None:
+        """Tell the coordinator this rank shuts down after an error (see `await_left`)."""
+        self._send("leave")
+
+    def leave(self) -> None:
+        """`send_leave` and `await_left` from the thread that owns this rank's connection.
+
+        Sent on the same connection as this thread's earlier group requests, the `leave` reaches
+        the coordinator after them, so every request gets its answer before `left`.
+        """
+        self._send("leave")
+        self.await_left()
+
+    def await_left(self) -> None:
+        """Execute what was already assigned to this rank until the coordinator's `left` item.
+
+        Call from the thread that owns the inbox once no other thread reads it. Every group already
+        issued to this rank is executed (its peers are waiting in it); the coordinator assigns
+        nothing more, and the other ranks get an error naming this one at their next
+        synchronization point instead of waiting for it.
+        """
+        self._doing = "leaving after an error"
+        while True:
+            item = self._next_item("the coordinator's acknowledgement of this rank leaving")
+            if item["t"] == "left":
+                return
+            if item["t"] == "group":
+                try:
+                    self.execute(item)
+                except CoordinationTimeout:  # a member of it is gone too: it failed on every member
+                    log.debug("rank %d: group %s failed while leaving", self.rank, item.get("gid"), exc_info=True)
+
+    def post_pause(self) -> None:
+        """Put `PAUSE` at the end of this rank's own inbox (see `PassiveResponder`).
+
+        The coordinator echoes it behind everything it already assigned to this rank.
+        """
+        self.session.post(PAUSE)
+
+    def close(self) -> None:
+        """This rank is done with its session (teardown; the worker is not used afterwards)."""
+        self.session.close()
+
+    def drain_for_stop(self, exchanger: PhaseEnd | None = None) -> None:
+        """Meet every other rank at the stop point (idempotent)."""
+        if not self._stopped:
+            self.synchronize(STOP_SYNC, exchanger)
+
+    def consensus_error(self) -> float:
+        """Exactly `mean_i ||x_i - x_bar||^2 / ||x_bar||^2` over all replicas; a collective of every rank.
+
+        Call only where ranks are aligned (right after `synchronize`); it changes no tensor.
+        The sums run on the backend's device; the one number is read once, at the end.
+        """
+        everyone = self.comm.everyone
+        device = self.tensors.device
+        count = len(everyone)
+        distance = torch.zeros(1, dtype=torch.float64, device=device)
+        norm = torch.zeros((), dtype=torch.float64, device=device)
+        sums = self.spare()
+        for flat, views, bucket in zip(sums.flats, sums.views, self.tensors.buckets):
+            torch._foreach_copy_(views, bucket)
+            self.comm.sum_(flat, everyone, "consensus measurement")
+            norm += squared_norm(flat, 1.0 / count)
+            for mine, total in zip(bucket, views):
+                distance += squared_distance(mine, total, alpha=1.0 / count)
+        self.comm.sum_(distance, everyone, "consensus measurement")
+        return float(relative_error(distance[0] / count, norm))
+
+    def global_average(self) -> bool:
+        """Average over all live ranks; call only right after `synchronize` returned.
+
+        Returns False, on every member alike, if a member was lost during it (every member kept its
+        tensors): meet again (the release leaves the lost member out) and average again. The
+        members' completeness is decided at the control plane before anything is written back (a
+        member that dies part-way through its sends can leave one survivor's sum complete and
+        another's not). A sum that is incomplete while nobody left means the replicas hold
+        non-finite values: an error.
+        """
+        try:
+            _, applied = average_(
+                self.tensors, self.comm, self.comm.everyone, operation="global average", sums=self.spare(),
+                decide=self._agreed,
+            )  # fmt: skip
+        except CoordinationTimeout as err:
+            raise self.session.explain(err, "the global average") from err
+        if bool(applied):
+            return True
+        if set((self.release or {}).get("members", self.comm.everyone)) >= set(self.comm.everyone):
+            raise SyncMismatchError(
+                f"rank {self.rank}: the global average over ranks {list(self.comm.everyone)} was not finite "
+                "although no rank left: a replica holds NaN or infinite values (training diverged?)"
+            )
+        log.warning("rank %d: a rank was lost during the global average; meeting again without it", self.rank)
+        return False

@@ -1,0 +1,362 @@
+"""Grouping policies: which peers a worker averages with when it asks the coordinator for a group.
+
+A policy is pure, deterministic logic (seeded `random.Random`); it never talks to the network.
+The `GroupGenerator` calls it in one global order, which is
+what makes any policy deadlock-free.
+
+- `random`: Prague's Group Generator: the requester plus `group_size - 1` peers drawn uniformly from
+  the workers that are still training.
+- `buffer`: Group Buffer: each round (a worker's `r`-th request since the last synchronization
+  point) has a random partition of all workers into groups of `group_size` (one group takes
+  `group_size + 1` rather than leave a worker alone); a requester gets the group of its round's
+  partition that contains it, which may already have been handed out to another member (then nothing
+  new is issued). Groups of one partition are disjoint, so workers that keep pace never conflict
+  (see `BufferPolicy`).
+- `division`: Group Division: workers are split into fixed divisions of consecutive ranks
+  (`division_size`, by default the workers per node on several nodes, otherwise half the world);
+  groups are drawn inside the requester's division, except every `cross_period`-th request, which
+  draws from the whole world so that divisions keep mixing.
+- `static`: A conflict-free schedule for homogeneous clusters (`static_schedule`): round `r`
+  partitions the workers; a worker's `r`-th request gets its group of round `r`.
+- `first_ready`: Partial Reduce: the first `group_size` workers that report ready form a group;
+  nobody is grouped while busy, and no set of workers stays isolated (see `FirstReadyPolicy`).
+
+`GossipPolicy` (AD-PSGD's active/passive pairs) is built from a graph rather than by name.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.grouping.bipartite import BipartiteGraph
+from lightning_prague.core.grouping.staleness import staleness_weights
+from lightning_prague.core.grouping.syncgraph import SyncGraph
+from lightning_prague.core.grouping.topology import Schedule, prague_static
+
+Group = tuple[int, ...]
+
+POLICY_NAMES = ("random", "buffer", "division", "static", "first_ready")
+WEIGHTINGS = ("uniform", "staleness")
+
+
+class GroupingPolicy:
+    """Chooses the members of a group for a worker that asks for one."""
+
+    #: a policy whose groups are shared by a round: the generator issues each (round, group) once
+    issues_per_round = False
+    #: every member the policy names takes part, lagging or not (a fixed schedule)
+    keeps_stragglers = False
+
+    def __init__(self, world_size: int, group_size: int, seed: int = 0) -> None:
+        self.world_size = world_size
+        self.group_size = group_size
+        self.rng = random.Random(seed)
+
+    def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
+        """Members (sorted, containing `requester`) or `None` when no group can be formed.
+
+        `available` lists the workers that may be drawn (still training, not parked at a
+        synchronization point) and always contains `requester`; the generator passes a sequence
+        with constant-time membership, so a policy's cost per request need not grow with N.
+        """
+        raise NotImplementedError
+
+    def weights(self, versions: Sequence[int]) -> list[float] | None:
+        """Per-member averaging weights for members at these model versions; `None` is the plain mean."""
+        return None
+
+    def restart(self) -> None:
+        """Every worker met at a synchronization point: rounds count from 0 again."""
+
+    def _draw(self, requester: int, candidates: Sequence[int]) -> Group | None:
+        """The requester and up to `group_size - 1` distinct others, uniformly at random."""
+        others_count = len(candidates) - (1 if requester in candidates else 0)
+        k = min(self.group_size - 1, others_count)
+        if k <= 0:
+            return None
+        if 4 * k >= others_count:  # few candidates: sample from the list of them
+            peers: set[int] | list[int] = self.rng.sample([r for r in candidates if r != requester], k)
+        else:  # many: draw until k distinct others, expected O(k) whatever the number of candidates
+            peers = set()
+            while len(peers) < k:
+                rank = candidates[self.rng.randrange(len(candidates))]
+                if rank != requester:
+                    peers.add(rank)
+        return tuple(sorted([requester, *peers]))
+
+
+class RandomPolicy(GroupingPolicy):
+    def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
+        return self._draw(requester, available)
+
+
+class BufferPolicy(GroupingPolicy):
+    """Group Buffer: round `r` of every worker is one random partition of all workers.
+
+    A worker's `r`-th request (since the last synchronization point) is answered with the group
+    of partition `r` that contains it; the first member to ask issues it, the others' requests of
+    that round are answered with the same group (already in their inboxes), so a round costs one
+    group per member, not one per request. Groups of one partition are disjoint: workers that keep
+    pace never conflict. Partitions are drawn when first needed and only the newest
+    `depth` are kept; a worker far behind (a straggler) gets a freshly drawn one.
+    """
+
+    issues_per_round = True
+
+    def __init__(self, world_size: int, group_size: int, seed: int = 0, depth: int = 64) -> None:
+        super().__init__(world_size, group_size, seed)
+        self.depth = depth
+        self._partitions: dict[int, dict[int, Group]] = {}
+
+    def _partition(self) -> dict[int, Group]:
+        ranks = list(range(self.world_size))
+        self.rng.shuffle(ranks)
+        groups = [tuple(sorted(ranks[i : i + self.group_size])) for i in range(0, len(ranks), self.group_size)]
+        if len(groups) > 1 and len(groups[-1]) == 1:  # never leave a worker alone: it joins the previous group
+            last = groups.pop()
+            groups[-1] = tuple(sorted(groups[-1] + last))
+        return {rank: group for group in groups for rank in group}
+
+    def partition(self, round_index: int) -> dict[int, Group]:
+        """Rank -> its group in round `round_index`'s partition."""
+        partition = self._partitions.get(round_index)
+        if partition is None:
+            partition = self._partitions[round_index] = self._partition()
+            if len(self._partitions) > self.depth:
+                del self._partitions[min(self._partitions)]
+        return partition
+
+    def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
+        members = tuple(r for r in self.partition(round_index)[requester] if r in available)
+        return members if len(members) >= 2 else None
+
+    def restart(self) -> None:
+        self._partitions.clear()
+
+
+class DivisionPolicy(GroupingPolicy):
+    def __init__(
+        self, world_size: int, group_size: int, seed: int = 0, division_size: int | None = None, cross_period: int = 4
+    ) -> None:
+        super().__init__(world_size, group_size, seed)
+        self.division_size = division_size or max(group_size, (world_size + 1) // 2)
+        if self.division_size < 2:
+            raise ConfigurationError(f"division_size must be at least 2, got {self.division_size}")
+        if cross_period < 1:
+            raise ConfigurationError(f"cross_period must be at least 1, got {cross_period}")
+        self.cross_period = cross_period
+        self._requests = 0
+
+    def division_of(self, rank: int) -> int:
+        return rank // self.division_size
+
+    def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
+        self._requests += 1
+        if self._requests % self.cross_period == 0:
+            return self._draw(requester, available)
+        home = self.division_of(requester)
+        start = home * self.division_size
+        division = range(start, min(start + self.division_size, self.world_size))
+        return self._draw(requester, [r for r in division if r in available])
+
+
+class SchedulePolicy(GroupingPolicy):
+    """Groups from a fixed `Schedule`: a worker's `r`-th request
+    gets its group of round `r`. The coordinator averages these groups with plain means."""
+
+    issues_per_round = True
+    keeps_stragglers = True
+
+    def __init__(self, schedule: Schedule, seed: int = 0) -> None:
+        super().__init__(schedule.world_size, max(len(g.members) for r in schedule.rounds for g in r), seed)
+        self.schedule = schedule
+
+    def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
+        members = tuple(r for r in self.schedule.group_of(requester, round_index).members if r in available)
+        return members if len(members) >= 2 else None
+
+
+class StaticPolicy(SchedulePolicy):
+    """Prague's static schedule (`static_schedule`)."""
+
+    def __init__(self, world_size: int, group_size: int, seed: int = 0, workers_per_node: int | None = None) -> None:
+        # on one node there are no slow links to avoid: use virtual nodes of group_size workers
+        per_node = workers_per_node if workers_per_node and 2 <= workers_per_node < world_size else group_size
+        super().__init__(prague_static(world_size, per_node), seed)
+        self.group_size = group_size
+        self.workers_per_node = per_node
+
+
+class FirstReadyPolicy(GroupingPolicy):
+    """Partial Reduce's controller: group the first `group_size` ready workers, in arrival order.
+
+    The generator keeps the FIFO of ready workers and calls `form`. A worker left waiting is
+    grouped as soon as `group_size` workers wait, or with whoever waits when nobody else can come.
+
+    **No update isolation.** A `SyncGraph` records which
+    workers have mixed since the current window began. Once `mixing_window` ready reports have
+    arrived in a window and the graph is still not connected, groups must *bridge* components:
+    the oldest ready worker is grouped with ready workers of other components first; if every
+    ready worker is in one component while a worker of another is busy, the oldest
+    `group_size - 1` are held for it (later arrivals still group among themselves). Each bridging
+    group joins at least two components, so at most `N - 1` of them connect the graph, and a
+    held worker waits for at most one step of a worker of another component. The window restarts
+    whenever the graph becomes connected (and at synchronization points that average globally).
+    The graph ignores time order; what holds in time order: a worker's model as of any moment
+    reaches every other training worker through time-ordered groups within `N - 1` windows,
+    since each window's connected graph joins the set of workers already reached to one more
+    (docs/partial_reduce.md states the bound in reports and what was measured). Parked workers
+    are outside the windows; synchronization points mix them.
+
+    `weighting`: `"uniform"` (plain mean) or `"staleness"` (see
+    `staleness_weights`, decay `alpha`).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        group_size: int,
+        seed: int = 0,
+        weighting: str = "uniform",
+        alpha: float = 0.9,
+        mixing_window: int | None = None,
+    ) -> None:
+        super().__init__(world_size, group_size, seed)
+        if weighting not in WEIGHTINGS:
+            raise ConfigurationError(f"weighting={weighting!r} is invalid; choose one of {', '.join(WEIGHTINGS)}")
+        if not 0.0 < alpha < 1.0:
+            raise ConfigurationError(f"alpha={alpha} is invalid: the staleness decay must be strictly between 0 and 1")
+        window = 10 * world_size if mixing_window is None else mixing_window
+        if window < 1:
+            raise ConfigurationError(f"mixing_window={mixing_window} is invalid: it must be at least 1 ready report")
+        self.weighting = weighting
+        self.alpha = alpha
+        self.mixing_window = window
+        self.graph = SyncGraph(world_size)
+        self.reports = 0  # ready reports in the current window
+        self.windows_closed = 0
+        self.bridging_groups = 0
+
+    def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
+        raise NotImplementedError("first_ready groups are formed by GroupGenerator through FirstReadyPolicy.form")
+
+    def weights(self, versions: Sequence[int]) -> list[float] | None:
+        """Per-member weights for members with these versions; `None` means the plain mean."""
+        return staleness_weights(versions, self.alpha) if self.weighting == "staleness" else None
+
+    def on_ready(self) -> None:
+        self.reports += 1
+
+    def restart_window(self) -> None:
+        self.graph.reset()
+        self.reports = 0
+
+    def form(self, ready: Sequence[int], busy: Sequence[int]) -> list[list[int]]:
+        """Groups to form now from `ready` (FIFO order); `busy` will report later.
+
+        A returned group of one worker means that worker gets no group (nobody else can come).
+        """
+        queue = list(ready)
+        groups: list[list[int]] = []
+        while queue:
+            group = self._next_group(queue, busy)
+            if group is None:
+                break
+            groups.append(group)
+            queue = [r for r in queue if r not in group]
+            self._record(group, [*queue, *busy])
+        return groups
+
+    def _record(self, group: list[int], others: Sequence[int]) -> None:
+        if len(group) < 2:
+            return
+        self.graph.join(group)
+        if self.graph.connected([*group, *others]):
+            self.windows_closed += 1
+            self.restart_window()
+
+    def _next_group(self, queue: list[int], busy: Sequence[int]) -> list[int] | None:
+        size = self.group_size
+        if self.reports >= self.mixing_window and not self.graph.connected([*queue, *busy]):
+            bridge = self._bridge(queue, busy)
+            if bridge != "normal":
+                return bridge
+        if len(queue) >= size:
+            return queue[:size]
+        return list(queue) if not busy else None
+
+    def _bridge(self, queue: list[int], busy: Sequence[int]) -> list[int] | None | str:
+        """A group spanning components, `None` to hold the queue, or `"normal"` if bridging is impossible."""
+        size = self.group_size
+        find = self.graph.find
+        group = [queue[0]]
+        seen = {find(queue[0])}
+        for r in queue[1:]:
+            if len(group) < size and find(r) not in seen:
+                group.append(r)
+                seen.add(find(r))
+        for r in queue[1:]:
+            if len(group) < size and r not in group:
+                group.append(r)
+        if len(seen) > 1 and (len(group) == size or not busy):
+            self.bridging_groups += 1
+            return group
+        if any(find(b) not in seen for b in busy):  # someone of another component will report: hold for it
+            rest = queue[size - 1 :]
+            return rest[:size] if len(rest) >= size else None
+        return "normal"
+
+
+class GossipPolicy(GroupingPolicy):
+    """AD-PSGD's pairing: an active worker averages with a random passive neighbour.
+
+    Passive workers never ask (they only answer, from a background thread), so every group is an
+    (active, passive) pair of the `BipartiteGraph`.
+    """
+
+    def __init__(self, graph: BipartiteGraph, seed: int = 0) -> None:
+        super().__init__(graph.world_size, 2, seed)
+        self.graph = graph
+
+    def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
+        if not self.graph.is_active(requester):
+            return None
+        peers = [n for n in self.graph.neighbors[requester] if n in available]
+        if not peers:
+            return None
+        return tuple(sorted((requester, self.rng.choice(peers))))
+
+
+def make_policy(
+    name: str,
+    world_size: int,
+    group_size: int,
+    seed: int = 0,
+    workers_per_node: int | None = None,
+    **first_ready: Any,
+) -> GroupingPolicy:
+    """Build a policy by name; unknown names and impossible sizes raise `ConfigurationError`."""
+    if world_size < 2:
+        raise ConfigurationError(f"decentralized training needs at least 2 workers, got world_size={world_size}")
+    if not 2 <= group_size <= world_size:
+        raise ConfigurationError(
+            f"group_size={group_size} is invalid for {world_size} workers: it must be between 2 and the number of "
+            f"workers ({world_size}); use group_size={min(3, world_size)} or add workers"
+        )
+    if name == "random":
+        return RandomPolicy(world_size, group_size, seed)
+    if name == "buffer":
+        return BufferPolicy(world_size, group_size, seed)
+    if name == "division":
+        division = workers_per_node if workers_per_node and 2 <= workers_per_node < world_size else None
+        return DivisionPolicy(world_size, group_size, seed, division_size=division)
+    if name == "static":
+        return StaticPolicy(world_size, group_size, seed, workers_per_node)
+    if name == "first_ready":
+        return FirstReadyPolicy(world_size, group_size, seed, **first_ready)
+    raise ConfigurationError(
+        f"grouping={name!r} is not a known grouping policy; choose one of {', '.join(POLICY_NAMES)}"
+    )

@@ -1,0 +1,327 @@
+"""The control plane: every training session's coordinator, its counters, and who is in the job.
+
+It runs in the supervisor process (`lightning_prague.core.plane.supervisor`), never in a training
+process, behind one `MessageServer`. Each training process keeps one connection to it
+(`lightning_prague.core.client.control.ControlClient`); everything that coordinates ranks goes over that
+connection, in one global order (the server handles one message at a time):
+
+* **sessions** - one per fit (`join` with the session's configuration, `close` at its end). A
+  session holds a `GroupGenerator` (groups, synchronization points, stops) and a small key-value
+  table of counters (the work queue's claims and global-progress tickets), deleted
+  with the session, so nothing outlives a fit.
+* **membership** - the ranks that joined a session and have neither closed it nor gone. When a
+  rank's connection closes while it is in a session (its process ended: exit, exception, kill -9),
+  or it leaves after an error, every other member gets a `departed` item naming it at once.
+  The generator then leaves it out of everything (see `Membership` in
+  `lightning_prague.core.plane.generator`): the survivors go on.
+* **failures** - a rank whose fit fails sends `leave` from its teardown (right after Lightning's
+  `on_exception`): it departs for the others at once, then runs what was already assigned to it
+  and gets its `left` item.
+* **hangs** - every member's beacon beats once a second (`lightning_prague.core.plane.liveness`), and each
+  beat is answered (`ALIVE`); a
+  member the `HangDetector` finds hung departs like a crashed one and is **fenced**: SIGKILLed
+  when its process runs on the supervisor's host, otherwise sent a `fenced` item on which it ends
+  itself (a frozen process on another host cannot be ended from here: its peers' exchanges with it
+  end at the process group's timeout). Fencing turns a hang into a crash, which the exchanges of
+  the survivors already survive (a dead peer fails only its own pairs, see
+  `lightning_prague.core.comm.groups`).
+* **partitions** - a member cut off from the control plane (its node's link is down) is silent:
+  it is declared hung by the same rule, and the survivors go on. The `fenced` item cannot reach
+  it, so it fences itself: its beats go unanswered, and once nothing has come from the control
+  plane for its own hang bound plus a margin it ends its process with an error that says so
+  (`lightning_prague.core.client.control.Session.check_reachable`). Whichever side of a partition holds
+  the control plane goes on; the other stops: no split brain.
+
+Messages of a session carry `"s"` (its number) and `"rank"`; items sent back carry `"s"` too, and
+replies to requests (`"req"`) are `{"t": "reply", "req", "value"}`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+from collections import defaultdict
+from typing import Any
+
+from lightning_prague.core.errors import CONTROL_PLANE
+from lightning_prague.core.plane.generator import GroupGenerator, Item
+from lightning_prague.core.plane.liveness import HangDetector
+from lightning_prague.core.protocol import ALIVE, REQUEUED, SessionConfig
+
+log = logging.getLogger(__name__)
+
+Out = dict[int, list[Item]]
+
+
+class CoordinatorSession:
+    """One fit's coordinator: its generator, members and counters."""
+
+    def __init__(self, number: int, config: SessionConfig) -> None:
+        self.number = number
+        self.world_size = config.world_size
+        self.generator = GroupGenerator(
+            config.world_size,
+            config.policy,
+            config.avoid_stragglers,
+            sync_averages=config.sync_averages,
+            min_workers=config.min_workers,
+            avoid_busy=config.avoid_busy,
+        )
+        self.hangs = HangDetector(config.hang, max(config.timeout, config.sync_timeout or 0.0))
+        #: rank -> (pid, host name) of its process, as it said when it joined (for fencing)
+        self.processes: dict[int, tuple[int, str]] = {}
+        #: rank -> the addresses other nodes reach it at, as it said when it joined
+        self.addresses: dict[int, list[str]] = {}
+        self.generator.record_history = config.record_history
+        self.members: set[int] = set()
+        self.closed: set[int] = set()
+        self.departed: dict[int, str] = {}
+        self.values: dict[str, Any] = {}
+        #: per rank: the work queue's key and the chunks it held untrained at its latest claim
+        self._holding: dict[int, tuple[str, list[int]]] = {}
+        self._tickets: dict[int, dict[int, int]] = {}  # per rank: the ticket claimed with each held chunk
+        self._waits: dict[str, list[tuple[int, int]]] = defaultdict(list)
+
+    @property
+    def over(self) -> bool:
+        """Every rank closed the session or departed: it can be deleted."""
+        return len(self.closed | set(self.departed)) >= self.world_size
+
+    def depart(self, rank: int, reason: str, out: Out, leaving: bool = False) -> None:
+        """`rank` is gone: tell every other member, and assign it nothing more.
+
+        `leaving`: it said so itself (`leave`) and the generator's `leave` follows, which still
+        sends it what was assigned to it; otherwise its process is gone and nothing is sent to it.
+        """
+        if rank in self.departed or rank in self.closed:
+            return
+        self.members.discard(rank)
+        self.hangs.forget(rank)
+        self._requeue(rank)
+        self.departed[rank] = reason
+        log.warning("session %d: rank %d departed (%s)", self.number, rank, reason)
+        notice: Item = {"t": "departed", "rank": rank, "reason": reason, "members": sorted(self.members)}
+        node, unreachable = self._lost_node(rank)
+        if unreachable:  # the survivors drop their connections there (`lightning_prague.core.client.partition`)
+            notice.update(node=node, unreachable=unreachable)
+            log.warning("session %d: every rank of %s is gone (addresses %s)", self.number, node, unreachable)
+        for member in sorted(self.members):  # first: a meeting's error that the departure causes comes after
+            out.setdefault(member, []).append(notice)
+        if not leaving:
+            self.generator.depart(rank, out)
+
+    def _lost_node(self, rank: int) -> tuple[str, list[str]]:
+        """`rank`'s node and its addresses if every rank of it has now departed and it is not the control
+        plane's node (a partition or a node that went down: its connections never close by themselves)."""
+        host = self.processes.get(rank, (0, ""))[1]
+        if not host or host == socket.gethostname():
+            return host, []
+        ranks = [r for r, (_, h) in self.processes.items() if h == host]
+        if any(r not in self.departed and r not in self.closed for r in ranks):
+            return host, []
+        return host, sorted({a for r in ranks for a in self.addresses.get(r, [])})
+
+    # -- the key-value table --------------------------------------------------------------------
+    def kv(self, rank: int, req: int, message: dict[str, Any], out: Out) -> None:
+        do, key = message["do"], message.get("key", "")
+        values = self.values
+        if do == "add":
+            values[key] = int(values.get(key, 0)) + int(message["amount"])
+            self._reply(rank, req, values[key], out)
+            self._wake(key, out)
+        elif do == "set":
+            values[key] = message["value"]
+            self._reply(rank, req, None, out)
+            self._wake(key, out)
+        elif do == "cas":  # as TCPStore.compare_set: set if absent (expected "") or equal; return the value
+            current = values.get(key)
+            if (current is None and message["expected"] == "") or current == message["expected"]:
+                values[key] = current = message["desired"]
+                self._wake(key, out)
+            self._reply(rank, req, current if current is not None else message["expected"], out)
+        elif do == "claim":  # the work queue: the next chunk, and with it the batch's ticket (one message)
+            tickets = message.get("tickets")
+            requeued = values.get(key + REQUEUED)
+            if requeued:  # a lost rank's chunks first, with the tickets it had for them
+                chunk, ticket = requeued.pop(0)
+            else:
+                chunk = int(message["first"]) + int(values.get(key, 0))
+                values[key] = int(values.get(key, 0)) + 1
+                ticket = None
+                if tickets is not None and chunk < int(message["ticketed"]):
+                    values[tickets] = ticket = int(values.get(tickets, 0)) + 1
+            self._note_claim(rank, key, message, chunk, ticket)
+            self._reply(rank, req, [chunk, ticket], out)
+        elif do == "get":  # waits for the key, as TCPStore.get does
+            if key in values:
+                self._reply(rank, req, values[key], out)
+            else:
+                self._waits[key].append((rank, req))
+        elif do == "check":
+            self._reply(rank, req, all(k in values for k in message["keys"]), out)
+        elif do == "delete":
+            self._reply(rank, req, values.pop(key, None) is not None, out)
+        elif do == "keys":
+            self._reply(rank, req, len(values), out)
+        else:
+            raise ValueError(f"unknown key-value operation {do!r}")
+
+    def _note_claim(self, rank: int, key: str, message: dict[str, Any], chunk: int, ticket: int | None) -> None:
+        """Remember what `rank` holds untrained after this claim, to requeue it if the rank is lost."""
+        tickets = self._tickets.setdefault(rank, {})
+        if ticket is not None:
+            tickets[chunk] = ticket
+        held = [int(c) for c in message.get("held", ())]
+        if chunk < int(message.get("num", chunk + 1)):
+            held.append(chunk)
+        for old in [c for c in tickets if c not in held]:
+            del tickets[old]
+        self._holding[rank] = (key, held)
+
+    def _requeue(self, rank: int) -> None:
+        """A lost rank's chunks go back to its epoch's queue: those it held untrained when it last
+        claimed (its batch in flight, which it may have trained, and the prefetched ones)."""
+        key, held = self._holding.pop(rank, ("", []))
+        tickets = self._tickets.pop(rank, {})
+        if held:
+            self.values.setdefault(key + REQUEUED, []).extend([c, tickets.get(c)] for c in held)
+            log.warning("session %d: rank %d's untrained chunks %s go back to the work queue", self.number, rank, held)
+
+    def _wake(self, key: str, out: Out) -> None:
+        for rank, req in self._waits.pop(key, ()):
+            self._reply(rank, req, self.values[key], out)
+
+    @staticmethod
+    def _reply(rank: int, req: int, value: Any, out: Out) -> None:
+        out.setdefault(rank, []).append({"t": "reply", "req": req, "value": value})
+
+
+class ControlPlane:
+    """The message handler of the supervisor's `MessageServer` (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[int, CoordinatorSession] = {}
+        self.handled = 0
+
+    # -- MessageServer hooks ----------------------------------------------------------------------
+    def handle(self, message: dict[str, Any]) -> Out:
+        out: Out = {}
+        rank = int(message.get("rank", -1))
+        try:
+            self._handle(message, rank, out)
+        except Exception as err:  # a malformed message must not kill the control plane
+            log.exception("control plane rejected message %s", message)
+            error = f"the control plane rejected {message.get('op')!r}: {type(err).__name__}: {err}"
+            item: Item = {"t": "error", "source": CONTROL_PLANE, "message": error}
+            if "req" in message:
+                item = {"t": "reply", "req": message["req"], "error": error, "source": CONTROL_PLANE}
+            elif "s" in message:
+                item["s"] = message["s"]
+            out = {rank: [item]}
+        self.handled += 1
+        return out
+
+    def on_connect(self, rank: int) -> Out:
+        log.debug("control plane: rank %d connected", rank)
+        return {}
+
+    def tick(self) -> Out:
+        """Called by the server a few times a second: members found hung depart and are fenced."""
+        out: Out = {}
+        for session in list(self.sessions.values()):
+            for rank, reason in session.hangs.hung():
+                log.error("session %d: rank %d is %s; fencing it", session.number, rank, reason)
+                session.depart(rank, reason, out)
+                self._fence(session, rank, reason, out)
+                self._tag(session, out)
+            self._maybe_delete(session)
+        return out
+
+    @staticmethod
+    def _fence(session: CoordinatorSession, rank: int, reason: str, out: Out) -> None:
+        pid, host = session.processes.get(rank, (0, ""))
+        if pid and host == socket.gethostname():
+            try:
+                os.kill(pid, signal.SIGKILL)
+                log.warning("session %d: sent SIGKILL to rank %d (pid %d)", session.number, rank, pid)
+                return
+            except OSError as err:  # another pid namespace (a container): ask it to end itself
+                log.warning("session %d: could not SIGKILL rank %d (pid %d): %s", session.number, rank, pid, err)
+        out.setdefault(rank, []).append({"t": "fenced", "reason": reason})
+
+    def on_disconnect(self, rank: int) -> Out:
+        """A rank's process closed its connection: it departs from every session it is in."""
+        out: Out = {}
+        for session in list(self.sessions.values()):
+            if rank in session.members:
+                session.depart(rank, "its process ended: its connection to the control plane closed", out)
+                self._tag(session, out)
+            self._maybe_delete(session)
+        return out
+
+    # -- messages -------------------------------------------------------------------------------
+    def _handle(self, message: dict[str, Any], rank: int, out: Out) -> None:
+        op = message["op"]
+        number = int(message["s"])
+        session = self.sessions.get(number)
+        if op == "join":
+            if session is None:
+                session = self.sessions[number] = CoordinatorSession(number, SessionConfig.decode(message["config"]))
+                log.debug("control plane: session %d opened by rank %d", number, rank)
+            session.members.add(rank)
+            session.hangs.joined(rank)
+            session.processes[rank] = (int(message.get("pid", 0)), str(message.get("host", "")))
+            session.addresses[rank] = [str(a) for a in message.get("addresses", ())]
+            return
+        if session is None:
+            # every rank failed or left, so the session is over: a failed rank's teardown still leaves
+            if op == "leave":
+                out[rank] = [{"t": "left", "s": number}]
+                return
+            if op in ("close", "beat"):
+                return
+            raise ValueError(f"rank {rank} sent {op!r} for session {number}, which is not open")
+        session.hangs.heard(rank)
+        if op == "beat":
+            session.hangs.beat(
+                rank, int(message["progress"]), bool(message["waiting"]), bool(message["busy"]), message.get("step")
+            )
+            out[rank] = [{"t": ALIVE}]  # the worker hears the control plane too (it fences itself without it)
+            return
+        if op == "kv":
+            session.kv(rank, int(message["req"]), message, out)
+        elif op == "close":
+            session.members.discard(rank)
+            session.closed.add(rank)
+            self._maybe_delete(session)
+        elif op == "parked":
+            CoordinatorSession._reply(rank, int(message["req"]), sorted(session.generator.parked), out)
+        elif op == "history":  # for tests and benchmarks (SessionConfig.record_history)
+            generator = session.generator
+            history = {
+                "issued": [[gid, list(members)] for gid, members in generator.issued],
+                "windows_closed": getattr(generator.policy, "windows_closed", None),
+            }
+            CoordinatorSession._reply(rank, int(message["req"]), history, out)
+        elif op == "leave":  # the others hear of it first, then it gets what is still assigned to it
+            session.depart(rank, "it stopped after an error", out, leaving=True)
+            for r, items in session.generator.handle(message).items():
+                out.setdefault(r, []).extend(items)
+        else:
+            for r, items in session.generator.handle(message).items():
+                out.setdefault(r, []).extend(items)
+        self._tag(session, out)
+
+    @staticmethod
+    def _tag(session: CoordinatorSession, out: Out) -> None:
+        for items in out.values():
+            for item in items:
+                if item["t"] != "reply":
+                    item["s"] = session.number
+
+    def _maybe_delete(self, session: CoordinatorSession) -> None:
+        if session.over and self.sessions.get(session.number) is session:
+            del self.sessions[session.number]
+            log.debug("control plane: session %d is over", session.number)

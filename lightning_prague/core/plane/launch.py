@@ -1,0 +1,153 @@
+"""Starting the supervisor: runs in global rank 0's training process, once, at set-up.
+
+The supervisor (`lightning_prague.core.plane.supervisor`) is a process of its own; this module is
+the launching process's side of it: start it (forked where that is safe, else a fresh interpreter
+that imports only the core), wait until its store listens, and keep a handle on it (`Supervisor`).
+
+Where the launching process has not initialised CUDA (CPU jobs), the supervisor is forked from it:
+it starts at once, with nothing to import (on two cores, a fresh interpreter's `import torch`
+costs every job a few seconds of start-up). A process that holds a CUDA context must not fork, so
+there it is a fresh interpreter (`python -c BOOTSTRAP`), which imports only the core.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from lightning_prague.core.errors import CoordinationTimeout
+from lightning_prague.core.plane.supervisor import main
+from lightning_prague.core.protocol import resolve_control_port
+
+log = logging.getLogger(__name__)
+
+# Run as `python -c BOOTSTRAP`: the package's __init__ (which imports Lightning to register the
+# strategies) is skipped; only the core is imported.
+BOOTSTRAP = (
+    "import sys, types; "
+    "p = types.ModuleType('lightning_prague'); p.__path__ = [sys.argv[1]]; sys.modules['lightning_prague'] = p; "
+    "from lightning_prague.core.plane.supervisor import main; main(sys.argv[2:])"
+)
+
+
+class Supervisor:
+    """The launching process's handle on the supervisor: its pid, `poll()` and its log file."""
+
+    def __init__(self, pid: int, log_file: Path, proc: subprocess.Popen | None = None) -> None:
+        self.pid = pid
+        self.log_file = log_file
+        self._proc = proc
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit status once the supervisor ended (reaped here), else `None`."""
+        if self.returncode is None:
+            if self._proc is not None:
+                self.returncode = self._proc.poll()
+            else:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # reaped elsewhere
+                    return None
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def output(self) -> str:
+        try:
+            return self.log_file.read_text()[-3000:]
+        except OSError:
+            return ""
+
+
+def launch(
+    host: str, port: int, world_size: int, timeout: float, host_store: bool, control_port: int | None = None
+) -> Supervisor:
+    """Start the supervisor for a job of `world_size` ranks whose store is (to be) at `host:port`.
+
+    It serves the control plane on `control_port` (see `resolve_control_port`; unset: a free port).
+    """
+    control_port = resolve_control_port(control_port)
+    log_file = Path(tempfile.gettempdir()) / f"lightning_prague-supervisor-{port}.log"
+    argv = ["--host", host, "--port", str(port), "--world-size", str(world_size), "--timeout", str(timeout)]
+    argv += ["--log", str(log_file)] + (["--host-store"] if host_store else [])
+    argv += ["--control-port", str(control_port or 0)]
+    if hasattr(os, "fork") and not _cuda_initialized():
+        handle = _fork(argv, log_file)
+    else:
+        package = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        with open(log_file, "w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", BOOTSTRAP, package, *argv],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,
+                env=env,
+            )
+        handle = Supervisor(proc.pid, log_file, proc)
+    log.debug(
+        "started the supervisor (pid %d) for %d ranks, store at %s:%d, control plane port %s",
+        handle.pid,
+        world_size,
+        host,
+        port,
+        control_port or "free",
+    )
+    return handle
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
+def _fork(argv: list[str], log_file: Path) -> Supervisor:
+    """Fork the supervisor from this process (see the module docstring)."""
+    import gc
+
+    gc.freeze()  # what exists now stays shared with the child instead of being copied by its collector
+    pid = os.fork()
+    if pid:
+        gc.unfreeze()
+        return Supervisor(pid, log_file)
+    status = 1
+    try:
+        os.setsid()
+        with open(log_file, "w") as err, open(os.devnull, "rb+") as null:
+            os.dup2(null.fileno(), 0)
+            os.dup2(null.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+        for handler in list(logging.root.handlers):  # the parent's handlers write where it does
+            logging.root.removeHandler(handler)
+        main(argv)
+        status = 0
+    finally:
+        os._exit(status)
+
+
+def wait_until_listening(proc: Supervisor, host: str, port: int, timeout: float) -> None:
+    """Return once the supervisor's store accepts connections; raise if the supervisor ended first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise CoordinationTimeout(
+                f"rank 0: the supervisor (the process that hosts the store and the control plane at {host}:{port}) "
+                f"exited with status {proc.returncode} at start-up:\n{proc.output()}"
+            )
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise CoordinationTimeout(
+                    f"rank 0: the supervisor did not listen at {host}:{port} within {timeout:.0f}s"
+                ) from None
+            time.sleep(0.05)

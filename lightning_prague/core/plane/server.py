@@ -1,0 +1,273 @@
+"""The control plane's message transport: one TCP connection per process, newline-delimited JSON.
+
+Every training process keeps one connection to the control plane (the supervisor process,
+`lightning_prague.core.plane.supervisor`) for as long as it lives. A message is
+one JSON object on one line. The server handles everything that arrived on any connection in one
+pass of its event loop, in arrival order, and sends each worker what that pass produced for it
+in one write: under load, requests and replies are batched by the transport itself, so the cost
+per request is a few microseconds of parsing rather than a synchronous round trip.
+
+Why not the TCPStore that every job already has: its queues serve one item per round trip, and
+the coordinator needed about four of them per request (pop the request, push each member's
+items), which capped it near 3k requests/s. The store only carries the server's address.
+
+The server is `MessageServer` (one thread, `selectors`); it tells its owner when a rank connects
+and when a rank's connection closes (a process that ends, however it ends, closes its sockets: this
+is how the control plane sees a lost worker within milliseconds). The client is `MessageLink`: a
+reader thread takes every line off the socket as it arrives and hands it to a router, so a
+worker learns of a departure or a stop even while no thread of it waits on the link. Both are pure
+sockets: nothing here knows what the messages mean.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lightning_prague.core.protocol import FAILED, HELLO, RECV_BYTES, Message, encode_line, tune_socket
+
+log = logging.getLogger(__name__)
+
+
+#: `handler(message) -> {rank: [item, ...]}`: the items to send, per rank, in order
+Handler = Callable[[Message], dict[int, list[Message]]]
+#: `on_connect(rank)` / `on_disconnect(rank)`: the items to send, per rank, in order
+RankEvent = Callable[[int], dict[int, list[Message]]]
+
+
+@dataclass
+class _Connection:
+    sock: socket.socket
+    rank: int | None = None
+    inbuf: bytearray = field(default_factory=bytearray)
+    outbuf: bytearray = field(default_factory=bytearray)
+    writing: bool = False  # registered for EVENT_WRITE because the kernel buffer was full
+
+
+class MessageServer:
+    """Serves `MessageLink` clients from one thread; `handler` turns each message into items.
+
+    `handler` runs in the server thread, one message at a time, in the order messages arrived
+    (per connection, the order they were sent), so whatever it decides has one global order.
+    Items for a rank are written to that rank's connection in the order they were produced; items
+    for a rank that has not connected yet wait for it. The `echo` op (`{"op": "echo", "rank",
+    "item"}`) puts `item` behind everything already sent to `rank`: a thread can wake itself.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        host: str,
+        name: str = "prague-coordinator",
+        port: int = 0,
+        on_connect: RankEvent | None = None,
+        on_disconnect: RankEvent | None = None,
+        on_tick: Callable[[], dict[int, list[Message]]] | None = None,
+        tick_seconds: float = 0.25,
+    ) -> None:
+        self.handler = handler
+        #: called every `tick_seconds` in the server thread; its items are sent like a handler's
+        self.on_tick = on_tick
+        self.tick_seconds = tick_seconds
+        self._next_tick = 0.0
+        self.name = name
+        self.on_connect = on_connect
+        self.on_disconnect = on_disconnect
+        #: ranks with an open connection now, and every rank that ever connected
+        self.connected: set[int] = set()
+        self.ever_connected: set[int] = set()
+        self.messages_in = 0
+        self.messages_out = 0
+        self.writes = 0  # socket writes (one per rank and pass of the loop, unless the kernel buffer fills)
+        self.error: BaseException | None = None
+        self._listener = self._listen(host, port)
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._by_rank: dict[int, _Connection] = {}
+        self._waiting: dict[int, bytearray] = {}  # items for ranks that have not connected yet
+        self._dropped: list[int] = []  # ranks whose connection closed in this pass of the loop
+
+    @staticmethod
+    def _listen(host: str, port: int) -> socket.socket:
+        try:
+            listener = socket.create_server((host, port), backlog=4096)
+        except OSError:  # `host` is not an address of this machine (e.g. a load balancer's): every interface
+            listener = socket.create_server(("", port), backlog=4096)
+        listener.setblocking(False)
+        return listener
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread and close every connection; safe to call twice."""
+        if self._thread is None:
+            return
+        self._closing.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout)
+        self._thread = None
+
+    # -- the event loop ---------------------------------------------------------------------------
+    def _serve(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ, None)
+        selector.register(self._wake_r, selectors.EVENT_READ, None)
+        try:
+            while not self._closing.is_set():
+                arrived: list[tuple[_Connection, Message]] = []
+                for key, mask in selector.select(timeout=self.tick_seconds if self.on_tick else 1.0):
+                    if key.fileobj is self._listener:
+                        self._accept(selector)
+                    elif key.fileobj is self._wake_r:
+                        self._wake_r.recv(64)
+                    else:
+                        conn: _Connection = key.data
+                        if mask & selectors.EVENT_WRITE:
+                            self._flush(selector, conn)
+                        if mask & selectors.EVENT_READ:
+                            self._read(selector, conn, arrived)
+                touched: dict[int, _Connection] = {}
+                for conn, message in arrived:
+                    self._dispatch(conn, message, touched)
+                while self._dropped:
+                    rank = self._dropped.pop(0)
+                    if self.on_disconnect is not None and rank not in self.connected:
+                        self._route(self.on_disconnect(rank), touched)
+                if self.on_tick is not None and time.monotonic() >= self._next_tick:
+                    self._next_tick = time.monotonic() + self.tick_seconds
+                    self._route(self.on_tick(), touched)
+                for conn in touched.values():
+                    self._flush(selector, conn)
+        except BaseException as err:  # every client is told why before its connection closes
+            self.error = err
+            log.exception("%s stopped", self.name)
+            self._tell_everyone_it_failed(selector, err)
+        finally:
+            for key in list(selector.get_map().values()):
+                try:
+                    key.fileobj.close()  # type: ignore[union-attr]
+                except OSError:
+                    pass
+            selector.close()
+            self._wake_w.close()
+
+    def _tell_everyone_it_failed(self, selector: selectors.BaseSelector, err: BaseException) -> None:
+        """Best effort, a second at most per client: each learns the server's error at once (rather
+        than a bare closed connection) and fails with it."""
+        line = encode_line({"t": FAILED, "error": f"{type(err).__name__}: {err}"})
+        for key in list(selector.get_map().values()):
+            conn = key.data
+            if not isinstance(conn, _Connection):
+                continue
+            try:
+                conn.sock.settimeout(1.0)
+                conn.sock.sendall(bytes(conn.outbuf) + line)
+            except OSError:
+                pass
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.setblocking(False)
+            tune_socket(sock)
+            selector.register(sock, selectors.EVENT_READ, _Connection(sock))
+
+    def _read(self, selector: selectors.BaseSelector, conn: _Connection, arrived: list[tuple[_Connection, Message]]):
+        try:
+            data = conn.sock.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the worker closed its connection (done, or its process ended)
+            self._drop(selector, conn)
+            return
+        conn.inbuf += data
+        end = conn.inbuf.rfind(b"\n")
+        if end < 0:
+            return
+        lines, conn.inbuf = bytes(conn.inbuf[:end]), conn.inbuf[end + 1 :]
+        for line in lines.split(b"\n"):
+            arrived.append((conn, json.loads(line)))
+        self.messages_in += lines.count(b"\n") + 1
+
+    def _drop(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
+        selector.unregister(conn.sock)
+        conn.sock.close()
+        if conn.rank is not None and self._by_rank.get(conn.rank) is conn:
+            del self._by_rank[conn.rank]
+            self.connected.discard(conn.rank)
+            self._dropped.append(conn.rank)
+            log.debug("%s: rank %d's connection closed", self.name, conn.rank)
+
+    def _dispatch(self, conn: _Connection, message: Message, touched: dict[int, _Connection]) -> None:
+        op = message.get("op")
+        if op == HELLO:
+            rank = int(message["rank"])
+            conn.rank = rank
+            self._by_rank[rank] = conn
+            self.connected.add(rank)
+            self.ever_connected.add(rank)
+            waiting = self._waiting.pop(rank, None)
+            if waiting:
+                conn.outbuf += waiting
+                touched[rank] = conn
+            if self.on_connect is not None:
+                self._route(self.on_connect(rank), touched)
+            return
+        if op == "echo":
+            out = {int(message["rank"]): [message["item"]]}
+        else:
+            out = self.handler(message)
+        self._route(out, touched)
+
+    def _route(self, out: dict[int, list[Message]], touched: dict[int, _Connection]) -> None:
+        encoded: dict[int, bytes] = {}  # a group item is one object shared by its members: encode it once
+        for rank, items in out.items():
+            buffer = self._by_rank.get(rank)
+            target = buffer.outbuf if buffer is not None else self._waiting.setdefault(rank, bytearray())
+            for item in items:
+                line = encoded.get(id(item))
+                if line is None:
+                    line = encoded[id(item)] = encode_line(item)
+                target += line
+            self.messages_out += len(items)
+            if buffer is not None:
+                touched[rank] = buffer
+
+    def _flush(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
+        if conn.outbuf:
+            try:
+                sent = conn.sock.send(conn.outbuf)
+                self.writes += 1
+                del conn.outbuf[:sent]
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:  # the worker is gone; its items have no reader
+                self._drop(selector, conn)
+                return
+        wants_write = bool(conn.outbuf)
+        if wants_write != conn.writing:
+            conn.writing = wants_write
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if wants_write else 0)
+            selector.modify(conn.sock, events, conn)
