@@ -21,7 +21,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lightning_prague.core import BucketedTensors, GroupComm, average_, communicator_count, groups, norms
+from lightning_prague.core import BucketedTensors, GroupComm, average_, communicator_count
+from lightning_prague.core.comm import groups, norms
 from lightning_prague.core.comm.averaging import SnapshotAverages
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
