@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "--think", type=float, default=0.0, help="seconds each simulated worker computes between requests (0: saturate)"
     )
     parser.add_argument("--processes", type=int, default=2, help="client processes")
-    parser.add_argument("--out", type=Path, default=Path("coordinator-load"))
+    parser.add_argument("--out", type=Path, default=Path("bench-out/coordinator-load"))
     args = parser.parse_args(argv)
     if any(n < 2 for n in args.sizes):
         parser.error("--sizes: every size must be at least 2 workers")

@@ -137,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--exit-grace", type=float, default=10.0, help="kill what is left of a run this long after its last result (s)"
     )
-    parser.add_argument("--out", type=Path, default=Path("bench-faults"))
+    parser.add_argument("--out", type=Path, default=Path("bench-out/faults"))
     args = parser.parse_args(argv)
     problems = []
     if args.devices < 3:

@@ -324,7 +324,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--where", action="store_true", help="record every thread's stack at each rank's peak")
     parser.add_argument("--interval", type=float, default=0.002, help="seconds between samples of --where")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
-    parser.add_argument("--out", type=Path, default=Path("memory.json"), help="the JSON results")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/memory.json"), help="the JSON results")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: train one strategy in this process
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)  # internal: where the ranks write
     args = parser.parse_args(argv)
@@ -357,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.where:
         print(where(results))
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("run", "run_dir")}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"settings": settings, "rows": table, "ranks": results}, indent=2))
 
 

@@ -194,7 +194,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.partitions", description=__doc__.split("\n")[0])
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--cuts", nargs="+", default=["none", "long", "short"], choices=["none", "long", "short"])
-    parser.add_argument("--out", type=Path, default=Path("/tmp/lightning-prague-partitions"))
+    parser.add_argument("--out", type=Path, default=Path("bench-out/partitions"))
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--step-time", type=float, default=0.2)
     parser.add_argument("--hang-timeout", type=float, default=10.0, help="the detection bound's floor (s)")

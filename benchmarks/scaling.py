@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--seconds", type=float, default=12.0, help="length of the measured window (s)")
     parser.add_argument("--dim", type=int, default=25_000, help="floats in the averaged parameter vector")
     parser.add_argument("--group-size", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("scaling-results"))
+    parser.add_argument("--out", type=Path, default=Path("bench-out/scaling"))
     args = parser.parse_args(argv)
     if any(n < 2 for n in args.sizes):
         parser.error("--sizes: every size must be at least 2 workers")

@@ -3,7 +3,7 @@
     python benchmarks/straggler_vs_ddp.py                       # 8 workers, 4 epochs, 3 profiles
     python benchmarks/straggler_vs_ddp.py --strategies decent_adam --profiles jitter homogeneous
 
-Any option of ``lightning-prague bench`` can be given; results go to ``bench-full/`` unless
+Any option of ``lightning-prague bench`` can be given; results go to ``bench-out/bench-full/`` unless
 ``--out`` says otherwise. See ``lightning_prague/tools/bench.py`` and ``docs/benchmarks.md``.
 """
 
@@ -13,4 +13,4 @@ from lightning_prague.tools.bench import main
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    main(["--preset", "full", "--out", "bench-full", *argv])
+    main(["--preset", "full", "--out", "bench-out/bench-full", *argv])

@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The bench's options, every one checked here, before any run starts."""
     parser = argparse.ArgumentParser(prog="lightning-prague bench", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--out", type=Path, default=Path("bench-out/bench"))
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=STRATEGIES, metavar="STRATEGY",
                         help=f"strategies to run (DDP always runs): {', '.join(STRATEGIES)}")  # fmt: skip
     parser.add_argument("--profiles", nargs="+", choices=PROFILES, metavar="PROFILE",
