@@ -35,11 +35,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from lightning_prague.tools.cluster import Cluster, clean_environment
 
-from lightning_prague.tools.cluster import Cluster, clean_environment  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 STRATEGIES = ("prague", "partial_reduce", "adpsgd", "decent_adam")
 NODES, WORKERS = 2, 2

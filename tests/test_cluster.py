@@ -42,12 +42,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
+from lightning_prague.tools.cluster import Cluster, ClusterUnavailable, clean_environment
+from lightning_prague.tools.cluster.emulate import cluster_ids, namespaces
 
-from lightning_prague.tools.cluster import Cluster, ClusterUnavailable, clean_environment  # noqa: E402
-from lightning_prague.tools.cluster.emulate import cluster_ids, namespaces  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -277,7 +277,7 @@ def _links_rank() -> None:
     job = init_job(rank, world, "gloo", timeout=30)
     session = job.open_session(SessionConfig(world, make_policy("random", world, 2)))
     tensor = torch.ones(1000)  # 4000 bytes
-    worker = GroupWorker(session, BucketedTensors([tensor]), timeout=30)
+    worker = GroupWorker(session, BucketedTensors([tensor]), timeout=30, job=job)
     comm = worker.comm
     group_sum = comm.sum_
 

@@ -9,8 +9,9 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_prague.callbacks.straggler import log_metrics
-from lightning_prague.core.comm.averaging import averaged_state, relative_error
+from lightning_prague.core.comm.averaging import averaged_state
 from lightning_prague.core.comm.groups import backend_device
+from lightning_prague.core.comm.norms import Drift
 from lightning_prague.strategies.base import DecentralizedStrategy
 
 
@@ -88,6 +89,8 @@ class ConsensusMonitor(Callback):
         mean = mine.clone()
         dist.all_reduce(mean)
         mean.div_(world)
-        distance = ((mine - mean) ** 2).sum().reshape(1)
-        dist.all_reduce(distance)
-        return float(relative_error(distance[0] / world, (mean**2).sum()))
+        drift = Drift(device)
+        drift.add_average(mean)
+        drift.add_distance(mine, mean)
+        dist.all_reduce(drift.distance.view(1))  # summed over every replica
+        return float(drift.error(replicas=world))

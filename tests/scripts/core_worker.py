@@ -27,7 +27,7 @@ def main() -> None:
     session = job.open_session(config)
     params = torch.full((5,), float(rank))
     buffer = torch.full((3,), float(rank) * 10)
-    worker = GroupWorker(session, BucketedTensors([params, buffer], bucket_bytes=16), timeout=60)
+    worker = GroupWorker(session, BucketedTensors([params, buffer], bucket_bytes=16), timeout=60, job=job)
     rng = random.Random(rank)
     history = []
     communicators = communicator_count()  # after warm-up (GroupWorker's construction)

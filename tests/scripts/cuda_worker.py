@@ -46,7 +46,7 @@ def main() -> None:
     params = torch.full((1000,), float(rank), device=device)
     half = torch.full((10,), float(rank), device=device, dtype=torch.bfloat16)
     tensors = BucketedTensors([params, half])
-    worker = GroupWorker(session, tensors, timeout=60)
+    worker = GroupWorker(session, tensors, timeout=60, job=job)
     result = {"rank": rank, "buckets": len(tensors.buckets)}
     seen: dict[str, list[dict[str, int]]] = {}  # thread name -> the distinct (device, stream) its sums ran on
     group_sum = worker.comm.sum_

@@ -48,7 +48,7 @@ def main() -> None:
     params = torch.full((6,), float(rank), dtype=torch.float64)
     start_sum = float(params.sum())
     tensors = BucketedTensors([params], bucket_bytes=16)
-    worker = GroupWorker(session, tensors, timeout=60)
+    worker = GroupWorker(session, tensors, timeout=60, job=job)
     passive = mode == "gossip" and not graph.is_active(rank)
     exchanger = (PassiveResponder if passive else BackgroundAverager)(worker, tensors, timeout=60)
     rng = random.Random(rank)

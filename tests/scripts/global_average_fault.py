@@ -41,7 +41,7 @@ def main() -> None:
     job = init_job(rank, world, "gloo", timeout=60)
     session = job.open_session(SessionConfig(world, make_policy("random", world, 2, seed=1)))
     params = torch.full((64,), float(rank), dtype=torch.float64)
-    worker = GroupWorker(session, BucketedTensors([params]), timeout=30)
+    worker = GroupWorker(session, BucketedTensors([params]), timeout=30, job=job)
     worker.synchronize("end")
     if rank == dies:
         die_after_the_first_send(worker.comm)

@@ -86,7 +86,7 @@ def main() -> None:
     session = job.open_session(SessionConfig(world, make_policy("random", world, 2)))
     params = [torch.zeros(4, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)]
     tensors = BucketedTensors(params, bucket_bytes=32)  # two buckets
-    worker = GroupWorker(session, tensors, timeout=60)
+    worker = GroupWorker(session, tensors, timeout=60, job=job)
     result = {"rank": rank, "start": torch.cat(start_values(rank)).tolist()}
     for t, v in zip(params, start_values(rank)):
         t.copy_(v)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_prague.core.comm.groups import GroupComm
-from lightning_prague.core.comm.norms import squared_distance, squared_norm
+from lightning_prague.core.comm.norms import Drift
 
 
 def averaged_state(module: nn.Module) -> list[torch.Tensor]:
@@ -111,20 +111,10 @@ def _shaped_views(flat: torch.Tensor, bucket: Sequence[torch.Tensor]) -> list[to
     return views
 
 
-def _accumulators(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _accumulators(device: torch.device) -> tuple[torch.Tensor, Drift]:
     """An average's running results on `device`: whether every bucket's sum was complete, and the
-    squared distance and norm of its group error (tensors: no host synchronisation)."""
-    applied = torch.ones((), dtype=torch.bool, device=device)
-    return (
-        applied,
-        torch.zeros((), dtype=torch.float64, device=device),
-        torch.zeros((), dtype=torch.float64, device=device),
-    )
-
-
-def gated_relative_error(distance: torch.Tensor, norm: torch.Tensor, applied: torch.Tensor) -> torch.Tensor:
-    """The relative error of an average, 0 where it was not applied (its sums hold NaN)."""
-    return torch.where(applied, relative_error(distance, norm), torch.zeros_like(distance))
+    drift of this member from it, its group error (tensors: no host synchronisation)."""
+    return torch.ones((), dtype=torch.bool, device=device), Drift(device)
 
 
 def average_(
@@ -157,21 +147,19 @@ def average_(
     """
     scale = 1.0 / len(members) if weight is None else weight
     sums = sums if sums is not None else FlatBuffers(tensors)
-    applied, distance, norm = _accumulators(tensors.device)
+    applied, drift = _accumulators(tensors.device)
     for flat, views, bucket in zip(sums.flats, sums.views, tensors.buckets):
         torch._foreach_copy_(views, bucket)
         flat.mul_(scale)
         comm.sum_(flat, members, operation)
-        bucket_norm = squared_norm(flat)  # non-finite if the sum is incomplete (NaN): `sum_is_complete`
-        applied &= torch.isfinite(bucket_norm)
-        norm += bucket_norm
+        applied &= torch.isfinite(drift.add_average(flat))  # non-finite if the sum is incomplete
     if decide is not None:
         applied = decide(applied)
     for views, bucket in zip(sums.views, tensors.buckets):
         for t, avg in zip(bucket, views):
-            distance += squared_distance(t, avg)
+            drift.add_distance(t, avg)
             torch.where(applied, avg, t, out=t)
-    return gated_relative_error(distance, norm, applied), applied
+    return drift.error(applied=applied), applied
 
 
 def average_difference_(
@@ -191,18 +179,16 @@ def average_difference_(
     `(error, applied)` as `average_` does.
     """
     scale = 1.0 / len(members) if weight is None else weight
-    applied, distance, norm = _accumulators(snapshot.live.device)
+    applied, drift = _accumulators(snapshot.live.device)
     for mine, total in zip(snapshot.flats, out.flats):
         torch.mul(mine, scale, out=total)
         comm.sum_(total, members, operation)
-        bucket_norm = squared_norm(total)  # non-finite if the sum is incomplete (NaN): `sum_is_complete`
-        applied &= torch.isfinite(bucket_norm)
-        norm += bucket_norm
+        applied &= torch.isfinite(drift.add_average(total))  # non-finite if the sum is incomplete
         total.sub_(mine)
-        distance += squared_norm(total)
+        drift.add_difference(total)
     for total in out.flats:
         total.masked_fill_(~applied, 0.0)
-    return gated_relative_error(distance, norm, applied), applied
+    return drift.error(applied=applied), applied
 
 
 def average_chained_(
@@ -226,7 +212,7 @@ def average_chained_(
     `average_` does (`applied`: every bucket was).
     """
     scale = 1.0 / len(members) if weight is None else weight
-    applied, distance, norm = _accumulators(snapshot.live.device)
+    applied, drift = _accumulators(snapshot.live.device)
     for mine, total_change in zip(snapshot.flats, change.flats):
         key = (mine.dtype, mine.device)
         if key not in scratch or scratch[key].numel() < mine.numel():
@@ -235,16 +221,14 @@ def average_chained_(
         total = scratch[key][: mine.numel()]
         torch.mul(mine, scale, out=total)
         comm.sum_(total, members, operation)
-        bucket_norm = squared_norm(total)  # non-finite if the sum is incomplete (NaN): `sum_is_complete`
-        complete = torch.isfinite(bucket_norm)
+        complete = torch.isfinite(drift.add_average(total))  # non-finite if the sum is incomplete
         applied &= complete
-        norm += bucket_norm
         total.sub_(mine)
-        distance += squared_norm(total)
+        drift.add_difference(total)
         total.masked_fill_(~complete, 0.0)
         mine.add_(total)
         total_change.add_(total)
-    return gated_relative_error(distance, norm, applied), applied
+    return drift.error(applied=applied), applied
 
 
 class SnapshotAverages:
@@ -374,10 +358,3 @@ def _same_everywhere(signature: int, comm: GroupComm, members: Sequence[int], op
         return False
     count = float(len(members))
     return bool(mine[0] == count * signature and mine[1] == count * float(signature) ** 2 and mine[2] == count)
-
-
-def relative_error(distance: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
-    """`distance / norm` (both squared norms, scalar tensors), 0 when both are 0, inf when only norm is."""
-    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
-    zero_norm = torch.where(distance == 0, torch.zeros_like(distance), torch.full_like(distance, float("inf")))
-    return torch.where(norm > 0, distance / safe, zero_norm)

@@ -1,9 +1,9 @@
-"""Squared norms of model-sized tensors through temporaries of a bounded size.
+"""Squared norms of model-sized tensors through temporaries of a bounded size, and the drift metric.
 
 `x.double().pow(2).sum()` of a 25 MB bucket makes a 50 MB float64 copy and a second one for the
 square; the group error, the consensus measurement and the completeness of every group sum run on
 every exchange, so they reduce in chunks of `NORM_CHUNK` elements instead (in float64, whatever the
-tensors' dtype).
+tensors' dtype). `Drift` is the one measure of how far replicas are from their average, built on them.
 """
 
 from __future__ import annotations
@@ -50,3 +50,54 @@ def is_finite(tensor: torch.Tensor) -> torch.Tensor:
     or float16 tensor can overflow it (float64 tensors with elements beyond 1e150 would).
     """
     return torch.isfinite(squared_norm(tensor))
+
+
+def relative_error(distance: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """`distance / norm` (both squared norms, scalar tensors), 0 when both are 0, inf when only norm is."""
+    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
+    zero_norm = torch.where(distance == 0, torch.zeros_like(distance), torch.full_like(distance, float("inf")))
+    return torch.where(norm > 0, distance / safe, zero_norm)
+
+
+class Drift:
+    """The drift metric: how far replicas are from their average, `||x - avg||^2 / ||avg||^2`.
+
+    For one member of a group average (`average_`, a gossip round) it is that member's group error
+    (`consensus/group_error`); with `distance` summed over every replica and `replicas` their number
+    it is the consensus error `mean_i ||x_i - x_bar||^2 / ||x_bar||^2` (`consensus/error`). Every
+    place that measures drift accumulates it here, bucket by bucket, so all report the same quantity.
+
+    Both squared norms are float64 scalar tensors on `device`, accumulated through the bounded
+    temporaries of this module; nothing is read on the host until the caller reads `error`.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        #: `sum ||x - avg||^2` over the buckets added so far (a collective may sum it over replicas)
+        self.distance = torch.zeros((), dtype=torch.float64, device=device)
+        #: `||avg||^2` over the buckets added so far
+        self.norm = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add_average(self, total: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """Add one bucket of the average, `avg = scale * total`; returns its squared norm, which is
+        non-finite where `total` is an incomplete group sum (NaN: `sum_is_complete`)."""
+        bucket_norm = squared_norm(total, scale)
+        self.norm += bucket_norm
+        return bucket_norm
+
+    def add_distance(self, mine: torch.Tensor, total: torch.Tensor, scale: float = 1.0) -> None:
+        """Add `||mine - scale * total||^2`: this replica's tensor against the average's (same shapes)."""
+        self.distance += squared_distance(mine, total, alpha=scale)
+
+    def add_difference(self, difference: torch.Tensor) -> None:
+        """Add `||difference||^2`, where `difference` already is `avg - mine` (an average that
+        computes it in place needs no second temporary)."""
+        self.distance += squared_norm(difference)
+
+    def error(self, replicas: int = 1, applied: torch.Tensor | None = None) -> torch.Tensor:
+        """`(distance / replicas) / norm` as a scalar tensor (0 when both are 0, inf when only the
+        norm is); with `applied`, 0 where the average was not applied (its sums hold NaN)."""
+        distance = self.distance if replicas == 1 else self.distance / replicas
+        error = relative_error(distance, self.norm)
+        if applied is None:
+            return error
+        return torch.where(applied, error, torch.zeros_like(distance))

@@ -27,15 +27,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lightning_prague.core.data.counters import EpochKeys, increment, read, wait_for
 from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout
 
 #: added to an epoch's claim counter when its first stream ends: later claims see a value above it
 ENDED = 1 << 40
 #: the names of the store keys of one epoch's progress
 EPOCH_KEYS = ("claims", "enders", "end")
+#: the store keys of one epoch's progress: `progress/<epoch>/<name>`
+_KEYS = EpochKeys("progress", EPOCH_KEYS)
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,7 @@ def _merge(a: Optional[Boundary], b: Boundary) -> Boundary:
     )
 
 
+@dataclass(eq=False)
 class ProgressCounter:
     """One worker's view of the global ticket counter (one store operation per batch).
 
@@ -177,30 +181,29 @@ class ProgressCounter:
     epoch with fewer batches than workers.
     """
 
-    def __init__(
-        self,
-        store: Any,
-        timeout: float,
-        budget: Optional[int] = None,
-        rank: int = 0,
-        world_size: int = 1,
-        batches_per_step: int = 1,
-    ) -> None:
-        self.store = store
-        self.timeout = timeout
-        self.budget = budget
-        self.rank = rank
-        self.world_size = world_size
-        self.batches_per_step = batches_per_step
-        self._first_taken = False
-        self.epoch = 0
-        self.epoch_base = 0  # global batches trained before this epoch
-        self.offset = 0  # tickets of this epoch handed out before this session (a resumed epoch)
-        self.epoch_end: Optional[int] = None  # the epoch's last ticket, once known here
-        #: a claim failed because the step budget is spent (not because the epoch's data ended)
-        self.budget_spent = False
-        self._index = rank  # this worker's place among the members (its first ticket's offset)
-        self._members: Optional[list[int]] = None  # the members from the next epoch on
+    store: Any
+    timeout: float
+    budget: Optional[int] = None
+    rank: int = 0
+    world_size: int = 1
+    batches_per_step: int = 1
+    _first_taken: bool = field(default=False, init=False)
+    epoch: int = field(default=0, init=False)
+    #: global batches trained before this epoch
+    epoch_base: int = field(default=0, init=False)
+    #: tickets of this epoch handed out before this session (a resumed epoch)
+    offset: int = field(default=0, init=False)
+    #: the epoch's last ticket, once known here
+    epoch_end: Optional[int] = field(default=None, init=False)
+    #: a claim failed because the step budget is spent (not because the epoch's data ended)
+    budget_spent: bool = field(default=False, init=False)
+    #: this worker's place among the members (its first ticket's offset): its rank until some are lost
+    _index: int = field(default=0, init=False)
+    #: the members from the next epoch on
+    _members: Optional[list[int]] = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._index = self.rank
 
     def set_members(self, members: list[int]) -> None:
         """The ranks still in the job, from the next epoch on (this epoch's tickets are numbered)."""
@@ -223,7 +226,7 @@ class ProgressCounter:
         return self.epoch_base + self.offset
 
     def _key(self, name: str) -> str:
-        return self._epoch_key(self.epoch, name)
+        return _KEYS.key(self.epoch, name)
 
     @property
     def first_taken(self) -> bool:
@@ -240,7 +243,7 @@ class ProgressCounter:
         if not self._first_taken:
             self._first_taken = True
             return self._within_budget(self._origin + 1 + self._index)
-        value = int(self.store.add(self.tickets_key, 1))
+        value = increment(self.store, self.tickets_key)
         if value > ENDED:
             self.epoch_end = self._published_end()
             return None
@@ -260,8 +263,8 @@ class ProgressCounter:
 
     def end_stream(self) -> int:
         """This worker's data ran out: end the epoch for everyone; return the epoch's last ticket."""
-        if int(self.store.add(self._key("enders"), 1)) == 1:
-            claimed = int(self.store.add(self._key("claims"), ENDED)) - ENDED
+        if increment(self.store, self._key("enders")) == 1:
+            claimed = increment(self.store, self._key("claims"), ENDED) - ENDED
             self.store.set(self._key("end"), str(self._origin + self.world_size + claimed))
         self.epoch_end = self._published_end()
         return self.epoch_end
@@ -270,22 +273,17 @@ class ProgressCounter:
         """This worker's data ran out at a known last ticket (map-style data): nothing to tell the others."""
         self.epoch_end = self.padded(epoch_end)
 
-    @staticmethod
-    def _epoch_key(epoch: int, name: str) -> str:
-        return f"progress/{epoch}/{name}"
-
     def has_keys(self, epoch: int) -> bool:
         """Whether `epoch` still has keys in the store."""
-        return any(self.store.check([self._epoch_key(epoch, name)]) for name in EPOCH_KEYS)
+        return _KEYS.present(self.store, epoch)
 
     def forget_epoch(self, epoch: int) -> None:
         """Delete `epoch`'s keys from the store; call once every rank is done with that epoch."""
-        for name in EPOCH_KEYS:
-            self.store.delete_key(self._epoch_key(epoch, name))
+        _KEYS.forget(self.store, epoch)
 
     def final_count(self) -> int:
         """Global batches trained when this epoch is over (call when every worker has stopped claiming)."""
-        value = int(self.store.add(self._key("claims"), 0))
+        value = read(self.store, self._key("claims"))
         if value > ENDED:
             return self._published_end()
         return self.padded(self._origin + self.world_size + value)
@@ -293,7 +291,7 @@ class ProgressCounter:
     def _published_end(self) -> int:
         key = self._key("end")
         try:
-            self.store.wait([key], _timedelta(self.timeout))
+            wait_for(self.store, [key], self.timeout)
         except RuntimeError as err:
             raise CoordinationTimeout(
                 f"rank {self.rank}: epoch {self.epoch} ended (another rank's stream ran out) but the rank that "
@@ -301,9 +299,3 @@ class ProgressCounter:
                 f"(operation: read the epoch's end from the store; ranks 0-{self.world_size - 1} share it)"
             ) from err
         return self.padded(int(self.store.get(key)))
-
-
-def _timedelta(seconds: float):  # noqa: ANN202 - datetime.timedelta
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)

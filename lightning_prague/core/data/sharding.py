@@ -27,8 +27,13 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import Sampler
 
+from lightning_prague.core.data.counters import EpochKeys, increment, read
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.protocol import REQUEUED
+
+#: every store key the queue may write in an epoch: its cursor, the ranks that left its tail, and
+#: the chunks of ranks lost in it (which the control plane keeps next to the cursor)
+_KEYS = EpochKeys("epoch", ("cursor", "left", "cursor" + REQUEUED))
 
 
 class WorkQueueSampler(Sampler[int]):
@@ -130,11 +135,11 @@ class WorkQueueSampler(Sampler[int]):
                 self._cursor_key, self._first_claimed, tickets, ticketed, held=self.untrained, num=self.num_chunks
             )
         assert request is None, "tickets are claimed with chunks only from the control plane's counters"
-        return self._first_claimed + int(store.add(self._cursor_key, 1)) - 1, None
+        return self._first_claimed + increment(store, self._cursor_key) - 1, None
 
     def cursor(self) -> int:
         """The next chunk the queue will hand out in the current epoch."""
-        return self._first_claimed + int(self._connect().add(self._cursor_key, 0))
+        return self._first_claimed + read(self._connect(), self._cursor_key)
 
     def resume(self, epoch: int, cursor: int, pending: list[int]) -> None:
         """Continue `epoch` where a checkpoint stopped it: the `pending` chunks (handed out, not
@@ -192,24 +197,15 @@ class WorkQueueSampler(Sampler[int]):
 
     @property
     def _cursor_key(self) -> str:
-        return self._epoch_keys(self.epoch)[0]
-
-    @staticmethod
-    def _epoch_keys(epoch: int) -> list[str]:
-        """Every store key the queue may write in `epoch` (with the chunks of ranks lost in it)."""
-        cursor = f"epoch/{epoch}/cursor"
-        return [cursor, f"epoch/{epoch}/left", cursor + REQUEUED]
+        return _KEYS.key(self.epoch, "cursor")
 
     def has_keys(self, epoch: int) -> bool:
         """Whether `epoch` still has keys in the store."""
-        store = self._connect()
-        return any(store.check([key]) for key in self._epoch_keys(epoch))
+        return _KEYS.present(self._connect(), epoch)
 
     def forget_epoch(self, epoch: int) -> None:
         """Delete `epoch`'s keys from the store; call once every rank is done with that epoch."""
-        store = self._connect()
-        for key in self._epoch_keys(epoch):
-            store.delete_key(key)
+        _KEYS.forget(self._connect(), epoch)
 
     def _observe(self, previous: tuple[float, int] | None, claimed_at: float, chunk: int) -> None:
         """Update the speed estimates from two consecutive claims of this rank.
@@ -280,7 +276,7 @@ class WorkQueueSampler(Sampler[int]):
             return False
         # the last rank still taking chunks must not leave, whatever its estimates say: the rest
         # of the epoch would be trained by nobody (one store operation per leaving rank and epoch)
-        if int(self._connect().add(self._epoch_keys(self.epoch)[1], 1)) >= self.world_size:
+        if increment(self._connect(), _KEYS.key(self.epoch, "left")) >= self.world_size:
             return False
         self.chunks_left_to_others = remaining
         return True

@@ -42,13 +42,8 @@ from typing import Any
 
 import torch
 
-from lightning_prague.core.comm.averaging import (
-    BucketedTensors,
-    FlatBuffers,
-    gated_relative_error,
-    squared_distance,
-    squared_norm,
-)
+from lightning_prague.core.comm.averaging import BucketedTensors, FlatBuffers
+from lightning_prague.core.comm.norms import Drift
 from lightning_prague.core.comm.streams import Marker
 from lightning_prague.core.errors import CoordinationTimeout
 from lightning_prague.core.exchange.overlap import Exchanger
@@ -175,21 +170,18 @@ class LaggedGossip(Exchanger):
         operation = flight.operation(self.worker.rank)
         a, b = flight.weighted.coefficients()
         size = len(flight.weighted.members)
-        device = self.live.device
-        distance = torch.zeros((), dtype=torch.float64, device=device)
-        norm = torch.zeros((), dtype=torch.float64, device=device)
+        drift = Drift(self.live.device)
         for flat in buffers.flats:
             total = self._scratch_for(flat)
             total.copy_(flat)
             self.worker.comm.sum_(total, flight.weighted.members, operation)
-            bucket_norm = squared_norm(total, 1.0 / size)  # non-finite if the sum is incomplete (NaN)
-            flight.complete &= torch.isfinite(bucket_norm)
-            norm += bucket_norm
-            distance += squared_distance(flat, total, alpha=1.0 / size)
+            # the average is the sum over `size`; its norm is non-finite if the sum is incomplete (NaN)
+            flight.complete &= torch.isfinite(drift.add_average(total, 1.0 / size))
+            drift.add_distance(flat, total, 1.0 / size)
             flat.mul_(a - 1.0).add_(total, alpha=b)
         for flat in buffers.flats:  # a round a member left mid-way is skipped by every member of it
             flat.masked_fill_(~flight.complete, 0.0)
-        flight.error = gated_relative_error(distance, norm, flight.complete)
+        flight.error = drift.error(applied=flight.complete)
         return self.streams.mark()
 
     def _wait(self, flight: _InFlight, timeout: float | None = None) -> None:

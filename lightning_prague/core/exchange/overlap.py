@@ -41,7 +41,7 @@ from lightning_prague.core.errors import CoordinationTimeout, ExchangeInterrupte
 from lightning_prague.core.exchange.worker import GroupAnswer, GroupWorker
 
 log = logging.getLogger(__name__)
-_LEAVE = "leave"  # a job: send `leave` and serve what is assigned until `left`
+_LEAVE = "leave"  # a job: leave the session from the thread (`GroupWorker.leave`)
 
 
 def communication_threads() -> list[str]:
@@ -93,10 +93,11 @@ class Exchanger:
     def leave(self) -> None:
         """Shut down in the middle of a phase (an error): run what peers wait for, then stop.
 
-        See `GroupWorker.await_left`; afterwards no thread runs and nothing names this rank.
+        Every exchanger leaves through `GroupWorker.leave`, once; subclasses only say what comes
+        first (an exchange in flight is finished) and which thread leaves or reads the inbox.
+        Afterwards no thread runs and nothing names this rank.
         """
-        self.worker.send_leave()
-        self.worker.await_left()
+        self.worker.leave()
 
     def _adopt(self, answer: GroupAnswer, reported: int) -> None:
         if answer.version is not None:  # newest version of the group, plus local steps made since reporting
@@ -291,8 +292,8 @@ class BackgroundAverager(_ThreadedExchanger):
         self._idle.set()
 
     def leave(self) -> None:
-        # the thread finishes the exchange in flight and sends `leave` itself: on the connection
-        # that carried its requests, so the coordinator answers every one of them before `left`
+        # the thread finishes the exchange in flight and leaves itself (`GroupWorker.leave`), after
+        # its requests, so the coordinator answers every one of them before `left`
         if self.running:
             self._jobs.put(_LEAVE)
             self._join("its last exchange before leaving")
@@ -399,8 +400,12 @@ class PassiveResponder(_ThreadedExchanger):
         self._fold_in()
 
     def leave(self) -> None:
-        self.worker.send_leave()
-        if self.running:  # the responder serves everything before `left` and ends there
-            self._join("the exchanges assigned before leaving")
-        else:
-            self.worker.await_left()
+        self.worker.leave(served=self._served_until_left)
+
+    def _served_until_left(self) -> bool:
+        """Once `leave` is sent: a running responder serves everything before `left` and ends there
+        (wait for it); False if none runs."""
+        if not self.running:
+            return False
+        self._join("the exchanges assigned before leaving")
+        return True

@@ -65,7 +65,9 @@ class TrainingSession:
         """This rank's worker and exchanger over `state` (the tensors group averages change)."""
         session = self.open()
         tensors = BucketedTensors(state, self.plan.bucket_bytes)
-        self.worker = GroupWorker(session, tensors, self.plan.timeout, sync_timeout=self.plan.sync_timeout)
+        self.worker = GroupWorker(
+            session, tensors, self.plan.timeout, sync_timeout=self.plan.sync_timeout, job=self.job
+        )
         self.exchanger = self.plan.make_exchanger(self.worker, tensors)
 
     @property

@@ -19,15 +19,9 @@ from typing import Any, Optional, Protocol
 import torch
 
 from lightning_prague.core.client.control import Session
-from lightning_prague.core.comm.averaging import (
-    BucketedTensors,
-    FlatBuffers,
-    average_,
-    relative_error,
-    squared_distance,
-    squared_norm,
-)
+from lightning_prague.core.comm.averaging import BucketedTensors, FlatBuffers, average_
 from lightning_prague.core.comm.groups import GroupComm
+from lightning_prague.core.comm.norms import Drift
 from lightning_prague.core.comm.streams import CommStream, mark_on
 from lightning_prague.core.errors import (
     CONTROL_PLANE,
@@ -36,7 +30,7 @@ from lightning_prague.core.errors import (
     ExchangeInterrupted,
     SyncMismatchError,
 )
-from lightning_prague.core.job import current_job
+from lightning_prague.core.job import Job
 from lightning_prague.core.protocol import COMMIT, REQUEUE, SIGTERM, STOP_SYNC
 
 log = logging.getLogger(__name__)
@@ -128,8 +122,12 @@ class GroupWorker:
         timeout: seconds any one wait may take.
         sync_timeout: seconds every rank may take to reach one synchronization point, the whole
             meeting (default and at least: `timeout`).
-        comm: the group sums; default: over the library's process group of this process's job
-            (`lightning_prague.core.job`), or the world group where there is no job.
+        comm: the group sums; default: over the library's process group of `job`, or the world
+            group where there is no job.
+        job: this process's job (`lightning_prague.core.job.init_job`), whose process group the
+            sums run on: when ranks leave it, the worker rebuilds that group among the survivors
+            (`Job.regroup`). `None`: no job; the worker goes on among the survivors on the group
+            it has.
     """
 
     def __init__(
@@ -139,8 +137,10 @@ class GroupWorker:
         timeout: float,
         comm: GroupComm | None = None,
         sync_timeout: float | None = None,
+        job: Job | None = None,
     ) -> None:
         self.session = session
+        self.job = job
         self.rank = session.rank
         self.world_size = session.world_size
         self.tensors = tensors
@@ -149,7 +149,6 @@ class GroupWorker:
         #: the session's counters in the coordinator (the end-of-phase agreement of gossip)
         self.counters = session.counters
         if comm is None:
-            job = current_job()
             comm = GroupComm(self.rank, self.world_size, timeout, job.group if job is not None else None)
         #: sums over any group on one process group that spans every rank; no communicator per group
         self.comm = comm
@@ -414,7 +413,7 @@ class GroupWorker:
         if members is None or tuple(members) == self.comm.everyone:
             return
         gone = sorted(set(self.comm.everyone) - set(members))
-        job = current_job()
+        job = self.job
         group = job.regroup(members) if job is not None and self.comm.pg is job.group else self.comm.pg
         self.comm.rebind(group, members)
         log.warning("rank %d: going on without ranks %s; members now %s", self.rank, gone, list(members))
@@ -433,27 +432,27 @@ class GroupWorker:
         self._stop_requests.add(reason)
         self._send("stop", reason=reason)
 
-    def send_leave(self) -> None:
-        """Tell the coordinator this rank shuts down after an error (see `await_left`)."""
-        self._send("leave")
+    def leave(self, served: Callable[[], bool] | None = None) -> None:
+        """Leave the session after an error: tell the coordinator (`leave`), then execute what was
+        already assigned to this rank until its `left` item. Every exchanger leaves through this.
 
-    def leave(self) -> None:
-        """`send_leave` and `await_left` from the thread that owns this rank's connection.
+        Every group already issued to this rank is executed (its peers are waiting in it); the
+        coordinator assigns nothing more, and the other ranks get an error naming this one at their
+        next synchronization point instead of waiting for it. Call it from the thread that sent this
+        rank's group requests: sent after them, the `leave` reaches the coordinator after them, so
+        every request gets its answer before `left`.
 
-        Sent on the same connection as this thread's earlier group requests, the `leave` reaches
-        the coordinator after them, so every request gets its answer before `left`.
+        `served`: where another thread reads the inbox, called right after the `leave` is sent; it
+        returns True once that thread has executed everything up to `left` and ended, False if no
+        such thread runs (this thread then reads the inbox itself, as without `served`).
         """
         self._send("leave")
-        self.await_left()
+        if served is None or not served():
+            self._serve_until_left()
 
-    def await_left(self) -> None:
-        """Execute what was already assigned to this rank until the coordinator's `left` item.
-
-        Call from the thread that owns the inbox once no other thread reads it. Every group already
-        issued to this rank is executed (its peers are waiting in it); the coordinator assigns
-        nothing more, and the other ranks get an error naming this one at their next
-        synchronization point instead of waiting for it.
-        """
+    def _serve_until_left(self) -> None:
+        """Execute what was already assigned to this rank until the coordinator's `left` item
+        (`leave`; this thread is the only one that reads the inbox)."""
         self._doing = "leaving after an error"
         while True:
             item = self._next_item("the coordinator's acknowledgement of this rank leaving")
@@ -488,19 +487,17 @@ class GroupWorker:
         The sums run on the backend's device; the one number is read once, at the end.
         """
         everyone = self.comm.everyone
-        device = self.tensors.device
         count = len(everyone)
-        distance = torch.zeros(1, dtype=torch.float64, device=device)
-        norm = torch.zeros((), dtype=torch.float64, device=device)
+        drift = Drift(self.tensors.device)
         sums = self.spare()
         for flat, views, bucket in zip(sums.flats, sums.views, self.tensors.buckets):
             torch._foreach_copy_(views, bucket)
             self.comm.sum_(flat, everyone, "consensus measurement")
-            norm += squared_norm(flat, 1.0 / count)
+            drift.add_average(flat, 1.0 / count)
             for mine, total in zip(bucket, views):
-                distance += squared_distance(mine, total, alpha=1.0 / count)
-        self.comm.sum_(distance, everyone, "consensus measurement")
-        return float(relative_error(distance[0] / count, norm))
+                drift.add_distance(mine, total, 1.0 / count)
+        self.comm.sum_(drift.distance.view(1), everyone, "consensus measurement")  # summed over every replica
+        return float(drift.error(replicas=count))
 
     def global_average(self) -> bool:
         """Average over all live ranks; call only right after `synchronize` returned.

@@ -43,8 +43,21 @@ WEIGHTINGS = ("uniform", "staleness")
 
 
 class GroupingPolicy:
-    """Chooses the members of a group for a worker that asks for one."""
+    """Chooses the members of a group for a worker that asks for one.
 
+    The `GroupGenerator` asks every policy the same things, whatever its kind:
+
+    - `pools_ready`: whether a request is answered at once (`select`: this request's group, or none)
+      or joins a pool of ready workers from which groups form (`form`, asked whenever the pool or
+      the workers around it change: a report, a worker parking at a synchronization point or
+      leaving). A policy implements the one of the two its kind uses; the other forms no group;
+    - `on_ready`: a worker reported ready (its request counts, whatever comes of it);
+    - `weights`: how the members of a group average;
+    - `restart`: every worker met at a synchronization point.
+    """
+
+    #: groups form from the pool of ready workers (`form`) rather than one per request (`select`)
+    pools_ready = False
     #: a policy whose groups are shared by a round: the generator issues each (round, group) once
     issues_per_round = False
     #: every member the policy names takes part, lagging or not (a fixed schedule)
@@ -61,15 +74,31 @@ class GroupingPolicy:
         `available` lists the workers that may be drawn (still training, not parked at a
         synchronization point) and always contains `requester`; the generator passes a sequence
         with constant-time membership, so a policy's cost per request need not grow with N.
+        A policy that pools ready workers (`pools_ready`) forms no group for one request: `None`.
         """
-        raise NotImplementedError
+        return None
+
+    def form(self, ready: Sequence[int], busy: Sequence[int]) -> list[list[int]]:
+        """Groups to form now from the pool of `ready` workers (in the order they reported); `busy`
+        (training, not in the pool) will report later. A returned group of one worker means that
+        worker gets no group (nobody else can come); the others stay in the pool.
+
+        A policy that answers each request (`pools_ready` false) has no pool: no group.
+        """
+        return []
+
+    def on_ready(self) -> None:
+        """A worker reported ready (before it joins the pool, for a policy that pools)."""
 
     def weights(self, versions: Sequence[int]) -> list[float] | None:
         """Per-member averaging weights for members at these model versions; `None` is the plain mean."""
         return None
 
-    def restart(self) -> None:
-        """Every worker met at a synchronization point: rounds count from 0 again."""
+    def restart(self, mixed: bool = False) -> None:
+        """Every worker met at a synchronization point: rounds count from 0 again.
+
+        `mixed`: the meeting was released and averaged every worker's model (globally).
+        """
 
     def _draw(self, requester: int, candidates: Sequence[int]) -> Group | None:
         """The requester and up to `group_size - 1` distinct others, uniformly at random."""
@@ -133,7 +162,7 @@ class BufferPolicy(GroupingPolicy):
         members = tuple(r for r in self.partition(round_index)[requester] if r in available)
         return members if len(members) >= 2 else None
 
-    def restart(self) -> None:
+    def restart(self, mixed: bool = False) -> None:
         self._partitions.clear()
 
 
@@ -193,8 +222,9 @@ class StaticPolicy(SchedulePolicy):
 class FirstReadyPolicy(GroupingPolicy):
     """Partial Reduce's controller: group the first `group_size` ready workers, in arrival order.
 
-    The generator keeps the FIFO of ready workers and calls `form`. A worker left waiting is
-    grouped as soon as `group_size` workers wait, or with whoever waits when nobody else can come.
+    The generator keeps the FIFO of ready workers (`pools_ready`) and calls `form`. A worker left
+    waiting is grouped as soon as `group_size` workers wait, or with whoever waits when nobody else
+    can come.
 
     **No update isolation.** A `SyncGraph` records which
     workers have mixed since the current window began. Once `mixing_window` ready reports have
@@ -214,6 +244,8 @@ class FirstReadyPolicy(GroupingPolicy):
     `weighting`: `"uniform"` (plain mean) or `"staleness"` (see
     `staleness_weights`, decay `alpha`).
     """
+
+    pools_ready = True
 
     def __init__(
         self,
@@ -240,15 +272,19 @@ class FirstReadyPolicy(GroupingPolicy):
         self.windows_closed = 0
         self.bridging_groups = 0
 
-    def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
-        raise NotImplementedError("first_ready groups are formed by GroupGenerator through FirstReadyPolicy.form")
-
     def weights(self, versions: Sequence[int]) -> list[float] | None:
         """Per-member weights for members with these versions; `None` means the plain mean."""
         return staleness_weights(versions, self.alpha) if self.weighting == "staleness" else None
 
     def on_ready(self) -> None:
+        """One more ready report in the current window."""
         self.reports += 1
+
+    def restart(self, mixed: bool = False) -> None:
+        """Every worker met; if a global average `mixed` them, a new window begins (the window counts
+        only the mixing of workers that train: parked workers are outside it)."""
+        if mixed:
+            self.restart_window()
 
     def restart_window(self) -> None:
         self.graph.reset()

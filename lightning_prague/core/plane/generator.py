@@ -77,7 +77,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from lightning_prague.core.grouping.policies import FirstReadyPolicy, Group, GroupingPolicy
+from lightning_prague.core.grouping.policies import Group, GroupingPolicy
 from lightning_prague.core.protocol import COMMIT, REQUEUE, SIGTERM, STOP_SYNC
 
 Item = dict[str, Any]
@@ -144,7 +144,8 @@ class GroupGenerator:
         self._idle = False  # this meeting's gossip phase switched to idle rounds
         #: groups shared by a round (static, buffer): (round, members) -> [gid, members yet to ask for it]
         self._per_round: dict[tuple[int, Group], list[int]] = {}
-        self._ready: deque[tuple[int, int, int]] = deque()  # first_ready: FIFO of (rank, req, version)
+        #: the pool of a policy that pools ready workers (first_ready): FIFO of (rank, req, version)
+        self._ready: deque[tuple[int, int, int]] = deque()
         self.newest_version = 0  # the highest model version any worker reported
         self.issued: list[tuple[int, Group]] = []  # (gid, members), for monitoring and tests
         self.record_history = False
@@ -296,8 +297,8 @@ class GroupGenerator:
         if self.stopping or rank in self.parked:
             self._answer(rank, req, None, out)
             return
-        if isinstance(self.policy, FirstReadyPolicy):
-            self.policy.on_ready()
+        self.policy.on_ready()
+        if self.policy.pools_ready:
             self._ready.append((rank, req, version))
             self._form_ready_groups(out)
             return
@@ -355,12 +356,13 @@ class GroupGenerator:
         return entry[0]
 
     def _form_ready_groups(self, out: dict[int, list[Item]]) -> None:
-        """first_ready: let the policy pick groups from the FIFO of waiting workers."""
-        policy = self.policy
-        assert isinstance(policy, FirstReadyPolicy)
+        """Let the policy pick groups from the FIFO of waiting workers (`GroupingPolicy.pools_ready`),
+        whenever it or the workers around it change; nothing while nobody waits in it."""
+        if not self._ready:
+            return
         waiting = {r: (req, version) for r, req, version in self._ready}
         busy = [r for r in self._available() if r not in waiting]
-        for group in policy.form([r for r, _, _ in self._ready], busy):
+        for group in self.policy.form([r for r, _, _ in self._ready], busy):
             members = tuple(sorted(group))
             versions = [waiting[r][1] for r in members]
             gid = self._issue(members, out, versions) if len(members) >= 2 else None
@@ -371,8 +373,7 @@ class GroupGenerator:
     def _arrive(self, rank: int, sync: str, out: dict[int, list[Item]]) -> None:
         self.parked[rank] = sync
         self._changed()
-        if isinstance(self.policy, FirstReadyPolicy):
-            self._form_ready_groups(out)
+        self._form_ready_groups(out)  # the pool without it may form groups now
         self._maybe_release(sync, out)
 
     def _maybe_release(self, sync: str, out: dict[int, list[Item]]) -> None:
@@ -383,7 +384,8 @@ class GroupGenerator:
         settled = (n == STOP_SYNC or n.startswith(f"{STOP_SYNC}/") or n.endswith(COMMIT) for n in names)
         if self.stopping and not all(settled):
             return  # every rank sees the stop item and arrives at the stop point (or its settling); wait
-        if len(names) == 1:
+        released = len(names) == 1
+        if released:
             release: Item = {
                 "t": "release",
                 "sync": sync,
@@ -404,8 +406,6 @@ class GroupGenerator:
                     release["settle"] = True
             for r in self.live:
                 self._push(out, r, release)
-            if self.sync_averages and isinstance(self.policy, FirstReadyPolicy):
-                self.policy.restart_window()  # the global average mixed everyone
         else:
             by_name: dict[str, list[int]] = {}
             for r, name in sorted(self.parked.items()):
@@ -425,7 +425,7 @@ class GroupGenerator:
         self._idle = False
         self.rounds = [0] * self.world_size
         self._per_round.clear()
-        self.policy.restart()
+        self.policy.restart(mixed=released and self.sync_averages)  # a global average follows a release
         self._lagging = set()
         self.busy.clear()  # every worker ran everything issued to it before the release
         self._waiting.clear()
@@ -457,8 +457,7 @@ class GroupGenerator:
         self._changed()
         if len(self.live) < self.min_workers:
             self._request_stop(out)
-        if isinstance(self.policy, FirstReadyPolicy):
-            self._form_ready_groups(out)  # a worker held for it is grouped with the others now
+        self._form_ready_groups(out)  # a worker held for it is grouped with the others now
         if self.parked:
             self._maybe_release(next(iter(self.parked.values())), out)
 
