@@ -117,6 +117,15 @@ def test_static_grouping_says_when_it_does_not_use_group_size(nodes, warns, recw
     assert said == ([expected] if warns else [])
 
 
+@pytest.mark.parametrize("name", sorted(lightning_prague.strategies.STRATEGIES))
+def test_make_policy_returns_the_policy_and_changes_nothing_on_the_strategy(name):
+    strategy = L.Trainer(accelerator="cpu", devices=4, strategy=name, logger=False).strategy
+    strategy.set_world_ranks()
+    before = {key: id(value) for key, value in vars(strategy).items()}
+    assert strategy.make_policy() is not strategy.make_policy()  # a new policy for every fit
+    assert {key: id(value) for key, value in vars(strategy).items()} == before
+
+
 def test_decent_adam_is_registered_and_allows_step_based_settings():
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="decent_adam", logger=False, max_steps=10)
     assert isinstance(trainer.strategy, lightning_prague.DecentAdamStrategy)

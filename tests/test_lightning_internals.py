@@ -203,6 +203,11 @@ LIGHTNING_HOLDERS = {
 }
 
 
+#: names that hold our strategy in the strategies' sources: the strategy itself (`self`) and the
+#: parts it delegates to (`self.strategy`, `strategy`), where `x._name` means Lightning's `_name`
+STRATEGY_HOLDERS = {"self", "strategy"}
+
+
 def registered_names() -> set[str]:
     """Every registered internal's name and every private object on the way to one."""
     names = {internal.name for internal in LIGHTNING_INTERNALS}
@@ -240,7 +245,7 @@ def private_lightning_uses(tree: ast.AST, lightning_names: set[str], in_strategi
         calls_super = isinstance(receiver, ast.Call) and getattr(receiver.func, "id", None) == "super"
         if held in LIGHTNING_HOLDERS or held in lightning_modules or calls_super:
             yield node.lineno, node.attr
-        elif in_strategies and held == "self" and node.attr in lightning_names:
+        elif in_strategies and held in STRATEGY_HOLDERS and node.attr in lightning_names:
             yield node.lineno, node.attr
 
 
@@ -255,3 +260,9 @@ def test_every_private_lightning_name_the_package_touches_is_registered():
             if name not in registered:
                 unregistered.append(f"{path.relative_to(ROOT)}:{line}: {name}")
     assert not unregistered, "add these to LIGHTNING_INTERNALS (lightning_prague/strategies/_checks.py)"
+
+
+def test_the_scan_sees_lightnings_names_on_the_strategy_and_through_the_parts_it_delegates_to():
+    source = "def hook(self, strategy):\n    return self._timeout, self.strategy._launcher, strategy._start_method\n"
+    uses = private_lightning_uses(ast.parse(source), lightning_private_names(), in_strategies=True)
+    assert {name for _, name in uses} == {"_timeout", "_launcher", "_start_method"}

@@ -127,8 +127,8 @@ _DDP = "lightning.pytorch.strategies:DDPStrategy"
 _CHECKPOINT = "lightning.pytorch.callbacks:ModelCheckpoint()"
 _GLOBAL_STEP = "trainer.global_step reads the global step (global_progress.set_global_step)"
 _LOST_VALIDATION = (
-    "validation is sharded among the survivors of a lost rank (DecentralizedStrategy.reshard_validation, "
-    "_follow_membership)"
+    "validation is sharded among the survivors of a lost rank (StrategyLoaders.reshard_validation and "
+    "reshard, lightning_prague.strategies.loaders)"
 )
 _RESUMED_LOADER = "a resumed fit whose data was loaded before its checkpoint restores the loader's position"
 

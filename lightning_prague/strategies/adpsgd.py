@@ -42,16 +42,15 @@ class ADPSGDStrategy(DecentralizedStrategy):
         super().__init__(**kwargs)
         self.graph_spec = graph
         self.group_size = 2
-        self.graph: BipartiteGraph | None = None
 
     def make_policy(self) -> GroupingPolicy:
         if self.graph_spec is None:
-            self.graph = BipartiteGraph.ring(self.world_size)
+            graph = BipartiteGraph.ring(self.world_size)
         else:
-            self.graph = BipartiteGraph.from_spec(self.world_size, self.graph_spec)
-        return GossipPolicy(self.graph, self.seed)
+            graph = BipartiteGraph.from_spec(self.world_size, self.graph_spec)
+        return GossipPolicy(graph, self.seed)
 
-    def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
-        assert self.graph is not None
-        kind = BackgroundAverager if self.graph.is_active(worker.rank) else PassiveResponder
+    def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors, policy: GroupingPolicy) -> Exchanger:
+        assert isinstance(policy, GossipPolicy)
+        kind = BackgroundAverager if policy.graph.is_active(worker.rank) else PassiveResponder
         return kind(worker, tensors, self.operation_timeout)

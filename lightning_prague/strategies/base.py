@@ -24,50 +24,41 @@ who averages with whom (`make_policy`) and how an exchange runs relative to the 
   why. `min_workers` stops the job (cleanly, at its next synchronization point) when fewer remain.
   Lightning's kill-all launcher is replaced (`lightning_prague.strategies.launcher`).
 
-It adapts Lightning's hooks to three objects that do the work: the process's `Job` (the
-supervisor, the store, our process group; `setup_distributed`), this fit's `TrainingSession`
-(control session, worker, exchanger; built from `session_plan`) and the `SyncController` (the
-phase state machine).
+The class is an adapter: it keeps Lightning's hooks and hands each to the part that does the work,
+one module each under `lightning_prague.strategies`: the validated options (`options`), the
+collectives (`collectives`), the loaders and shards (`loaders`), signals and stops (`stops`), the
+synchronization points (`sync_points`) and the survivors of a lost worker (`survivors`). Underneath
+are three objects of the core: the process's `Job` (the supervisor, the store, our process group;
+`setup_distributed`), this fit's `TrainingSession` (control session, worker, exchanger; built from
+`session_plan`) and the `SyncController` (the phase state machine).
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import signal
-import time
 import warnings
 from abc import abstractmethod
 from collections.abc import Callable
-from datetime import timedelta
+from functools import partial
 from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torchmetrics import Metric
-from torchmetrics.utilities.distributed import gather_all_tensors
 from typing_extensions import override
 
 from lightning_prague.core.client.control import Session
-from lightning_prague.core.comm.averaging import BucketedTensors, averaged_optimizer_state, averaged_state
-from lightning_prague.core.comm.collectives import MemberCollectives
-from lightning_prague.core.comm.groups import GroupComm
-from lightning_prague.core.data.progress import ProgressCounter
-from lightning_prague.core.data.progress_loader import ProgressLoader
-from lightning_prague.core.data.sharding import WorkQueueSampler
+from lightning_prague.core.comm.averaging import BucketedTensors, averaged_state
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.exchange.overlap import Exchanger
 from lightning_prague.core.exchange.phases import SyncController
@@ -75,72 +66,21 @@ from lightning_prague.core.exchange.training import SessionPlan, TrainingSession
 from lightning_prague.core.exchange.worker import GroupWorker
 from lightning_prague.core.grouping.policies import GroupingPolicy
 from lightning_prague.core.job import Job, init_job
-from lightning_prague.core.protocol import REQUEUE, SIGTERM, STOP_SYNC, HangRule, SessionConfig, resolve_control_port
+from lightning_prague.core.protocol import HangRule
 from lightning_prague.strategies import _patches
 from lightning_prague.strategies._checks import check_layer_sync, check_lightning_internals, check_trainer
+from lightning_prague.strategies.collectives import RoutedCollectives
 from lightning_prague.strategies.ddp_options import check_ddp_options, strategy_options
-from lightning_prague.strategies.global_progress import GlobalProgress, batches_per_epoch
+from lightning_prague.strategies.global_progress import GlobalProgress
 from lightning_prague.strategies.launcher import SurvivingScriptLauncher
+from lightning_prague.strategies.loaders import StrategyLoaders
+from lightning_prague.strategies.options import DDP_TIMEOUT, Option, StrategyOptions, watchdog_margin
+from lightning_prague.strategies.stops import Stops
+from lightning_prague.strategies.survivors import Survivors
+from lightning_prague.strategies.sync_points import Synchronizer, SyncPoints
 
-log = logging.getLogger(__name__)
-
-
-def _requeue_signal(environment: Optional[ClusterEnvironment]) -> int:
-    """The cluster's requeue signal (SLURM's, as Lightning's SLURM environment names it; SIGUSR1)."""
-    return int(getattr(environment, "requeue_signal", None) or signal.SIGUSR1)
-
-
-#: Lightning's (and torch's) default timeout of DDP's collectives, seconds: the default `sync_timeout`
-DDP_TIMEOUT = 1800.0
-
-
-def watchdog_margin(timeout: float) -> float:
-    """Seconds the backend's own timeout (NCCL's watchdog) waits beyond ours."""
-    return max(30.0, 0.1 * timeout)
-
-
-class SyncPoints(Callback):
-    """Calls the strategy's synchronization points from the trainer's hooks; runs before other callbacks."""
-
-    def __init__(self, strategy: DecentralizedStrategy) -> None:
-        self.strategy = strategy
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.strategy.progress is not None:
-            self.strategy.progress.on_train_start()
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self.strategy.enter_async_phase()
-
-    def on_validation_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self.strategy.progressed()
-
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.strategy.outside_steps()
-
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self.strategy.progress is not None:
-            self.strategy.progress.after_batch()  # a boundary: meet before step-based callbacks run
-
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.strategy.outside_steps()  # until its first batch: a meeting, loaders built
-        if not self.strategy.controller.validation_starts():
-            return  # the ranks met at the boundary just before
-        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
-            self.strategy.synchronize(f"validation@epoch{trainer.current_epoch}")
-            if self.strategy.regrouped:  # ranks were lost at this very meeting
-                self.strategy.reshard_validation()
-
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.strategy.outside_steps()
-        self.strategy.synchronize(f"epoch_end@epoch{trainer.current_epoch}")
-
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.strategy.synchronize("fit_end")
+#: `DDP_TIMEOUT`, `watchdog_margin` (`options`) and `SyncPoints` (`sync_points`) are importable from here as before
+__all__ = ["DDP_TIMEOUT", "DecentralizedStrategy", "SyncPoints", "watchdog_margin"]
 
 
 class DecentralizedStrategy(DDPStrategy):
@@ -156,6 +96,10 @@ class DecentralizedStrategy(DDPStrategy):
     #: training batches come from one global work queue (fast workers take more); `False` keeps
     #: Lightning's distributed sampler (equal shards, equal step counts on every worker)
     shards_by_work_queue = True
+    #: leave workers that lag far behind out of other workers' groups (`GroupGenerator.lagging`)
+    avoid_stragglers = False
+    #: draw into a group only workers not busy in an unfinished one (`GroupGenerator.avoid_busy`)
+    avoid_busy = False
 
     def __init__(
         self,
@@ -230,27 +174,12 @@ class DecentralizedStrategy(DDPStrategy):
                 `ConfigurationError` that says what to use instead. Any other keyword is a `TypeError`.
         """
         check_ddp_options(self.strategy_name, ddp_kwargs, strategy_options(type(self), DecentralizedStrategy))
-        if isinstance(timeout, timedelta):  # DDPStrategy's type
-            timeout = timeout.total_seconds()
-        resolve_control_port(coordinator_port)  # validated here; global rank 0's environment decides at launch
-        if sync_every < 1:
-            raise ConfigurationError(f"sync_every={sync_every} is invalid: it must be at least 1 local step")
-        if timeout <= 0:
-            raise ConfigurationError(f"timeout={timeout} is invalid: it must be a positive number of seconds")
-        if bucket_mb <= 0:
-            raise ConfigurationError(f"bucket_mb={bucket_mb} is invalid: it must be positive")
-        if min_workers < 1:
-            raise ConfigurationError(f"min_workers={min_workers} is invalid: it must be at least 1")
-        if hang_timeout <= 0 or hang_factor <= 0:
-            raise ConfigurationError(
-                f"hang_timeout={hang_timeout} and hang_factor={hang_factor} are invalid: both must be positive"
-            )
-        sync_timeout = max(DDP_TIMEOUT, timeout) if sync_timeout is None else float(sync_timeout)
-        if sync_timeout < timeout:
-            raise ConfigurationError(
-                f"sync_timeout={sync_timeout} is shorter than timeout={timeout}: a synchronization point contains "
-                "operations, so its bound must be at least one operation's"
-            )
+        #: the shared options, validated (`ConfigurationError` for a value no fit could use)
+        self.options = StrategyOptions(
+            sync_every=sync_every, seed=seed, timeout=timeout, average_at_sync=average_at_sync, bucket_mb=bucket_mb,
+            min_workers=min_workers, hang_timeout=hang_timeout, hang_factor=hang_factor, sync_timeout=sync_timeout,
+            coordinator_port=coordinator_port,
+        )  # fmt: skip
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -258,47 +187,52 @@ class DecentralizedStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            # the backend's own timeout (NCCL's watchdog) fires after every one of ours, so our error,
-            # which names the ranks and the operation, is the one the user sees
-            timeout=timedelta(seconds=sync_timeout + watchdog_margin(sync_timeout)),
+            timeout=self.options.backend_timeout,  # fires after every one of ours
             start_method=start_method,
         )
-        self.sync_every = sync_every
-        self.seed = seed
-        self.operation_timeout = float(timeout)
-        #: seconds for every rank to reach one synchronization point (see `sync_timeout`)
-        self.sync_timeout = sync_timeout
-        self.average_at_sync = average_at_sync
-        self.bucket_mb = bucket_mb
-        self.min_workers = min_workers
-        #: the control plane's port; `None`: `LIGHTNING_PRAGUE_CONTROL_PORT` or a free one
-        self.coordinator_port = coordinator_port
-        self.hang_rule = HangRule(floor=float(hang_timeout), factor=float(hang_factor))
         #: rank -> (wall-clock time this rank heard of it, why): workers lost during the last fit
         self.lost_workers: dict[int, tuple[float, str]] = {}
-        self._sharded_members: tuple[int, ...] = ()  # the members Lightning's shards were last built for
-        #: the last synchronization point changed the membership (see `_follow_membership`)
+        #: the last synchronization point changed the membership (see `Survivors.follow_membership`)
         self.regrouped = False
-        #: leave workers that lag far behind out of other workers' groups (`GroupGenerator.lagging`)
-        self.avoid_stragglers = False
         #: this process's membership of the job (store, control plane, our process group)
         self.job: Job | None = None
         #: this fit's session: control session, worker, exchanger (`None` outside an asynchronous fit)
         self.training: TrainingSession | None = None
         #: this rank's phase between synchronization points
         self.controller = SyncController()
-        self._failed = False  # Lightning reported an exception (on_exception) during this fit
-        self.sampler: WorkQueueSampler | None = None
+        #: Lightning reported an exception (`on_exception`) during this fit
+        self.failed = False
         #: per-step schedules on global progress (work-queue strategies during fit)
         self.progress: GlobalProgress | None = None
         self.local_steps = 0
         self.batches_done = 0
-        self._warned: set[str] = set()
+        #: what was warned about once (a local collective, a checkpoint between synchronization points)
+        self.warned: set[str] = set()
         self._trainer: Trainer | None = None
         #: measure the replicas' exact consensus error at every synchronization point (ConsensusMonitor)
         self.measure_consensus = False
         #: the last measurement: mean_i ||x_i - x_bar||^2 / ||x_bar||^2 before the global average
         self.consensus_error: float | None = None
+        # the parts that do the work (one module each; see the module docstring)
+        self.collectives = RoutedCollectives(self)
+        self.loaders = StrategyLoaders(self)
+        self.stops = Stops(self)
+        self.synchronizer = Synchronizer(self)
+        self.survivors = Survivors(self)
+
+    # -- the options, read-only (`StrategyOptions`) ------------------------------------------------
+    sync_every = Option[int]()
+    seed = Option[int]()
+    #: seconds one operation may take (`timeout`)
+    operation_timeout = Option[float]()
+    #: seconds for every rank to reach one synchronization point (`sync_timeout`, resolved)
+    sync_timeout = Option[float]("sync_bound")
+    average_at_sync = Option[bool]()
+    bucket_mb = Option[float]()
+    min_workers = Option[int]()
+    #: the control plane's port; `None`: `LIGHTNING_PRAGUE_CONTROL_PORT` or a free one
+    coordinator_port = Option[Optional[int]]()
+    hang_rule = Option[HangRule]()
 
     # -- this fit's session (None outside an asynchronous fit) ------------------------------------
     @property
@@ -319,12 +253,14 @@ class DecentralizedStrategy(DDPStrategy):
         """Who averages with whom: the coordinator's grouping policy for this fit.
 
         Called at setup with `world_size` known; raise `ConfigurationError` for options the
-        world cannot satisfy (before any process group or thread starts).
+        world cannot satisfy (before any process group or thread starts). It changes nothing on
+        the strategy: what the exchanges need of the policy, `make_exchanger` is given.
         """
 
     @abstractmethod
-    def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
-        """How this rank's exchanges run relative to its steps (see `lightning_prague.core.exchange.overlap`)."""
+    def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors, policy: GroupingPolicy) -> Exchanger:
+        """How this rank's exchanges run relative to its steps (see `lightning_prague.core.exchange.overlap`);
+        `policy`: this fit's, as `make_policy` returned it."""
 
     # -- setup / teardown ---------------------------------------------------------------------
     @property
@@ -348,12 +284,7 @@ class DecentralizedStrategy(DDPStrategy):
             # which loads the training data (through the work queue) there
             self.training = TrainingSession(self._require_job(), self.session_plan(policy))
             self.training.open()
-            replacements: dict[str, Callable[..., Any]] = {
-                "_broadcast_sigterm_tensor": self._check_stop,
-                "_sigterm_notifier_fn": self._on_sigterm,
-                "_slurm_sigusr_handler_fn": self._on_requeue_signal,
-                "_prepare_dataloader": self._wrap_prepare_dataloader(trainer._data_connector._prepare_dataloader),
-            }
+            replacements = {**self.stops.replacements(), **self.loaders.replacements(trainer)}
             if self.shards_by_work_queue:
                 self.progress = GlobalProgress(trainer, self.world_size, self.controller, self.synchronize)
                 replacements.update(self.progress.replacements())
@@ -363,10 +294,10 @@ class DecentralizedStrategy(DDPStrategy):
             return
         assert self.training is not None
         self.training.start(averaged_state(self.lightning_module))  # the parameters on their final device
-        self._sharded_members = self._require_job().members
+        self.loaders.sharded_members = self._require_job().members
         for module in self.lightning_module.modules():  # torchmetrics' syncs survive a lost rank too
             if isinstance(module, Metric) and module.dist_sync_fn is None:
-                module.dist_sync_fn = self._gather_metric_state
+                module.dist_sync_fn = self.collectives.gather_metric_state
         self.local_steps = 0
         self.batches_done = 0
         if not any(isinstance(cb, SyncPoints) and cb.strategy is self for cb in trainer.callbacks):
@@ -374,20 +305,10 @@ class DecentralizedStrategy(DDPStrategy):
 
     def session_plan(self, policy: GroupingPolicy) -> SessionPlan:
         """The factory of this fit's session: what it needs, from this strategy's options (starts nothing)."""
-        config = SessionConfig(
-            self.world_size,
-            policy,
-            self.avoid_stragglers,
-            sync_averages=self.average_at_sync,
-            timeout=self.operation_timeout,
-            hang=self.hang_rule,
-            min_workers=self.min_workers,
-            sync_timeout=self.sync_timeout,
-            avoid_busy=getattr(self, "avoid_busy", False),
-        )
-        return SessionPlan(
-            config, self.make_exchanger, self.operation_timeout, int(self.bucket_mb * 2**20), self.sync_timeout
-        )
+        options = self.options
+        config = options.session_config(self.world_size, policy, self.avoid_stragglers, self.avoid_busy)
+        exchanger = partial(self.make_exchanger, policy=policy)
+        return SessionPlan(config, exchanger, options.operation_timeout, options.bucket_bytes, options.sync_bound)
 
     def _require_job(self) -> Job:
         if self.job is None:
@@ -454,36 +375,15 @@ class DecentralizedStrategy(DDPStrategy):
             _patches.remove(self._trainer)
             self._trainer.callbacks[:] = [cb for cb in self._trainer.callbacks if not isinstance(cb, SyncPoints)]
         if self.training is not None:
-            self._report_losses()
+            if not self.failed:
+                self.survivors.report_losses()
             # an error (Lightning called on_exception), or torn down mid-phase: leave, so nobody waits for us
-            interrupted = self._failed or not self.controller.aligned
+            interrupted = self.failed or not self.controller.aligned
             self.training.close(interrupted=interrupted)
             self.training = None
         self.controller.reset()
-        self._failed = False
+        self.failed = False
         super().teardown()
-
-    def _report_losses(self) -> None:
-        session = self.session
-        if session is None or not session.departed or self._failed:
-            return
-        self.lost_workers = {r: (session.departed_at.get(r, 0.0), why) for r, why in session.departed.items()}
-        if self.is_global_zero:
-            lines = "; ".join(
-                f"rank {r} at {time.strftime('%H:%M:%S', time.localtime(at))}: {why}"
-                for r, (at, why) in self.lost_workers.items()
-            )
-            stopped = ""
-            if len(session.members) < self.min_workers:
-                stopped = (
-                    f"; fewer than min_workers={self.min_workers} remained, so the job stopped at its next "
-                    "synchronization point"
-                )
-            warnings.warn(
-                f"strategy={self.strategy_name!r} lost {len(self.lost_workers)} worker(s) during the fit and finished "
-                f"it with ranks {list(session.members)}: {lines}{stopped}",
-                stacklevel=2,
-            )
 
     def progressed(self) -> None:
         """A training or validation batch starts: progress for the hang detector."""
@@ -499,7 +399,7 @@ class DecentralizedStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """The fit failed on this rank: its teardown leaves the session, so the others are told at once
         (a coordinated SIGTERM stop is no failure: every rank met at the stop point)."""
-        self._failed = not isinstance(exception, SIGTERMException)
+        self.failed = not isinstance(exception, SIGTERMException)
         super().on_exception(exception)
 
     # -- training step ------------------------------------------------------------------------
@@ -530,7 +430,7 @@ class DecentralizedStrategy(DDPStrategy):
         if self.exchanger is not None:
             self.exchanger.drain()
 
-    # -- synchronization points ---------------------------------------------------------------
+    # -- synchronization points (`sync_points`) ---------------------------------------------------
     def synchronize(
         self, name: str, progress: Optional[int] = None, inside_epoch: bool = False, validate: bool = False
     ) -> None:
@@ -540,87 +440,13 @@ class DecentralizedStrategy(DDPStrategy):
         `None` where it is read after the ranks met (the end of an epoch); `inside_epoch` and
         `validate`: see `SyncController.met`.
         """
-        if self.worker is None or not self.controller.must_meet:
-            return
-        self.drain()
-        loader = self.progress.loader if self.progress is not None else None
-        sampler = loader.sampler if loader is not None else None
-        self._request_signal_stop()
-        assert self._trainer is not None
-        report: dict[str, Any] = {"stop": bool(self._trainer.should_stop)}
-        if loader is not None:
-            report["untrained"] = loader.untrained()
-        if sampler is not None:
-            report["speed"] = sampler.seconds_per_chunk
-        if self.worker.synchronize(name, self.exchanger, **report):
-            self._raise_stop()
-        release = self.worker.release or {}
-        if release.get("stop"):  # some rank decided to stop: every rank stops here, together
-            self._trainer.should_stop = True
-        if self.measure_consensus:
-            self.consensus_error = self.worker.consensus_error()
-        if self.average_at_sync:
-            self._average_replicas(name)
-        if loader is not None:
-            loader.set_members(list(self.worker.members))
-        self.regrouped = self._follow_membership()
-        if loader is not None and self.is_global_zero:
-            loader.forget_finished_epochs()
-        if sampler is not None and "speeds" in release:
-            # every rank's time per batch, for the work queue's tail decisions
-            sampler.set_speeds(release["speeds"])
-        self.controller.met(inside_epoch, validate)
-        if loader is not None:
-            loader.pending = list(release.get("pending", []))
-            if self.progress is not None and self.progress.schedule is not None:
-                reached = loader.synchronized(progress)
-                if progress is None:
-                    self.progress.at_synchronization(reached)
-
-    def _average_replicas(self, name: str) -> None:
-        """Right after the meeting `name`: one model on every live rank (a rank lost during the
-        average: meet again without it and average again)."""
-        assert self.worker is not None
-        while not self.worker.global_average():
-            self.worker.synchronize(f"{name}/again")
-        self.worker.version = self.worker.released_version  # one model again: one version
-
-    def _follow_membership(self) -> bool:
-        """After a release: if it lost ranks, the data that Lightning shards by rank (validation, and
-        training without the work queue) is sharded among the survivors from its next pass (their
-        loaders are rebuilt: `distributed_sampler_kwargs`), and if rank 0 was lost its successor
-        logs as rank zero. Returns whether the membership changed at this release."""
-        job = self.job
-        if job is None or job.members == self._sharded_members:
-            return False
-        self._sharded_members = job.members
-        assert self._trainer is not None
-        fit_loop = self._trainer.fit_loop
-        fit_loop.epoch_loop.val_loop._combined_loader = None
-        if not self.shards_by_work_queue:
-            fit_loop._combined_loader = None  # from the next epoch on (this one's iterator goes on)
-        if job.leader != 0 and self.is_global_zero and rank_zero_only.rank != 0:
-            log.warning("rank %d: takes over global rank 0's duties (checkpoints, logging)", self.global_rank)
-            rank_zero_only.rank = 0
-        return True
-
-    def reshard_validation(self) -> None:
-        """The validation that starts now shards among the survivors (the membership changed at its
-        own meeting, after Lightning built its loaders): rebuild them and the loop's fetcher."""
-        assert self._trainer is not None
-        loop = self._trainer.fit_loop.epoch_loop.val_loop
-        loop._combined_loader = None
-        loop.setup_data()
-        loop.reset()
+        self.synchronizer.synchronize(name, progress, inside_epoch, validate)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Lightning's shards (validation; training without the work queue): among the live ranks."""
-        job = self.job
-        if job is not None and len(job.members) < job.world_size and self.global_rank in job.members:
-            return {"num_replicas": len(job.members), "rank": job.members.index(self.global_rank)}
-        return super().distributed_sampler_kwargs
+        return self.loaders.sampler_kwargs() or super().distributed_sampler_kwargs
 
     @property
     def wait_seconds(self) -> float:
@@ -635,260 +461,24 @@ class DecentralizedStrategy(DDPStrategy):
         """True when every rank is at the same point of the training loop (collectives are safe)."""
         return self.controller.aligned
 
-    # -- SIGTERM --------------------------------------------------------------------------------
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if not self.controller.sigterm and self.launcher is not None:
-            self.launcher.kill(signum)  # forward to this node's other processes, as Lightning does
-        self.controller.sigterm = True
-
-    def _on_requeue_signal(self, signum: int, frame: Any) -> None:
-        """SLURM's requeue signal (`SLURMEnvironment(auto_requeue=True)`): Lightning's handler would
-        write a checkpoint of this rank's replica from inside the handler, in the middle of a phase.
-        It becomes a stop at the next batch instead, and the handler runs at the stop point."""
-        self.controller.requeue_signal = signum
-        self.controller.sigterm = True
-
-    def _request_signal_stop(self) -> None:
-        """A signal reached this process: ask every rank to stop (for the requeue signal, to write
-        the requeue checkpoint as well)."""
-        if self.worker is not None and self.controller.sigterm:
-            self.worker.request_stop(REQUEUE if self.controller.requeue_signal is not None else SIGTERM)
-
-    def _check_stop(self) -> None:
-        """Before every training batch (where Lightning would broadcast its SIGTERM flag): local checks
-        of what the control plane announced. A lost member ends the fit with an error naming it; a
-        stop asked for by any rank (`trainer.should_stop`) ends this rank's epoch after this batch,
-        so that every rank stops at the same synchronization point; SIGTERM drains and stops now."""
-        if self.worker is None:
-            return
-        session = self.worker.session
-        session.beacon.bump()
-        session.check_members("training")
-        trainer = self._trainer
-        if trainer is not None:
-            if trainer.should_stop and session.stop_reason is None:
-                self.worker.request_stop("request")
-            elif session.stop_reason == "request" and not trainer.should_stop:
-                log.debug("rank %d: the job is stopping; ending this epoch", self.global_rank)
-                trainer.should_stop = True
-        self._request_signal_stop()
-        if session.stop_reason in (SIGTERM, REQUEUE):  # announced: stop at this batch, whatever reads the inbox
-            self.worker.stop_seen = True
-        if self.worker.stop_seen:
-            self.drain()
-            self.worker.drain_for_stop(self.exchanger)
-            self._raise_stop()
-
-    def _raise_stop(self) -> None:
-        """Every rank met at the stop point: make the replicas one model (so any checkpoint written
-        now, Lightning's `OnExceptionCheckpoint`'s or the requeue's, holds the consensus), run the
-        requeue if one was signalled, and stop as Lightning does on SIGTERM."""
-        log.warning("rank %d: stopping on SIGTERM; every rank drained its group operations first", self.global_rank)
-        trainer = self._trainer
-        assert trainer is not None and self.worker is not None
-        if self.average_at_sync:
-            self._average_replicas(STOP_SYNC)
-        trainer._signal_connector.received_sigterm = True
-        self.controller.met()  # every rank drained and met at the stop point
-        if (self.worker.release or {}).get("requeue"):  # decided at the stop point: every rank alike
-            signum = self.controller.requeue_signal or _requeue_signal(self.cluster_environment)
-            log.warning("rank %d: requeue signal: a checkpoint of the consensus model, then requeue", self.global_rank)
-            connector = trainer._signal_connector
-            type(connector)._slurm_sigusr_handler_fn(connector, signum, None)  # Lightning's own, now aligned
-        raise SIGTERMException()
-
-    # -- data ---------------------------------------------------------------------------------
-    def _wrap_prepare_dataloader(self, original: Callable[..., object]) -> Callable[..., object]:
-        def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
-            sharded = self.shards_by_work_queue and self.session is not None and self.progress is not None
-            if mode != RunningStage.TRAINING or not sharded:
-                return original(dataloader, shuffle, mode)
-            assert self.progress is not None
-            if isinstance(dataloader, DataLoader) and not isinstance(dataloader.dataset, IterableDataset):
-                loader = self._shard(dataloader)
-                return self.progress.wrap(loader, self._progress_loader, batches_per_epoch(loader))
-            # a stream: every rank reads its own, as the user wrote it; an epoch ends with the first that ends
-            return self.progress.wrap(original(dataloader, shuffle, mode), self._progress_loader, None)
-
-        return prepare
-
-    def _progress_loader(self, loader: Any, batches_per_epoch: Optional[int], start: int) -> ProgressLoader:
-        assert self.session is not None and self.progress is not None and self._trainer is not None
-        counter = ProgressCounter(
-            self.session.counters,
-            self.operation_timeout,
-            self.progress.budget,
-            self.global_rank,
-            self.world_size,
-            self.progress.batches_per_step,
-        )
-        trainer = self._trainer
-        return ProgressLoader(
-            loader,
-            counter,
-            lambda: trainer.current_epoch,
-            sampler=self.sampler if batches_per_epoch is not None else None,
-            batches_per_epoch=batches_per_epoch,
-            start=start,
-        )
-
-    def _shard(self, dataloader: DataLoader) -> DataLoader:
-        name = self.strategy_name
-        if dataloader.batch_size is None:
-            raise ConfigurationError(
-                f"strategy={name!r} needs the training DataLoader to use batch_size (a custom batch_sampler cannot "
-                "be fed from the work queue)"
-            )
-        if isinstance(dataloader.sampler, RandomSampler):
-            shuffle = True
-        elif isinstance(dataloader.sampler, SequentialSampler):
-            shuffle = False
-        else:
-            raise ConfigurationError(
-                f"strategy={name!r} replaces the training sampler with a work-queue sampler but the DataLoader has a "
-                f"custom sampler ({type(dataloader.sampler).__name__}); use shuffle=True or shuffle=False instead"
-            )
-        assert self.session is not None
-        self.sampler = WorkQueueSampler(
-            len(dataloader.dataset),  # type: ignore[arg-type]
-            dataloader.batch_size,
-            self.global_rank,
-            self.world_size,
-            self.session.counters,
-            shuffle=shuffle,
-            seed=self.seed,
-            timeout=self.operation_timeout,
-        )
-        return _update_dataloader(dataloader, self.sampler, mode=RunningStage.TRAINING)
-
-    # -- collectives that must not run while ranks are unaligned ------------------------------
-    def _local_instead(self, operation: str) -> bool:
-        if self.controller.aligned:
-            return False
-        if operation not in self._warned:
-            self._warned.add(operation)
-            warnings.warn(
-                f"{operation} was called during asynchronous training with strategy={self.strategy_name!r}, while "
-                "ranks are at different steps; a world-wide collective here would hang, so it uses this rank's "
-                "local value instead (this warning is shown once). Values logged with sync_dist=True during "
-                "training steps are per-rank; they are reduced across ranks at epoch end.",
-                stacklevel=3,
-            )
-        return True
-
-    @property
-    def _survivors(self) -> Optional[dist.ProcessGroup]:
-        """The survivors' group once a rank was lost (collectives of the world group would need it)."""
-        job = self.job
-        if job is None or len(job.members) == job.world_size or not dist.is_initialized():
-            return None
-        return job.group
-
-    def _members(self) -> Optional[MemberCollectives]:
-        """Collectives that survive a lost member: during a fit, and after one that lost a rank."""
-        if self.worker is not None:
-            return MemberCollectives(self.worker.comm, self.sync_timeout, agree=self.worker.agree)
-        job = self.job
-        if self._survivors is None or job is None:
-            return None  # no fit, nobody lost: the world group's collectives
-        comm = GroupComm(self.global_rank, self.world_size, self.operation_timeout, job.group)
-        comm.rebind(job.group, job.members)
-        return MemberCollectives(comm, self.sync_timeout)
-
-    def _incomplete(self, operation: str) -> None:
-        log.warning(
-            "rank %d: %s was cut short by a lost rank; this rank uses its own value (the next synchronization "
-            "point goes on without the lost rank)",
-            self.global_rank,
-            operation,
-        )
-
+    # -- Lightning's collectives (`collectives`): local while unaligned, else over the live members
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if self._local_instead("barrier"):
-            return
-        members = self._members()
-        if members is None:
-            self._world_collective("a barrier", super().barrier, *args, **kwargs)
-        elif not members.barrier():
-            self._incomplete("a barrier")
+        self.collectives.barrier(super().barrier, *args, **kwargs)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if self._local_instead("broadcast"):
-            return obj
-        members = self._members()
-        if members is None:
-            return self._world_collective("a broadcast", super().broadcast, obj, src)
-        source = src if src in members.members else members.members[0]  # rank 0's duties moved
-        done, value = members.broadcast_object(obj, source)
-        if not done:
-            self._incomplete("a broadcast")
-            return obj
-        return value
+        return self.collectives.broadcast(super().broadcast, obj, src)
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        if self._local_instead("reduce (e.g. self.log(..., sync_dist=True))"):
-            return tensor
-        members = self._members()
-        if members is None or group is not None or not isinstance(tensor, Tensor):
-            return self._world_collective("a reduce", super().reduce, tensor, group, reduce_op)
-        op = str(reduce_op).lower().split(".")[-1] if reduce_op is not None else "sum"
-        if op in ("max", "min"):
-            gathered = members.gather(tensor)
-            result = None
-            if gathered is not None:
-                stacked = torch.stack(gathered)
-                result = stacked.amax(0) if op == "max" else stacked.amin(0)
-        else:
-            result = members.sum(tensor)
-            if result is not None and op in ("mean", "avg"):
-                result = result / len(members.members)
-        if result is None:
-            self._incomplete("a reduce")
-            return tensor
-        return result
+        return self.collectives.reduce(super().reduce, tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        if self._local_instead("all_gather"):
-            return tensor.unsqueeze(0)
-        members = self._members()
-        if members is None or group is not None or sync_grads:
-            return self._world_collective("an all_gather", super().all_gather, tensor, group, sync_grads)
-        gathered = members.gather(tensor)
-        if gathered is None:
-            self._incomplete("an all_gather")
-            return tensor.unsqueeze(0)
-        return torch.stack(gathered)
+        return self.collectives.all_gather(super().all_gather, tensor, group, sync_grads)
 
-    def _gather_metric_state(self, result: Tensor, group: Optional[Any] = None) -> list[Tensor]:
-        """torchmetrics' `dist_sync_fn`: the states of every member (of the survivors after a loss);
-        between synchronization points (`dist_sync_on_step=True`) this rank's own, as for `reduce`."""
-        if self._local_instead("a torchmetrics metric's state sync (dist_sync_on_step=True)"):
-            return [result]
-        members = self._members()
-        if members is None:
-            return gather_all_tensors(result, group)
-        gathered = members.gather(result)
-        if gathered is None:
-            self._incomplete("a metric's state sync")
-            return [result]
-        return gathered
-
-    def _world_collective(self, what: str, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """A collective of Lightning's on the world group; if it fails because a rank left the job,
-        the error says which rank (the backend's only says a connection closed)."""
-        try:
-            return collective(*args, **kwargs)
-        except RuntimeError as err:
-            session = self.session
-            explained = session.explain(err, f"{what} of every rank (Lightning's)") if session is not None else err
-            if explained is err:
-                raise
-            raise explained from err
-
+    # -- checkpoints --------------------------------------------------------------------------
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state as a checkpoint holds it: at a synchronization point (every rank
@@ -897,22 +487,13 @@ class DecentralizedStrategy(DDPStrategy):
         run starts every worker from the same state, and from all workers' rather than rank 0's.
         Between synchronization points (a checkpoint of one rank's replica), or if the workers'
         states differ in layout (one never stepped), this rank's own state."""
-        state = super().optimizer_state(optimizer)
-        worker = self.worker
-        if worker is None or self._failed or not self.controller.aligned or not state:
-            return state
-        averaged, complete = averaged_optimizer_state(
-            state, worker.comm, worker.members, operation="optimizer state average for a checkpoint"
-        )
-        if not complete:
-            log.warning("rank %d: the checkpoint holds this rank's own optimizer state, not the mean", self.global_rank)
-        return averaged
+        return self.synchronizer.optimizer_state(super().optimizer_state(optimizer))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         self.outside_steps()
-        if not self.controller.aligned and self.is_global_zero and "save_checkpoint" not in self._warned:
-            self._warned.add("save_checkpoint")
+        if not self.controller.aligned and self.is_global_zero and "save_checkpoint" not in self.warned:
+            self.warned.add("save_checkpoint")
             warnings.warn(
                 "a checkpoint was saved between synchronization points: it holds rank 0's replica, not the "
                 "consensus model. Save at epoch ends (ModelCheckpoint(every_n_epochs=...)) for the consensus model.",

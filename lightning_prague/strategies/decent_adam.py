@@ -13,7 +13,7 @@ from lightning_prague.core.exchange.gossip import LaggedGossip
 from lightning_prague.core.exchange.overlap import Exchanger
 from lightning_prague.core.exchange.worker import GroupWorker
 from lightning_prague.core.grouping.policies import GroupingPolicy, SchedulePolicy
-from lightning_prague.core.grouping.topology import Schedule, make_topology
+from lightning_prague.core.grouping.topology import make_topology
 from lightning_prague.strategies.base import DecentralizedStrategy
 
 Topology = Literal["complete", "ring", "one_peer_exp", "alternating_exp_ring", "static"]
@@ -102,16 +102,15 @@ class DecentAdamStrategy(DecentralizedStrategy):
         self.schedule_spec = schedule
         self.node_size = workers_per_node
         self.overlap = overlap
-        self.schedule: Schedule | None = None
 
     def make_policy(self) -> GroupingPolicy:
         per_node = self.node_size or self.workers_per_node
-        self.schedule = make_topology(self.topology, self.world_size, per_node, self.schedule_spec)
-        return SchedulePolicy(self.schedule, self.seed)
+        schedule = make_topology(self.topology, self.world_size, per_node, self.schedule_spec)
+        return SchedulePolicy(schedule, self.seed)
 
-    def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
-        assert self.schedule is not None
-        return LaggedGossip(worker, tensors, self.schedule, self.operation_timeout, overlap=self.overlap)
+    def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors, policy: GroupingPolicy) -> Exchanger:
+        assert isinstance(policy, SchedulePolicy)
+        return LaggedGossip(worker, tensors, policy.schedule, self.operation_timeout, overlap=self.overlap)
 
     def setup(self, trainer: Trainer) -> None:
         super().setup(trainer)

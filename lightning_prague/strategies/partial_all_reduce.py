@@ -12,7 +12,6 @@ from lightning_prague.core.exchange.gossip import LaggedGossip
 from lightning_prague.core.exchange.overlap import BackgroundAverager, BlockingExchanger, Exchanger
 from lightning_prague.core.exchange.worker import GroupWorker
 from lightning_prague.core.grouping.policies import GroupingPolicy, SchedulePolicy, StaticPolicy, make_policy
-from lightning_prague.core.grouping.topology import Schedule
 from lightning_prague.strategies.base import DecentralizedStrategy
 
 Grouping = Literal["random", "buffer", "division", "static"]
@@ -86,11 +85,9 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         if grouping == "static":
             # lock-step rounds: a work queue could not let fast workers take more batches
             self.shards_by_work_queue = False
-        self.schedule: Schedule | None = None
 
     def make_policy(self) -> GroupingPolicy:
         policy = make_policy(self.grouping, self.world_size, self.group_size, self.seed, self.workers_per_node)
-        self.schedule = policy.schedule if isinstance(policy, SchedulePolicy) else None
         if isinstance(policy, StaticPolicy) and policy.workers_per_node != self.group_size:
             nodes, per_node = self.world_size // policy.workers_per_node, policy.workers_per_node
             rank_zero_warn(
@@ -99,10 +96,10 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
             )
         return policy
 
-    def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
-        if self.schedule is not None:  # the static schedule: no coordinator round trip per exchange
+    def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors, policy: GroupingPolicy) -> Exchanger:
+        if isinstance(policy, SchedulePolicy):  # the static schedule: no coordinator round trip per exchange
             return LaggedGossip(
-                worker, tensors, self.schedule, self.operation_timeout, overlap=self.overlap, lagged=self.overlap
+                worker, tensors, policy.schedule, self.operation_timeout, overlap=self.overlap, lagged=self.overlap
             )
         kind = BackgroundAverager if self.overlap else BlockingExchanger
         return kind(worker, tensors, self.operation_timeout)

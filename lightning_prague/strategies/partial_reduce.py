@@ -71,6 +71,6 @@ class PartialReduceStrategy(DecentralizedStrategy):
             mixing_window=self.mixing_window,
         )
 
-    def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors) -> Exchanger:
+    def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors, policy: GroupingPolicy) -> Exchanger:
         kind = BackgroundAverager if self.overlap else BlockingExchanger
         return kind(worker, tensors, self.operation_timeout)

@@ -1,0 +1,158 @@
+"""The strategy's data: the training loader fed from the work queue, and Lightning's shards among the live ranks.
+
+Two kinds of sharding meet in an asynchronous fit (`StrategyLoaders`):
+
+* **the work queue** (strategies with `shards_by_work_queue`): Lightning would give the training
+  `DataLoader` a static `DistributedSampler`, an equal shard per rank. Its `_prepare_dataloader`
+  is replaced (`wrap_prepare_dataloader`) so that a map-style loader is rebuilt around a
+  `WorkQueueSampler` (fast workers take more batches from one global queue), and every training
+  loader is wrapped in a `ProgressLoader`, which hands each batch its ticket of global progress
+  (`lightning_prague.strategies.global_progress`). A stream (`IterableDataset`) is not sharded:
+  every rank reads its own, as the user wrote it.
+* **Lightning's own shards** (validation, and training without the work queue): once a rank was
+  lost they are cut among the survivors (`sampler_kwargs`); `reshard` drops the loaders Lightning
+  built for the old membership so that their next pass is rebuilt, and `reshard_validation`
+  rebuilds a validation that starts at the very meeting that lost the rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Optional
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+
+from lightning_prague.core.data.progress import ProgressCounter
+from lightning_prague.core.data.progress_loader import ProgressLoader
+from lightning_prague.core.data.sharding import WorkQueueSampler
+from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.strategies.global_progress import batches_per_epoch
+
+if TYPE_CHECKING:
+    from lightning_prague.strategies.base import DecentralizedStrategy
+
+#: Lightning's `_DataConnector._prepare_dataloader(dataloader, shuffle, mode)`
+PrepareDataloader = Callable[[object, bool, RunningStage], object]
+
+
+class StrategyLoaders:
+    """The strategy's loaders and shards (see the module docstring)."""
+
+    def __init__(self, strategy: DecentralizedStrategy) -> None:
+        self.strategy = strategy
+        #: the training loader's work-queue sampler (map-style data under the work queue)
+        self.sampler: WorkQueueSampler | None = None
+        self.sharded_members: tuple[int, ...] = ()  # the members Lightning's shards were last built for
+
+    # -- the training loader from the work queue -------------------------------------------------
+    def replacements(self, trainer: Trainer) -> dict[str, Callable[..., Any]]:
+        """Lightning's methods that these replace on the trainer's objects (installed by `_patches`)."""
+        return {"_prepare_dataloader": self.wrap_prepare_dataloader(trainer._data_connector._prepare_dataloader)}
+
+    def wrap_prepare_dataloader(self, original: PrepareDataloader) -> PrepareDataloader:
+        """Lightning's `_prepare_dataloader`, feeding the training loader from the work queue."""
+        strategy = self.strategy
+
+        def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
+            progress = strategy.progress
+            sharded = strategy.shards_by_work_queue and strategy.session is not None and progress is not None
+            if mode != RunningStage.TRAINING or not sharded:
+                return original(dataloader, shuffle, mode)
+            assert progress is not None
+            if isinstance(dataloader, DataLoader) and not isinstance(dataloader.dataset, IterableDataset):
+                loader = self.shard(dataloader)
+                return progress.wrap(loader, self.progress_loader, batches_per_epoch(loader))
+            # a stream: every rank reads its own, as the user wrote it; an epoch ends with the first that ends
+            return progress.wrap(original(dataloader, shuffle, mode), self.progress_loader, None)
+
+        return prepare
+
+    def progress_loader(self, loader: Any, batches_per_epoch: Optional[int], start: int) -> ProgressLoader:
+        """`loader` handing out tickets of global progress (see `GlobalProgress.wrap`)."""
+        strategy = self.strategy
+        session, progress, trainer = strategy.session, strategy.progress, strategy._trainer
+        assert session is not None and progress is not None and trainer is not None
+        counter = ProgressCounter(
+            session.counters,
+            strategy.operation_timeout,
+            progress.budget,
+            strategy.global_rank,
+            strategy.world_size,
+            progress.batches_per_step,
+        )
+        return ProgressLoader(
+            loader,
+            counter,
+            lambda: trainer.current_epoch,
+            sampler=self.sampler if batches_per_epoch is not None else None,
+            batches_per_epoch=batches_per_epoch,
+            start=start,
+        )
+
+    def shard(self, dataloader: DataLoader) -> DataLoader:
+        """`dataloader` rebuilt around a work-queue sampler (`ConfigurationError` for one that cannot be)."""
+        strategy = self.strategy
+        name = strategy.strategy_name
+        if dataloader.batch_size is None:
+            raise ConfigurationError(
+                f"strategy={name!r} needs the training DataLoader to use batch_size (a custom batch_sampler cannot "
+                "be fed from the work queue)"
+            )
+        if isinstance(dataloader.sampler, RandomSampler):
+            shuffle = True
+        elif isinstance(dataloader.sampler, SequentialSampler):
+            shuffle = False
+        else:
+            raise ConfigurationError(
+                f"strategy={name!r} replaces the training sampler with a work-queue sampler but the DataLoader has a "
+                f"custom sampler ({type(dataloader.sampler).__name__}); use shuffle=True or shuffle=False instead"
+            )
+        assert strategy.session is not None
+        self.sampler = WorkQueueSampler(
+            len(dataloader.dataset),  # type: ignore[arg-type]
+            dataloader.batch_size,
+            strategy.global_rank,
+            strategy.world_size,
+            strategy.session.counters,
+            shuffle=shuffle,
+            seed=strategy.seed,
+            timeout=strategy.operation_timeout,
+        )
+        return _update_dataloader(dataloader, self.sampler, mode=RunningStage.TRAINING)
+
+    # -- Lightning's shards among the live ranks -------------------------------------------------
+    def sampler_kwargs(self) -> Optional[dict[str, Any]]:
+        """Lightning's shards among the live ranks once one was lost; `None`: Lightning's own."""
+        strategy = self.strategy
+        job = strategy.job
+        if job is not None and len(job.members) < job.world_size and strategy.global_rank in job.members:
+            return {"num_replicas": len(job.members), "rank": job.members.index(strategy.global_rank)}
+        return None
+
+    def reshard(self, members: tuple[int, ...]) -> bool:
+        """After a release: if the membership changed, the data that Lightning shards by rank
+        (validation, and training without the work queue) is sharded among `members` from its next
+        pass (their loaders are rebuilt: `sampler_kwargs`). Returns whether it changed."""
+        if members == self.sharded_members:
+            return False
+        self.sharded_members = members
+        strategy = self.strategy
+        assert strategy._trainer is not None
+        fit_loop = strategy._trainer.fit_loop
+        fit_loop.epoch_loop.val_loop._combined_loader = None
+        if not strategy.shards_by_work_queue:
+            fit_loop._combined_loader = None  # from the next epoch on (this one's iterator goes on)
+        return True
+
+    def reshard_validation(self) -> None:
+        """The validation that starts now shards among the survivors (the membership changed at its
+        own meeting, after Lightning built its loaders): rebuild them and the loop's fetcher."""
+        trainer = self.strategy._trainer
+        assert trainer is not None
+        loop = trainer.fit_loop.epoch_loop.val_loop
+        loop._combined_loader = None
+        loop.setup_data()
+        loop.reset()

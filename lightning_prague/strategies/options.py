@@ -1,0 +1,145 @@
+"""The options every asynchronous strategy shares, validated in one place.
+
+`DecentralizedStrategy.__init__` keeps its keyword signature, because LightningCLI and
+jsonargparse read it (and its docstring documents each option), and hands the values to
+`StrategyOptions`. The dataclass checks them when the strategy is built, before any process group
+or thread exists, raising a `ConfigurationError` that names the option, and derives what the rest
+of the strategy needs from them: the timeout of one synchronization point, the hang rule, the
+backend's own timeout and the control session's configuration. It is frozen: the options given at
+construction hold for every fit the strategy runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Generic, Optional, TypeVar
+
+from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.grouping.policies import GroupingPolicy
+from lightning_prague.core.protocol import HangRule, SessionConfig, resolve_control_port
+
+T = TypeVar("T")
+
+#: Lightning's (and torch's) default timeout of DDP's collectives, seconds: the default `sync_timeout`
+DDP_TIMEOUT = 1800.0
+
+
+def watchdog_margin(timeout: float) -> float:
+    """Seconds the backend's own timeout (NCCL's watchdog) waits beyond ours."""
+    return max(30.0, 0.1 * timeout)
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """The shared options as the user gave them (see `DecentralizedStrategy.__init__` for each).
+
+    Raises `ConfigurationError` for a value no fit could use. Only `timeout` is normalised: a
+    `datetime.timedelta` (what `DDPStrategy` takes) becomes seconds. `sync_timeout` stays as given;
+    `sync_bound` resolves it.
+    """
+
+    sync_every: int = 1
+    seed: int = 0
+    #: seconds one operation may take
+    timeout: float = 300.0
+    average_at_sync: bool = True
+    bucket_mb: float = 25.0
+    min_workers: int = 1
+    hang_timeout: float = 10.0
+    hang_factor: float = 20.0
+    #: seconds every rank may take to reach one synchronization point; `None`: see `sync_bound`
+    sync_timeout: Optional[float] = None
+    #: the control plane's port; `None`: `LIGHTNING_PRAGUE_CONTROL_PORT` or a free one
+    coordinator_port: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        timeout = self.timeout
+        if isinstance(timeout, timedelta):  # DDPStrategy's type
+            timeout = timeout.total_seconds()
+            object.__setattr__(self, "timeout", timeout)
+        resolve_control_port(self.coordinator_port)  # validated here; global rank 0's environment decides at launch
+        if self.sync_every < 1:
+            raise ConfigurationError(f"sync_every={self.sync_every} is invalid: it must be at least 1 local step")
+        if timeout <= 0:
+            raise ConfigurationError(f"timeout={timeout} is invalid: it must be a positive number of seconds")
+        if self.bucket_mb <= 0:
+            raise ConfigurationError(f"bucket_mb={self.bucket_mb} is invalid: it must be positive")
+        if self.min_workers < 1:
+            raise ConfigurationError(f"min_workers={self.min_workers} is invalid: it must be at least 1")
+        if self.hang_timeout <= 0 or self.hang_factor <= 0:
+            raise ConfigurationError(
+                f"hang_timeout={self.hang_timeout} and hang_factor={self.hang_factor} are invalid: both must be "
+                "positive"
+            )
+        sync_timeout = self.sync_bound
+        if sync_timeout < timeout:
+            raise ConfigurationError(
+                f"sync_timeout={sync_timeout} is shorter than timeout={timeout}: a synchronization point contains "
+                "operations, so its bound must be at least one operation's"
+            )
+
+    @property
+    def operation_timeout(self) -> float:
+        """Seconds one operation (a group exchange, a request to the coordinator, a claim) may take."""
+        return float(self.timeout)
+
+    @property
+    def sync_bound(self) -> float:
+        """Seconds every rank may take to reach one synchronization point: `sync_timeout`, or unset
+        Lightning's DDP timeout (`DDP_TIMEOUT`), or `timeout` if that is longer."""
+        return max(DDP_TIMEOUT, self.timeout) if self.sync_timeout is None else float(self.sync_timeout)
+
+    @property
+    def backend_timeout(self) -> timedelta:
+        """The process group's own timeout (NCCL's watchdog): it fires after every one of ours, so our
+        error, which names the ranks and the operation, is the one the user sees."""
+        bound = self.sync_bound
+        return timedelta(seconds=bound + watchdog_margin(bound))
+
+    @property
+    def hang_rule(self) -> HangRule:
+        """When a worker counts as hung (`lightning_prague.core.plane.liveness`)."""
+        return HangRule(floor=float(self.hang_timeout), factor=float(self.hang_factor))
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The size of the flat buffers averaged in one collective, in bytes."""
+        return int(self.bucket_mb * 2**20)
+
+    def session_config(
+        self, world_size: int, policy: GroupingPolicy, avoid_stragglers: bool, avoid_busy: bool
+    ) -> SessionConfig:
+        """The configuration of one fit's control session (the grouping options are the strategy's own)."""
+        return SessionConfig(
+            world_size,
+            policy,
+            avoid_stragglers,
+            sync_averages=self.average_at_sync,
+            timeout=self.operation_timeout,
+            hang=self.hang_rule,
+            min_workers=self.min_workers,
+            sync_timeout=self.sync_bound,
+            avoid_busy=avoid_busy,
+        )
+
+
+class Option(Generic[T]):
+    """A read-only attribute of the strategy that reads `strategy.options.<name>` (default: the
+    attribute's own name): `strategy.sync_every` and the like, as code written for the strategy
+    reads them. Setting one is an `AttributeError`: the options are fixed when the strategy is built."""
+
+    def __init__(self, name: Optional[str] = None) -> None:
+        self.name = name
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = self.name or name
+
+    def __get__(self, strategy: Any, owner: Optional[type] = None) -> T:
+        if strategy is None:
+            return self  # type: ignore[return-value]  # looked up on the class (documentation, help())
+        assert self.name is not None
+        return getattr(strategy.options, self.name)
+
+    def __set__(self, strategy: Any, value: T) -> None:
+        raise AttributeError(f"{self.name} is an option of the strategy: pass it when the strategy is built")

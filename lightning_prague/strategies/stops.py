@@ -1,0 +1,127 @@
+"""Signals and stops: every rank stops at the same point, with one model.
+
+Lightning broadcasts a SIGTERM flag on the world group before every training batch, and its SLURM
+handler writes a checkpoint from inside the signal handler; under asynchrony the first would put
+the ranks back in lock step and the second would save one rank's replica in the middle of a
+phase. `Stops` replaces both (`check_stop` for the broadcast, `on_sigterm` and `on_requeue_signal`
+for the handlers, installed by the strategy's setup through `_patches`):
+
+* a signal only sets a flag; before its next batch the rank asks the control plane to stop every
+  rank (`request_signal_stop`), and each rank, once the announcement reaches it, drains its
+  exchanges and meets the others at a *stop point*, where the replicas are averaged and Lightning's
+  `SIGTERMException` ends the fit (`raise_stop`); for the requeue signal Lightning's own handler (a
+  checkpoint, `scontrol requeue`) then runs on every rank alike;
+* `trainer.should_stop` set on any rank (Timer, EarlyStopping, the module) is a stop *requested*
+  of the job: every rank ends its epoch after its current batch and stops at the same
+  synchronization point;
+* a member lost during training ends the fit with an error naming it (`check_stop`).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Optional
+
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_prague.core.protocol import REQUEUE, SIGTERM, STOP_SYNC
+from lightning_prague.strategies.sync_points import average_replicas
+
+if TYPE_CHECKING:
+    from lightning_prague.strategies.base import DecentralizedStrategy
+
+log = logging.getLogger(__name__)
+
+
+def requeue_signal(environment: Optional[ClusterEnvironment]) -> int:
+    """The cluster's requeue signal (SLURM's, as Lightning's SLURM environment names it; SIGUSR1)."""
+    return int(getattr(environment, "requeue_signal", None) or signal.SIGUSR1)
+
+
+class Stops:
+    """The strategy's signal handlers and stop points (see the module docstring)."""
+
+    def __init__(self, strategy: DecentralizedStrategy) -> None:
+        self.strategy = strategy
+
+    def replacements(self) -> dict[str, Callable[..., Any]]:
+        """Lightning's methods that these replace on the trainer's objects (installed by `_patches`)."""
+        return {
+            "_broadcast_sigterm_tensor": self.check_stop,
+            "_sigterm_notifier_fn": self.on_sigterm,
+            "_slurm_sigusr_handler_fn": self.on_requeue_signal,
+        }
+
+    def on_sigterm(self, signum: int, frame: Any) -> None:
+        """Lightning's SIGTERM handler: forward the signal to this node's other processes, as
+        Lightning does, and set a flag that the next batch turns into a stop of every rank."""
+        strategy = self.strategy
+        if not strategy.controller.sigterm and strategy.launcher is not None:
+            strategy.launcher.kill(signum)  # forward to this node's other processes, as Lightning does
+        strategy.controller.sigterm = True
+
+    def on_requeue_signal(self, signum: int, frame: Any) -> None:
+        """SLURM's requeue signal (`SLURMEnvironment(auto_requeue=True)`): Lightning's handler would
+        write a checkpoint of this rank's replica from inside the handler, in the middle of a phase.
+        It becomes a stop at the next batch instead, and the handler runs at the stop point."""
+        controller = self.strategy.controller
+        controller.requeue_signal = signum
+        controller.sigterm = True
+
+    def request_signal_stop(self) -> None:
+        """A signal reached this process: ask every rank to stop (for the requeue signal, to write
+        the requeue checkpoint as well)."""
+        strategy = self.strategy
+        if strategy.worker is not None and strategy.controller.sigterm:
+            strategy.worker.request_stop(REQUEUE if strategy.controller.requeue_signal is not None else SIGTERM)
+
+    def check_stop(self) -> None:
+        """Before every training batch (where Lightning would broadcast its SIGTERM flag): local checks
+        of what the control plane announced. A lost member ends the fit with an error naming it; a
+        stop asked for by any rank (`trainer.should_stop`) ends this rank's epoch after this batch,
+        so that every rank stops at the same synchronization point; SIGTERM drains and stops now."""
+        strategy = self.strategy
+        worker = strategy.worker
+        if worker is None:
+            return
+        session = worker.session
+        session.beacon.bump()
+        session.check_members("training")
+        trainer = strategy._trainer
+        if trainer is not None:
+            if trainer.should_stop and session.stop_reason is None:
+                worker.request_stop("request")
+            elif session.stop_reason == "request" and not trainer.should_stop:
+                log.debug("rank %d: the job is stopping; ending this epoch", strategy.global_rank)
+                trainer.should_stop = True
+        self.request_signal_stop()
+        if session.stop_reason in (SIGTERM, REQUEUE):  # announced: stop at this batch, whatever reads the inbox
+            worker.stop_seen = True
+        if worker.stop_seen:
+            strategy.drain()
+            worker.drain_for_stop(strategy.exchanger)
+            self.raise_stop()
+
+    def raise_stop(self) -> None:
+        """Every rank met at the stop point: make the replicas one model (so any checkpoint written
+        now, Lightning's `OnExceptionCheckpoint`'s or the requeue's, holds the consensus), run the
+        requeue if one was signalled, and stop as Lightning does on SIGTERM."""
+        strategy = self.strategy
+        log.warning("rank %d: stopping on SIGTERM; every rank drained its group operations first", strategy.global_rank)
+        trainer, worker = strategy._trainer, strategy.worker
+        assert trainer is not None and worker is not None
+        if strategy.average_at_sync:
+            average_replicas(worker, STOP_SYNC)
+        trainer._signal_connector.received_sigterm = True
+        strategy.controller.met()  # every rank drained and met at the stop point
+        if (worker.release or {}).get("requeue"):  # decided at the stop point: every rank alike
+            signum = strategy.controller.requeue_signal or requeue_signal(strategy.cluster_environment)
+            log.warning(
+                "rank %d: requeue signal: a checkpoint of the consensus model, then requeue", strategy.global_rank
+            )
+            connector = trainer._signal_connector
+            type(connector)._slurm_sigusr_handler_fn(connector, signum, None)  # Lightning's own, now aligned
+        raise SIGTERMException()

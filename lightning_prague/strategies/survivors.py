@@ -1,0 +1,70 @@
+"""The survivors' side of a lost worker: following the membership, and the report at the end of the fit.
+
+A rank whose process ends or that hangs leaves the job (`lightning_prague.core.plane.liveness`), and
+the survivors finish the fit without it. The control plane tells every rank who is left in the
+release of a synchronization point; from there (`Survivors.follow_membership`) the data that
+Lightning shards by rank goes to the survivors (`StrategyLoaders.reshard`), and if global rank 0
+was lost, the lowest live rank takes over its duties (checkpoints, logging: Lightning's
+`rank_zero_only`). When the fit ends, the lowest live rank warns once, naming every rank that was
+lost, when and why, and whether `min_workers` stopped the job (`report_losses`); the strategy's
+`lost_workers` keeps the same on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import TYPE_CHECKING
+
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+if TYPE_CHECKING:
+    from lightning_prague.strategies.base import DecentralizedStrategy
+
+log = logging.getLogger(__name__)
+
+
+class Survivors:
+    """What the strategy does when the membership changes (see the module docstring)."""
+
+    def __init__(self, strategy: DecentralizedStrategy) -> None:
+        self.strategy = strategy
+
+    def follow_membership(self) -> bool:
+        """After a release: if it lost ranks, Lightning's shards go to the survivors from their next
+        pass (`StrategyLoaders.reshard`), and if rank 0 was lost its successor logs as rank zero.
+        Returns whether the membership changed at this release."""
+        strategy = self.strategy
+        job = strategy.job
+        if job is None or not strategy.loaders.reshard(job.members):
+            return False
+        if job.leader != 0 and strategy.is_global_zero and rank_zero_only.rank != 0:
+            log.warning("rank %d: takes over global rank 0's duties (checkpoints, logging)", strategy.global_rank)
+            rank_zero_only.rank = 0
+        return True
+
+    def report_losses(self) -> None:
+        """At the teardown of a fit that did not fail: record who was lost (`lost_workers`) and, on
+        the lowest live rank, warn naming them."""
+        strategy = self.strategy
+        session = strategy.session
+        if session is None or not session.departed:
+            return
+        lost = {r: (session.departed_at.get(r, 0.0), why) for r, why in session.departed.items()}
+        strategy.lost_workers = lost
+        if strategy.is_global_zero:
+            lines = "; ".join(
+                f"rank {r} at {time.strftime('%H:%M:%S', time.localtime(at))}: {why}" for r, (at, why) in lost.items()
+            )
+            stopped = ""
+            if len(session.members) < strategy.min_workers:
+                stopped = (
+                    f"; fewer than min_workers={strategy.min_workers} remained, so the job stopped at its next "
+                    "synchronization point"
+                )
+            warnings.warn(
+                f"strategy={strategy.strategy_name!r} lost {len(lost)} worker(s) during the fit and finished "
+                f"it with ranks {list(session.members)}: {lines}{stopped}",
+                stacklevel=2,
+            )

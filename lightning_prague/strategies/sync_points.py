@@ -1,0 +1,149 @@
+"""Synchronization points: where the unaligned ranks meet, become one model and follow the membership.
+
+Between synchronization points every rank trains its replica at its own pace. At validation
+during fit, at every epoch's end, at the end of fit and at the boundaries of step-based
+schedules (`lightning_prague.strategies.global_progress`) every rank drains its exchanges, meets the
+others at the coordinator and (`average_at_sync`) the replicas are averaged, so that validation,
+checkpoints and `trainer.test` see one consensus model (`Synchronizer.synchronize`). The release of
+the meeting carries what every rank decided: a stop, the workers' speeds for the work queue, the
+batches still to train, and the members that are left; the ranks then follow it (a lost rank's
+shards go to the survivors, the lowest live rank takes over global rank 0's duties: `survivors`).
+A checkpoint written there holds the mean of the workers' optimizer states as well
+(`Synchronizer.optimizer_state`).
+
+`SyncPoints` is the callback that calls these points from the trainer's hooks; the strategy
+inserts it before every other callback, so that they all run on the consensus model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_prague.core.comm.averaging import averaged_optimizer_state
+from lightning_prague.core.exchange.worker import GroupWorker
+
+if TYPE_CHECKING:
+    from lightning_prague.strategies.base import DecentralizedStrategy
+
+log = logging.getLogger(__name__)
+
+
+class SyncPoints(Callback):
+    """Calls the strategy's synchronization points from the trainer's hooks; runs before other callbacks."""
+
+    def __init__(self, strategy: DecentralizedStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.strategy.progress is not None:
+            self.strategy.progress.on_train_start()
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.strategy.enter_async_phase()
+
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.strategy.progressed()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.outside_steps()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.strategy.progress is not None:
+            self.strategy.progress.after_batch()  # a boundary: meet before step-based callbacks run
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.outside_steps()  # until its first batch: a meeting, loaders built
+        if not self.strategy.controller.validation_starts():
+            return  # the ranks met at the boundary just before
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self.strategy.synchronize(f"validation@epoch{trainer.current_epoch}")
+            if self.strategy.regrouped:  # ranks were lost at this very meeting
+                self.strategy.loaders.reshard_validation()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.outside_steps()
+        self.strategy.synchronize(f"epoch_end@epoch{trainer.current_epoch}")
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.synchronize("fit_end")
+
+
+def average_replicas(worker: GroupWorker, name: str) -> None:
+    """Right after the meeting `name`: one model on every live rank (a rank lost during the
+    average: meet again without it and average again)."""
+    while not worker.global_average():
+        worker.synchronize(f"{name}/again")
+    worker.version = worker.released_version  # one model again: one version
+
+
+class Synchronizer:
+    """Runs the strategy's synchronization points (see the module docstring)."""
+
+    def __init__(self, strategy: DecentralizedStrategy) -> None:
+        self.strategy = strategy
+
+    def synchronize(self, name: str, progress: Optional[int], inside_epoch: bool, validate: bool) -> None:
+        """Drain, meet every rank, then average (see `DecentralizedStrategy.synchronize`)."""
+        strategy = self.strategy
+        worker = strategy.worker
+        if worker is None or not strategy.controller.must_meet:
+            return
+        strategy.drain()
+        loader = strategy.progress.loader if strategy.progress is not None else None
+        sampler = loader.sampler if loader is not None else None
+        strategy.stops.request_signal_stop()
+        trainer = strategy._trainer
+        assert trainer is not None
+        report: dict[str, Any] = {"stop": bool(trainer.should_stop)}
+        if loader is not None:
+            report["untrained"] = loader.untrained()
+        if sampler is not None:
+            report["speed"] = sampler.seconds_per_chunk
+        if worker.synchronize(name, strategy.exchanger, **report):
+            strategy.stops.raise_stop()
+        release = worker.release or {}
+        if release.get("stop"):  # some rank decided to stop: every rank stops here, together
+            trainer.should_stop = True
+        if strategy.measure_consensus:
+            strategy.consensus_error = worker.consensus_error()
+        if strategy.average_at_sync:
+            average_replicas(worker, name)
+        if loader is not None:
+            loader.set_members(list(worker.members))
+        strategy.regrouped = strategy.survivors.follow_membership()
+        if loader is not None and strategy.is_global_zero:
+            loader.forget_finished_epochs()
+        if sampler is not None and "speeds" in release:
+            # every rank's time per batch, for the work queue's tail decisions
+            sampler.set_speeds(release["speeds"])
+        strategy.controller.met(inside_epoch, validate)
+        if loader is not None:
+            loader.pending = list(release.get("pending", []))
+            if strategy.progress is not None and strategy.progress.schedule is not None:
+                reached = loader.synchronized(progress)
+                if progress is None:
+                    strategy.progress.at_synchronization(reached)
+
+    def optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The optimizer's `state` as a checkpoint holds it: at a synchronization point the mean over
+        the live workers (see `DecentralizedStrategy.optimizer_state`), elsewhere this rank's own."""
+        strategy = self.strategy
+        worker = strategy.worker
+        if worker is None or strategy.failed or not strategy.controller.aligned or not state:
+            return state
+        averaged, complete = averaged_optimizer_state(
+            state, worker.comm, worker.members, operation="optimizer state average for a checkpoint"
+        )
+        if not complete:
+            log.warning(
+                "rank %d: the checkpoint holds this rank's own optimizer state, not the mean", strategy.global_rank
+            )
+        return averaged
