@@ -242,7 +242,8 @@ class ControlPlane:
     @staticmethod
     def _fence(session: CoordinatorSession, rank: int, reason: str, out: Out) -> None:
         pid, host = session.processes.get(rank, (0, ""))
-        if pid and host == socket.gethostname():
+        # only a process that can be the rank's own: never init (1), a process group (<= 0) or the plane
+        if pid > 1 and pid != os.getpid() and host == socket.gethostname():
             try:
                 os.kill(pid, signal.SIGKILL)
                 log.warning("session %d: sent SIGKILL to rank %d (pid %d)", session.number, rank, pid)

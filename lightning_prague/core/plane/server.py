@@ -41,10 +41,25 @@ Handler = Callable[[Message], dict[int, list[Message]]]
 RankEvent = Callable[[int], dict[int, list[Message]]]
 
 
+#: the longest line a connection may send, bytes: a longer one costs its sender the connection
+MAX_LINE_BYTES = 1 << 20
+#: the most a connection may have queued for it unread, bytes (a reader that never reads): past it the
+#: connection is dropped, as if its process had ended
+MAX_PENDING_BYTES = 256 << 20
+#: the largest rank a `hello` may claim
+MAX_RANK = (1 << 20) - 1
+
+
+class BadMessage(ValueError):
+    """What a connection sent is not a message of the protocol: the connection is dropped."""
+
+
 @dataclass
 class _Connection:
     sock: socket.socket
+    peer: str = "?"
     rank: int | None = None
+    closed: bool = False
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     writing: bool = False  # registered for EVENT_WRITE because the kernel buffer was full
@@ -84,6 +99,8 @@ class MessageServer:
         self.ever_connected: set[int] = set()
         self.messages_in = 0
         self.messages_out = 0
+        #: connections dropped for breaking the protocol (`_refuse`)
+        self.refused = 0
         self.writes = 0  # socket writes (one per rank and pass of the loop, unless the kernel buffer fills)
         self.error: BaseException | None = None
         self._listener = self._listen(host, port)
@@ -141,18 +158,18 @@ class MessageServer:
                         conn: _Connection = key.data
                         if mask & selectors.EVENT_WRITE:
                             self._flush(selector, conn)
-                        if mask & selectors.EVENT_READ:
+                        if mask & selectors.EVENT_READ and not conn.closed:
                             self._read(selector, conn, arrived)
                 touched: dict[int, _Connection] = {}
                 for conn, message in arrived:
-                    self._dispatch(conn, message, touched)
+                    self._dispatch(selector, conn, message, touched)
                 while self._dropped:
                     rank = self._dropped.pop(0)
                     if self.on_disconnect is not None and rank not in self.connected:
-                        self._route(self.on_disconnect(rank), touched)
+                        self._route(self._guarded(self.on_disconnect, rank), touched)
                 if self.on_tick is not None and time.monotonic() >= self._next_tick:
                     self._next_tick = time.monotonic() + self.tick_seconds
-                    self._route(self.on_tick(), touched)
+                    self._route(self._guarded(self.on_tick), touched)
                 for conn in touched.values():
                     self._flush(selector, conn)
         except BaseException as err:  # every client is told why before its connection closes
@@ -185,12 +202,12 @@ class MessageServer:
     def _accept(self, selector: selectors.BaseSelector) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             sock.setblocking(False)
             tune_socket(sock)
-            selector.register(sock, selectors.EVENT_READ, _Connection(sock))
+            selector.register(sock, selectors.EVENT_READ, _Connection(sock, peer=_peer_name(peer)))
 
     def _read(self, selector: selectors.BaseSelector, conn: _Connection, arrived: list[tuple[_Connection, Message]]):
         try:
@@ -205,14 +222,39 @@ class MessageServer:
         conn.inbuf += data
         end = conn.inbuf.rfind(b"\n")
         if end < 0:
+            if len(conn.inbuf) > MAX_LINE_BYTES:
+                self._refuse(selector, conn, f"a line longer than {MAX_LINE_BYTES} bytes")
             return
         lines, conn.inbuf = bytes(conn.inbuf[:end]), conn.inbuf[end + 1 :]
         for line in lines.split(b"\n"):
-            arrived.append((conn, json.loads(line)))
-        self.messages_in += lines.count(b"\n") + 1
+            try:
+                arrived.append((conn, decode_message(line)))
+            except BadMessage as err:
+                self._refuse(selector, conn, str(err))
+                return
+            self.messages_in += 1
+
+    def _refuse(self, selector: selectors.BaseSelector, conn: _Connection, why: str) -> None:
+        """Drop one connection that broke the protocol; the plane and every other connection go on."""
+        log.warning(
+            "%s: dropped the connection from %s%s: %s",
+            self.name,
+            conn.peer,
+            "" if conn.rank is None else f" (rank {conn.rank})",
+            why,
+        )
+        self.refused += 1
+        self._drop(selector, conn)
 
     def _drop(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
-        selector.unregister(conn.sock)
+        if conn.closed:  # a failed flush dropped it earlier in this pass
+            return
+        conn.closed = True
+        conn.outbuf.clear()
+        try:
+            selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
         conn.sock.close()
         if conn.rank is not None and self._by_rank.get(conn.rank) is conn:
             del self._by_rank[conn.rank]
@@ -220,10 +262,20 @@ class MessageServer:
             self._dropped.append(conn.rank)
             log.debug("%s: rank %d's connection closed", self.name, conn.rank)
 
-    def _dispatch(self, conn: _Connection, message: Message, touched: dict[int, _Connection]) -> None:
+    def _dispatch(
+        self, selector: selectors.BaseSelector, conn: _Connection, message: Message, touched: dict[int, _Connection]
+    ) -> None:
+        if conn.closed:
+            return
         op = message.get("op")
         if op == HELLO:
-            rank = int(message["rank"])
+            rank = message.get("rank")
+            if conn.rank is not None:
+                return self._refuse(selector, conn, f"a second hello on rank {conn.rank}'s connection")
+            if not _is_rank(rank):
+                return self._refuse(selector, conn, f"a hello for rank {rank!r}")
+            if rank in self._by_rank:  # a live rank's connection is never taken over
+                return self._refuse(selector, conn, f"a hello for rank {rank}, which is connected already")
             conn.rank = rank
             self._by_rank[rank] = conn
             self.connected.add(rank)
@@ -233,13 +285,28 @@ class MessageServer:
                 conn.outbuf += waiting
                 touched[rank] = conn
             if self.on_connect is not None:
-                self._route(self.on_connect(rank), touched)
+                self._route(self._guarded(self.on_connect, rank), touched)
             return
+        if conn.rank is None:
+            return self._refuse(selector, conn, f"{op!r} before hello")
+        if message.setdefault("rank", conn.rank) != conn.rank:  # a rank speaks only for itself
+            return self._refuse(selector, conn, f"{op!r} in the name of rank {message['rank']!r}")
         if op == "echo":
-            out = {int(message["rank"]): [message["item"]]}
+            if not isinstance(message.get("item"), dict):
+                return self._refuse(selector, conn, "an echo without an item")
+            out = {conn.rank: [message["item"]]}
         else:
-            out = self.handler(message)
+            out = self._guarded(self.handler, message)
         self._route(out, touched)
+
+    def _guarded(self, call: Callable[..., dict[int, list[Message]]], *args: object) -> dict[int, list[Message]]:
+        """`call(*args)`'s items; an error inside it is logged and costs nothing but those items (the
+        handler reports a message it rejects to its sender itself)."""
+        try:
+            return call(*args)
+        except Exception:
+            log.exception("%s: %s failed", self.name, getattr(call, "__name__", call))
+            return {}
 
     def _route(self, out: dict[int, list[Message]], touched: dict[int, _Connection]) -> None:
         encoded: dict[int, bytes] = {}  # a group item is one object shared by its members: encode it once
@@ -256,6 +323,10 @@ class MessageServer:
                 touched[rank] = buffer
 
     def _flush(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
+        if conn.closed:
+            return
+        if len(conn.outbuf) > MAX_PENDING_BYTES:
+            return self._refuse(selector, conn, f"more than {MAX_PENDING_BYTES} bytes queued and not read")
         if conn.outbuf:
             try:
                 sent = conn.sock.send(conn.outbuf)
@@ -271,3 +342,27 @@ class MessageServer:
             conn.writing = wants_write
             events = selectors.EVENT_READ | (selectors.EVENT_WRITE if wants_write else 0)
             selector.modify(conn.sock, events, conn)
+
+
+def decode_message(line: bytes) -> Message:
+    """One line as a message: a JSON object with a string `op` (an item for the plane has no `t`).
+
+    Raises `BadMessage` for anything else: bytes that are not UTF-8 JSON, another JSON value.
+    """
+    try:
+        message = json.loads(line)
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise BadMessage(f"a line that is not JSON ({type(err).__name__}: {str(err)[:80]})") from None
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        raise BadMessage(f"a line that is not a message (a JSON object with an 'op'): {line[:80]!r}")
+    return message
+
+
+def _is_rank(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_RANK
+
+
+def _peer_name(address: object) -> str:
+    if isinstance(address, tuple) and len(address) >= 2:
+        return f"{address[0]}:{address[1]}"
+    return str(address) or "a local socket"
