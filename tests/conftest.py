@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 from helpers import TrainingRun, run_many
 
+from lightning_prague.core import ControlPlane
+from lightning_prague.core.plane.server import MessageServer
+
 #: 4 CPU workers, 40 ms steps, rank 0 slowed 5x, 4 epochs of digits
 STRAGGLER = ["--devices", "4", "--epochs", "4", "--profile", "straggler", "--slow-factor", "5", "--step-time", "0.04"]
 STRAGGLER += ["--count-host-syncs"]  # scripts/train.py: this package's host reads of device values, per batch
@@ -93,3 +96,15 @@ def assert_learned(ddp_reference, untrained):
         assert loss <= untrained["val_loss"] / MIN_LOSS_FACTOR, facts
 
     return check
+
+
+@pytest.fixture
+def plane():
+    """A control plane served from a thread of this process (in a job: the supervisor process)."""
+    control = ControlPlane()
+    server = MessageServer(
+        control.handle, "127.0.0.1", on_connect=control.on_connect, on_disconnect=control.on_disconnect
+    )
+    server.start()
+    yield control, server
+    server.close()

@@ -26,16 +26,12 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def plane():
-    control = ControlPlane()
-    server = MessageServer(
-        control.handle, "127.0.0.1", on_connect=control.on_connect, on_disconnect=control.on_disconnect
-    )
-    server.start()
+def served(plane):
+    """The control plane (conftest's `plane`) and a real rank 0's link to it."""
+    _, server = plane
     rank = MessageLink(*server.address, 0, timeout=10)
     yield server, rank
     rank.close()
-    server.close()
 
 
 def _closed_by_server(sock: socket.socket, timeout: float = 10.0) -> bool:
@@ -78,8 +74,8 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("what", list(HOSTILE))
-def test_a_line_no_rank_sends_costs_its_sender_the_connection_and_nothing_else(plane, what):
-    server, rank = plane
+def test_a_line_no_rank_sends_costs_its_sender_the_connection_and_nothing_else(served, what):
+    server, rank = served
     with socket.create_connection(server.address, timeout=10) as stray:
         stray.sendall(HOSTILE[what])
         assert _closed_by_server(stray), f"the server kept a connection that sent {what}"
@@ -88,8 +84,8 @@ def test_a_line_no_rank_sends_costs_its_sender_the_connection_and_nothing_else(p
     assert 0 in server.connected and server.connected <= {0, 5, 6, 7}
 
 
-def test_a_line_longer_than_the_bound_is_refused_before_its_end(plane):
-    server, rank = plane
+def test_a_line_longer_than_the_bound_is_refused_before_its_end(served):
+    server, rank = served
     with socket.create_connection(server.address, timeout=10) as stray:
         try:
             stray.sendall(b"x" * (MAX_LINE_BYTES + (1 << 16)))  # no newline ever comes
@@ -99,8 +95,8 @@ def test_a_line_longer_than_the_bound_is_refused_before_its_end(plane):
     _still_serves(server, rank)
 
 
-def test_a_rank_that_resets_its_connection_with_output_queued_leaves_the_plane_serving(plane):
-    server, rank = plane
+def test_a_rank_that_resets_its_connection_with_output_queued_leaves_the_plane_serving(served):
+    server, rank = served
     sock = socket.create_connection(server.address, timeout=10)
     sock.sendall(encode_line({"op": "hello", "rank": 3}))
     big = {"t": "pad", "data": "y" * (1 << 16)}
@@ -111,8 +107,8 @@ def test_a_rank_that_resets_its_connection_with_output_queued_leaves_the_plane_s
     _still_serves(server, rank)
 
 
-def test_connections_held_open_without_a_byte_do_no_harm(plane):
-    server, rank = plane
+def test_connections_held_open_without_a_byte_do_no_harm(served):
+    server, rank = served
     idle = [socket.create_connection(server.address, timeout=10) for _ in range(50)]
     try:
         _still_serves(server, rank)

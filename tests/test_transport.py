@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lightning_prague.core import ControlClient, ControlPlane, SessionConfig, make_policy
+from lightning_prague.core import ControlClient, SessionConfig, make_policy
 from lightning_prague.core.client.link import MessageLink
 from lightning_prague.core.errors import CONTROL_PLANE, ControlPlaneError, CoordinationTimeout
 from lightning_prague.core.plane.server import MessageServer
@@ -76,18 +76,6 @@ def test_a_server_that_is_not_there_is_an_error_naming_the_rank_and_the_address(
     server.close()
     with pytest.raises(CoordinationTimeout, match=f"rank 5: cannot connect to the control plane at {host}"):
         MessageLink(host, port, 5, timeout=2)
-
-
-@pytest.fixture
-def plane():
-    """A control plane served from a thread of this process (in a job: the supervisor process)."""
-    control = ControlPlane()
-    server = MessageServer(
-        control.handle, "127.0.0.1", on_connect=control.on_connect, on_disconnect=control.on_disconnect
-    )
-    server.start()
-    yield control, server
-    server.close()
 
 
 def _clients(server: MessageServer, world: int) -> list[ControlClient]:
