@@ -148,7 +148,7 @@ def measure(world: int, mode: str, args: argparse.Namespace, tmp: Path) -> dict[
     """One run of ``mode`` at ``world`` simulated ranks, on a fresh control plane."""
     kwargs = {"mixing_window": 10 * world} if args.policy == "first_ready" else {}
     policy = make_policy(args.policy, world, min(args.group_size, world), seed=0, **kwargs)
-    config = SessionConfig(world, policy, avoid_stragglers=True).encode()
+    config = SessionConfig(world, policy.spec(), avoid_stragglers=True).encode()
     plane = ControlPlane()
     server = MessageServer(
         plane.handle,

@@ -129,7 +129,7 @@ def worker_main(rank: int, world: int, port: int, config: dict[str, Any], out: s
     else:
         assert job is not None
         policy = _policy(strategy, world, config["group_size"])
-        session = job.open_session(SessionConfig(world, policy, avoid_stragglers=True))
+        session = job.open_session(SessionConfig(world, policy.spec(), avoid_stragglers=True))
         worker = GroupWorker(session, tensors, timeout=120, job=job)  # warms up the job's process group
         communicators = communicator_count()
         exchanger = _exchanger(strategy, worker, tensors)

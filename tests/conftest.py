@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import TrainingRun, run_many
+from helpers import CREDENTIALS, TrainingRun, run_many
 
 from lightning_prague.core import ControlPlane
 from lightning_prague.core.plane.server import MessageServer
@@ -103,7 +103,7 @@ def plane():
     """A control plane served from a thread of this process (in a job: the supervisor process)."""
     control = ControlPlane()
     server = MessageServer(
-        control.handle, "127.0.0.1", on_connect=control.on_connect, on_disconnect=control.on_disconnect
+        control.handle, "127.0.0.1", CREDENTIALS, on_connect=control.on_connect, on_disconnect=control.on_disconnect
     )
     server.start()
     yield control, server

@@ -14,8 +14,37 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_prague.core.auth import Credentials
+from lightning_prague.core.protocol import BadMessage
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+#: the credentials of the control planes that tests serve from a thread of their own
+CREDENTIALS = Credentials.generate()
+
+
+#: what `launch` needs besides the job's layout, for a supervisor that a test starts itself
+LAUNCH = {"secret": Credentials.generate().key.hex().encode(), "launch_id": "tests", "publish_secret": True}
+
+
+def loose_decode(line: bytes) -> dict:
+    """A decoder for tests of the transport alone: any JSON object with an `op` (no record checked)."""
+    try:
+        message = json.loads(line)
+    except ValueError as err:
+        raise BadMessage(str(err)) from None
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        raise BadMessage(f"not a message: {line[:80]!r}")
+    return message
+
+
+def plane_credentials(store, key: str):
+    """`(host, port, pid, credentials)` of the control plane a supervisor published in `store` under `key`."""
+    record = json.loads(store.get(key))
+    credentials = Credentials.derive(record["secret"].encode(), record["launch"])
+    return record["host"], record["port"], record["pid"], credentials
 
 
 def free_port() -> int:

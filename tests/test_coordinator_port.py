@@ -12,7 +12,7 @@ from datetime import timedelta
 import lightning as L
 import pytest
 import torch.distributed as dist
-from helpers import free_port
+from helpers import LAUNCH, free_port, plane_credentials
 
 from lightning_prague import ConfigurationError, PartialAllReduceStrategy
 from lightning_prague.core.client.control import ControlClient
@@ -36,9 +36,9 @@ def _published_control_port(handle, store_port: int) -> int:
         "127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False
     )
     store.wait([address_key()], timedelta(seconds=30))
-    host, port, pid = store.get(address_key()).decode().rsplit(":", 2)
-    assert (host, int(pid)) == ("127.0.0.1", handle.pid)
-    client = ControlClient(host, int(port), 0, timeout=10)  # reachable on that port
+    host, port, pid, credentials = plane_credentials(store, address_key())
+    assert (host, pid) == ("127.0.0.1", handle.pid)
+    client = ControlClient(host, port, 0, timeout=10, credentials=credentials)  # reachable on that port
     client.close()
     deadline = time.monotonic() + 15
     while handle.poll() is None and time.monotonic() < deadline:
@@ -52,10 +52,10 @@ def test_the_supervisor_serves_the_control_plane_on_the_chosen_port(given_by, mo
     store_port, control_port = _two_free_ports()
     if given_by == "option":
         monkeypatch.delenv(PORT_VARIABLE, raising=False)
-        handle = launch("127.0.0.1", store_port, 1, timeout=30.0, host_store=True, control_port=control_port)
+        handle = launch("127.0.0.1", store_port, 1, timeout=30.0, host_store=True, control_port=control_port, **LAUNCH)
     else:
         monkeypatch.setenv(PORT_VARIABLE, str(control_port))
-        handle = launch("127.0.0.1", store_port, 1, timeout=30.0, host_store=True)
+        handle = launch("127.0.0.1", store_port, 1, timeout=30.0, host_store=True, **LAUNCH)
     assert _published_control_port(handle, store_port) == control_port
 
 
@@ -63,7 +63,7 @@ def test_a_port_that_disagrees_with_the_environment_starts_no_supervisor(monkeyp
     store_port, control_port = _two_free_ports()
     monkeypatch.setenv(PORT_VARIABLE, str(control_port))
     with pytest.raises(ConfigurationError, match=f"coordinator_port=1 and {PORT_VARIABLE}={control_port}"):
-        launch("127.0.0.1", store_port, 1, timeout=30.0, host_store=True, control_port=1)
+        launch("127.0.0.1", store_port, 1, timeout=30.0, host_store=True, control_port=1, **LAUNCH)
 
 
 def test_the_strategy_hands_its_port_to_init_job(monkeypatch):

@@ -84,7 +84,7 @@ def claim(session: CoordinatorSession, rank: int, held: list[int], ticketed: int
 
 
 def test_a_lost_workers_untrained_chunks_go_back_to_the_queue_with_their_tickets():
-    session = CoordinatorSession(1, SessionConfig(4, make_policy("random", 4, 2)))
+    session = CoordinatorSession(1, SessionConfig(4, make_policy("random", 4, 2).spec()))
     session.members.update(range(4))
     assert claim(session, 2, held=[2]) == (4, 1)  # its pre-assigned chunk 2 in flight, chunk 4 prefetched
     assert claim(session, 1, held=[1]) == (5, 2)

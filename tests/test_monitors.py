@@ -275,7 +275,7 @@ def _links_rank() -> None:
             return seconds
 
     job = init_job(rank, world, "gloo", timeout=30)
-    session = job.open_session(SessionConfig(world, make_policy("random", world, 2)))
+    session = job.open_session(SessionConfig(world, make_policy("random", world, 2).spec()))
     tensor = torch.ones(1000)  # 4000 bytes
     worker = GroupWorker(session, BucketedTensors([tensor]), timeout=30, job=job)
     comm = worker.comm

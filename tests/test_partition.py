@@ -20,8 +20,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def join(plane: ControlPlane, rank: int, host: str, addresses: list[str]) -> None:
-    config = SessionConfig(world_size=4, policy=RandomPolicy(4, 2))
-    message = {"op": "join", "s": 1, "rank": rank, "config": config.encode(), "pid": 0, "host": host}
+    config = SessionConfig(world_size=4, policy=RandomPolicy(4, 2).spec())
+    message = {"op": "join", "s": 1, "rank": rank, "config": config.to_wire(), "pid": 0, "host": host}
     plane.handle({**message, "addresses": addresses})
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers import CREDENTIALS
 
 from lightning_prague.core import ControlClient, ControlPlane, SessionConfig, make_policy
 from lightning_prague.core.data.sharding import WorkQueueSampler
@@ -14,10 +15,10 @@ from lightning_prague.core.plane.server import MessageServer
 def counters():
     """The counters of a control-plane session (served from a thread here), where training keeps the queue."""
     plane = ControlPlane()
-    server = MessageServer(plane.handle, "127.0.0.1")
+    server = MessageServer(plane.handle, "127.0.0.1", CREDENTIALS)
     server.start()
-    client = ControlClient(*server.address, rank=0, timeout=10)
-    session = client.open_session(1, SessionConfig(16, make_policy("random", 16, 2)))
+    client = ControlClient(*server.address, rank=0, timeout=10, credentials=CREDENTIALS)
+    session = client.open_session(1, SessionConfig(16, make_policy("random", 16, 2).spec()))
     yield session.counters
     client.close()
     server.close()

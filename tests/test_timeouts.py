@@ -69,7 +69,10 @@ def test_a_worker_busy_outside_its_steps_gets_the_synchronization_bound_before_i
     from lightning_prague.core import SessionConfig, make_policy
     from lightning_prague.core.plane.coordinator import CoordinatorSession
 
-    config = SessionConfig(2, make_policy("random", 2, 2), timeout=300.0, sync_timeout=1800.0)
+    config = SessionConfig(2, make_policy("random", 2, 2).spec(), timeout=300.0, sync_timeout=1800.0)
     assert CoordinatorSession(1, config).hangs.timeout == 1800.0
     # no synchronization bound given: one operation's
-    assert CoordinatorSession(2, SessionConfig(2, make_policy("random", 2, 2), timeout=300.0)).hangs.timeout == 300.0
+    assert (
+        CoordinatorSession(2, SessionConfig(2, make_policy("random", 2, 2).spec(), timeout=300.0)).hangs.timeout
+        == 300.0
+    )

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from helpers import CREDENTIALS, LAUNCH, loose_decode, plane_credentials
 
 from lightning_prague.core import ControlClient, SessionConfig, make_policy
 from lightning_prague.core.client.link import MessageLink
@@ -22,7 +23,7 @@ def _echo_server() -> MessageServer:
     def handle(message: dict) -> dict[int, list[dict]]:
         return {int(rank): items for rank, items in message["to"].items()}
 
-    server = MessageServer(handle, "127.0.0.1")
+    server = MessageServer(handle, "127.0.0.1", CREDENTIALS, decode=loose_decode)
     server.start()
     return server
 
@@ -31,11 +32,13 @@ def test_items_arrive_in_the_order_they_were_produced_and_wait_for_ranks_not_yet
     server = _echo_server()
     host, port = server.address
     try:
-        sender = MessageLink(host, port, 0, timeout=10)
+        sender = MessageLink(host, port, 0, timeout=10, credentials=CREDENTIALS)
         for i in range(200):  # many messages in flight at once: the server handles them in batches
             sender.send({"op": "x", "rank": 0, "to": {"0": [{"t": "n", "i": i}], "1": [{"t": "n", "i": -i}]}})
         assert [sender.receive()["i"] for _ in range(200)] == list(range(200))
-        late = MessageLink(host, port, 1, timeout=10)  # rank 1 connects after its items were produced
+        late = MessageLink(
+            host, port, 1, timeout=10, credentials=CREDENTIALS
+        )  # rank 1 connects after its items were produced
         assert [late.receive()["i"] for _ in range(200)] == [-i for i in range(200)]
     finally:
         server.close()
@@ -45,7 +48,7 @@ def test_an_echo_comes_behind_everything_already_sent_and_wakes_a_blocked_receiv
     server = _echo_server()
     host, port = server.address
     try:
-        link = MessageLink(host, port, 3, timeout=10)
+        link = MessageLink(host, port, 3, timeout=10, credentials=CREDENTIALS)
         got: list[dict] = []
         reader = threading.Thread(target=lambda: got.extend(link.receive() for _ in range(2)))
         reader.start()
@@ -61,7 +64,7 @@ def test_an_echo_comes_behind_everything_already_sent_and_wakes_a_blocked_receiv
 def test_receive_times_out_with_none_and_a_closed_server_is_an_error_naming_the_rank():
     server = _echo_server()
     host, port = server.address
-    link = MessageLink(host, port, 2, timeout=10)
+    link = MessageLink(host, port, 2, timeout=10, credentials=CREDENTIALS)
     start = time.monotonic()
     assert link.receive(timeout=0.2) is None
     assert time.monotonic() - start < 5
@@ -75,16 +78,16 @@ def test_a_server_that_is_not_there_is_an_error_naming_the_rank_and_the_address(
     host, port = server.address
     server.close()
     with pytest.raises(CoordinationTimeout, match=f"rank 5: cannot connect to the control plane at {host}"):
-        MessageLink(host, port, 5, timeout=2)
+        MessageLink(host, port, 5, timeout=2, credentials=CREDENTIALS)
 
 
 def _clients(server: MessageServer, world: int) -> list[ControlClient]:
     host, port = server.address
-    return [ControlClient(host, port, rank, timeout=10) for rank in range(world)]
+    return [ControlClient(host, port, rank, timeout=10, credentials=CREDENTIALS) for rank in range(world)]
 
 
 def _config(world: int) -> SessionConfig:
-    return SessionConfig(world, make_policy("random", world, 2, seed=0))
+    return SessionConfig(world, make_policy("random", world, 2, seed=0).spec())
 
 
 def test_ranks_of_a_session_get_groups_and_share_counters_that_vanish_with_the_session(plane):
@@ -204,18 +207,18 @@ def test_the_supervisor_exits_by_itself_when_nobody_comes_and_when_everyone_has_
 
     # nobody connects within its timeout: it goes
     port = free_port()
-    lonely = launch("127.0.0.1", port, 2, timeout=1.0, host_store=True)
+    lonely = launch("127.0.0.1", port, 2, timeout=1.0, host_store=True, **LAUNCH)
     wait_until_listening(lonely, "127.0.0.1", port, timeout=30)
     assert _wait_for_exit(lonely, 15) == 0
     # both ranks come (through the store it hosts) and go: it goes, and takes the store with it
     port = free_port()
-    job = launch("127.0.0.1", port, 2, timeout=60.0, host_store=True)
+    job = launch("127.0.0.1", port, 2, timeout=60.0, host_store=True, **LAUNCH)
     wait_until_listening(job, "127.0.0.1", port, timeout=30)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
     store.wait([address_key()], timedelta(seconds=30))
-    host, control_port, pid = store.get(address_key()).decode().rsplit(":", 2)
-    assert int(pid) == job.pid
-    clients = [ControlClient(host, int(control_port), rank, timeout=10) for rank in range(2)]
+    host, control_port, pid, credentials = plane_credentials(store, address_key())
+    assert pid == job.pid
+    clients = [ControlClient(host, control_port, rank, timeout=10, credentials=credentials) for rank in range(2)]
     clients[0].close()
     time.sleep(0.3)
     assert job.poll() is None, "rank 1 is still connected"
@@ -227,7 +230,7 @@ def test_a_quiet_control_plane_is_no_error_however_long_nothing_arrives(plane):
     # the link's timeout bounds sends and requests, not silence: a gossiping worker may hear nothing for long
     _, server = plane
     host, port = server.address
-    client = ControlClient(host, port, 0, timeout=0.5)
+    client = ControlClient(host, port, 0, timeout=0.5, credentials=CREDENTIALS)
     session = client.open_session(1, _config(2))
     time.sleep(1.5)
     assert not client.closed
@@ -251,15 +254,18 @@ def test_ranks_that_all_fail_still_leave_after_their_session_is_over(plane):
         c.close()
 
 
-def test_a_message_the_control_plane_rejects_is_reported_as_its_own_failure_not_a_mismatch(plane):
+def test_a_message_the_control_plane_rejects_is_reported_to_its_sender_only_and_costs_nothing_else(plane):
     _, server = plane
     clients = _clients(server, 2)
     session = clients[0].open_session(1, _config(2))
-    with pytest.raises(ControlPlaneError, match="the control plane rejected 'no-such-op'"):
-        session.request("no-such-op", "an unknown request")
-    session.send("arrive")  # no synchronization point named: the handler fails on it
-    item = session.receive(timeout=5)
-    assert item["t"] == "error" and item["source"] == CONTROL_PLANE and "'arrive'" in item["message"]
+    session.counters.set("k", "text")
+    with pytest.raises(ControlPlaneError, match="the control plane rejected 'kv'"):
+        session.counters.add("k", 1)  # a well-formed message the plane's logic cannot do
+    other = clients[1].open_session(1, _config(3))  # another configuration than the session's
+    item = other.receive(timeout=5)
+    assert item["t"] == "error" and item["source"] == CONTROL_PLANE and "another configuration" in item["message"]
+    assert session.counters.add("n", 2) == 2  # both connections still work
+    assert server.connected == {0, 1}
     for c in clients:
         c.close()
 
@@ -268,10 +274,10 @@ def test_a_server_that_fails_tells_every_client_its_error_before_closing():
     def handle(message: dict) -> dict[int, list[dict]]:
         raise SystemExit("the handler's thread is ending")  # not an Exception: it ends the server's loop
 
-    server = MessageServer(handle, "127.0.0.1")
+    server = MessageServer(handle, "127.0.0.1", CREDENTIALS, decode=loose_decode)
     server.start()
     host, port = server.address
-    links = [MessageLink(host, port, rank, timeout=10) for rank in range(2)]
+    links = [MessageLink(host, port, rank, timeout=10, credentials=CREDENTIALS) for rank in range(2)]
     try:
         links[0].send({"op": "x", "rank": 0})
         for link in links:  # at once, not after a timeout, and with the server's own error

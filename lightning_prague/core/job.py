@@ -27,6 +27,7 @@ with the supervisor as a client of that group's store.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -36,10 +37,20 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lightning_prague.core.auth import (
+    SECRET_FILE_VARIABLE,
+    SECRET_VARIABLE,
+    Credentials,
+    generated_secret,
+    known_launch_id,
+    new_launch_id,
+    user_secret,
+)
 from lightning_prague.core.client.control import ControlClient, Session
-from lightning_prague.core.errors import CoordinationTimeout
+from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout
 from lightning_prague.core.plane.launch import Supervisor, launch, wait_until_listening
-from lightning_prague.core.protocol import SessionConfig, address_key
+from lightning_prague.core.protocol import ADDRESS_RECORD, SessionConfig, address_key
+from lightning_prague.core.records import BadRecord
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +155,19 @@ def init_job(
         ) from None
     proc: Optional[Supervisor] = None
     pg_timeout = pg_timeout or timedelta(seconds=timeout)
+    secret, launch_id = user_secret(), known_launch_id()
+    start = dict(
+        secret=secret or generated_secret().encode(),
+        launch_id=launch_id or new_launch_id(),
+        publish_secret=secret is None,
+        # ranks connect only once the process group exists: wait for them as long as its rendezvous may take
+        wait=pg_timeout.total_seconds() + timeout,
+    )
     if not dist.is_initialized():
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
         if rank == 0:
-            proc = launch(host, port, world_size, timeout, host_store=not agent_store, control_port=control_port)
+            proc = launch(host, port, world_size, timeout, not agent_store, control_port, **start)
+            log.info("rank 0: the supervisor (pid %d) logs to %s", proc.pid, proc.log_file)
             if not agent_store:
                 wait_until_listening(proc, host, port, timeout)
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=pg_timeout, wait_for_workers=False)
@@ -164,8 +184,8 @@ def init_job(
     else:
         store = raw_store()
         if rank == 0:
-            proc = launch(store.host, store.port, world_size, timeout, host_store=False, control_port=control_port)
-    control = _connect(raw_store(), rank, timeout, proc)
+            proc = launch(store.host, store.port, world_size, timeout, False, control_port, **start)
+    control = _connect(raw_store(), rank, timeout, proc, secret, launch_id if proc is None else start["launch_id"])
     group = dist.new_group(list(range(world_size)), backend=backend, timeout=pg_timeout)
     _JOB = Job(rank, world_size, backend, control, group, proc, pg_timeout=pg_timeout)
     atexit.register(control.close)
@@ -190,7 +210,20 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _connect(store: dist.TCPStore, rank: int, timeout: float, proc: Optional[Supervisor]) -> ControlClient:
+def _connect(
+    store: dist.TCPStore,
+    rank: int,
+    timeout: float,
+    proc: Optional[Supervisor],
+    secret: Optional[bytes],
+    launch_id: Optional[str],
+) -> ControlClient:
+    """Connect to the control plane whose address the supervisor published in the store.
+
+    What the store holds is checked as untrusted input (`ADDRESS_RECORD`). Rank 0 checks that the
+    address is its own supervisor's, every rank that the launch is its own (when it knows its own):
+    a job never attaches to an earlier launch's supervisor that still holds a fixed port.
+    """
     key = address_key()
     try:
         store.wait([key], timedelta(seconds=timeout))
@@ -200,7 +233,31 @@ def _connect(store: dist.TCPStore, rank: int, timeout: float, proc: Optional[Sup
             f"rank {rank}: the supervisor did not publish the control plane's address within {timeout:.0f}s "
             f"({err}{status})"
         ) from None
-    host, port, pid = store.get(key).decode().rsplit(":", 2)
-    client = ControlClient(host, int(port), rank, timeout)
-    client.supervisor_pid = int(pid)
+    try:
+        record = ADDRESS_RECORD.check(json.loads(store.get(key)))
+    except (ValueError, BadRecord) as err:
+        raise CoordinationTimeout(
+            f"rank {rank}: the store's {key!r} is not a control plane's address ({err})"
+        ) from None
+    where = f"the control plane at {record['host']}:{record['port']} (supervisor pid {record['pid']})"
+    if proc is not None and record["pid"] != proc.pid:
+        raise CoordinationTimeout(
+            f"rank 0: the store names {where}, not the supervisor this rank started (pid {proc.pid}): another process "
+            "(a supervisor of an earlier launch or another job) holds MASTER_PORT; choose another MASTER_PORT or end it"
+        )
+    if launch_id is not None and record["launch"] != launch_id:
+        raise CoordinationTimeout(
+            f"rank {rank}: the store names {where} of launch {record['launch']!r}, but this rank belongs to launch "
+            f"{launch_id!r}: the store at MASTER_ADDR:MASTER_PORT is an earlier launch's or another job's"
+        )
+    if secret is None:
+        if "secret" not in record:
+            raise ConfigurationError(
+                f"rank {rank}: the job's secret is set on rank 0 but not on this rank: set {SECRET_VARIABLE} (or "
+                f"{SECRET_FILE_VARIABLE}) to the same secret on every rank"
+            )
+        secret = record["secret"].encode()
+    credentials = Credentials.derive(secret, record["launch"])
+    client = ControlClient(record["host"], record["port"], rank, timeout, credentials)
+    client.supervisor_pid = record["pid"]
     return client

@@ -11,18 +11,26 @@ in the store (`address_key`) and on which port it listens (`resolve_control_port
 
 from __future__ import annotations
 
-import base64
 import json
 import os
-import pickle
 import socket
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
 
 from lightning_prague.core.errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from lightning_prague.core.grouping.policies import GroupingPolicy
+from lightning_prague.core.records import (
+    BOOLEAN,
+    BadRecord,
+    Record,
+    hex_digest,
+    integer,
+    json_object,
+    list_of,
+    number,
+    one_of,
+    optional,
+    text,
+)
 
 #: one message or item: a JSON object, one line on the wire
 Message = dict[str, Any]
@@ -116,11 +124,15 @@ REQUEUED = "/requeued"
 
 @dataclass
 class SessionConfig:
-    """What the coordinator of one session needs; every rank sends the same one with `join`."""
+    """What the coordinator of one session needs; every rank sends the same one with `join`.
+
+    It travels as a JSON object (`to_wire`), checked field by field on receipt (`from_wire`).
+    """
 
     world_size: int
-    #: who averages with whom (a `lightning_prague.core.grouping` policy, run by the control plane)
-    policy: GroupingPolicy
+    #: who averages with whom: a grouping policy's spec (`GroupingPolicy.spec()`, a JSON object), which
+    #: the control plane rebuilds and validates (`lightning_prague.core.grouping.policies.policy_from_spec`)
+    policy: dict[str, Any]
     avoid_stragglers: bool = True
     sync_averages: bool = False
     record_history: bool = False
@@ -135,15 +147,45 @@ class SessionConfig:
     #: groups draw only workers not busy in another group (`GroupGenerator.avoid_busy`)
     avoid_busy: bool = False
 
-    def encode(self) -> str:
-        return base64.b64encode(pickle.dumps(self)).decode()
+    def to_wire(self) -> dict[str, Any]:
+        """This configuration as the JSON object `join` carries."""
+        return asdict(self)
 
     @staticmethod
-    def decode(text: str) -> SessionConfig:
-        config = pickle.loads(base64.b64decode(text))
-        if not isinstance(config, SessionConfig):
-            raise TypeError(f"not a session configuration: {type(config).__name__}")
-        return config
+    def from_wire(obj: Any) -> SessionConfig:
+        """The configuration a `join` carried; raises `BadRecord` naming a field that is not what it must be."""
+        fields = dict(CONFIG_RECORD.check(obj))
+        fields["hang"] = HangRule(**HANG_RECORD.check(fields.get("hang", {})))
+        return SessionConfig(**fields)
+
+
+#: the largest rank (and world size less one) the control plane accepts
+MAX_RANK = (1 << 20) - 1
+_SECONDS = number(0.0, 1e7)
+HANG_RECORD = Record(
+    "a hang rule",
+    {},
+    {
+        "floor": _SECONDS,
+        "factor": number(0.0, 1e6),
+        "min_steps": integer(0, 1 << 20),
+        "silent_busy_factor": number(0.0, 1e6),
+    },
+)
+CONFIG_RECORD = Record(
+    "a session's configuration",
+    {"world_size": integer(1, MAX_RANK + 1), "policy": json_object()},
+    {
+        "avoid_stragglers": BOOLEAN,
+        "sync_averages": BOOLEAN,
+        "record_history": BOOLEAN,
+        "timeout": number(1e-3, 1e7),
+        "hang": json_object(),
+        "min_workers": integer(0, MAX_RANK + 1),
+        "sync_timeout": optional(number(1e-3, 1e7)),
+        "avoid_busy": BOOLEAN,
+    },
+)
 
 
 #: the name of the meeting at which every rank stops (a stop decided by the job)
@@ -193,6 +235,123 @@ def resolve_control_port(control_port: int | None = None) -> int | None:
     return env_port
 
 
+#: what the supervisor publishes in the store (as JSON, under `address_key()`): where its control plane
+#: listens, its pid, the launch it serves and, if the user set no secret, the generated one
+ADDRESS_RECORD = Record(
+    "the control plane's address in the store",
+    {"host": text(255), "port": integer(1, 65535), "pid": integer(1, 1 << 31), "launch": text(256)},
+    {"secret": hex_digest(64)},
+)
+
+
 def address_key() -> str:
     """The key of this launch attempt (torchrun restarts workers under the same agent store)."""
     return f"{ADDRESS_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+# -- the records: every message a training process sends the control plane ----------------------
+#: the first line the control plane writes on a connection: `{"t": CHALLENGE, "nonce", "launch"}`
+#: (see `lightning_prague.core.auth`); a client answers it with its `hello`
+CHALLENGE = "challenge"
+#: the control plane's answer to a `hello` whose proof holds: `{"t": WELCOME, "proof"}`
+WELCOME = "welcome"
+#: the longest line read from a connection before it proved it belongs to the job, bytes
+MAX_HELLO_BYTES = 4096
+
+_RANK = integer(0, MAX_RANK)
+_SESSION = integer(1, (1 << 31) - 1)
+_REQ = integer()
+_COUNT = integer()
+_KEY = text(512)
+_VALUE = text(1 << 16)
+_CHUNKS = list_of(integer(), 1 << 16)
+_HEX = hex_digest(64)
+#: the fields of every message of a session
+_IN_SESSION = {"s": _SESSION, "rank": _RANK}
+_REQUEST = {**_IN_SESSION, "req": _REQ}
+
+
+def _session_record(op: str, optional_fields: dict | None = None, request: bool = False, **required) -> Record:
+    return Record(
+        f"{op!r}", {"op": one_of(op), **(_REQUEST if request else _IN_SESSION), **required}, optional_fields or {}
+    )
+
+
+#: every message the control plane accepts, by its `op` (`kv` by its `do`: `KV_RECORDS`)
+RECORDS: dict[str, Record] = {
+    HELLO: Record("'hello'", {"op": one_of(HELLO), "rank": _RANK, "nonce": _HEX, "proof": _HEX}),
+    # puts `item` behind everything already sent to the sender (a thread wakes another of its process)
+    "echo": Record("'echo'", {"op": one_of("echo"), "rank": _RANK, "item": json_object(16)}),
+    "join": _session_record(
+        "join",
+        {"addresses": list_of(text(64), 64)},
+        config=json_object(),
+        pid=integer(0, 1 << 31),
+        host=text(255),
+    ),
+    "beat": _session_record("beat", {"step": optional(_SECONDS)}, progress=_COUNT, waiting=BOOLEAN, busy=BOOLEAN),
+    "close": _session_record("close"),
+    "leave": _session_record("leave"),
+    "idle": _session_record("idle"),
+    "stop": _session_record("stop", {"reason": text(64)}),
+    "parked": _session_record("parked", request=True),
+    "history": _session_record("history", request=True),
+    "ready": _session_record("ready", {"version": _COUNT}, request=True),
+    "arrive": _session_record(
+        "arrive",
+        {
+            "stop": BOOLEAN,
+            "untrained": _CHUNKS,
+            "speed": optional(_SECONDS),
+            "round": _COUNT,
+            "settle": BOOLEAN,
+            "incomplete": BOOLEAN,
+        },
+        sync=text(512),
+    ),
+}
+_KV = {"op": one_of("kv"), **_REQUEST}
+#: the key-value operations of a session (`{"op": "kv", "do": ...}`), as TCPStore's and the work queue's
+KV_RECORDS: dict[str, Record] = {
+    "add": Record("'kv' add", {**_KV, "do": one_of("add"), "key": _KEY, "amount": integer(-MAX_RANK, MAX_RANK)}),
+    "set": Record("'kv' set", {**_KV, "do": one_of("set"), "key": _KEY, "value": _VALUE}),
+    "cas": Record("'kv' cas", {**_KV, "do": one_of("cas"), "key": _KEY, "expected": _VALUE, "desired": _VALUE}),
+    "claim": Record(
+        "'kv' claim",
+        {**_KV, "do": one_of("claim"), "key": _KEY, "first": _COUNT, "ticketed": _COUNT},
+        {"tickets": optional(_KEY), "held": _CHUNKS, "num": _COUNT},
+    ),
+    "get": Record("'kv' get", {**_KV, "do": one_of("get"), "key": _KEY}),
+    "check": Record("'kv' check", {**_KV, "do": one_of("check"), "keys": list_of(_KEY, 64)}),
+    "delete": Record("'kv' delete", {**_KV, "do": one_of("delete"), "key": _KEY}),
+    "keys": Record("'kv' keys", {**_KV, "do": one_of("keys")}),
+}
+
+
+class BadMessage(BadRecord):
+    """What a connection sent is not a message of the protocol: the connection is dropped."""
+
+
+def decode_message(line: bytes) -> Message:
+    """One line from a training process as a message: a JSON object that is one of `RECORDS`.
+
+    Raises `BadMessage` for anything else (bytes that are not UTF-8 JSON, another JSON value, an
+    unknown op, a field that is missing, unknown, of the wrong type or out of range).
+    """
+    try:
+        message = json.loads(line)
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise BadMessage(f"a line that is not JSON ({type(err).__name__}: {str(err)[:80]})") from None
+    if not isinstance(message, dict):
+        raise BadMessage(f"a line that is not a message (a JSON object with an 'op'): {line[:80]!r}")
+    op, do = message.get("op"), message.get("do")
+    record = None
+    if isinstance(op, str):
+        record = (KV_RECORDS.get(do) if isinstance(do, str) else None) if op == "kv" else RECORDS.get(op)
+    if record is None:
+        shown = f"'kv' operation {str(message.get('do'))[:40]!r}" if op == "kv" else f"op {str(op)[:40]!r}"
+        raise BadMessage(f"an unknown {shown}")
+    try:
+        return record.check(message)
+    except BadRecord as err:
+        raise BadMessage(str(err)) from None

@@ -113,7 +113,7 @@ class StrategyOptions:
         """The configuration of one fit's control session (the grouping options are the strategy's own)."""
         return SessionConfig(
             world_size,
-            policy,
+            policy.spec(),  # the control plane rebuilds it: it runs no code a training process sends
             avoid_stragglers,
             sync_averages=self.average_at_sync,
             timeout=self.operation_timeout,

@@ -23,7 +23,7 @@ def main() -> None:
     slow_seconds = float(sys.argv[9]) if len(sys.argv) > 9 else 0.0
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     job = init_job(rank, world, "gloo", timeout=60)
-    config = SessionConfig(world, make_policy(policy, world, group_size, seed=1), record_history=True)
+    config = SessionConfig(world, make_policy(policy, world, group_size, seed=1).spec(), record_history=True)
     session = job.open_session(config)
     params = torch.full((5,), float(rank))
     buffer = torch.full((3,), float(rank) * 10)

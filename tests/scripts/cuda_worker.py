@@ -41,7 +41,7 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(0)
     job = init_job(rank, world, "gloo", timeout=60)
-    session = job.open_session(SessionConfig(world, make_policy("first_ready", world, 2)))
+    session = job.open_session(SessionConfig(world, make_policy("first_ready", world, 2).spec()))
     device = torch.device("cuda", 0)
     params = torch.full((1000,), float(rank), device=device)
     half = torch.full((10,), float(rank), device=device, dtype=torch.bfloat16)

@@ -44,7 +44,7 @@ def main() -> None:
     else:
         weighting = "staleness" if mode.endswith("staleness") else "uniform"
         policy = make_policy("first_ready", world, 2, seed=1, weighting=weighting, mixing_window=4 * world)
-    session = job.open_session(SessionConfig(world, policy, avoid_stragglers=False, record_history=True))
+    session = job.open_session(SessionConfig(world, policy.spec(), avoid_stragglers=False, record_history=True))
     params = torch.full((6,), float(rank), dtype=torch.float64)
     start_sum = float(params.sum())
     tensors = BucketedTensors([params], bucket_bytes=16)

@@ -39,7 +39,7 @@ def main() -> None:
     mode = sys.argv[6]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     job = init_job(rank, world, "gloo", timeout=60)
-    session = job.open_session(SessionConfig(world, make_policy("random", world, 2, seed=1)))
+    session = job.open_session(SessionConfig(world, make_policy("random", world, 2, seed=1).spec()))
     params = torch.full((64,), float(rank), dtype=torch.float64)
     worker = GroupWorker(session, BucketedTensors([params]), timeout=30, job=job)
     worker.synchronize("end")

@@ -83,7 +83,7 @@ def main() -> None:
     cases, steps = json.loads(sys.argv[5]), int(sys.argv[6])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     job = init_job(rank, world, "gloo", timeout=60)
-    session = job.open_session(SessionConfig(world, make_policy("random", world, 2)))
+    session = job.open_session(SessionConfig(world, make_policy("random", world, 2).spec()))
     params = [torch.zeros(4, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)]
     tensors = BucketedTensors(params, bucket_bytes=32)  # two buckets
     worker = GroupWorker(session, tensors, timeout=60, job=job)

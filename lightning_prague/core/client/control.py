@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from lightning_prague.core.auth import Credentials
 from lightning_prague.core.client.beacon import Beacon
 from lightning_prague.core.client.link import MessageLink
 from lightning_prague.core.client.partition import FENCED_EXIT_STATUS, MARGIN_SECONDS, drop_connections, own_addresses
@@ -41,7 +42,7 @@ _CLOSED: Message = {"t": "__closed__"}
 class ControlClient:
     """This process's connection to the control plane (see the module docstring)."""
 
-    def __init__(self, host: str, port: int, rank: int, timeout: float) -> None:
+    def __init__(self, host: str, port: int, rank: int, timeout: float, credentials: Credentials) -> None:
         self.rank = rank
         self.timeout = timeout
         self.address = f"{host}:{port}"
@@ -56,6 +57,7 @@ class ControlClient:
             port,
             rank,
             timeout,
+            credentials,
             router=self._route,
             on_close=self._closed,
             peer=f"the control plane at {host}:{port}",
@@ -136,7 +138,7 @@ class ControlClient:
                 "op": "join",
                 "s": number,
                 "rank": self.rank,
-                "config": config.encode(),
+                "config": config.to_wire(),
                 "pid": os.getpid(),
                 "host": socket.gethostname(),
                 # where other nodes reach this process: a survivor drops its connections there once

@@ -17,8 +17,19 @@ import threading
 import time
 from collections.abc import Callable
 
+from lightning_prague.core.auth import Credentials, new_nonce, proof_holds
 from lightning_prague.core.errors import ControlPlaneError, CoordinationTimeout, PragueError
-from lightning_prague.core.protocol import FAILED, HELLO, RECV_BYTES, Message, encode_line, tune_socket
+from lightning_prague.core.protocol import (
+    CHALLENGE,
+    FAILED,
+    HELLO,
+    MAX_HELLO_BYTES,
+    RECV_BYTES,
+    WELCOME,
+    Message,
+    encode_line,
+    tune_socket,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +41,10 @@ class MessageLink:
     reader thread passes every message to `router` (if given) as it arrives; what the router does
     not take (returns a false value) is queued for `receive`. When the server closes the
     connection, `on_close(error)` runs once and `receive` raises `CoordinationTimeout`.
+
+    Before anything else, the link and the server prove to each other that they hold the launch's
+    key (`credentials`, see `lightning_prague.core.auth`); a server that cannot (another job's, an
+    earlier launch's) or that refuses this rank fails the constructor with `CoordinationTimeout`.
     """
 
     def __init__(
@@ -38,6 +53,7 @@ class MessageLink:
         port: int,
         rank: int,
         timeout: float,
+        credentials: Credentials,
         router: Callable[[Message], bool] | None = None,
         on_close: Callable[[str], None] | None = None,
         peer: str = "the control plane",
@@ -70,9 +86,72 @@ class MessageLink:
         self.close_error: str | None = None
         #: the server's own error, if it failed (it said so before it closed the connection)
         self.server_error: str | None = None
-        self.send({"op": HELLO, "rank": rank})
+        self.address = f"{host}:{port}"
+        self._buffer = bytearray()
+        try:
+            self._handshake(credentials)
+        except BaseException:
+            self._sock.close()
+            raise
         self._reader = threading.Thread(target=self._read_forever, name=f"prague-control-{rank}", daemon=True)
         self._reader.start()
+
+    def _handshake(self, credentials: Credentials) -> None:
+        """Answer the server's challenge and check its welcome (see `lightning_prague.core.auth`)."""
+        self._sock.settimeout(max(1.0, float(self.timeout)))
+        challenge = self._handshake_line("its challenge")
+        launch = challenge.get("launch")
+        if (
+            challenge.get("t") != CHALLENGE
+            or not isinstance(challenge.get("nonce"), str)
+            or not isinstance(launch, str)
+        ):
+            raise CoordinationTimeout(
+                f"rank {self.rank}: {self.peer} is not a lightning-prague control plane (it sent {str(challenge)[:80]})"
+            )
+        if launch != credentials.launch:
+            raise CoordinationTimeout(
+                f"rank {self.rank}: {self.peer} serves another launch ({launch[:80]!r}, this rank's is "
+                f"{credentials.launch!r}): a supervisor of another job or an earlier launch holds the port"
+            )
+        nonce = new_nonce()
+        server_nonce = challenge["nonce"][:128]
+        proof = credentials.hello_proof(server_nonce, nonce, self.rank)
+        self.send({"op": HELLO, "rank": self.rank, "nonce": nonce, "proof": proof})
+        welcome = self._handshake_line("its welcome (it refused this rank: another secret, or a rank connected twice)")
+        expected = credentials.welcome_proof(server_nonce, nonce, self.rank)
+        if welcome.get("t") != WELCOME or not proof_holds(expected, str(welcome.get("proof"))):
+            raise CoordinationTimeout(
+                f"rank {self.rank}: {self.peer} did not prove that it holds this job's secret; it is not this launch's "
+                "control plane"
+            )
+        self._sock.settimeout(None)
+        log.debug("rank %d: authenticated with %s (launch %s)", self.rank, self.peer, credentials.launch)
+
+    def _handshake_line(self, what: str) -> Message:
+        """The next line of the handshake as a JSON object (bytes after it stay for the reader thread)."""
+        while b"\n" not in self._buffer:
+            if len(self._buffer) > MAX_HELLO_BYTES:
+                raise CoordinationTimeout(
+                    f"rank {self.rank}: {self.peer} sent a line too long while waiting for {what}"
+                )
+            try:
+                data = self._sock.recv(RECV_BYTES)
+            except OSError as err:
+                raise CoordinationTimeout(f"rank {self.rank}: no answer from {self.peer} with {what} ({err})") from None
+            if not data:
+                raise CoordinationTimeout(f"rank {self.rank}: {self.peer} closed the connection instead of {what}")
+            self._buffer += data
+        end = self._buffer.index(b"\n")
+        line = bytes(self._buffer[:end])
+        del self._buffer[: end + 1]
+        try:
+            message = json.loads(line)
+        except ValueError:
+            message = None
+        if not isinstance(message, dict):
+            raise CoordinationTimeout(f"rank {self.rank}: {self.peer} sent {line[:80]!r} instead of {what}")
+        return message
 
     def local_address(self) -> str | None:
         """The address this connection leaves from (what the server sees as this process's)."""
@@ -93,29 +172,40 @@ class MessageLink:
             self.sent += 1
 
     def _read_forever(self) -> None:
-        buffer = bytearray()
+        buffer, self._buffer = self._buffer, bytearray()  # what came with the welcome, first
         error = ""
-        while True:
-            try:
-                data = self._sock.recv(RECV_BYTES)
-            except OSError as err:
-                data, error = b"", f" ({err})"
-            if not data:
-                break
-            self.last_received = time.monotonic()
-            buffer += data
+        while self.server_error is None:
             end = buffer.rfind(b"\n")
             if end < 0:
+                try:
+                    data = self._sock.recv(RECV_BYTES)
+                except OSError as err:
+                    data, error = b"", f" ({err})"
+                if not data:
+                    break
+                self.last_received = time.monotonic()
+                buffer += data
                 continue
             lines = bytes(buffer[:end]).split(b"\n")
             del buffer[: end + 1]
             for line in lines:
-                message = json.loads(line)
+                try:
+                    message = json.loads(line)
+                except ValueError:
+                    message = None
+                if not isinstance(message, dict):  # the plane proved who it is: this is its failure
+                    self.server_error = f"it sent a line that is not a message: {line[:80]!r}"
+                    break
                 self.received += 1
                 if message.get("t") == FAILED:
                     self.server_error = str(message.get("error"))
                 elif self.router is None or not self.router(message):
                     self._queue.put(message)
+        if self.server_error is not None:
+            try:  # the server closes a failed connection itself; a malformed one is closed here
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self.closed = True
         if self.server_error is not None:
             self.close_error = f"rank {self.rank}: {self.peer} failed: {self.server_error}"

@@ -34,7 +34,11 @@ from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.grouping.bipartite import BipartiteGraph
 from lightning_prague.core.grouping.staleness import staleness_weights
 from lightning_prague.core.grouping.syncgraph import SyncGraph
-from lightning_prague.core.grouping.topology import Schedule, prague_static
+from lightning_prague.core.grouping.topology import Schedule, WeightedGroup, prague_static
+from lightning_prague.core.records import MAX_INT, BadRecord, Check, Record, integer, list_of, number, one_of, text
+
+#: the most workers a policy may name
+MAX_WORKERS = 1 << 20
 
 Group = tuple[int, ...]
 
@@ -63,10 +67,27 @@ class GroupingPolicy:
     #: every member the policy names takes part, lagging or not (a fixed schedule)
     keeps_stragglers = False
 
+    #: the policy's name in its spec (`spec`, `policy_from_spec`); a policy without one cannot be sent
+    kind = ""
+
     def __init__(self, world_size: int, group_size: int, seed: int = 0) -> None:
         self.world_size = world_size
         self.group_size = group_size
+        self.seed = seed
         self.rng = random.Random(seed)
+
+    def spec(self) -> dict[str, Any]:
+        """This policy as a JSON object, from which `policy_from_spec` rebuilds it (in the control plane).
+
+        Raises `ConfigurationError` for a policy that is not one of this package's kinds: the
+        control plane never runs code that a training process sends, only the policies it knows.
+        """
+        if not self.kind or SPEC_RECORDS.get(self.kind) is None:
+            raise ConfigurationError(
+                f"{type(self).__name__} cannot be sent to the control plane: it rebuilds only the policies "
+                f"{', '.join(SPEC_RECORDS)} from their specs"
+            )
+        return {"kind": self.kind, "world_size": self.world_size, "group_size": self.group_size, "seed": self.seed}
 
     def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
         """Members (sorted, containing `requester`) or `None` when no group can be formed.
@@ -118,6 +139,8 @@ class GroupingPolicy:
 
 
 class RandomPolicy(GroupingPolicy):
+    kind = "random"
+
     def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
         return self._draw(requester, available)
 
@@ -134,6 +157,7 @@ class BufferPolicy(GroupingPolicy):
     """
 
     issues_per_round = True
+    kind = "buffer"
 
     def __init__(self, world_size: int, group_size: int, seed: int = 0, depth: int = 64) -> None:
         super().__init__(world_size, group_size, seed)
@@ -165,8 +189,13 @@ class BufferPolicy(GroupingPolicy):
     def restart(self, mixed: bool = False) -> None:
         self._partitions.clear()
 
+    def spec(self) -> dict[str, Any]:
+        return {**super().spec(), "depth": self.depth}
+
 
 class DivisionPolicy(GroupingPolicy):
+    kind = "division"
+
     def __init__(
         self, world_size: int, group_size: int, seed: int = 0, division_size: int | None = None, cross_period: int = 4
     ) -> None:
@@ -191,6 +220,9 @@ class DivisionPolicy(GroupingPolicy):
         division = range(start, min(start + self.division_size, self.world_size))
         return self._draw(requester, [r for r in division if r in available])
 
+    def spec(self) -> dict[str, Any]:
+        return {**super().spec(), "division_size": self.division_size, "cross_period": self.cross_period}
+
 
 class SchedulePolicy(GroupingPolicy):
     """Groups from a fixed `Schedule`: a worker's `r`-th request
@@ -198,6 +230,7 @@ class SchedulePolicy(GroupingPolicy):
 
     issues_per_round = True
     keeps_stragglers = True
+    kind = "schedule"
 
     def __init__(self, schedule: Schedule, seed: int = 0) -> None:
         super().__init__(schedule.world_size, max(len(g.members) for r in schedule.rounds for g in r), seed)
@@ -206,6 +239,10 @@ class SchedulePolicy(GroupingPolicy):
     def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
         members = tuple(r for r in self.schedule.group_of(requester, round_index).members if r in available)
         return members if len(members) >= 2 else None
+
+    def spec(self) -> dict[str, Any]:
+        rounds = [[[list(g.members), g.self_weight] for g in groups] for groups in self.schedule.rounds]
+        return {**super().spec(), "name": self.schedule.name, "rounds": rounds}
 
 
 class StaticPolicy(SchedulePolicy):
@@ -217,6 +254,11 @@ class StaticPolicy(SchedulePolicy):
         super().__init__(prague_static(world_size, per_node), seed)
         self.group_size = group_size
         self.workers_per_node = per_node
+
+    kind = "static"
+
+    def spec(self) -> dict[str, Any]:
+        return {**GroupingPolicy.spec(self), "workers_per_node": self.workers_per_node}
 
 
 class FirstReadyPolicy(GroupingPolicy):
@@ -246,6 +288,7 @@ class FirstReadyPolicy(GroupingPolicy):
     """
 
     pools_ready = True
+    kind = "first_ready"
 
     def __init__(
         self,
@@ -285,6 +328,14 @@ class FirstReadyPolicy(GroupingPolicy):
         only the mixing of workers that train: parked workers are outside it)."""
         if mixed:
             self.restart_window()
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            **super().spec(),
+            "weighting": self.weighting,
+            "alpha": self.alpha,
+            "mixing_window": self.mixing_window,
+        }
 
     def restart_window(self) -> None:
         self.graph.reset()
@@ -353,9 +404,15 @@ class GossipPolicy(GroupingPolicy):
     (active, passive) pair of the `BipartiteGraph`.
     """
 
+    kind = "gossip"
+
     def __init__(self, graph: BipartiteGraph, seed: int = 0) -> None:
         super().__init__(graph.world_size, 2, seed)
         self.graph = graph
+
+    def spec(self) -> dict[str, Any]:
+        edges = [[a, b] for a, peers in self.graph.neighbors.items() for b in peers if a < b]
+        return {**super().spec(), "edges": edges}
 
     def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
         if not self.graph.is_active(requester):
@@ -364,6 +421,73 @@ class GossipPolicy(GroupingPolicy):
         if not peers:
             return None
         return tuple(sorted((requester, self.rng.choice(peers))))
+
+
+_WORLD = integer(1, MAX_WORKERS)
+_BASE = {"kind": text(32), "world_size": _WORLD, "group_size": _WORLD, "seed": integer(-MAX_INT, MAX_INT)}
+_GROUP = Check(
+    lambda g: (
+        isinstance(g, list)
+        and len(g) == 2
+        and list_of(integer(0, MAX_WORKERS - 1), MAX_WORKERS)(g[0])
+        and number(0.0, 1.0)(g[1])
+    ),
+    "[members, self_weight]",
+)
+#: what each kind's spec holds (`GroupingPolicy.spec`), checked before any policy is built from it
+SPEC_RECORDS: dict[str, Record] = {
+    "random": Record("the 'random' policy", _BASE),
+    "buffer": Record("the 'buffer' policy", {**_BASE, "depth": integer(1, 1 << 16)}),
+    "division": Record(
+        "the 'division' policy", {**_BASE, "division_size": _WORLD, "cross_period": integer(1, 1 << 20)}
+    ),
+    "schedule": Record(
+        "the 'schedule' policy",
+        {**_BASE, "name": text(64), "rounds": list_of(list_of(_GROUP, MAX_WORKERS), 1 << 12)},
+    ),
+    "static": Record("the 'static' policy", {**_BASE, "workers_per_node": _WORLD}),
+    "first_ready": Record(
+        "the 'first_ready' policy",
+        {**_BASE, "weighting": one_of(*WEIGHTINGS), "alpha": number(0.0, 1.0), "mixing_window": integer(1, MAX_INT)},
+    ),
+    "gossip": Record(
+        "the 'gossip' policy", {**_BASE, "edges": list_of(list_of(integer(0, MAX_WORKERS - 1), 2), 1 << 20)}
+    ),
+}
+
+
+def policy_from_spec(spec: Any) -> GroupingPolicy:
+    """The policy a spec (`GroupingPolicy.spec()`, sent by a training process) describes.
+
+    The spec is untrusted input: it is checked against its kind's record first (`SPEC_RECORDS`),
+    then the policy's own constructor validates it as it validates a user's options. Raises
+    `BadRecord` or `ConfigurationError` naming what is wrong.
+    """
+    kind = spec.get("kind") if isinstance(spec, dict) else None
+    record = SPEC_RECORDS.get(kind) if isinstance(kind, str) else None
+    if record is None:
+        raise BadRecord(f"a grouping policy of unknown kind {str(kind)[:40]!r}; known: {', '.join(SPEC_RECORDS)}")
+    args = dict(record.check(spec))
+    del args["kind"]
+    world, size, seed = args.pop("world_size"), args.pop("group_size"), args.pop("seed")
+    if not 2 <= size <= world:
+        raise ConfigurationError(f"a grouping policy's group_size={size} is invalid for {world} workers")
+    if kind == "schedule":
+        rounds = [
+            [WeightedGroup(tuple(members), float(weight)) for members, weight in groups] for groups in args["rounds"]
+        ]
+        return SchedulePolicy(Schedule(world, rounds, args["name"]), seed)
+    if kind == "gossip":
+        return GossipPolicy(BipartiteGraph(world, [tuple(edge) for edge in args["edges"]]), seed)
+    if kind == "static":
+        return StaticPolicy(world, size, seed, args["workers_per_node"])
+    classes: dict[str, Any] = {
+        "random": RandomPolicy,
+        "buffer": BufferPolicy,
+        "division": DivisionPolicy,
+        "first_ready": FirstReadyPolicy,
+    }
+    return classes[kind](world, size, seed, **args)
 
 
 def make_policy(

@@ -39,13 +39,14 @@ replies to requests (`"req"`) are `{"t": "reply", "req", "value"}`.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import socket
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
-from lightning_prague.core.errors import CONTROL_PLANE
+from lightning_prague.core.errors import CONTROL_PLANE, ConfigurationError
+from lightning_prague.core.grouping.policies import policy_from_spec
+from lightning_prague.core.plane.fencing import fence
 from lightning_prague.core.plane.generator import GroupGenerator, Item
 from lightning_prague.core.plane.liveness import HangDetector
 from lightning_prague.core.protocol import ALIVE, REQUEUED, SessionConfig
@@ -61,16 +62,24 @@ class CoordinatorSession:
     def __init__(self, number: int, config: SessionConfig) -> None:
         self.number = number
         self.world_size = config.world_size
+        #: the configuration as its first member sent it: every later `join` must send the same
+        self.config = config
+        policy = policy_from_spec(config.policy)
+        if policy.world_size != config.world_size:
+            raise ConfigurationError(
+                f"the grouping policy is for {policy.world_size} workers, the session for {config.world_size}"
+            )
         self.generator = GroupGenerator(
             config.world_size,
-            config.policy,
+            policy,
             config.avoid_stragglers,
             sync_averages=config.sync_averages,
             min_workers=config.min_workers,
             avoid_busy=config.avoid_busy,
         )
         self.hangs = HangDetector(config.hang, max(config.timeout, config.sync_timeout or 0.0))
-        #: rank -> (pid, host name) of its process, as it said when it joined (for fencing)
+        #: rank -> (pid, host name) of its process, as it said when it joined (the pid is only a claim:
+        #: fencing checks that this pid holds the rank's connection, `lightning_prague.core.plane.fencing`)
         self.processes: dict[int, tuple[int, str]] = {}
         #: rank -> the addresses other nodes reach it at, as it said when it joined
         self.addresses: dict[int, list[str]] = {}
@@ -204,11 +213,19 @@ class ControlPlane:
     def __init__(self) -> None:
         self.sessions: dict[int, CoordinatorSession] = {}
         self.handled = 0
+        #: `ends(rank)`: the (client, server) addresses of `rank`'s authenticated connection, or `None`
+        #: (the server's `MessageServer.ends`): fencing kills only the process that holds it
+        self.ends: Callable[[int], tuple[tuple[str, int], tuple[str, int]] | None] = lambda rank: None
 
     # -- MessageServer hooks ----------------------------------------------------------------------
     def handle(self, message: dict[str, Any]) -> Out:
+        """The items one message produces; an error in it is answered to its sender only.
+
+        `message` is a record of `lightning_prague.core.protocol` (the server checked it), from the
+        rank it names (the server binds a rank to its authenticated connection).
+        """
         out: Out = {}
-        rank = int(message.get("rank", -1))
+        rank = message["rank"]
         try:
             self._handle(message, rank, out)
         except Exception as err:  # a malformed message must not kill the control plane
@@ -239,17 +256,20 @@ class ControlPlane:
             self._maybe_delete(session)
         return out
 
-    @staticmethod
-    def _fence(session: CoordinatorSession, rank: int, reason: str, out: Out) -> None:
+    def _fence(self, session: CoordinatorSession, rank: int, reason: str, out: Out) -> None:
+        """SIGKILL a hung rank's process if it is verifiably the rank's (the pid it claimed holds its
+        authenticated connection, on this host); else ask it to end itself (a `fenced` item)."""
         pid, host = session.processes.get(rank, (0, ""))
-        # only a process that can be the rank's own: never init (1), a process group (<= 0) or the plane
-        if pid > 1 and pid != os.getpid() and host == socket.gethostname():
-            try:
-                os.kill(pid, signal.SIGKILL)
-                log.warning("session %d: sent SIGKILL to rank %d (pid %d)", session.number, rank, pid)
-                return
-            except OSError as err:  # another pid namespace (a container): ask it to end itself
-                log.warning("session %d: could not SIGKILL rank %d (pid %d): %s", session.number, rank, pid, err)
+        ends = self.ends(rank)
+        if ends is not None and host == socket.gethostname() and fence(pid, *ends):
+            log.warning("session %d: sent SIGKILL to rank %d (pid %d)", session.number, rank, pid)
+            return
+        log.warning(
+            "session %d: rank %d (pid %d) is not a process this host can verify: asking it to end",
+            session.number,
+            rank,
+            pid,
+        )
         out.setdefault(rank, []).append({"t": "fenced", "reason": reason})
 
     def on_disconnect(self, rank: int) -> Out:
@@ -265,16 +285,30 @@ class ControlPlane:
     # -- messages -------------------------------------------------------------------------------
     def _handle(self, message: dict[str, Any], rank: int, out: Out) -> None:
         op = message["op"]
-        number = int(message["s"])
+        number = message["s"]
         session = self.sessions.get(number)
         if op == "join":
+            config = SessionConfig.from_wire(message["config"])
             if session is None:
-                session = self.sessions[number] = CoordinatorSession(number, SessionConfig.decode(message["config"]))
+                if not 0 <= rank < config.world_size:
+                    raise ValueError(f"rank {rank} cannot open a session of {config.world_size} workers")
+                session = self.sessions[number] = CoordinatorSession(number, config)
                 log.debug("control plane: session %d opened by rank %d", number, rank)
+            if config != session.config:
+                raise ValueError(
+                    f"rank {rank} joined session {number} with another configuration than its first member's"
+                )
+            if (
+                not 0 <= rank < session.world_size
+                or rank in session.members
+                or rank in session.closed
+                or rank in session.departed
+            ):
+                raise ValueError(f"rank {rank} cannot join session {number}: it is outside it, or joined it before")
             session.members.add(rank)
             session.hangs.joined(rank)
-            session.processes[rank] = (int(message.get("pid", 0)), str(message.get("host", "")))
-            session.addresses[rank] = [str(a) for a in message.get("addresses", ())]
+            session.processes[rank] = (message["pid"], message["host"])
+            session.addresses[rank] = list(message.get("addresses", ()))
             return
         if session is None:
             # every rank failed or left, so the session is over: a failed rank's teardown still leaves

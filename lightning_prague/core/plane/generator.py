@@ -172,7 +172,7 @@ class GroupGenerator:
         if op == "ready":
             self._ready_msg(rank, int(message["req"]), int(message.get("version", 0)), out)
         elif op == "arrive":
-            if "speed" in message:
+            if message.get("speed") is not None:
                 self._speeds[rank] = float(message["speed"])
             if "untrained" in message:
                 self._untrained[rank] = [int(c) for c in message["untrained"]]

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from lightning_prague.core.auth import SECRET_VARIABLE
 from lightning_prague.core.errors import CoordinationTimeout
 from lightning_prague.core.plane.supervisor import main
 from lightning_prague.core.protocol import resolve_control_port
@@ -67,22 +68,40 @@ class Supervisor:
 
 
 def launch(
-    host: str, port: int, world_size: int, timeout: float, host_store: bool, control_port: int | None = None
+    host: str,
+    port: int,
+    world_size: int,
+    timeout: float,
+    host_store: bool,
+    control_port: int | None = None,
+    *,
+    secret: bytes,
+    launch_id: str,
+    publish_secret: bool = False,
+    wait: float | None = None,
 ) -> Supervisor:
     """Start the supervisor for a job of `world_size` ranks whose store is (to be) at `host:port`.
 
-    It serves the control plane on `control_port` (see `resolve_control_port`; unset: a free port).
+    It serves the control plane on `control_port` (see `resolve_control_port`; unset: a free port)
+    to the ranks of launch `launch_id` that prove they hold `secret` (`lightning_prague.core.auth`),
+    and publishes `secret` in the store if `publish_secret` (one rank 0 generated). `wait`: how long
+    it waits for the first rank (the rendezvous' bound; default `timeout`).
     """
     control_port = resolve_control_port(control_port)
-    log_file = Path(tempfile.gettempdir()) / f"lightning_prague-supervisor-{port}.log"
+    # a file of our own, new for this launch, that nobody else can have made or read (mode 0600)
+    fd, name = tempfile.mkstemp(prefix=f"lightning_prague-supervisor-{port}-", suffix=".log")
+    os.close(fd)
+    log_file = Path(name)
     argv = ["--host", host, "--port", str(port), "--world-size", str(world_size), "--timeout", str(timeout)]
     argv += ["--log", str(log_file)] + (["--host-store"] if host_store else [])
-    argv += ["--control-port", str(control_port or 0)]
+    argv += ["--control-port", str(control_port or 0), "--launch", launch_id, "--parent", str(os.getpid())]
+    argv += ["--wait", str(timeout if wait is None else wait)] + (["--publish-secret"] if publish_secret else [])
     if hasattr(os, "fork") and not _cuda_initialized():
-        handle = _fork(argv, log_file)
+        handle = _fork(argv, log_file, secret)
     else:
         package = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        env[SECRET_VARIABLE] = secret.decode()  # its environment, not its command line: `ps` shows that
         with open(log_file, "w") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-c", BOOTSTRAP, package, *argv],
@@ -109,7 +128,7 @@ def _cuda_initialized() -> bool:
     return torch is not None and torch.cuda.is_initialized()
 
 
-def _fork(argv: list[str], log_file: Path) -> Supervisor:
+def _fork(argv: list[str], log_file: Path, secret: bytes) -> Supervisor:
     """Fork the supervisor from this process (see the module docstring)."""
     import gc
 
@@ -121,6 +140,7 @@ def _fork(argv: list[str], log_file: Path) -> Supervisor:
     status = 1
     try:
         os.setsid()
+        os.environ[SECRET_VARIABLE] = secret.decode()
         with open(log_file, "w") as err, open(os.devnull, "rb+") as null:
             os.dup2(null.fileno(), 0)
             os.dup2(null.fileno(), 1)

@@ -21,16 +21,30 @@ sockets: nothing here knows what the messages mean.
 
 from __future__ import annotations
 
-import json
 import logging
 import selectors
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lightning_prague.core.protocol import FAILED, HELLO, RECV_BYTES, Message, encode_line, tune_socket
+from lightning_prague.core.auth import Credentials, new_nonce, proof_holds
+from lightning_prague.core.protocol import (
+    CHALLENGE,
+    FAILED,
+    HELLO,
+    MAX_HELLO_BYTES,
+    MAX_RANK,
+    RECV_BYTES,
+    WELCOME,
+    BadMessage,
+    Message,
+    decode_message,
+    encode_line,
+    tune_socket,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +60,25 @@ MAX_LINE_BYTES = 1 << 20
 #: the most a connection may have queued for it unread, bytes (a reader that never reads): past it the
 #: connection is dropped, as if its process had ended
 MAX_PENDING_BYTES = 256 << 20
-#: the largest rank a `hello` may claim
-MAX_RANK = (1 << 20) - 1
+#: seconds a connection may take to prove it belongs to the job (`lightning_prague.core.auth`)
+HELLO_SECONDS = 10.0
+#: connections that have not proved it yet, at most: past it the oldest of them is dropped
+MAX_UNPROVEN = 1024
 
-
-class BadMessage(ValueError):
-    """What a connection sent is not a message of the protocol: the connection is dropped."""
+__all__ = ["MAX_RANK", "BadMessage", "MessageServer", "decode_message"]
 
 
 @dataclass
 class _Connection:
     sock: socket.socket
     peer: str = "?"
-    rank: int | None = None
+    #: the challenge's nonce (see `lightning_prague.core.auth`) and when the connection must have answered it
+    nonce: str = ""
+    deadline: float = 0.0
+    #: the connection's two ends, (address, port), for fencing its process (`lightning_prague.core.plane.fencing`)
+    client: tuple[str, int] = ("", 0)
+    server: tuple[str, int] = ("", 0)
+    rank: int | None = None  # set once it proved who it is (its `hello`)
     closed: bool = False
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
@@ -79,14 +99,20 @@ class MessageServer:
         self,
         handler: Handler,
         host: str,
+        credentials: Credentials,
         name: str = "prague-coordinator",
         port: int = 0,
         on_connect: RankEvent | None = None,
         on_disconnect: RankEvent | None = None,
         on_tick: Callable[[], dict[int, list[Message]]] | None = None,
         tick_seconds: float = 0.25,
+        decode: Callable[[bytes], Message] = decode_message,
     ) -> None:
         self.handler = handler
+        self.credentials = credentials
+        #: a line after the hello as a message, or `BadMessage` (the protocol's records; a test of the
+        #: transport alone may pass its own)
+        self.decode = decode
         #: called every `tick_seconds` in the server thread; its items are sent like a handler's
         self.on_tick = on_tick
         self.tick_seconds = tick_seconds
@@ -111,13 +137,19 @@ class MessageServer:
         self._by_rank: dict[int, _Connection] = {}
         self._waiting: dict[int, bytearray] = {}  # items for ranks that have not connected yet
         self._dropped: list[int] = []  # ranks whose connection closed in this pass of the loop
+        self._unproven: OrderedDict[int, _Connection] = OrderedDict()  # by id, oldest first
+
+    def ends(self, rank: int) -> tuple[tuple[str, int], tuple[str, int]] | None:
+        """`(client, server)` addresses of `rank`'s connection, while it is connected."""
+        conn = self._by_rank.get(rank)
+        return None if conn is None else (conn.client, conn.server)
 
     @staticmethod
     def _listen(host: str, port: int) -> socket.socket:
-        try:
-            listener = socket.create_server((host, port), backlog=4096)
-        except OSError:  # `host` is not an address of this machine (e.g. a load balancer's): every interface
-            listener = socket.create_server(("", port), backlog=4096)
+        """Listen on `host` (`""`: every interface); raises `OSError` if `host` is not an address of
+        this machine (the supervisor decides what then, see `lightning_prague.core.plane.supervisor`)."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.create_server((host, port), backlog=4096, family=family)
         listener.setblocking(False)
         return listener
 
@@ -160,6 +192,7 @@ class MessageServer:
                             self._flush(selector, conn)
                         if mask & selectors.EVENT_READ and not conn.closed:
                             self._read(selector, conn, arrived)
+                self._expire_unproven(selector)
                 touched: dict[int, _Connection] = {}
                 for conn, message in arrived:
                     self._dispatch(selector, conn, message, touched)
@@ -207,7 +240,28 @@ class MessageServer:
                 return
             sock.setblocking(False)
             tune_socket(sock)
-            selector.register(sock, selectors.EVENT_READ, _Connection(sock, peer=_peer_name(peer)))
+            conn = _Connection(sock, peer=_peer_name(peer), nonce=new_nonce())
+            conn.deadline = time.monotonic() + HELLO_SECONDS
+            try:
+                conn.client, conn.server = sock.getpeername()[:2], sock.getsockname()[:2]
+            except OSError:  # reset already
+                sock.close()
+                continue
+            if len(self._unproven) >= MAX_UNPROVEN:
+                _, oldest = self._unproven.popitem(last=False)
+                self._refuse(selector, oldest, f"more than {MAX_UNPROVEN} connections had not proved who they are")
+            self._unproven[id(conn)] = conn
+            selector.register(sock, selectors.EVENT_READ, conn)
+            conn.outbuf += encode_line({"t": CHALLENGE, "nonce": conn.nonce, "launch": self.credentials.launch})
+            self._flush(selector, conn)
+
+    def _expire_unproven(self, selector: selectors.BaseSelector) -> None:
+        now = time.monotonic()
+        while self._unproven:
+            conn = next(iter(self._unproven.values()))
+            if conn.deadline > now:
+                return
+            self._refuse(selector, conn, f"it did not prove who it is within {HELLO_SECONDS:.0f}s")
 
     def _read(self, selector: selectors.BaseSelector, conn: _Connection, arrived: list[tuple[_Connection, Message]]):
         try:
@@ -220,19 +274,71 @@ class MessageServer:
             self._drop(selector, conn)
             return
         conn.inbuf += data
+        if conn.rank is None:  # one short line, its hello, before anything else is read
+            end = conn.inbuf.find(b"\n")
+            if end < 0 or end > MAX_HELLO_BYTES:
+                if end > MAX_HELLO_BYTES or len(conn.inbuf) > MAX_HELLO_BYTES:
+                    self._refuse(selector, conn, f"a first line longer than {MAX_HELLO_BYTES} bytes")
+                return
+            line, rest = bytes(conn.inbuf[:end]), conn.inbuf[end + 1 :]
+            conn.inbuf = bytearray()
+            if not self._hello(selector, conn, line, arrived):
+                return
+            conn.inbuf = rest
         end = conn.inbuf.rfind(b"\n")
+        if len(conn.inbuf) - end - 1 > MAX_LINE_BYTES:  # the line still arriving
+            self._refuse(selector, conn, f"a line longer than {MAX_LINE_BYTES} bytes")
+            return
         if end < 0:
-            if len(conn.inbuf) > MAX_LINE_BYTES:
-                self._refuse(selector, conn, f"a line longer than {MAX_LINE_BYTES} bytes")
             return
         lines, conn.inbuf = bytes(conn.inbuf[:end]), conn.inbuf[end + 1 :]
         for line in lines.split(b"\n"):
+            if len(line) > MAX_LINE_BYTES:
+                self._refuse(selector, conn, f"a line longer than {MAX_LINE_BYTES} bytes")
+                return
             try:
-                arrived.append((conn, decode_message(line)))
+                message = self.decode(line)
             except BadMessage as err:
                 self._refuse(selector, conn, str(err))
                 return
+            if message["op"] == HELLO:
+                self._refuse(selector, conn, f"a second hello on rank {conn.rank}'s connection")
+                return
+            arrived.append((conn, message))
             self.messages_in += 1
+
+    def _hello(
+        self,
+        selector: selectors.BaseSelector,
+        conn: _Connection,
+        line: bytes,
+        arrived: list[tuple[_Connection, Message]],
+    ) -> bool:
+        """Check a connection's first line: a `hello` that proves it holds the launch's key, for a rank
+        not connected already. True: the rank is bound to this connection (and welcomed)."""
+        try:
+            message = decode_message(line)
+        except BadMessage as err:
+            self._refuse(selector, conn, str(err))
+            return False
+        if message["op"] != HELLO:
+            self._refuse(selector, conn, f"{message['op']!r} before hello")
+            return False
+        rank, nonce = message["rank"], message["nonce"]
+        if not proof_holds(self.credentials.hello_proof(conn.nonce, nonce, rank), message["proof"]):
+            self._refuse(
+                selector, conn, f"a hello for rank {rank} whose proof does not hold (another secret or launch)"
+            )
+            return False
+        if rank in self._by_rank:  # a live rank's connection is never taken over
+            self._refuse(selector, conn, f"a hello for rank {rank}, which is connected already")
+            return False
+        self._unproven.pop(id(conn), None)
+        conn.rank = rank
+        conn.outbuf += encode_line({"t": WELCOME, "proof": self.credentials.welcome_proof(conn.nonce, nonce, rank)})
+        arrived.append((conn, message))
+        self.messages_in += 1
+        return True
 
     def _refuse(self, selector: selectors.BaseSelector, conn: _Connection, why: str) -> None:
         """Drop one connection that broke the protocol; the plane and every other connection go on."""
@@ -251,6 +357,7 @@ class MessageServer:
             return
         conn.closed = True
         conn.outbuf.clear()
+        self._unproven.pop(id(conn), None)
         try:
             selector.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -267,17 +374,14 @@ class MessageServer:
     ) -> None:
         if conn.closed:
             return
-        op = message.get("op")
+        op = message["op"]
+        rank = conn.rank
+        assert rank is not None  # only a connection that proved who it is gets here (`_hello`)
         if op == HELLO:
-            rank = message.get("rank")
-            if conn.rank is not None:
-                return self._refuse(selector, conn, f"a second hello on rank {conn.rank}'s connection")
-            if not _is_rank(rank):
-                return self._refuse(selector, conn, f"a hello for rank {rank!r}")
-            if rank in self._by_rank:  # a live rank's connection is never taken over
+            if rank in self._by_rank:  # another connection proved the same rank in this pass
                 return self._refuse(selector, conn, f"a hello for rank {rank}, which is connected already")
-            conn.rank = rank
             self._by_rank[rank] = conn
+            touched[rank] = conn
             self.connected.add(rank)
             self.ever_connected.add(rank)
             waiting = self._waiting.pop(rank, None)
@@ -287,14 +391,10 @@ class MessageServer:
             if self.on_connect is not None:
                 self._route(self._guarded(self.on_connect, rank), touched)
             return
-        if conn.rank is None:
-            return self._refuse(selector, conn, f"{op!r} before hello")
-        if message.setdefault("rank", conn.rank) != conn.rank:  # a rank speaks only for itself
+        if message["rank"] != rank:  # a rank speaks only for itself
             return self._refuse(selector, conn, f"{op!r} in the name of rank {message['rank']!r}")
         if op == "echo":
-            if not isinstance(message.get("item"), dict):
-                return self._refuse(selector, conn, "an echo without an item")
-            out = {conn.rank: [message["item"]]}
+            out = {rank: [message["item"]]}
         else:
             out = self._guarded(self.handler, message)
         self._route(out, touched)
@@ -342,24 +442,6 @@ class MessageServer:
             conn.writing = wants_write
             events = selectors.EVENT_READ | (selectors.EVENT_WRITE if wants_write else 0)
             selector.modify(conn.sock, events, conn)
-
-
-def decode_message(line: bytes) -> Message:
-    """One line as a message: a JSON object with a string `op` (an item for the plane has no `t`).
-
-    Raises `BadMessage` for anything else: bytes that are not UTF-8 JSON, another JSON value.
-    """
-    try:
-        message = json.loads(line)
-    except (ValueError, RecursionError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise BadMessage(f"a line that is not JSON ({type(err).__name__}: {str(err)[:80]})") from None
-    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
-        raise BadMessage(f"a line that is not a message (a JSON object with an 'op'): {line[:80]!r}")
-    return message
-
-
-def _is_rank(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_RANK
 
 
 def _peer_name(address: object) -> str:

@@ -7,16 +7,19 @@ still reach the store and the coordinator, which tells them who is gone. It
 * hosts the job's TCPStore at `MASTER_ADDR:MASTER_PORT` (every training rank is a client, as under
   torchrun's agent), unless a store is already there (torchrun's agent store, or a process group
   that was initialised before): then it is a client of that store;
-* serves the control plane (`ControlPlane` behind a `MessageServer`) on every interface, on a
-  free port or a fixed one for firewalls (the strategies' `coordinator_port`, given to `launch`
-  as `control_port`, or the `LIGHTNING_PRAGUE_CONTROL_PORT` environment variable), and publishes
-  `MASTER_ADDR:port` in the store (key `ADDRESS_KEY`): every rank can reach that host, since the
-  store is there;
+* serves the control plane (`ControlPlane` behind a `MessageServer`) on MASTER_ADDR's interface
+  (or the one `CONTROL_HOST_VARIABLE` names), on a free port or a fixed one for firewalls (the
+  strategies' `coordinator_port`, given to `launch` as `control_port`, or the
+  `LIGHTNING_PRAGUE_CONTROL_PORT` environment variable), to connections that prove they hold the
+  launch's key (`lightning_prague.core.auth`; the secret comes in its environment, never on its
+  command line), and publishes its address, pid and launch (and a generated secret) in the store
+  (`ADDRESS_RECORD` under `address_key()`): every rank can reach that host, since the store is there;
 * exits by itself once every rank of the job has connected and all of them have closed their
-  connections (the job ended, or every worker is gone), or when no rank is connected `timeout`
-  seconds after it started. It runs in a session of its own (a signal for rank 0's process group
-  does not reach it) and needs nothing but torch and the core of this package (it never imports
-  Lightning).
+  connections (the job ended, or every worker is gone); or, with no rank connected, when the
+  process that launched it is gone or `--wait` seconds passed (the process group's rendezvous
+  bound: ranks connect only after it). It runs in a session of its own (a signal for rank 0's
+  process group does not reach it) and needs nothing but torch and the core of this package (it
+  never imports Lightning).
 
 How it is started is `lightning_prague.core.plane.launch`'s; this module is what runs in it.
 """
@@ -24,12 +27,20 @@ How it is started is `lightning_prague.core.plane.launch`'s; this module is what
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import json
 import logging
 import os
+import socket
 import time
 from datetime import timedelta
 
+from lightning_prague.core.auth import SECRET_VARIABLE, Credentials
 from lightning_prague.core.protocol import PORT_VARIABLE, address_key
+
+#: environment variable: the address the control plane listens on (an address of this node, or
+#: `0.0.0.0` / `::` for every interface); default: MASTER_ADDR's
+CONTROL_HOST_VARIABLE = "LIGHTNING_PRAGUE_CONTROL_HOST"
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +50,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", required=True, help="MASTER_ADDR: where the ranks reach this node")
     parser.add_argument("--port", type=int, required=True, help="MASTER_PORT: the store's port")
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--timeout", type=float, default=300.0, help="the store's operation timeout")
+    parser.add_argument("--wait", type=float, default=1800.0, help="seconds to wait for the first rank")
+    parser.add_argument("--parent", type=int, default=0, help="the launching process: gone, and no rank, exit")
+    parser.add_argument("--launch", required=True, help="the launch's id (lightning_prague.core.auth)")
+    parser.add_argument("--publish-secret", action="store_true", help="publish the secret (generated) in the store")
     parser.add_argument("--host-store", action="store_true", help="host the TCPStore (else: be a client)")
     parser.add_argument(
         "--control-port", type=int, help=f"the control plane's port (0: a free one; unset: {PORT_VARIABLE} or 0)"
@@ -59,20 +74,54 @@ def main(argv: list[str] | None = None) -> None:
     store = dist.TCPStore(
         args.host, args.port, args.world_size, is_master=args.host_store, timeout=timeout, wait_for_workers=False
     )
+    secret = os.environ.pop(SECRET_VARIABLE, "")
+    if not secret:
+        raise SystemExit(f"the supervisor needs the job's secret in {SECRET_VARIABLE}")
+    credentials = Credentials.derive(secret.encode(), args.launch)
+    port = args.control_port if args.control_port is not None else int(os.environ.get(PORT_VARIABLE, "0"))
     plane = ControlPlane()
-    server = MessageServer(
-        plane.handle,
-        "",
-        name="prague-control-plane",
-        port=args.control_port if args.control_port is not None else int(os.environ.get(PORT_VARIABLE, "0")),
-        on_connect=plane.on_connect,
-        on_disconnect=plane.on_disconnect,
-        on_tick=plane.tick,
-    )
+    listen, published = listen_address(args.host)
+
+    def serve(host: str) -> MessageServer:
+        return MessageServer(
+            plane.handle,
+            host,
+            credentials,
+            name="prague-control-plane",
+            port=port,
+            on_connect=plane.on_connect,
+            on_disconnect=plane.on_disconnect,
+            on_tick=plane.tick,
+        )
+
+    try:
+        server = serve(listen)
+    except OSError as err:
+        if os.environ.get(CONTROL_HOST_VARIABLE):
+            raise SystemExit(f"{CONTROL_HOST_VARIABLE}={listen}: cannot listen there ({err})") from None
+        log.warning(
+            "MASTER_ADDR %s (%s) is not an address of this node (%s): the control plane listens on every interface; "
+            "set %s to this node's address that the ranks reach to narrow it",
+            args.host,
+            listen,
+            err,
+            CONTROL_HOST_VARIABLE,
+        )
+        server = serve("")
+    plane.ends = server.ends
     server.start()
-    store.set(address_key(), f"{args.host}:{server.address[1]}:{os.getpid()}")
+    record = {"host": published, "port": server.address[1], "pid": os.getpid(), "launch": args.launch}
+    if args.publish_secret:
+        record["secret"] = secret
+    store.set(address_key(), json.dumps(record))
     log.info(
-        "serving %d ranks: store %s:%d, control plane port %d", args.world_size, args.host, args.port, server.address[1]
+        "serving %d ranks: store %s:%d, control plane %s:%d (launch %s)",
+        args.world_size,
+        args.host,
+        args.port,
+        server.address[0],
+        server.address[1],
+        args.launch,
     )
     started = time.monotonic()
     while server.alive:
@@ -80,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         if server.connected:
             continue
         everyone_came = len(server.ever_connected) >= args.world_size
-        if everyone_came or time.monotonic() - started > args.timeout:
+        launcher_gone = args.parent > 0 and os.getppid() != args.parent
+        if everyone_came or launcher_gone or time.monotonic() - started > args.wait:
             break
     server.close()
     log.info("exiting: %d of %d ranks came and all are gone", len(server.ever_connected), args.world_size)
@@ -90,6 +140,33 @@ def main(argv: list[str] | None = None) -> None:
         except OSError:
             pass
     os._exit(0 if server.error is None else 1)  # the store's threads must not hold the exit
+
+
+def listen_address(master_addr: str) -> tuple[str, str]:
+    """`(the address to listen on, the address to publish)`: `CONTROL_HOST_VARIABLE`'s if set, else
+    MASTER_ADDR's (where every rank reaches this node). A host name that resolves to a loopback
+    address here (`127.0.1.1` in /etc/hosts) is reached by other nodes at another address: every
+    interface then, as PyTorch's store listens."""
+    chosen = os.environ.get(CONTROL_HOST_VARIABLE, "").strip()
+    if chosen:
+        wildcard = chosen in ("0.0.0.0", "::", "*")
+        return ("" if wildcard else chosen), (master_addr if wildcard else chosen)
+    try:
+        resolved = socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)[0][4][0]
+        loopback = ipaddress.ip_address(str(resolved).split("%")[0]).is_loopback
+    except (OSError, ValueError, IndexError):
+        return master_addr, master_addr  # listening fails, and says so
+    if loopback and master_addr not in ("localhost", "127.0.0.1", "::1") and not _is_ip(master_addr):
+        return "", master_addr
+    return master_addr, master_addr
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":
