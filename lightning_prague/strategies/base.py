@@ -52,6 +52,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 from torchmetrics import Metric
@@ -345,6 +346,9 @@ class DecentralizedStrategy(DDPStrategy):
             pg_timeout=self._timeout,
             control_port=self.coordinator_port,
         )
+        supervisor = self.job.supervisor
+        if supervisor is not None:
+            rank_zero_info(f"lightning-prague: the supervisor (pid {supervisor.pid}) logs to {supervisor.log_file}")
 
     @override
     def _configure_launcher(self) -> None:

@@ -34,6 +34,8 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lightning_prague.core.auth import LAUNCH_VARIABLE, known_launch_id, new_launch_id
+
 log = logging.getLogger(__name__)
 
 
@@ -53,6 +55,10 @@ class SurvivingScriptLauncher(_SubprocessScriptLauncher):
             args, kwargs = resume_from_last(function, args, kwargs)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
+            if self.num_nodes == 1 and known_launch_id() is None:
+                # every rank of this launch is a child of this process: they inherit its id, and refuse a
+                # control plane that serves another launch (an earlier job's supervisor on a fixed port)
+                os.environ[LAUNCH_VARIABLE] = new_launch_id()
             self._call_children_scripts()
             threading.Thread(
                 target=_report_exits, args=(list(self.procs),), name="prague-children", daemon=True

@@ -12,13 +12,17 @@ control plane's decision, `GroupWorker.agree`) every member takes the same branc
 so the results are alike and the members' next messages stay in step. Without it (after a fit,
 when no control plane runs) the members decide each on its own.
 A gather costs two sums (the shapes, then the padded tensors in one slot per member), a
-broadcast of an object two sums (its size, then its bytes). They run where no exchange is in
-flight (the strategies call them where the ranks are aligned).
+broadcast of an object two sums (its size, then its bytes). An object travels as `torch.save`
+writes it and is read with `torch.load(weights_only=True)`, never unpickled: what another process
+sent builds tensors, numbers, strings and containers, never runs code. An object that cannot be
+read that way (an instance of a class of the user's) fails on every member with a `TypeError`.
+They run where no exchange is in flight (the strategies call them where the ranks are aligned).
 """
 
 from __future__ import annotations
 
-import pickle
+import io
+import pathlib
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -87,16 +91,47 @@ class MemberCollectives:
         return out
 
     def broadcast_object(self, obj: Any, src: int) -> tuple[bool, Any]:
-        """`(True, src's obj)` on every member, or `(False, None)` if a member was lost."""
+        """`(True, src's obj)` on every member, or `(False, None)` if a member was lost.
+
+        Raises `TypeError` on every member if `obj` is not something `torch.load(weights_only=True)`
+        reads back (see the module docstring).
+        """
         mine = self.comm.rank == src
-        payload = pickle.dumps(obj) if mine else b""
-        size = self._sum(torch.tensor([float(len(payload))]), "a broadcast's size")
+        payload = encode_object(obj) if mine else b""
+        size = self._sum(torch.tensor([float(len(payload) if payload is not None else -1)]), "a broadcast's size")
         if size is None:
             return False, None
+        if size.item() < 0:
+            kind = type(obj).__name__ if mine else "an object"
+            raise TypeError(
+                f"rank {src} broadcast {kind}, which torch.load(weights_only=True) cannot read: broadcasts among the "
+                "members carry tensors, numbers, strings and lists, tuples and dicts of them"
+            )
         buffer = torch.zeros(int(size.item()), dtype=torch.float64)
         if mine:
             buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8).double())
         data = self._sum(buffer, "a broadcast")
         if data is None:
             return False, None
-        return True, pickle.loads(bytes(data.to(torch.uint8).tolist()))
+        return True, decode_object(bytes(data.to(torch.uint8).tolist()))
+
+
+def encode_object(obj: Any) -> bytes | None:
+    """`obj` as `torch.save` writes it, or `None` if `decode_object` could not read it back."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj, buffer)
+        payload = buffer.getvalue()
+        decode_object(payload)
+    except Exception:  # torch.load refused it (an UnpicklingError naming the class), or torch.save could not
+        return None
+    return payload
+
+
+def decode_object(payload: bytes) -> Any:
+    """An object that `encode_object` wrote: tensors, numbers, strings and containers only (no code runs)."""
+    with torch.serialization.safe_globals(_PATHS):  # file paths, as Lightning broadcasts checkpoint paths
+        return torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
+
+
+_PATHS = [pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath, pathlib.WindowsPath]
