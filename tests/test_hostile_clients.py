@@ -395,3 +395,15 @@ def test_fencing_never_kills_a_pid_that_a_message_merely_names(fencing_plane, cl
         sock.close()
     finally:
         bystander.kill()
+
+
+def test_a_rank_whose_message_breaks_the_protocol_learns_why_its_connection_was_dropped(plane):
+    from lightning_prague.core.errors import ControlPlaneError
+
+    _, server = plane
+    link = MessageLink(*server.address, 2, timeout=10, credentials=CREDENTIALS)
+    link.send({"op": "beat", "s": 1, "rank": 2, "progress": -1, "waiting": False, "busy": False})
+    with pytest.raises(ControlPlaneError, match=r"refused a message of this rank: 'beat': field 'progress' is -1"):
+        link.receive(timeout=10)
+    link.close()
+    assert server.refused == 1 and server.alive

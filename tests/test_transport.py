@@ -205,11 +205,13 @@ def test_the_supervisor_exits_by_itself_when_nobody_comes_and_when_everyone_has_
     from lightning_prague.core.plane.launch import launch, wait_until_listening
     from lightning_prague.core.protocol import address_key
 
-    # nobody connects within its timeout: it goes
+    # nobody connects: it waits as long as the rendezvous may take (`wait`), not one operation's timeout
     port = free_port()
-    lonely = launch("127.0.0.1", port, 2, timeout=1.0, host_store=True, **LAUNCH)
+    started = time.monotonic()
+    lonely = launch("127.0.0.1", port, 2, timeout=0.2, host_store=True, wait=2.0, **LAUNCH)
     wait_until_listening(lonely, "127.0.0.1", port, timeout=30)
-    assert _wait_for_exit(lonely, 15) == 0
+    assert _wait_for_exit(lonely, 30) == 0
+    assert time.monotonic() - started >= 2.0  # not gone at its operation timeout
     # both ranks come (through the store it hosts) and go: it goes, and takes the store with it
     port = free_port()
     job = launch("127.0.0.1", port, 2, timeout=60.0, host_store=True, **LAUNCH)

@@ -20,6 +20,7 @@ from typing import Any, Optional
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.records import (
     BOOLEAN,
+    MAX_INT,
     BadRecord,
     Record,
     hex_digest,
@@ -255,6 +256,9 @@ def address_key() -> str:
 CHALLENGE = "challenge"
 #: the control plane's answer to a `hello` whose proof holds: `{"t": WELCOME, "proof"}`
 WELCOME = "welcome"
+#: the last line the control plane writes to a rank whose message broke the protocol (it then drops the
+#: connection): `{"t": REFUSED, "error": why}`
+REFUSED = "__refused__"
 #: the longest line read from a connection before it proved it belongs to the job, bytes
 MAX_HELLO_BYTES = 4096
 
@@ -284,7 +288,7 @@ RECORDS: dict[str, Record] = {
     "echo": Record("'echo'", {"op": one_of("echo"), "rank": _RANK, "item": json_object(16)}),
     "join": _session_record(
         "join",
-        {"addresses": list_of(text(64), 64)},
+        {"addresses": list_of(text(64), 1024)},
         config=json_object(),
         pid=integer(0, 1 << 31),
         host=text(255),
@@ -313,7 +317,7 @@ RECORDS: dict[str, Record] = {
 _KV = {"op": one_of("kv"), **_REQUEST}
 #: the key-value operations of a session (`{"op": "kv", "do": ...}`), as TCPStore's and the work queue's
 KV_RECORDS: dict[str, Record] = {
-    "add": Record("'kv' add", {**_KV, "do": one_of("add"), "key": _KEY, "amount": integer(-MAX_RANK, MAX_RANK)}),
+    "add": Record("'kv' add", {**_KV, "do": one_of("add"), "key": _KEY, "amount": integer(-MAX_INT, MAX_INT)}),
     "set": Record("'kv' set", {**_KV, "do": one_of("set"), "key": _KEY, "value": _VALUE}),
     "cas": Record("'kv' cas", {**_KV, "do": one_of("cas"), "key": _KEY, "expected": _VALUE, "desired": _VALUE}),
     "claim": Record(

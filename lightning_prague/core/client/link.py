@@ -25,6 +25,7 @@ from lightning_prague.core.protocol import (
     HELLO,
     MAX_HELLO_BYTES,
     RECV_BYTES,
+    REFUSED,
     WELCOME,
     Message,
     encode_line,
@@ -199,6 +200,8 @@ class MessageLink:
                 self.received += 1
                 if message.get("t") == FAILED:
                     self.server_error = str(message.get("error"))
+                elif message.get("t") == REFUSED:  # a bug of this package: a message outside the protocol
+                    self.server_error = f"it refused a message of this rank: {message.get('error')}"
                 elif self.router is None or not self.router(message):
                     self._queue.put(message)
         if self.server_error is not None:

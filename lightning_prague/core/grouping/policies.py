@@ -82,7 +82,7 @@ class GroupingPolicy:
         Raises `ConfigurationError` for a policy that is not one of this package's kinds: the
         control plane never runs code that a training process sends, only the policies it knows.
         """
-        if not self.kind or SPEC_RECORDS.get(self.kind) is None:
+        if "kind" not in type(self).__dict__ or SPEC_RECORDS.get(self.kind) is None:  # a subclass: code of its own
             raise ConfigurationError(
                 f"{type(self).__name__} cannot be sent to the control plane: it rebuilds only the policies "
                 f"{', '.join(SPEC_RECORDS)} from their specs"

@@ -149,6 +149,13 @@ def _fork(argv: list[str], log_file: Path, secret: bytes) -> Supervisor:
             logging.root.removeHandler(handler)
         main(argv)
         status = 0
+    except SystemExit as err:  # its reason, where rank 0 reads it (the log file is this process's stderr)
+        print(f"supervisor: {err}", file=sys.stderr, flush=True)
+        status = err.code if isinstance(err.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
     finally:
         os._exit(status)
 

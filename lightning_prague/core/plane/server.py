@@ -38,6 +38,7 @@ from lightning_prague.core.protocol import (
     MAX_HELLO_BYTES,
     MAX_RANK,
     RECV_BYTES,
+    REFUSED,
     WELCOME,
     BadMessage,
     Message,
@@ -350,6 +351,11 @@ class MessageServer:
             why,
         )
         self.refused += 1
+        if conn.rank is not None and not conn.closed:  # a rank that proved who it is learns why (best effort)
+            try:
+                conn.sock.send(bytes(conn.outbuf) + encode_line({"t": REFUSED, "error": why[:500]}))
+            except OSError:
+                pass
         self._drop(selector, conn)
 
     def _drop(self, selector: selectors.BaseSelector, conn: _Connection) -> None:
