@@ -229,7 +229,7 @@ class ControlPlane:
         try:
             self._handle(message, rank, out)
         except Exception as err:  # a malformed message must not kill the control plane
-            log.exception("control plane rejected message %s", message)
+            log.exception("control plane rejected a message of rank %d: %.300s", rank, message)
             error = f"the control plane rejected {message.get('op')!r}: {type(err).__name__}: {err}"
             item: Item = {"t": "error", "source": CONTROL_PLANE, "message": error}
             if "req" in message:

@@ -15,8 +15,15 @@ The server is `MessageServer` (one thread, `selectors`); it tells its owner when
 and when a rank's connection closes (a process that ends, however it ends, closes its sockets: this
 is how the control plane sees a lost worker within milliseconds). The client is `MessageLink`: a
 reader thread takes every line off the socket as it arrives and hands it to a router, so a
-worker learns of a departure or a stop even while no thread of it waits on the link. Both are pure
-sockets: nothing here knows what the messages mean.
+worker learns of a departure or a stop even while no thread of it waits on the link.
+
+Anyone who reaches the port may connect, so the server trusts nothing a connection sends: the
+connection first proves that it belongs to this launch (`lightning_prague.core.auth`; one line of
+at most `MAX_HELLO_BYTES` within `HELLO_SECONDS`, at most `MAX_UNPROVEN` such connections at once),
+which binds its rank to it; then every line must be a record of the protocol
+(`lightning_prague.core.protocol.decode_message`) in that rank's own name. Anything else costs that
+connection only (`_refuse`, logged with its peer's address); what the messages mean is the
+handler's business.
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ MAX_PENDING_BYTES = 256 << 20
 HELLO_SECONDS = 10.0
 #: connections that have not proved it yet, at most: past it the oldest of them is dropped
 MAX_UNPROVEN = 1024
+#: dropped connections logged as warnings per window of seconds (the rest at debug level, then counted)
+REFUSALS_LOGGED, REFUSALS_WINDOW = 20, 60.0
 
 __all__ = ["MAX_RANK", "BadMessage", "MessageServer", "decode_message"]
 
@@ -139,6 +148,7 @@ class MessageServer:
         self._waiting: dict[int, bytearray] = {}  # items for ranks that have not connected yet
         self._dropped: list[int] = []  # ranks whose connection closed in this pass of the loop
         self._unproven: OrderedDict[int, _Connection] = OrderedDict()  # by id, oldest first
+        self._refusals_since, self._refusals_logged, self._refusals_unlogged = 0.0, 0, 0
 
     def ends(self, rank: int) -> tuple[tuple[str, int], tuple[str, int]] | None:
         """`(client, server)` addresses of `rank`'s connection, while it is connected."""
@@ -343,7 +353,16 @@ class MessageServer:
 
     def _refuse(self, selector: selectors.BaseSelector, conn: _Connection, why: str) -> None:
         """Drop one connection that broke the protocol; the plane and every other connection go on."""
-        log.warning(
+        now = time.monotonic()
+        if now - self._refusals_since >= REFUSALS_WINDOW:  # a new window: say how many were not logged
+            if self._refusals_unlogged:
+                log.warning("%s: %d more connections dropped", self.name, self._refusals_unlogged)
+            self._refusals_since, self._refusals_logged, self._refusals_unlogged = now, 0, 0
+        self._refusals_logged += 1
+        level = logging.WARNING if self._refusals_logged <= REFUSALS_LOGGED else logging.DEBUG
+        self._refusals_unlogged += level == logging.DEBUG  # a flood does not flood the log
+        log.log(
+            level,
             "%s: dropped the connection from %s%s: %s",
             self.name,
             conn.peer,
