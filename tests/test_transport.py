@@ -287,3 +287,23 @@ def test_a_server_that_fails_tells_every_client_its_error_before_closing():
                 link.receive(timeout=5)
     finally:
         server.close()
+
+
+def test_a_router_that_fails_ends_the_link_with_its_error_not_a_silent_reader():
+    server = _echo_server()
+    host, port = server.address
+
+    def router(message: dict) -> bool:
+        if message.get("t") == "poison":
+            raise KeyError("req")
+        return False
+
+    link = MessageLink(host, port, 0, timeout=10, credentials=CREDENTIALS, router=router)
+    try:
+        link.send({"op": "x", "rank": 0, "to": {"0": [{"t": "fine"}, {"t": "poison"}, {"t": "after"}]}})
+        assert link.receive(timeout=5) == {"t": "fine"}
+        with pytest.raises(ControlPlaneError, match=r"could not handle its item \{'t': 'poison'\} \(KeyError"):
+            link.receive(timeout=5)
+    finally:
+        link.close()
+        server.close()

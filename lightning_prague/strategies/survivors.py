@@ -51,7 +51,8 @@ class Survivors:
         session = strategy.session
         if session is None or not session.departed:
             return
-        lost = {r: (session.departed_at.get(r, 0.0), why) for r, why in session.departed.items()}
+        departed, at = dict(session.departed), dict(session.departed_at)  # the reader thread adds to them
+        lost = {r: (at.get(r, 0.0), why) for r, why in departed.items()}
         strategy.lost_workers = lost
         if strategy.is_global_zero:
             lines = "; ".join(

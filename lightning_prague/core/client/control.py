@@ -283,9 +283,10 @@ class Session:
     def lost_error(self, during: str) -> MemberLost:
         """The error a rank raises when members departed (naming them and why)."""
         # in the order the control plane saw them go: the first is the cause, later ones may have followed it
-        names = "; ".join(f"rank {r}: {why}" for r, why in self.departed.items())
+        departed = dict(self.departed)  # a snapshot: the reader thread adds to it (cascading losses)
+        names = "; ".join(f"rank {r}: {why}" for r, why in departed.items())
         return MemberLost(
-            f"rank {self.rank}: rank{'s' if len(self.departed) > 1 else ''} {list(self.departed)} left the job "
+            f"rank {self.rank}: rank{'s' if len(departed) > 1 else ''} {list(departed)} left the job "
             f"during {during} ({names}); this job cannot go on without them"
         )
 

@@ -190,6 +190,8 @@ class MessageLink:
             lines = bytes(buffer[:end]).split(b"\n")
             del buffer[: end + 1]
             for line in lines:
+                if self.server_error is not None:  # the connection ends here: nothing after it is handled
+                    break
                 try:
                     message = json.loads(line)
                 except ValueError:
@@ -202,7 +204,7 @@ class MessageLink:
                     self.server_error = str(message.get("error"))
                 elif message.get("t") == REFUSED:  # a bug of this package: a message outside the protocol
                     self.server_error = f"it refused a message of this rank: {message.get('error')}"
-                elif self.router is None or not self.router(message):
+                elif self.router is None or not self._routed(message):
                     self._queue.put(message)
         if self.server_error is not None:
             try:  # the server closes a failed connection itself; a malformed one is closed here
@@ -220,6 +222,16 @@ class MessageLink:
             except Exception:
                 log.exception("rank %d: error while handling the closed connection", self.rank)
         self._queue.put(None)
+
+    def _routed(self, message: Message) -> bool:
+        """The router's answer; a router that fails ends the link with its error (never a silent reader)."""
+        assert self.router is not None
+        try:
+            return self.router(message)
+        except Exception as err:
+            log.exception("rank %d: handling an item of %s failed", self.rank, self.peer)
+            self.server_error = f"this rank could not handle its item {str(message)[:80]} ({type(err).__name__}: {err})"
+            return True
 
     def receive(self, timeout: float | None = None) -> Message | None:
         """The next message not taken by the router, or `None` if none arrived within `timeout`
