@@ -412,7 +412,6 @@ class MessageServer:
             waiting = self._waiting.pop(rank, None)
             if waiting:
                 conn.outbuf += waiting
-                touched[rank] = conn
             if self.on_connect is not None:
                 self._route(self._guarded(self.on_connect, rank), touched)
             return
