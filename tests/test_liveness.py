@@ -1,11 +1,14 @@
-"""The hang rule: a worker is judged by its own step times, a waiting or busy worker is not hung."""
+"""The hang rule: a worker is judged by its own step times and its signs of life; a waiting, busy or
+computing worker is not hung."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
+from lightning_prague.core.client.activity import ThreadActivity
 from lightning_prague.core.client.beacon import Beacon
 from lightning_prague.core.plane.liveness import HangDetector
 from lightning_prague.core.protocol import HangRule
@@ -34,13 +37,15 @@ def run_steps(hangs: HangDetector, clock: Clock, rank: int, step: float, seconds
     return progress
 
 
-def test_the_bound_follows_each_workers_own_step_time_and_is_at_most_30s_for_50ms_steps():
+def test_the_bound_follows_each_workers_own_step_time_and_is_60s_blocked_10s_silent_for_50ms_steps():
     rule = HangRule()
-    assert rule.bound(0.05, busy=False, timeout=300.0) == 10.0
-    assert rule.bound(0.25, busy=False, timeout=300.0) == 10.0  # 5x slower: same bound
-    assert rule.bound(2.0, busy=False, timeout=300.0) == 40.0  # slow steps: a longer bound
+    assert rule.bound(0.05, busy=False, timeout=300.0) == 60.0
+    assert rule.bound(0.25, busy=False, timeout=300.0) == 60.0  # 5x slower: same bound
+    assert rule.bound(5.0, busy=False, timeout=300.0) == 100.0  # slow steps: a longer bound
     assert rule.bound(None, busy=False, timeout=300.0) == 300.0  # no step timed yet
     assert rule.bound(0.05, busy=True, timeout=300.0) == 300.0  # an epoch's end, a checkpoint
+    assert rule.silence_bound(0.05, busy=False, timeout=300.0) == 10.0  # a frozen process: silent
+    assert HangRule(floor=3.0).silence_bound(0.05, busy=False, timeout=300.0) == 3.0  # never above `floor`
 
 
 def test_a_5x_slow_worker_is_never_hung_and_a_stalled_one_is_declared_after_its_bound():
@@ -55,16 +60,17 @@ def test_a_5x_slow_worker_is_never_hung_and_a_stalled_one_is_declared_after_its_
         hangs.beat(0, fast, False, False, 0.05)
         hangs.beat(1, slow, False, False, 0.25)
         assert hangs.hung() == []
-    for second in range(1, 12):  # rank 1 stops progressing; its beacon still beats
+    for second in range(1, 62):  # rank 1 stops progressing, shows no sign of life; its beacon still beats
         clock.now += 1.0
         fast += 20
         hangs.beat(0, fast, False, False, 0.05)
         hangs.beat(1, slow, False, False, 0.25)
         found = hangs.hung()
-        if second <= 10:
+        if second <= 60:
             assert found == []
     assert len(found) == 1 and found[0][0] == 1
-    assert "no training progress for 11.0s (bound 10.0s from its step time 0.250s)" in found[0][1]
+    assert "no training progress for 61.0s and no sign of life for 61.0s" in found[0][1]
+    assert "bound 60.0s from its step time 0.250s" in found[0][1]
     assert hangs.hung() == []  # reported once
 
 
@@ -95,6 +101,40 @@ def test_a_busy_worker_whose_beacon_beats_is_never_hung():
         assert hangs.hung() == []
 
 
+def test_a_worker_that_computes_for_minutes_is_slow_and_only_a_livelock_hits_the_long_bound():
+    hangs, clock = detector(timeout=600.0)
+    hangs.joined(0)
+    progress = run_steps(hangs, clock, 0, 0.05, 5)
+    for _ in range(599):  # one step computes for ten minutes: no progress, but its thread is active
+        clock.now += 1.0
+        hangs.beat(0, progress, waiting=False, busy=False, step=0.05, active=True)
+        assert hangs.hung() == []
+    progress = run_steps(hangs, clock, 0, 0.05, 2, progress)  # it trains on
+    assert hangs.hung() == []
+    for _ in range(601):  # a livelock: active, never progressing
+        clock.now += 1.0
+        hangs.beat(0, progress, waiting=False, busy=False, step=0.05, active=True)
+        found = hangs.hung()
+        if found:
+            break
+    assert found[0][0] == 0 and "although its training thread is active" in found[0][1]
+
+
+def test_a_silent_worker_that_uses_the_cpu_on_the_planes_host_is_computing_and_a_stopped_one_is_hung():
+    hangs, clock = detector()
+    cpu = {0: 1.0, 1: None}  # rank 0 holds the interpreter in one long call; rank 1 is SIGSTOPped
+    hangs.probe = lambda rank: cpu[rank]
+    for rank in (0, 1):
+        hangs.joined(rank)
+        run_steps(hangs, clock, rank, 0.05, 3)
+    found = []
+    for _ in range(40):
+        clock.now += 1.0
+        cpu[0] += 0.9
+        found += hangs.hung()
+    assert [rank for rank, _ in found] == [1] and "nothing heard from it" in found[0][1]
+
+
 def test_a_busy_worker_that_goes_silent_gets_three_times_its_bound():
     # a cut link or a frozen process in a busy stretch (an epoch's end): not the session's timeout
     hangs, clock = detector(timeout=1800.0)
@@ -105,7 +145,7 @@ def test_a_busy_worker_that_goes_silent_gets_three_times_its_bound():
     assert hangs.hung() == []
     clock.now += 2.0
     found = hangs.hung()
-    assert found[0][0] == 0 and "nothing heard from it for 31.0s (bound 30.0s from 3 x its bound" in found[0][1]
+    assert found[0][0] == 0 and "nothing heard from it for 31.0s (bound 30.0s from 3 x its silent bound" in found[0][1]
     assert HangRule().silence_bound(None, True, 1800.0) == 1800.0  # no step timed yet: the long bound
 
 
@@ -151,3 +191,54 @@ def test_the_strategies_reject_a_hang_rule_that_is_not_positive(floor, factor):
 
     with pytest.raises(ConfigurationError, match="hang_timeout"):
         PartialAllReduceStrategy(hang_timeout=floor, hang_factor=factor)
+
+
+def _activity_of(work) -> list[bool]:
+    """Three samples of a thread's signs of life while it runs `work(stop)`."""
+    stop = threading.Event()
+    activity = ThreadActivity()
+    ready = threading.Event()
+
+    def run() -> None:
+        activity.watch()
+        ready.set()
+        work(stop)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    ready.wait(5)
+    samples = []
+    try:
+        activity.sample()
+        for _ in range(3):
+            time.sleep(0.3)
+            samples.append(activity.sample())
+    finally:
+        stop.set()
+        thread.join(5)
+    return samples
+
+
+def test_a_thread_that_computes_is_active_and_one_that_blocks_or_sleeps_in_a_loop_is_not():
+    def compute(stop: threading.Event) -> None:
+        while not stop.is_set():
+            sum(i * i for i in range(1000))
+
+    def block(stop: threading.Event) -> None:
+        stop.wait()
+
+    def sleep_in_a_loop(stop: threading.Event) -> None:  # the demo's `hang` fault
+        while not stop.is_set():
+            time.sleep(1.0)
+
+    assert all(_activity_of(compute))
+    assert not any(_activity_of(block))
+    assert not any(_activity_of(sleep_in_a_loop))
+
+
+def test_a_busy_device_is_a_sign_of_life():
+    activity = ThreadActivity(device_busy=lambda: True)
+    activity.watch()
+    activity.sample()
+    assert activity.sample()
+    assert not ThreadActivity(device_busy=lambda: False).sample()  # nothing watched, an idle device

@@ -19,7 +19,7 @@ from lightning_prague.core.exchange.worker import GroupWorker
 
 def test_the_defaults_form_a_hierarchy_that_survives_what_ddp_survives():
     strategy = PartialAllReduceStrategy()
-    assert strategy.hang_rule.floor == 10.0 < strategy.operation_timeout == 300.0 < strategy.sync_timeout == 1800.0
+    assert strategy.hang_rule.floor == 60.0 < strategy.operation_timeout == 300.0 < strategy.sync_timeout == 1800.0
     assert strategy._timeout > timedelta(seconds=strategy.sync_timeout)  # the backend's own fires last
     # a longer timeout raises the synchronization bound with it
     assert DecentAdamStrategy(timeout=2400.0).sync_timeout == 2400.0

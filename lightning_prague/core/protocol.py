@@ -89,31 +89,46 @@ SILENT_SECONDS = 3 * BEAT_SECONDS
 
 @dataclass(frozen=True)
 class HangRule:
-    """When a worker counts as hung (see `lightning_prague.core.plane.liveness`); part of a session's configuration."""
+    """When a worker counts as hung (see `lightning_prague.core.plane.liveness`); part of a session's configuration.
 
-    floor: float = 10.0
+    A worker without training progress is judged by what else it shows (its beacon reports it,
+    `lightning_prague.core.client.activity`):
+
+    * **moving** (its training thread uses the CPU, its stack moves, or its device has work): it is
+      slow, not dead; only the session's long bound (`sync_timeout`) ends it (a livelock);
+    * **blocked** (none of these: a deadlock, a wait on a lock or on I/O that never returns): hung
+      after `max(floor, factor x its longest recent step)`, 60 s by default, as torchft's collectives
+      (DDP waits 1,800 s; 60 s outlasts a network file system's stall or a long logging call);
+    * **silent** (not even its beacon thread beats: a frozen or SIGSTOPped process, a lost node): hung
+      after `max(min(silent_floor, floor), factor x its step)`, 10 s by default; on the control
+      plane's own host a silent process that is running and using the CPU (a C call that holds the
+      interpreter) counts as moving.
+    """
+
+    floor: float = 60.0
     factor: float = 20.0
     #: steps a worker must have timed before its own history sets its bound
     min_steps: int = 1
-
     #: a busy worker (outside its steps) is declared hung after this many times its bound without a
     #: word: its beacon thread beats whatever its training thread does, so a long silence means the
     #: process is frozen or cut off (a network partition), even in a checkpoint that may take longer
     silent_busy_factor: float = 3.0
+    #: the shortest silence (no beat at all) after which a stepping worker is hung (never above `floor`)
+    silent_floor: float = 10.0
 
     def bound(self, step: Optional[float], busy: bool, timeout: float) -> float:
-        """Seconds without progress after which a worker is declared hung."""
+        """Seconds without progress and without any sign of life after which a worker is hung (blocked)."""
         if busy or step is None:
             return timeout
         return max(self.floor, self.factor * step)
 
     def silence_bound(self, step: Optional[float], busy: bool, timeout: float) -> float:
-        """Seconds without a word (not even a beat) after which a worker is declared hung: its bound, or
-        `silent_busy_factor` times its stepping bound while it is busy (before its first timed step:
+        """Seconds without a word (not even a beat) after which a worker is declared hung: its silent
+        bound, or `silent_busy_factor` times it while it is busy (before its first timed step:
         `timeout`, as for progress: a first step that compiles may hold the interpreter)."""
         if step is None:
             return timeout
-        stepping = max(self.floor, self.factor * step)
+        stepping = max(min(self.silent_floor, self.floor), self.factor * step)
         return min(timeout, self.silent_busy_factor * stepping) if busy else stepping
 
 
@@ -171,6 +186,7 @@ HANG_RECORD = Record(
         "factor": number(0.0, 1e6),
         "min_steps": integer(0, 1 << 20),
         "silent_busy_factor": number(0.0, 1e6),
+        "silent_floor": _SECONDS,
     },
 )
 CONFIG_RECORD = Record(
@@ -269,6 +285,8 @@ _COUNT = integer()
 _KEY = text(512)
 _VALUE = text(1 << 16)
 _CHUNKS = list_of(integer(), 1 << 16)
+#: a ticket as the queue's claims count it: a set-aside ticket is at most 0 (`WorkLedger.set_aside`)
+_TICKET = integer(-MAX_RANK - 1, MAX_INT)
 _HEX = hex_digest(64)
 #: the fields of every message of a session
 _IN_SESSION = {"s": _SESSION, "rank": _RANK}
@@ -293,11 +311,19 @@ RECORDS: dict[str, Record] = {
         pid=integer(0, 1 << 31),
         host=text(255),
     ),
-    "beat": _session_record("beat", {"step": optional(_SECONDS)}, progress=_COUNT, waiting=BOOLEAN, busy=BOOLEAN),
+    "beat": _session_record(
+        "beat", {"step": optional(_SECONDS), "active": BOOLEAN}, progress=_COUNT, waiting=BOOLEAN, busy=BOOLEAN
+    ),
     "close": _session_record("close"),
     "leave": _session_record("leave"),
     "idle": _session_record("idle"),
     "stop": _session_record("stop", {"reason": text(64)}),
+    # chunks of the work queue this rank now holds (`tickets`: the claim values of their tickets) or trained
+    "work": _session_record(
+        "work",
+        {"hold": _CHUNKS, "tickets": list_of(optional(_TICKET), 1 << 16), "done": _CHUNKS},
+        key=_KEY,
+    ),
     "parked": _session_record("parked", request=True),
     "history": _session_record("history", request=True),
     "ready": _session_record("ready", {"version": _COUNT}, request=True),
@@ -323,7 +349,13 @@ KV_RECORDS: dict[str, Record] = {
     "claim": Record(
         "'kv' claim",
         {**_KV, "do": one_of("claim"), "key": _KEY, "first": _COUNT, "ticketed": _COUNT},
-        {"tickets": optional(_KEY), "held": _CHUNKS, "num": _COUNT},
+        {
+            "tickets": optional(_KEY),
+            "num": _COUNT,
+            "chunk": _COUNT,
+            "members": list_of(_RANK, MAX_RANK + 1),
+            "preset": list_of(integer(-1, MAX_INT), MAX_RANK + 1),
+        },
     ),
     "get": Record("'kv' get", {**_KV, "do": one_of("get"), "key": _KEY}),
     "check": Record("'kv' check", {**_KV, "do": one_of("check"), "keys": list_of(_KEY, 64)}),

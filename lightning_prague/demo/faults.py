@@ -10,7 +10,13 @@ A fault is `RANK:BATCH:KIND`: when rank `RANK` starts the training step of its `
 - `hang`: sleeps forever in `training_step` (a deadlock; its threads keep running);
 - `stop`: stops itself with SIGSTOP (a frozen process: nothing of it runs);
 - `kill-in-validation`: ends with SIGKILL in its first validation step after that batch (while
-  the ranks are aligned: the others are validating, or syncing the metrics).
+  the ranks are aligned: the others are validating, or syncing the metrics);
+- `kill-after-step`: ends with SIGKILL at the end of that batch, after its optimizer step and the
+  trainer's callbacks (a batch that was trained, and must not be trained again);
+- `compute=SECONDS`: computes on the CPU for that long in `training_step`, then trains on (a slow
+  step: a callback that renders images, a recompile; it must not be taken for a hang);
+- `block=SECONDS`: blocks for that long without using the CPU, then trains on (a stall of a network
+  file system, a lock held elsewhere).
 
 Before it strikes it writes `fault.RANK.json` (`kind`, wall-clock `time`) to the given directory,
 so that a test or a benchmark can time the detection. A fault strikes in a job's first attempt
@@ -29,7 +35,13 @@ from typing import Any
 
 from lightning_prague.core.errors import ConfigurationError
 
-KINDS = ("kill", "kill-in-exchange", "raise", "hang", "stop", "kill-in-validation")
+KINDS = (
+    "kill", "kill-in-exchange", "raise", "hang", "stop", "kill-in-validation", "kill-after-step", "compute", "block"
+)  # fmt: skip
+#: the kinds that strike somewhere else than at the start of a training step
+_ELSEWHERE = ("kill-in-validation", "kill-after-step")
+#: the kinds that last `=SECONDS` and then let the rank train on
+TIMED = ("compute", "block")
 
 
 @dataclass(frozen=True)
@@ -37,16 +49,22 @@ class Fault:
     rank: int
     batch: int
     kind: str
+    seconds: float = 0.0
 
     @classmethod
     def parse(cls, spec: str) -> Fault:
         try:
             rank, batch, kind = spec.split(":")
-            fault = cls(int(rank), int(batch), kind)
+            kind, _, seconds = kind.partition("=")
+            fault = cls(int(rank), int(batch), kind, float(seconds) if seconds else 0.0)
         except ValueError:
             raise ConfigurationError(f"fault {spec!r} is not RANK:BATCH:KIND (e.g. 2:10:kill)") from None
         if fault.kind not in KINDS or fault.batch < 1 or fault.rank < 0:
             raise ConfigurationError(f"fault {spec!r}: KIND is one of {', '.join(KINDS)} and BATCH counts from 1")
+        if (fault.kind in TIMED) != (fault.seconds > 0):
+            raise ConfigurationError(
+                f"fault {spec!r}: {'/'.join(TIMED)} take =SECONDS (e.g. 2:10:compute=30), no other"
+            )
         return fault
 
 
@@ -55,15 +73,21 @@ def inject_faults(model: Any, faults: list[Fault], directory: Path) -> None:
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
         return
     plan = {f.rank: f for f in faults}
-    step, validation_step = model.training_step, model.validation_step
+    step, validation_step, batch_end = model.training_step, model.validation_step, model.on_train_batch_end
     seen = [0]
 
     def training_step(*args: Any, **kwargs: Any) -> Any:
         seen[0] += 1
         fault = plan.get(model.trainer.global_rank)
-        if fault is not None and seen[0] == fault.batch and fault.kind != "kill-in-validation":
+        if fault is not None and seen[0] == fault.batch and fault.kind not in _ELSEWHERE:
             strike(fault, directory)
         return step(*args, **kwargs)
+
+    def on_train_batch_end(*args: Any, **kwargs: Any) -> Any:
+        fault = plan.get(model.trainer.global_rank)
+        if fault is not None and seen[0] == fault.batch and fault.kind == "kill-after-step":
+            strike(fault, directory)
+        return batch_end(*args, **kwargs)
 
     def validating_step(*args: Any, **kwargs: Any) -> Any:
         fault = plan.get(model.trainer.global_rank)
@@ -73,11 +97,19 @@ def inject_faults(model: Any, faults: list[Fault], directory: Path) -> None:
 
     model.training_step = training_step
     model.validation_step = validating_step
+    model.on_train_batch_end = on_train_batch_end
 
 
 def strike(fault: Fault, directory: Path) -> None:
     (directory / f"fault.{fault.rank}.json").write_text(json.dumps({"kind": fault.kind, "time": time.time()}))
-    if fault.kind in ("kill", "kill-in-validation"):
+    if fault.kind == "compute":
+        end = time.monotonic() + fault.seconds
+        total = 0
+        while time.monotonic() < end:  # pure Python: the interpreter switches threads, the beacon beats
+            total += sum(i * i for i in range(10_000))
+    elif fault.kind == "block":
+        time.sleep(fault.seconds)
+    if fault.kind in ("kill", "kill-in-validation", "kill-after-step"):
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.kind == "kill-in-exchange":
         _kill_in_next_exchange()

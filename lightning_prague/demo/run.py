@@ -72,7 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grouping-timeout", type=float, default=300.0, help="timeout of every wait (s)")
     parser.add_argument("--min-workers", type=int, default=1, help="stop the job when fewer workers remain")
     parser.add_argument(
-        "--hang-timeout", type=float, default=10.0, help="shortest time without progress before a worker is hung (s)"
+        "--hang-timeout",
+        type=float,
+        default=60.0,
+        help="shortest time without progress or sign of life before a worker is hung (s)",
     )
     parser.add_argument(
         "--hang-factor", type=float, default=20.0, help="a worker is hung after this many times its step time (or more)"

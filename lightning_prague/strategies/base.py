@@ -117,7 +117,7 @@ class DecentralizedStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         min_workers: int = 1,
-        hang_timeout: float = 10.0,
+        hang_timeout: float = 60.0,
         hang_factor: float = 20.0,
         sync_timeout: Optional[float] = None,
         coordinator_port: Optional[int] = None,
@@ -132,7 +132,8 @@ class DecentralizedStrategy(DDPStrategy):
                 claim on the work queue) may take before failing with an error that names the
                 ranks and the operation (a `datetime.timedelta`, as `DDPStrategy` takes, is
                 accepted too). The timeouts form a hierarchy, each bound above the one before:
-                `hang_timeout` (a worker without progress is declared hung and fenced, 10 s),
+                `hang_timeout` (a worker without progress or any sign of life is declared hung and
+                fenced, 60 s; one that computes is never declared for a long step),
                 `timeout` (one operation, 300 s), `sync_timeout` (every rank reaching one
                 synchronization point, and a worker busy outside its steps, such as rank 0
                 writing a checkpoint; 1800 s as DDP's collectives), then the backend's own
@@ -152,10 +153,14 @@ class DecentralizedStrategy(DDPStrategy):
                 others run on `torch.multiprocessing`, which ends every process).
             min_workers: stop the job (every rank at its next synchronization point, as when
                 `trainer.should_stop` is set) when fewer workers than this remain.
-            hang_timeout: the shortest time without training progress after which a worker is
-                declared hung and fenced (`lightning_prague.core.plane.liveness`).
+            hang_timeout: the shortest time without training progress and without any sign of life
+                (its training thread used no CPU, its stack did not move, its device was idle) after
+                which a worker is declared hung and fenced (`lightning_prague.core.plane.liveness`):
+                60 s, as torchft's collectives. A worker that computes is slow, not hung: only
+                `sync_timeout` bounds it. A silent worker (a frozen process, a lost node) is declared
+                after `min(10 s, hang_timeout)` or `hang_factor` x its step.
             hang_factor: a worker is declared hung after `max(hang_timeout, hang_factor x` its
-                longest recent step`)` without progress (steps timed on that worker).
+                longest recent step`)` without progress or sign of life (steps timed on that worker).
             sync_timeout: seconds the ranks may take to all reach a synchronization point (its
                 meeting and Lightning's collectives there: a barrier after rank 0 wrote a
                 checkpoint), and a worker may stay busy outside its steps (an epoch's end, a
@@ -416,6 +421,8 @@ class DecentralizedStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.progress is not None and self.progress.loader is not None:
+            self.progress.loader.report_trained()  # trained: before its update reaches any other model
         if self.worker is not None and self.exchanger is not None:
             self.local_steps += 1
             self.worker.version += 1

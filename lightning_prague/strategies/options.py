@@ -46,7 +46,7 @@ class StrategyOptions:
     average_at_sync: bool = True
     bucket_mb: float = 25.0
     min_workers: int = 1
-    hang_timeout: float = 10.0
+    hang_timeout: float = 60.0
     hang_factor: float = 20.0
     #: seconds every rank may take to reach one synchronization point; `None`: see `sync_bound`
     sync_timeout: Optional[float] = None

@@ -186,6 +186,7 @@ def main() -> None:
     extra.add_argument("--user-allreduce", action="store_true")
     extra.add_argument("--exception-checkpoint", help="add OnExceptionCheckpoint writing to this directory")
     extra.add_argument("--count-host-syncs", action="store_true")
+    extra.add_argument("--record-samples", action="store_true", help="samples.rankR.jsonl: what each rank trained")
     own, rest = extra.parse_known_args()
     args = run.parse_args(rest)
     callbacks = []
@@ -202,6 +203,10 @@ def main() -> None:
         callbacks.append(StateAtStop(args.json))
     if own.timer is not None:
         callbacks.append(L.pytorch.callbacks.Timer(duration={"seconds": own.timer}))
+    if own.record_samples:
+        from samples import SampleRecorder
+
+        callbacks.append(SampleRecorder(args.json.parent))
     trainer, model, data, summary, checkpoint = run.build(args, callbacks)
     if own.module_stop_rank is not None:
         stop_in_module(model, own.module_stop_rank, own.module_stop_batch)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
+from lightning_prague.core.client.activity import ThreadActivity
 from lightning_prague.core.protocol import BEAT_SECONDS, HangRule
 
 log = logging.getLogger(__name__)
@@ -23,12 +24,21 @@ class Beacon:
     """A worker's side: what its training thread reports, and the thread that sends it.
 
     `send(fields)` delivers one beat (the session's `send("beat", **fields)`); it is called from
-    the beacon's own thread, which keeps beating while the training thread is blocked.
+    the beacon's own thread, which keeps beating while the training thread is blocked. Each beat
+    says whether the training thread showed a sign of life besides progress (`activity`: it uses
+    the CPU, its stack moves, its device works): a long step that computes is slow, not hung.
     """
 
-    def __init__(self, rule: HangRule, interval: float = BEAT_SECONDS, history: int = 32) -> None:
+    def __init__(
+        self,
+        rule: HangRule,
+        interval: float = BEAT_SECONDS,
+        history: int = 32,
+        activity: Optional[ThreadActivity] = None,
+    ) -> None:
         self.rule = rule
         self.interval = interval
+        self.activity = activity if activity is not None else ThreadActivity()
         self.progress = 0
         self.busy = True  # setup: until the first batch
         self._waiting = 0  # nested waits on other ranks in progress
@@ -49,6 +59,7 @@ class Beacon:
     def bump(self) -> None:
         """A batch starts: progress, and (unless a busy stretch came between) one more step time."""
         now = time.monotonic()
+        self.activity.watch()  # the thread that trains
         with self._lock:
             if self._last_bump is not None and not self.busy:
                 self._steps.append(max(0.0, now - self._last_bump - self._waited_seconds))
@@ -62,6 +73,7 @@ class Beacon:
 
     def set_busy(self) -> None:
         """Outside the steps until the next `bump` (an epoch's end, a checkpoint): the long bound applies."""
+        self.activity.watch()
         with self._lock:
             self.busy = True
 
@@ -101,12 +113,13 @@ class Beacon:
     def report(self) -> dict[str, Any]:
         """One beat's fields (and the start of the next beat's window)."""
         step = self.step_seconds
+        active = self.activity.sample()
         with self._lock:
             waiting = self._waiting > 0 or self._waited
             self._waited = False
             self._sent = (self.busy, step is not None)
             self._reported.append((time.monotonic(), step, self.busy))
-            return {"progress": self.progress, "waiting": waiting, "busy": self.busy, "step": step}
+            return {"progress": self.progress, "waiting": waiting, "busy": self.busy, "step": step, "active": active}
 
     # -- the beacon thread ----------------------------------------------------------------------
     def _beat(self) -> bool:
@@ -140,5 +153,11 @@ class Beacon:
         self._thread = threading.Thread(target=beat, name=name, daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop beating and wait (up to `timeout` seconds) for the thread to end."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("the beacon thread did not end within %.0fs", timeout)

@@ -11,6 +11,23 @@ waits on the connection (a worker that gossips on a fixed schedule never does).
 `Session.counters`, a key-value table in the coordinator with the subset of TCPStore's interface
 the work queue, global progress and gossip use (`add`, `set`, `get`, `check`, `wait`,
 `compare_set`, `delete_key`).
+
+**Losing the control plane.** The job cannot go on without it (the supervisor process is its
+single point of failure), but the training thread must end through an exception, so that
+Lightning's `on_exception` hooks run (an `OnExceptionCheckpoint` writes its checkpoint) before
+the process ends. A background thread marks the session *cut off*, with the reason: the reader
+thread when the connection closes (the supervisor or its node is gone), the session's watch
+thread when nothing came from the control plane for this rank's hang bound plus
+`MARGIN_SECONDS` (a network partition: the control plane has declared this rank lost by then;
+the watch thread then closes the connection too). From then on every contact of the training
+thread with the control plane raises `ControlPlaneLost` (a `ControlPlaneError`): any request or
+wait on it (at once, also one already waiting), `Session.raise_if_cut_off` (the strategies call
+it at each batch start) and `Session.check_members`. If the training thread gets to none of them
+within a grace period (this rank's hang bound as of the cut; it may be stuck in an exchange with
+a peer across the partition, which no abandon check can end), the watch thread ends the process
+(`os._exit(FENCED_EXIT_STATUS)`, with the reason on its standard error), so that a rank cut off
+from the others never trains on apart from them. Once the training thread has raised, its
+exception path (checkpoint, teardown) gets up to the session's long bound before that last resort.
 """
 
 from __future__ import annotations
@@ -31,12 +48,21 @@ from lightning_prague.core.auth import Credentials
 from lightning_prague.core.client.beacon import Beacon
 from lightning_prague.core.client.link import MessageLink
 from lightning_prague.core.client.partition import FENCED_EXIT_STATUS, MARGIN_SECONDS, drop_connections, own_addresses
-from lightning_prague.core.errors import CONTROL_PLANE, ControlPlaneError, CoordinationTimeout, MemberLost
+from lightning_prague.core.errors import (
+    CONTROL_PLANE,
+    ControlPlaneError,
+    ControlPlaneLost,
+    CoordinationTimeout,
+    MemberLost,
+    PragueError,
+)
 from lightning_prague.core.protocol import ALIVE, BEAT_SECONDS, ROUTED, HangRule, Message, SessionConfig
 
 log = logging.getLogger(__name__)
 
 _CLOSED: Message = {"t": "__closed__"}
+#: seconds between two checks of the session's watch thread (`Session.check_reachable`)
+WATCH_SECONDS = 0.5
 
 
 class ControlClient:
@@ -86,6 +112,8 @@ class ControlClient:
         return ROUTED
 
     def _closed(self, error: str) -> None:
+        for session in list(self._sessions.values()):  # first: a failed wait then finds the reason
+            session.cut(error)
         with self._lock:
             waiters, self._replies = list(self._replies.values()), {}
         for waiter in waiters:
@@ -146,11 +174,9 @@ class ControlClient:
                 "addresses": own_addresses(local),
             }
         )
-        session.beacon.start(
-            lambda fields: session.send("beat", **fields),
-            f"prague-control-beacon-{self.rank}",
-            watch=session.check_reachable,
-        )
+        session.beacon.start(lambda fields: session.send("beat", **fields), f"prague-control-beacon-{self.rank}")
+        # a thread of its own, never behind a send that waits on the network (the beacon's may)
+        session.start_watch(f"prague-control-watch-{self.rank}")
         log.debug("rank %d: joined session %d", self.rank, number)
         return session
 
@@ -196,6 +222,15 @@ class Session:
         self._departure = threading.Event()
         #: requests this rank sent in the session (work-queue claims, tickets, ...), for tests and monitors
         self.requests = 0
+        #: `None`, or why this rank lost the control plane (see the module docstring)
+        self.cut_off: str | None = None
+        self._cut_lock = threading.Lock()
+        self._cut_since = 0.0  # `time.monotonic()` of the cut
+        self._grace = 0.0  # seconds the training thread has, from the cut, to raise
+        self._raised = False  # the training thread raised `ControlPlaneLost`
+        #: the thread that opened the session: the one that trains (its raise is what the grace waits for)
+        self._trainer = threading.get_ident()
+        self._watching = threading.Event()
 
     def deliver(self, item: Message) -> None:
         """Called by the reader thread for every item of this session."""
@@ -224,36 +259,123 @@ class Session:
         self._inbox.put(item)
 
     def send(self, op: str, **fields: Any) -> None:
-        self.client.send({"op": op, "s": self.number, "rank": self.rank, **fields})
+        try:
+            self.client.send({"op": op, "s": self.number, "rank": self.rank, **fields})
+        except PragueError as err:
+            if self._gone():
+                raise self.plane_lost(f"sending {op!r}") from err
+            raise
+
+    # -- losing the control plane (see the module docstring) ----------------------------------------
+    def start_watch(self, name: str) -> None:
+        """Run `check_reachable` every `WATCH_SECONDS` from a thread of its own until the session closes."""
+
+        def watch() -> None:
+            while not self._watching.wait(WATCH_SECONDS):
+                if not self.open:
+                    return
+                try:
+                    self.check_reachable()
+                except Exception:  # never a silent end of the last resort
+                    log.exception("rank %d: checking that the control plane is reachable failed", self.rank)
+
+        threading.Thread(target=watch, name=name, daemon=True).start()
+
+    def cut(self, reason: str, since: float | None = None, grace: float | None = None) -> None:
+        """Mark the session cut off from the control plane (the first reason stays): from now on the
+        training thread raises `ControlPlaneLost` at its next contact with the plane, and the watch
+        thread ends the process if it does not within `grace` seconds of `since` (defaults: now, and
+        this rank's hang bound now)."""
+        if not self.open:
+            return
+        with self._cut_lock:
+            if self.cut_off is not None:
+                return
+            self._grace = self.beacon.bound(self.long_bound) if grace is None else grace
+            self._cut_since = time.monotonic() if since is None else since
+            self.cut_off = reason
+        log.error(
+            "rank %d: lost the control plane: %s; the fit ends at this rank's next contact with it (the process "
+            "ends in %.0fs if the training thread gets to none)",
+            self.rank,
+            reason,
+            max(0.0, self._cut_since + self._grace - time.monotonic()),
+        )
+
+    def plane_lost(self, during: str) -> ControlPlaneLost:
+        """The error for a contact with the control plane once it is lost (`cut_off`); raised by the
+        training thread, it stands the process's last resort down (see the module docstring)."""
+        reason = self.cut_off
+        if reason is None:  # the connection closed a moment ago: the reader thread is about to say so
+            link = self.client.link
+            reason = link.close_error or f"rank {self.rank}: the connection to {link.peer} closed"
+            self.cut(reason)
+        if threading.get_ident() == self._trainer:
+            self._raised = True
+        return ControlPlaneLost(
+            f"{reason} (during {during}); the job cannot go on without its control plane (the supervisor "
+            f"process, pid {self.client.supervisor_pid}, is its single point of failure): this rank's fit ends here"
+        )
+
+    def _gone(self) -> bool:
+        """Whether the control plane is lost (cut off, or the connection closed)."""
+        return self.cut_off is not None or self.client.closed
+
+    def raise_if_cut_off(self, during: str = "training") -> None:
+        """Raise `ControlPlaneLost` if this rank lost the control plane (the strategies call it at each
+        batch start: a rank that trains without contact with the plane learns of it there)."""
+        if self._gone():
+            raise self.plane_lost(during)
 
     def check_reachable(self) -> None:
-        """End this process if the control plane has not been heard from for this rank's hang bound
-        plus `MARGIN_SECONDS` (called by the beacon thread before each beat, and every beat is
-        answered): it has declared this rank lost by then, and the other ranks go on without it.
+        """The watch thread's check (every `WATCH_SECONDS`, see the module docstring): mark the session
+        cut off if the control plane has not been heard from for this rank's hang bound plus
+        `MARGIN_SECONDS` (every beat is answered: it has declared this rank lost by then, and the other
+        ranks go on without it), and end this process if the training thread has not raised within the
+        grace period since the cut (the session's long bound once it has).
 
         This is the cut side of a network partition (`lightning_prague.core.client.partition`): the control
-        plane's `fenced` item cannot reach it, so it fences itself, with the same exit status, rather
-        than train on apart from the others or wait on them until an operation's timeout.
+        plane's `fenced` item cannot reach it, so it stops itself, with the same exit status as a last
+        resort, rather than train on apart from the others or wait on them until an operation's timeout.
         """
         link = self.client.link
         if not self.open:
             return
-        heard = max(link.last_received, self._opened)
-        silent = time.monotonic() - heard
-        # the bound the control plane applies: from the state of the latest beat it got, which may be
-        # any sent since the control plane was last heard from (a beat takes a moment to be answered)
-        hang = self.beacon.bound(self.long_bound, since=heard - BEAT_SECONDS)
-        if silent <= hang + MARGIN_SECONDS:
+        newly = self.cut_off is None
+        if newly:
+            heard = max(link.last_received, self._opened)
+            silent = time.monotonic() - heard
+            # the bound the control plane applies: from the state of the latest beat it got, which may be
+            # any sent since the control plane was last heard from (a beat takes a moment to be answered)
+            hang = self.beacon.bound(self.long_bound, since=heard - BEAT_SECONDS)
+            if silent <= hang + MARGIN_SECONDS:
+                return
+            closed = f" ({link.close_error})" if link.closed and link.close_error else ""
+            self.cut(
+                f"rank {self.rank} on {socket.gethostname()}: cut off from the control plane at {self.client.address}"
+                f"{closed}: nothing heard from it for {silent:.1f}s, longer than this rank's hang bound ({hang:.1f}s) "
+                f"plus {MARGIN_SECONDS:.0f}s. The control plane has declared this rank lost (a network partition, or "
+                "the control plane's node is down) and the ranks that reach it go on without it",
+                since=heard + hang + MARGIN_SECONDS,
+                grace=hang,
+            )
+        if self.cut_off is None:
             return
-        # a closed connection fails a wait on the control plane at once; this ends a rank that waits on
-        # something else (an exchange with a peer across the partition) too
-        closed = f" ({link.close_error})" if link.closed and link.close_error else ""
+        waited = time.monotonic() - self._cut_since
+        limit = max(self._grace, self.long_bound) if self._raised else self._grace
+        if waited <= limit:
+            if newly and not link.closed:  # every wait on the control plane fails now, not at its timeout
+                link.close()
+            return
+        doing = (
+            "its fit failed but did not end"
+            if self._raised
+            else "its training thread did not get to a contact with the control plane (it may wait on a peer across "
+            "the partition)"
+        )
         message = (
-            f"rank {self.rank} on {socket.gethostname()}: cut off from the control plane at {self.client.address}"
-            f"{closed}: nothing heard from it for {silent:.1f}s, longer than this rank's hang bound ({hang:.1f}s) plus "
-            f"{MARGIN_SECONDS:.0f}s. The control plane has declared this rank lost (a network partition, or the "
-            f"control plane's node is down) and the ranks that reach it go on without it; ending this process "
-            f"(exit status {FENCED_EXIT_STATUS}) so that it never trains on apart from them"
+            f"{self.cut_off}; {doing} within {limit:.0f}s: ending this process (exit status {FENCED_EXIT_STATUS}) "
+            "so that it never trains on apart from them"
         )
         try:
             sys.stderr.write(f"lightning_prague: {message}\n")
@@ -262,8 +384,14 @@ class Session:
             os._exit(FENCED_EXIT_STATUS)
 
     def request(self, op: str, what: str, timeout: float | None = None, **fields: Any) -> Any:
+        self.raise_if_cut_off(what)
         self.requests += 1
-        return self.client.request({"op": op, "s": self.number, **fields}, what, timeout)
+        try:
+            return self.client.request({"op": op, "s": self.number, **fields}, what, timeout)
+        except PragueError as err:
+            if self._gone():
+                raise self.plane_lost(what) from err
+            raise
 
     def receive(self, timeout: float | None = None) -> Message | None:
         """The next item of this session's inbox, or `None` if none came within `timeout`."""
@@ -273,7 +401,7 @@ class Session:
             return None
         if item is _CLOSED:
             self._inbox.put(_CLOSED)
-            raise self.client.link.closed_error()
+            raise self.plane_lost("a wait for the control plane's next item")
         return item
 
     def post(self, item: Message) -> None:
@@ -292,7 +420,12 @@ class Session:
 
     def explain(self, error: BaseException, during: str, wait: float = 2.0) -> BaseException:
         """The error to raise for `error` (a failed exchange): `MemberLost` if a member departed (the
-        control plane's notice may trail the failed connection by a moment: wait up to `wait` s)."""
+        control plane's notice may trail the failed connection by a moment: wait up to `wait` s), or
+        `ControlPlaneLost` once the control plane is lost (no notice will come)."""
+        if self._gone():
+            lost = self.plane_lost(during)
+            lost.__cause__ = error
+            return lost
         if self._departure.wait(wait):
             lost = self.lost_error(during)
             lost.__cause__ = error
@@ -300,15 +433,15 @@ class Session:
         return error
 
     def check_members(self, during: str) -> None:
-        """Raise `CoordinationTimeout` (`ControlPlaneError` if it failed) if the control plane is gone
-        (ranks that left are no error: the survivors go on without them)."""
-        if self.client.closed:
-            raise self.client.link.closed_error(during)
+        """Raise `ControlPlaneLost` if the control plane is lost (ranks that left are no error: the
+        survivors go on without them)."""
+        self.raise_if_cut_off(during)
 
     def close(self) -> None:
         """This rank is done with the session (its fit ended normally)."""
         if self.open:
             self.open = False
+            self._watching.set()
             self.beacon.stop()
             try:
                 self.send("close")
@@ -338,21 +471,42 @@ class Counters:
         first: int,
         tickets: str | None = None,
         ticketed: int = 0,
-        held: Sequence[int] = (),
         num: int | None = None,
+        chunk: int | None = None,
+        set_aside: tuple[Sequence[int], Sequence[int]] | None = None,
     ) -> tuple[int, int | None]:
-        """The work queue's next chunk (`first` plus the claims of `cursor` so far) and, if `tickets`
-        is given and the chunk is below `ticketed`, the next value of the `tickets` counter with it:
-        one message for a batch's data and its global-progress ticket. `held`: the chunks this rank
-        holds untrained (they go back to the queue if it is lost); `num`: the queue's length."""
+        """The work queue's next chunk (`first` plus the claims of `cursor` so far; or `chunk`, one a
+        resumed checkpoint handed to this rank) and, if `tickets` is given and the chunk is below
+        `ticketed`, the next value of the `tickets` counter with it: one message for a batch's data and
+        its global-progress ticket. The control plane holds the chunk for this rank until it reports it
+        trained (`report`). `num`: the queue's length; `set_aside`: on this rank's first claim of an
+        epoch, the members and the chunk each started the epoch with (`lightning_prague.core.plane.work`)."""
         what = f"a claim on the work queue {cursor!r}"
         fields: dict[str, Any] = {"key": cursor, "first": first, "tickets": tickets, "ticketed": ticketed}
-        if held:
-            fields["held"] = list(held)
         if num is not None:
             fields["num"] = num
-        chunk, ticket = self._kv("claim", what, **fields)
-        return int(chunk), None if ticket is None else int(ticket)
+        if chunk is not None:
+            fields["chunk"] = chunk
+        if set_aside is not None:
+            fields["members"], fields["preset"] = list(set_aside[0]), list(set_aside[1])
+        claimed, ticket = self._kv("claim", what, **fields)
+        return int(claimed), None if ticket is None else int(ticket)
+
+    def report(
+        self,
+        cursor: str,
+        hold: Sequence[int] = (),
+        tickets: Sequence[int | None] = (),
+        done: Sequence[int] = (),
+    ) -> None:
+        """Tell the control plane, without waiting, of chunks of the queue `cursor` this rank now holds
+        (with the claim values of their `tickets`) or has trained (`done`)."""
+        fields: dict[str, Any] = {"key": cursor}
+        if hold:
+            fields["hold"], fields["tickets"] = list(hold), list(tickets)
+        if done:
+            fields["done"] = list(done)
+        self.session.send("work", **fields)
 
     def set(self, key: str, value: str | bytes) -> None:
         self._kv("set", f"setting {key!r}", key=key, value=_text(value))

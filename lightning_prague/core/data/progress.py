@@ -254,6 +254,11 @@ class ProgressCounter:
         `None` beyond the budget."""
         return self._within_budget(self._origin + self.world_size + value)
 
+    def claim_value(self, ticket: int) -> int:
+        """The value of `tickets_key` whose claim gives `ticket` (`accept`'s inverse; a set-aside
+        ticket's is at most 0)."""
+        return ticket - self._origin - self.world_size
+
     def _within_budget(self, ticket: int) -> Optional[int]:
         if self.budget is not None and ticket > self.budget:
             self.epoch_end = self.budget

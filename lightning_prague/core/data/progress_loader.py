@@ -55,6 +55,8 @@ class ProgressLoader:
         self._first_epoch: Optional[int] = None  # the oldest epoch whose store keys may still exist
         #: the rank that writes checkpoints: 0, or the lowest live rank once rank 0 was lost
         self.leader = 0
+        #: the chunk of the batch in flight, once reported trained (`report_trained`)
+        self._reported: Optional[int] = None
         if sampler is not None and batches_per_epoch is not None and not (getattr(loader, "num_workers", 0) or 0):
             # the loader runs in this process: the sampler is asked for a chunk exactly when the batch is
             # built, so the batch's ticket can come in the same message as its chunk (one per batch)
@@ -117,6 +119,7 @@ class ProgressLoader:
             self.sampler.set_epoch(epoch)
         self.counter.begin_epoch(epoch, self.epoch_base, offset)
         self.tickets.clear()
+        self._reported = None
 
     def _ticket_request(self) -> Optional[tuple[str, int]]:
         if not self.armed or self.batches_per_epoch is None or not self.counter.first_taken:
@@ -132,6 +135,8 @@ class ProgressLoader:
                 ticket = self.counter.accept(value)
             else:
                 ticket = self.counter.claim() if self.armed else None
+                if ticket is not None:
+                    self._holds(len(self.tickets), ticket)
             if self.armed and ticket is None:
                 if self.counter.budget_spent:
                     # hand the batch over untrained: the trainer stops at the budget's synchronization point
@@ -150,13 +155,37 @@ class ProgressLoader:
     def arm(self) -> None:
         """Training starts: claim tickets for the batches fetched before (a failed claim drops its batch)."""
         self.armed = True
-        claimed = (self.counter.claim() if ticket is None else ticket for ticket in self.tickets)
-        self.tickets = deque(ticket for ticket in claimed if ticket is not None)
+        tickets: deque[Optional[int]] = deque()
+        for index, ticket in enumerate(self.tickets):
+            if ticket is None:
+                ticket = self.counter.claim()
+                if ticket is not None:
+                    self._holds(index, ticket)
+            if ticket is not None:
+                tickets.append(ticket)
+        self.tickets = tickets
+
+    def _holds(self, index: int, ticket: int) -> None:
+        """The batch `index` (among those yielded, not trained) got `ticket` apart from its chunk: the
+        control plane learns which ticket goes with the chunk, to hand it on if this rank is lost."""
+        sampler = self.sampler
+        if sampler is not None and index < len(sampler.untrained):
+            sampler.holds(sampler.untrained[index], self.counter.claim_value(ticket))
+
+    def report_trained(self) -> None:
+        """The batch being trained took its optimizer step: it counts as trained from now on, before
+        this rank's model takes part in any exchange (so a loss after this does not requeue it)."""
+        sampler = self.sampler
+        if sampler is not None and sampler.untrained and self._reported is None:
+            self._reported = sampler.untrained[0]
+            sampler.trained(self._reported)
 
     def batch_trained(self) -> int:
         """The ticket of the batch just trained (the trainer calls this once per batch)."""
         if self.sampler is not None and self.sampler.untrained:
+            self.report_trained()  # no optimizer step came (accumulation, manual optimization)
             self.sampler.untrained.popleft()
+        self._reported = None
         ticket = self.tickets.popleft()
         assert ticket is not None, "a batch was trained before the loader was armed"
         return ticket

@@ -90,6 +90,8 @@ class WorkQueueSampler(Sampler[int]):
         #: the ticket counter values claimed with the chunks handed out this epoch, in order (`None`: none)
         self.ticket_values: deque[Optional[int]] = deque()
         self._resume: Optional[tuple[int, int, list[int]]] = None  # (epoch, cursor, chunks to hand out first)
+        #: (members, the chunk each starts the epoch with): sent with this rank's first claim of an epoch
+        self._set_aside: Optional[tuple[list[int], list[int]]] = None
         self._first_claimed = world_size  # chunk number of this epoch's first claim
         self._store = store
         #: the ranks in the job (every rank until some are lost); set between epochs (`set_members`)
@@ -122,20 +124,44 @@ class WorkQueueSampler(Sampler[int]):
             raise RuntimeError("a copy of a WorkQueueSampler in another process cannot claim chunks")
         return self._store
 
-    def _claim(self) -> tuple[int, Optional[int]]:
-        """The next chunk of the queue and, if `ticketing` asks for it, the ticket claimed with it.
+    def _claim(self, chunk: Optional[int] = None) -> tuple[int, Optional[int]]:
+        """The next chunk of the queue (or `chunk`, handed to this rank by a resumed checkpoint) and, if
+        `ticketing` asks for it, the ticket claimed with it.
 
-        The control plane's counters are told which chunks this rank holds untrained, so that they
-        go back to the queue if this rank is lost (a plain store, in tests, just counts)."""
+        The control plane holds the chunk for this rank until it is reported trained (`trained`), so
+        that it goes back to the queue if this rank is lost first (`lightning_prague.core.plane.work`);
+        this rank's first claim of an epoch tells it which chunk every member started the epoch with. A
+        plain store, in tests, just counts."""
         store = self._connect()
         request = self.ticketing()
         if hasattr(store, "claim"):
             tickets, ticketed = request if request is not None else (None, 0)
+            set_aside, self._set_aside = self._set_aside, None
             return store.claim(
-                self._cursor_key, self._first_claimed, tickets, ticketed, held=self.untrained, num=self.num_chunks
+                self._cursor_key,
+                self._first_claimed,
+                tickets,
+                ticketed,
+                num=self.num_chunks,
+                chunk=chunk,
+                set_aside=set_aside,
             )
         assert request is None, "tickets are claimed with chunks only from the control plane's counters"
+        if chunk is not None:
+            return chunk, None
         return self._first_claimed + increment(store, self._cursor_key) - 1, None
+
+    def trained(self, chunk: int) -> None:
+        """`chunk` is trained: the control plane no longer requeues it if this rank is lost."""
+        report = getattr(self._store, "report", None)
+        if report is not None:
+            report(self._cursor_key, done=[chunk])
+
+    def holds(self, chunk: int, ticket: int) -> None:
+        """This rank holds `chunk` with the ticket claimed apart from it (its claim value `ticket`)."""
+        report = getattr(self._store, "report", None)
+        if report is not None:
+            report(self._cursor_key, hold=[chunk], tickets=[ticket])
 
     def cursor(self) -> int:
         """The next chunk the queue will hand out in the current epoch."""
@@ -172,10 +198,13 @@ class WorkQueueSampler(Sampler[int]):
         # (among the members: a lost rank's first chunk is another's; they change between epochs only)
         first: list[int] = [self.members.index(self.rank)]
         self._first_claimed = len(self.members)
+        preset = list(range(len(self.members)))
         if self._resume is not None and self._resume[0] == self.epoch:
             _, self._first_claimed, pending = self._resume
             first = pending[self.members.index(self.rank) :: len(self.members)]
+            preset = [pending[i] if i < len(pending) else -1 for i in range(len(self.members))]
         self._resume = None
+        self._set_aside = (list(self.members), preset)
         previous: tuple[float, int] | None = None  # (time, chunk) of this rank's previous claim
         self._epoch_started = self.clock()
         chunk, ticket = (first.pop(0), None) if first else self._claim()
@@ -185,8 +214,8 @@ class WorkQueueSampler(Sampler[int]):
             self.untrained.append(chunk)
             self.ticket_values.append(ticket)
             yield from order[chunk * self.chunk_size : (chunk + 1) * self.chunk_size]
-            if first:
-                chunk, ticket = first.pop(0), None
+            if first:  # more chunks a resumed checkpoint handed to this rank: held from their claim
+                chunk, ticket = self._claim(first.pop(0))
                 continue
             if self.slow_ratio > 0 and self._leave_tail(previous):
                 return

@@ -46,9 +46,10 @@ from typing import Any
 
 from lightning_prague.core.errors import CONTROL_PLANE, ConfigurationError
 from lightning_prague.core.grouping.policies import policy_from_spec
-from lightning_prague.core.plane.fencing import fence
+from lightning_prague.core.plane.fencing import fence, running_cpu_seconds
 from lightning_prague.core.plane.generator import GroupGenerator, Item
 from lightning_prague.core.plane.liveness import HangDetector
+from lightning_prague.core.plane.work import WorkLedger
 from lightning_prague.core.protocol import ALIVE, REQUEUED, SessionConfig
 
 log = logging.getLogger(__name__)
@@ -88,9 +89,8 @@ class CoordinatorSession:
         self.closed: set[int] = set()
         self.departed: dict[int, str] = {}
         self.values: dict[str, Any] = {}
-        #: per rank: the work queue's key and the chunks it held untrained at its latest claim
-        self._holding: dict[int, tuple[str, list[int]]] = {}
-        self._tickets: dict[int, dict[int, int]] = {}  # per rank: the ticket claimed with each held chunk
+        #: per rank, the work queue's chunks it holds untrained (they go back to the queue if it is lost)
+        self.work = WorkLedger()
         self._waits: dict[str, list[tuple[int, int]]] = defaultdict(list)
 
     @property
@@ -151,17 +151,11 @@ class CoordinatorSession:
                 self._wake(key, out)
             self._reply(rank, req, current if current is not None else message["expected"], out)
         elif do == "claim":  # the work queue: the next chunk, and with it the batch's ticket (one message)
-            tickets = message.get("tickets")
-            requeued = values.get(key + REQUEUED)
-            if requeued:  # a lost rank's chunks first, with the tickets it had for them
-                chunk, ticket = requeued.pop(0)
-            else:
-                chunk = int(message["first"]) + int(values.get(key, 0))
-                values[key] = int(values.get(key, 0)) + 1
-                ticket = None
-                if tickets is not None and chunk < int(message["ticketed"]):
-                    values[tickets] = ticket = int(values.get(tickets, 0)) + 1
-            self._note_claim(rank, key, message, chunk, ticket)
+            if "members" in message:  # this rank's first claim of the epoch: the chunks set aside
+                self._set_aside(key, message["members"], message["preset"])
+            chunk, ticket = self._next_chunk(key, message)
+            if chunk < int(message.get("num", chunk + 1)):
+                self.work.claimed(rank, key, chunk, ticket)
             self._reply(rank, req, [chunk, ticket], out)
         elif do == "get":  # waits for the key, as TCPStore.get does
             if key in values:
@@ -171,32 +165,57 @@ class CoordinatorSession:
         elif do == "check":
             self._reply(rank, req, all(k in values for k in message["keys"]), out)
         elif do == "delete":
+            self.work.forget(key)
             self._reply(rank, req, values.pop(key, None) is not None, out)
         elif do == "keys":
             self._reply(rank, req, len(values), out)
         else:
             raise ValueError(f"unknown key-value operation {do!r}")
 
-    def _note_claim(self, rank: int, key: str, message: dict[str, Any], chunk: int, ticket: int | None) -> None:
-        """Remember what `rank` holds untrained after this claim, to requeue it if the rank is lost."""
-        tickets = self._tickets.setdefault(rank, {})
-        if ticket is not None:
-            tickets[chunk] = ticket
-        held = [int(c) for c in message.get("held", ())]
-        if chunk < int(message.get("num", chunk + 1)):
-            held.append(chunk)
-        for old in [c for c in tickets if c not in held]:
-            del tickets[old]
-        self._holding[rank] = (key, held)
+    def _next_chunk(self, key: str, message: dict[str, Any]) -> tuple[int, int | None]:
+        """The chunk a claim gets: a lost rank's first (with the ticket it had for it), else the
+        queue's next, with the next ticket if asked for."""
+        values, tickets = self.values, message.get("tickets")
+        requeued = values.get(key + REQUEUED)
+        if "chunk" in message:  # a chunk handed to this rank by a resumed checkpoint (no queue position)
+            chunk = int(message["chunk"])
+        elif requeued:
+            chunk, ticket = requeued.pop(0)
+            return int(chunk), ticket
+        else:
+            chunk = int(message["first"]) + int(values.get(key, 0))
+            values[key] = int(values.get(key, 0)) + 1
+        ticket = None
+        if tickets is not None and chunk < int(message["ticketed"]):
+            values[tickets] = ticket = int(values.get(tickets, 0)) + 1
+        return chunk, ticket
+
+    def _set_aside(self, key: str, members: list[int], preset: list[int]) -> None:
+        """Hold each member's set-aside chunk of `key`'s epoch (once); a lost member's goes back to the queue."""
+        if len(members) != len(preset):
+            raise ValueError(f"a claim on {key!r} names {len(members)} members but {len(preset)} set-aside chunks")
+        orphans = self.work.set_aside(key, members, preset, self.departed)
+        if orphans:
+            self.values.setdefault(key + REQUEUED, []).extend([c, t] for c, t in orphans)
+
+    def report_work(self, rank: int, message: dict[str, Any]) -> None:
+        """A `work` message: chunks `rank` now holds (with their tickets) or has trained."""
+        key = message["key"]
+        hold = message.get("hold", [])
+        self.work.hold(rank, key, hold, message.get("tickets", [None] * len(hold)))
+        self.work.done(rank, key, message.get("done", []))
 
     def _requeue(self, rank: int) -> None:
-        """A lost rank's chunks go back to its epoch's queue: those it held untrained when it last
-        claimed (its batch in flight, which it may have trained, and the prefetched ones)."""
-        key, held = self._holding.pop(rank, ("", []))
-        tickets = self._tickets.pop(rank, {})
-        if held:
-            self.values.setdefault(key + REQUEUED, []).extend([c, tickets.get(c)] for c in held)
-            log.warning("session %d: rank %d's untrained chunks %s go back to the work queue", self.number, rank, held)
+        """A lost rank's untrained chunks go back to their epoch's queue, with their tickets."""
+        for key, held in self.work.lose(rank).items():
+            self.values.setdefault(key + REQUEUED, []).extend([c, t] for c, t in held)
+            log.warning(
+                "session %d: rank %d's untrained chunks %s of %s go back to the work queue",
+                self.number,
+                rank,
+                [c for c, _ in held],
+                key,
+            )
 
     def _wake(self, key: str, out: Out) -> None:
         for rank, req in self._waits.pop(key, ()):
@@ -256,6 +275,14 @@ class ControlPlane:
             self._maybe_delete(session)
         return out
 
+    def _cpu_seconds(self, session: CoordinatorSession, rank: int) -> float | None:
+        """The CPU seconds `rank`'s process used, if it runs verifiably on this host and is not stopped."""
+        pid, host = session.processes.get(rank, (0, ""))
+        ends = self.ends(rank)
+        if ends is None or host != socket.gethostname():
+            return None
+        return running_cpu_seconds(pid, *ends)
+
     def _fence(self, session: CoordinatorSession, rank: int, reason: str, out: Out) -> None:
         """SIGKILL a hung rank's process if it is verifiably the rank's (the pid it claimed holds its
         authenticated connection, on this host); else ask it to end itself (a `fenced` item)."""
@@ -293,6 +320,7 @@ class ControlPlane:
                 if not 0 <= rank < config.world_size:
                     raise ValueError(f"rank {rank} cannot open a session of {config.world_size} workers")
                 session = self.sessions[number] = CoordinatorSession(number, config)
+                session.hangs.probe = lambda r, s=session: self._cpu_seconds(s, r)
                 log.debug("control plane: session %d opened by rank %d", number, rank)
             if config != session.config:
                 raise ValueError(
@@ -321,12 +349,19 @@ class ControlPlane:
         session.hangs.heard(rank)
         if op == "beat":
             session.hangs.beat(
-                rank, int(message["progress"]), bool(message["waiting"]), bool(message["busy"]), message.get("step")
+                rank,
+                int(message["progress"]),
+                bool(message["waiting"]),
+                bool(message["busy"]),
+                message.get("step"),
+                bool(message.get("active", False)),
             )
             out[rank] = [{"t": ALIVE}]  # the worker hears the control plane too (it fences itself without it)
             return
         if op == "kv":
             session.kv(rank, int(message["req"]), message, out)
+        elif op == "work":
+            session.report_work(rank, message)
         elif op == "close":
             session.members.discard(rank)
             session.closed.add(rank)

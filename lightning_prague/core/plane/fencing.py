@@ -184,3 +184,23 @@ def _open_pidfd(pid: int) -> int | None:
         return os.pidfd_open(pid)
     except OSError:  # gone (owns_connection will say so), or pidfds blocked: fall back to os.kill
         return None
+
+
+def running_cpu_seconds(pid: int, client: tuple[str, int], server: tuple[str, int]) -> float | None:
+    """The CPU seconds process `pid` has used, if it verifiably holds the connection `client` ->
+    `server` (`owns_connection`) and is running (not stopped, traced or a zombie); else `None`.
+
+    The hang detector asks this of a silent rank on its own host: a process that keeps using the
+    CPU without a word holds the interpreter in one long call (it computes), a stopped one is frozen.
+    """
+    if not owns_connection(pid, client, server):
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+        state, utime, stime = fields[0], int(fields[11]), int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
+    if state in (b"T", b"t", b"Z", b"X"):
+        return None
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")

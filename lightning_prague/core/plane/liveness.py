@@ -6,21 +6,30 @@ has stopped (a deadlocked data loader, a stuck kernel, a frozen or SIGSTOPped pr
 worker therefore runs a `Beacon` thread that tells the control plane, once a second, how far its
 training has come (a counter bumped at every training and validation batch), whether it is waiting
 on other ranks (an exchange, a meeting) or busy outside the steps (setup, an epoch's end,
-checkpoints), and the longest of its latest step times (computing only, waits excluded).
+checkpoints), the longest of its latest step times (computing only, waits excluded), and whether
+its training thread showed a sign of life since the last beat (`active`: it used the CPU, its stack
+moved or its device worked, `lightning_prague.core.client.activity`).
 
-**The rule** (`HangRule`, decided by the control plane's `HangDetector`): a worker is hung when,
-for longer than its bound, its progress has not moved while it was neither waiting nor busy, or
-nothing at all was heard from it (the process is frozen: its beacon is silent too). Its bound is
-`max(floor, factor * its longest recent step)`: by default `max(10 s, 20 x step)`, 10 s for 50 ms
-steps and for a worker 5 times slower (250 ms) alike, since the bound follows each worker's own
-history and never the others'. Until a worker has timed a step (its first batch of a fit), and
-while it says it is busy, the bound is the session's `sync_timeout` (a first step that compiles, a
-long checkpoint: 1800 s by default, as DDP survives); a busy worker's beacon still beats, though, so
-one that goes silent while busy is declared after `silent_busy_factor` (3) times its stepping bound
-(a frozen process, or one cut off by a network partition at an epoch's end). A worker that waits
-on a hung peer is not hung: it says it is waiting. When a worker's state changes (busy to stepping, its first timed
-step) its training thread sends a beat itself, before the step, so that the control plane knows
-its bound before it can hang.
+**The rule** (`HangRule`, decided by the control plane's `HangDetector`): a worker whose progress
+has not moved while it was neither waiting nor busy is
+
+* **slow**, not hung, while it is active: a step that computes for minutes is never fenced; only
+  the session's long bound (`sync_timeout`) ends a worker that moves without progress (a livelock);
+* **hung (blocked)** once it has shown no sign of life for `max(floor, factor x its longest recent
+  step)`, 60 s and 20 by default (a deadlock, a wait that never returns);
+* **hung (silent)** once nothing at all was heard from it (its beacon is silent too: the process is
+  frozen or SIGSTOPped, or cut off) for `max(min(silent_floor, floor), factor x step)`, 10 s by
+  default; on the control plane's own host, a silent process that is running and using the CPU (a
+  C call that holds the interpreter lock) counts as active instead (`probe`).
+
+The bounds follow each worker's own step history and never the others'. Until a worker has timed a
+step (its first batch of a fit), and while it says it is busy, the bound is the session's
+`sync_timeout` (a first step that compiles, a long checkpoint: 1800 s by default, as DDP survives);
+a busy worker's beacon still beats, though, so one that goes silent while busy is declared after
+`silent_busy_factor` (3) times its silent bound. A worker that waits on a hung peer is not hung: it
+says it is waiting. When a worker's state changes (busy to stepping, its first timed step) its
+training thread sends a beat itself, before the step, so that the control plane knows its bound
+before it can hang.
 
 What happens next (fencing the worker, so that a hang becomes a departure like a crash) is the
 control plane's (`lightning_prague.core.plane.coordinator`).
@@ -43,9 +52,13 @@ log = logging.getLogger(__name__)
 class _Heard:
     last_heard: float
     last_advance: float
+    #: the last sign of life: progress, a wait, busy work, or activity of its training thread
+    last_alive: float
     progress: int = 0
     busy: bool = True
     step: Optional[float] = None
+    #: the CPU seconds its process had used when `probe` last found it silent
+    probed: Optional[float] = None
 
 
 @dataclass
@@ -55,11 +68,14 @@ class HangDetector:
     rule: HangRule
     timeout: float
     clock: Callable[[], float] = time.monotonic
+    #: `probe(rank)`: the CPU seconds the rank's process has used if it runs on this host and is not
+    #: stopped, else `None` (a silent rank whose CPU time grows holds the interpreter: it computes)
+    probe: Callable[[int], Optional[float]] = lambda rank: None
     _ranks: dict[int, _Heard] = field(default_factory=dict)
 
     def joined(self, rank: int) -> None:
         now = self.clock()
-        self._ranks[rank] = _Heard(now, now)
+        self._ranks[rank] = _Heard(now, now, now)
 
     def heard(self, rank: int) -> None:
         """Any message from `rank`: it is not frozen."""
@@ -67,14 +83,19 @@ class HangDetector:
         if entry is not None:
             entry.last_heard = self.clock()
 
-    def beat(self, rank: int, progress: int, waiting: bool, busy: bool, step: Optional[float]) -> None:
+    def beat(
+        self, rank: int, progress: int, waiting: bool, busy: bool, step: Optional[float], active: bool = False
+    ) -> None:
         entry = self._ranks.get(rank)
         if entry is None:
             return
         now = self.clock()
         entry.last_heard = now
+        entry.probed = None
         if progress != entry.progress or waiting or busy:
             entry.last_advance = now
+        if progress != entry.progress or waiting or busy or active:
+            entry.last_alive = now
         entry.progress, entry.busy, entry.step = progress, busy, step
 
     def forget(self, rank: int) -> None:
@@ -85,23 +106,48 @@ class HangDetector:
         now = self.clock()
         found = []
         for rank, entry in list(self._ranks.items()):
-            bound = self.rule.bound(entry.step, entry.busy, self.timeout)
-            quiet = self.rule.silence_bound(entry.step, entry.busy, self.timeout)
-            silent, still = now - entry.last_heard, now - entry.last_advance
-            basis = "its sync_timeout" if entry.busy or entry.step is None else f"its step time {entry.step:.3f}s"
-            if silent > quiet or (still > bound and silent > SILENT_SECONDS):
-                quiet_basis = basis
-                if entry.busy and entry.step is not None and quiet < bound:
-                    quiet_basis = f"{self.rule.silent_busy_factor:g} x its bound from its step time {entry.step:.3f}s"
-                    quiet_basis += ", busy"
-                why = (
-                    f"nothing heard from it for {silent:.1f}s (bound {min(quiet, bound):.1f}s from {quiet_basis}): "
-                    "it is frozen, or cut off from the control plane (a network partition, or its node is down)"
-                )
-            elif still > bound:
-                why = f"no training progress for {still:.1f}s (bound {bound:.1f}s from {basis})"
-            else:
-                continue
-            del self._ranks[rank]
-            found.append((rank, f"hung: {why}"))
+            why = self._verdict(rank, entry, now)
+            if why is not None:
+                del self._ranks[rank]
+                found.append((rank, f"hung: {why}"))
         return found
+
+    def _verdict(self, rank: int, entry: _Heard, now: float) -> Optional[str]:
+        """Why `rank` is hung now, or `None` (see the module docstring)."""
+        rule = self.rule
+        blocked = rule.bound(entry.step, entry.busy, self.timeout)
+        quiet = rule.silence_bound(entry.step, entry.busy, self.timeout)
+        silent, still, lifeless = now - entry.last_heard, now - entry.last_advance, now - entry.last_alive
+        basis = "its sync_timeout" if entry.busy or entry.step is None else f"its step time {entry.step:.3f}s"
+        if silent > quiet and self._computes_unheard(rank, entry):
+            entry.last_heard = entry.last_alive = now  # it holds the interpreter: slow, not frozen
+            log.debug("rank %d is silent but its process uses the CPU: computing", rank)
+            return None
+        if silent > quiet or (lifeless > blocked and silent > SILENT_SECONDS):
+            if entry.busy and entry.step is not None and quiet < blocked:
+                basis = f"{rule.silent_busy_factor:g} x its silent bound from its step time {entry.step:.3f}s, busy"
+            return (
+                f"nothing heard from it for {silent:.1f}s (bound {min(quiet, blocked):.1f}s from {basis}): "
+                "it is frozen, or cut off from the control plane (a network partition, or its node is down)"
+            )
+        if lifeless > blocked:
+            return (
+                f"no training progress for {still:.1f}s and no sign of life for {lifeless:.1f}s (its training "
+                f"thread used no CPU, its stack did not move, its device was idle; bound {blocked:.1f}s from {basis})"
+            )
+        if still > self.timeout:
+            return (
+                f"no training progress for {still:.1f}s although its training thread is active "
+                f"(bound {self.timeout:.0f}s, the session's sync_timeout: a livelock?)"
+            )
+        return None
+
+    def _computes_unheard(self, rank: int, entry: _Heard) -> bool:
+        """Whether a silent `rank`'s process is running and used the CPU since it was last probed."""
+        cpu = self.probe(rank)
+        if cpu is None:
+            return False
+        computing = entry.probed is not None and cpu > entry.probed
+        first = entry.probed is None
+        entry.probed = cpu
+        return computing or first

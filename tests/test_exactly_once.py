@@ -1,0 +1,51 @@
+"""Every batch of an epoch is trained exactly once by the job's members, whoever is lost and when.
+
+Real processes, real kill -9: each rank writes the samples of every batch it trained (after its
+optimizer step, `scripts/samples.py`), and the samples an epoch trained over all ranks, the lost
+ones' included, must be the training set, each sample as often as it occurs in it. Rank 2 dies at
+its first step (its set-aside chunk and its prefetched claim go back to the queue), rank 1 right
+after a step it trained (that batch must not be trained again), rank 4 in the middle of the epoch.
+The control plane's side is unit-tested in `test_work_ledger.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from helpers import run_external_ranks
+
+import lightning_prague.demo.run  # noqa: F401  (imported once here: the ranks are forked from this process)
+
+pytestmark = pytest.mark.timeout(200)
+
+FAULTS = {2: "1:kill", 1: "5:kill-after-step", 4: "7:kill"}
+
+
+@pytest.mark.parametrize("strategy", ["prague", "adpsgd"])
+def test_no_batch_is_lost_or_trained_twice_when_ranks_die(tmp_path, strategy):
+    args = ["--strategy", strategy, "--epochs", "2", "--step-time", "0.05", "--record-samples"]
+    for rank, fault in FAULTS.items():
+        args += ["--fault", f"{rank}:{fault}"]
+    codes, logs = run_external_ranks(tmp_path, 5, *args, timeout=150)
+    for rank in (0, 3):
+        assert codes[rank] == 0, (rank, codes, logs[rank][-3000:])
+    dataset = Counter(json.loads((tmp_path / "dataset.json").read_text()))
+    trained: dict[int, Counter] = {0: Counter(), 1: Counter()}
+    by_rank: dict[int, int] = Counter()
+    for rank in range(5):
+        path = tmp_path / f"samples.rank{rank}.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            record = json.loads(line)
+            trained[record["epoch"]].update(record["samples"])
+            by_rank[rank] += 1
+    assert by_rank[1] == 5, by_rank  # it trained five batches and died after the fifth
+    for epoch, samples in trained.items():
+        assert samples == dataset, (
+            epoch,
+            "lost:",
+            sum((dataset - samples).values()),
+            "twice:",
+            sum((samples - dataset).values()),
+        )
