@@ -431,6 +431,8 @@ class DecentralizedStrategy(DDPStrategy):
         return output
 
     def enter_async_phase(self) -> None:
+        if self.session is not None:  # a rank cut off from the control plane raises here, in the training thread
+            self.session.raise_if_cut_off("a training batch")
         if self.exchanger is not None:
             self.controller.batch_starts()
             self.batches_done += 1
