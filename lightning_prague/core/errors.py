@@ -29,6 +29,14 @@ class ControlPlaneError(PragueError):
     carries the control plane's own error."""
 
 
+class ControlPlaneLost(ControlPlaneError, CoordinationTimeout):
+    """This rank lost its control plane: its connection closed (the supervisor process or its node is
+    gone) or nothing came from it for longer than this rank's hang bound (a network partition). The
+    job cannot go on without it, so the fit ends on this rank, through Lightning's `on_exception`
+    (an `OnExceptionCheckpoint` still writes its checkpoint). A `ControlPlaneError`, and a
+    `CoordinationTimeout` as a wait on the control plane used to fail; the message says why."""
+
+
 class SyncMismatchError(PragueError):
     """Ranks arrived at different synchronization points and would otherwise deadlock."""
 
