@@ -86,7 +86,8 @@ def demo_args(strategy: str, out: Path, partitioned: bool = False) -> list[str]:
         timing = ["--epochs", "6", "--step-time", "0.05", "--hang-timeout", str(PARTITION_HANG), "--hang-factor", "5"]
         timing += ["--profile", "homogeneous"]
     elif out.parent.parent.name == "srun":
-        timing = ["--epochs", "1", "--step-time", "0.3", "--hang-timeout", str(HANG)]
+        # the silent bound (a cut link) is max(min(10 s, HANG), hang_factor x step): 15 s, above the cut
+        timing = ["--epochs", "1", "--step-time", "0.3", "--hang-timeout", str(HANG), "--hang-factor", "50"]
         timing += ["--profile", "homogeneous"]
     return [
         "--strategy", strategy, "--devices", str(WORKERS), "--num-nodes", str(NODES), *timing,

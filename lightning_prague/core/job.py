@@ -20,6 +20,20 @@ one is aborted on NCCL (its operations with the lost rank would never complete) 
 gloo. The world group is left alone: collectives on it need every rank, so after a loss the
 strategies run Lightning's collectives on this group instead.
 
+**A rebuild is bounded and abandonable.** Building a group is a rendezvous in the store (every
+member publishes its address and waits for the others') and then connections between every pair.
+Each attempt has a store prefix of its own (`Job.rebuilds`, counted alike on every member, so a
+half-finished rendezvous never mixes with the next); its waits for the others' addresses poll, and
+give up as soon as a member departs (`departed`) or the rebuild's bound passes; the connections
+are built by a thread of its own, which the member abandons as well (gloo's connection attempts to
+a dead peer end later by themselves). Whether every member built the group, and who is still in
+the job, is then decided at one more meeting of the control plane (`agree`): a member can finish
+its connections with one that dies a moment later while another cannot. Every member adopts the
+group only if every live member built it; otherwise they all start again among the live ones, so
+a second and a third loss during a rebuild cost an attempt each, not the process group's timeout.
+A rebuild that fails although nobody left ends with a `CoordinationTimeout` naming the ranks and
+the operation, on every member alike.
+
 If the default process group exists already (initialised by the user), steps 1 and 3-4 still run,
 with the supervisor as a client of that group's store.
 """
@@ -30,6 +44,9 @@ import atexit
 import json
 import logging
 import os
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
@@ -47,12 +64,20 @@ from lightning_prague.core.auth import (
     user_secret,
 )
 from lightning_prague.core.client.control import ControlClient, Session
-from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout
+from lightning_prague.core.errors import ConfigurationError, ControlPlaneError, CoordinationTimeout, MemberLost
 from lightning_prague.core.plane.launch import Supervisor, launch, wait_until_listening
 from lightning_prague.core.protocol import ADDRESS_RECORD, SessionConfig, address_key
 from lightning_prague.core.records import BadRecord
 
 log = logging.getLogger(__name__)
+
+#: seconds a rebuilt group's members may take to connect to each other once every address is in the
+#: store (gloo tries a refused connection a few times: a member that died there costs a few times this)
+CONNECT_SECONDS = 10.0
+#: the longest pause between two looks at the store while waiting for a member's address
+POLL_SECONDS = 0.05
+#: `agree(built)` -> `(the live members, whether every one of them built the group)`; see `Job.regroup`
+Agreement = Callable[[bool], tuple[Sequence[int], bool]]
 
 
 @dataclass
@@ -71,6 +96,8 @@ class Job:
     #: the ranks in `group`, sorted (every rank until some left the job)
     members: tuple[int, ...] = ()
     pg_timeout: Optional[timedelta] = None
+    #: attempts to rebuild `group` so far, the same number on every member (each one's store prefix)
+    rebuilds: int = 0
 
     def __post_init__(self) -> None:
         if not self.members:
@@ -81,21 +108,136 @@ class Job:
         """The lowest live rank: it takes over global rank 0's duties (checkpoints, logging)."""
         return self.members[0]
 
-    def regroup(self, members: list[int]) -> dist.ProcessGroup:
+    def regroup(
+        self,
+        members: Sequence[int],
+        departed: Callable[[], Collection[int]] = frozenset,
+        agree: Optional[Agreement] = None,
+        timeout: Optional[float] = None,
+    ) -> dist.ProcessGroup:
         """The library's process group among `members` (survivors), built by them alone; every
-        member must call this at the same point (see the module docstring)."""
-        members_ = tuple(sorted(members))
-        if members_ == self.members:
+        member must call this at the same point (see the module docstring).
+
+        `departed()`: the ranks known to have left the job (polled while waiting on the others; it
+        may raise to end the rebuild, e.g. when the control plane is lost). `agree(built)`: called
+        by every member after each attempt with whether it built the group here; returns the live
+        members and whether every one of them built it (a meeting of the control plane). Without
+        it, one attempt, which fails with `MemberLost` if a member departs. `timeout`: the bound of
+        the whole rebuild (default: the process group's timeout). `members` (then `self.members`)
+        ends up as the members of the group returned."""
+        proposal = tuple(sorted(members))
+        if proposal == self.members:
             return self.group
-        old = self.group
-        self.group = dist.new_group(
-            list(members_), backend=self.backend, timeout=self.pg_timeout, use_local_synchronization=True
-        )
-        self.members = members_
+        bound = timeout if timeout is not None else self._pg_seconds()
+        deadline = time.monotonic() + bound
+        attempt = 0
+        while True:
+            attempt += 1
+            self.rebuilds += 1
+            what = f"rebuilding the job's process group among ranks {list(proposal)} (attempt {attempt})"
+            log.debug("rank %d: %s", self.rank, what)
+            group: Optional[dist.ProcessGroup] = None
+            failure: Optional[BaseException] = None
+            try:
+                group = self._build(proposal, what, departed, deadline, bound)
+            except ControlPlaneError:
+                raise
+            except (RuntimeError, TimeoutError) as err:  # a member left, the bound passed, a connection failed
+                failure = err
+                log.debug("rank %d: %s failed here: %s", self.rank, what, err)
+            if agree is None:
+                if group is None:
+                    assert failure is not None
+                    raise failure
+                return self._adopt(group, proposal)
+            live, everyone_built = agree(group is not None)
+            live_ = tuple(sorted(live))
+            if group is not None and everyone_built and live_ == proposal:
+                return self._adopt(group, proposal)
+            if group is not None:
+                _drop(group, self.backend)
+            if self.rank not in live_:
+                raise MemberLost(f"rank {self.rank}: the control plane counted this rank out while {what}")
+            if live_ == proposal and time.monotonic() > deadline:
+                error = failure or "it failed on another member"
+                raise CoordinationTimeout(
+                    f"rank {self.rank}: {what} did not succeed within {bound:.0f}s although no rank left: {error}"
+                ) from failure
+            gone = sorted(set(proposal) - set(live_))
+            log.warning(
+                "rank %d: %s %s; starting again among ranks %s",
+                self.rank,
+                what,
+                f"was abandoned: ranks {gone} left the job meanwhile" if gone else "failed on some member",
+                list(live_),
+            )
+            proposal = live_
+
+    def _pg_seconds(self) -> float:
+        return self.pg_timeout.total_seconds() if self.pg_timeout is not None else 1800.0
+
+    def _build(
+        self,
+        members: tuple[int, ...],
+        what: str,
+        departed: Callable[[], Collection[int]],
+        deadline: float,
+        bound: float,
+    ) -> dist.ProcessGroup:
+        """One attempt: a group among `members` under a store prefix of its own, built by a thread
+        of its own while this one watches for departures and the deadline (see the module docstring)."""
+        others = [m for m in members if m != self.rank]
+        name = f"lightning_prague-rebuild-{self.rebuilds}-" + "-".join(map(str, members))
+        store = RendezvousStore(_default_store(), self.rank, members, what, departed, deadline, bound)
+        connect = timedelta(seconds=max(1.0, min(CONNECT_SECONDS, deadline - time.monotonic())))
+        outcome: dict[str, object] = {}
+
+        def build() -> None:
+            try:
+                outcome["group"] = _new_group(members, self.backend, store, name, connect, what)
+            except BaseException as err:  # the waiting thread raises it, or has moved on
+                outcome["error"] = err
+                if store.abandoned:
+                    log.debug("rank %d: an abandoned attempt ended: %s", self.rank, err)
+
+        builder = threading.Thread(target=build, name=f"prague-rebuild-{self.rank}", daemon=True)
+        builder.start()
+        pause = 0.001
+        while builder.is_alive():
+            builder.join(pause)
+            pause = min(POLL_SECONDS, pause * 2)
+            if not builder.is_alive():
+                break
+            try:
+                gone = sorted(r for r in others if r in departed())
+            except BaseException:
+                store.abandoned = True
+                raise
+            if gone:
+                store.abandoned = True
+                raise MemberLost(f"rank {self.rank}: ranks {gone} left the job while {what}")
+            if time.monotonic() > deadline + connect.total_seconds():
+                store.abandoned = True
+                raise CoordinationTimeout(
+                    f"rank {self.rank}: {what} did not finish within {bound:.0f}s: the connections among the "
+                    f"members did not complete"
+                )
+        if "error" in outcome:
+            raise outcome["error"]  # type: ignore[misc]
+        group = outcome["group"]
+        assert isinstance(group, dist.ProcessGroup)
+        store.settle()  # later waits (NCCL connects lazily) are bounded by the group's own timeout
+        if self.pg_timeout is not None:
+            dist.distributed_c10d._set_pg_timeout(self.pg_timeout, group)
+        return group
+
+    def _adopt(self, group: dist.ProcessGroup, members: tuple[int, ...]) -> dist.ProcessGroup:
+        """Switch to `group`, built among `members` on every one of them."""
+        old, self.group, self.members = self.group, group, members
         if "nccl" in self.backend:
             _abort(old)
-        log.debug("rank %d: rebuilt the job's process group among ranks %s", self.rank, list(members_))
-        return self.group
+        log.debug("rank %d: rebuilt the job's process group among ranks %s", self.rank, list(members))
+        return group
 
     @property
     def supervisor_pid(self) -> int:
@@ -191,6 +333,128 @@ def init_job(
     atexit.register(control.close)
     log.debug("rank %d: joined the job (%d ranks, supervisor pid %d)", rank, world_size, control.supervisor_pid)
     return _JOB
+
+
+def _default_store() -> dist.Store:
+    """The store `new_group` would build a group's rendezvous on (the default group's, with its prefix)."""
+    c10d = dist.distributed_c10d
+    return c10d._world.pg_map[c10d._get_default_group()][1]
+
+
+def _new_group(
+    members: tuple[int, ...], backend: str, store: dist.Store, name: str, timeout: timedelta, what: str
+) -> dist.ProcessGroup:
+    """`dist.new_group(members, use_local_synchronization=True)` under the group name (its store prefix)
+    `name` and on `store`: torch names a group by its ranks and the number of groups this process
+    made, which two members need not agree on, and a failed attempt would reuse it."""
+    c10d = dist.distributed_c10d
+    default = c10d._get_default_group()
+    group, _ = c10d._new_process_group_helper(
+        len(members),
+        members.index(default.rank()),
+        list(members),
+        backend,
+        store,
+        c10d.GroupName(name),
+        timeout=timeout,
+        device_id=default.bound_device_id,
+        group_desc=what[:200],
+    )
+    c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(members)}
+    return group
+
+
+class RendezvousStore(dist.Store):
+    """The store a rebuilt group's rendezvous runs on: the default store, with waits that poll, so
+    that they give up when a member departs (`departed`), when the rebuild is abandoned or when its
+    `deadline` passes, each time with an error that names the operation and the ranks missing."""
+
+    def __init__(
+        self,
+        base: dist.Store,
+        rank: int,
+        members: tuple[int, ...],
+        what: str,
+        departed: Callable[[], Collection[int]],
+        deadline: float,
+        bound: float,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.rank = rank
+        self.members = members
+        self.what = what
+        self.departed = departed
+        self.deadline: Optional[float] = deadline
+        self.bound = bound
+        #: set by the member that gave up on this attempt: every wait of it ends
+        self.abandoned = False
+
+    def settle(self) -> None:
+        """The group is built: later waits are bounded by their own timeouts only."""
+        self.deadline = None
+
+    def _poll(self, keys: list[str], timeout: Optional[timedelta] = None) -> None:
+        limit = self.deadline
+        if limit is None:
+            seconds = timeout.total_seconds() if timeout is not None else self.bound
+            limit = time.monotonic() + seconds
+        pause = 0.002
+        while not self.base.check(keys):
+            others = [m for m in self.members if m != self.rank]
+            gone = sorted(r for r in others if r in self.departed())
+            if gone:
+                raise MemberLost(f"rank {self.rank}: ranks {gone} left the job while {self.what}")
+            if self.abandoned:
+                raise MemberLost(f"rank {self.rank}: {self.what} was abandoned")
+            if time.monotonic() > limit:
+                missing = [k for k in keys if not self.base.check([k])]
+                raise CoordinationTimeout(
+                    f"rank {self.rank}: {self.what} timed out after {self.bound:.0f}s waiting for ranks "
+                    f"{self._ranks(missing)} (store keys {missing})"
+                )
+            time.sleep(pause)
+            pause = min(POLL_SECONDS, pause * 2)
+
+    def _ranks(self, keys: list[str]) -> list[object]:
+        """The members whose keys these are (a rendezvous key ends with the member's index)."""
+        found: list[object] = []
+        for key in keys:
+            tail = key.rsplit("/", 1)[-1]
+            index = int(tail) if tail.isdigit() else -1
+            found.append(self.members[index] if 0 <= index < len(self.members) else key)
+        return found
+
+    def set(self, key: str, value: object) -> None:
+        self.base.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._poll([key])
+        return self.base.get(key)
+
+    def wait(self, keys: list[str], timeout: Optional[timedelta] = None) -> None:
+        self._poll(list(keys), timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.base.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.base.add(key, amount)
+
+    def compare_set(self, key: str, expected: object, desired: object) -> bytes:
+        return self.base.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self.base.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.base.num_keys()
+
+
+def _drop(group: dist.ProcessGroup, backend: str) -> None:
+    """A group built by an attempt the members did not all complete: never used (aborted on NCCL)."""
+    if "nccl" in backend:
+        _abort(group)
 
 
 def _abort(group: dist.ProcessGroup) -> None:

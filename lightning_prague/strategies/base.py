@@ -395,8 +395,10 @@ class DecentralizedStrategy(DDPStrategy):
         super().teardown()
 
     def progressed(self) -> None:
-        """A training or validation batch starts: progress for the hang detector."""
+        """A training or validation batch starts: progress for the hang detector (and, in a long
+        validation, where a rank cut off from the control plane raises)."""
         if self.session is not None:
+            self.session.raise_if_cut_off("a validation batch")
             self.session.beacon.bump()
 
     def outside_steps(self) -> None:
@@ -409,6 +411,8 @@ class DecentralizedStrategy(DDPStrategy):
         """The fit failed on this rank: its teardown leaves the session, so the others are told at once
         (a coordinated SIGTERM stop is no failure: every rank met at the stop point)."""
         self.failed = not isinstance(exception, SIGTERMException)
+        if self.session is not None:  # its exception path (a checkpoint) may outlast a lost control plane
+            self.session.fit_failed()
         super().on_exception(exception)
 
     # -- training step ------------------------------------------------------------------------

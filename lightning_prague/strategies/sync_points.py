@@ -11,6 +11,14 @@ shards go to the survivors, the lowest live rank takes over global rank 0's duti
 A checkpoint written there holds the mean of the workers' optimizer states as well
 (`Synchronizer.optimizer_state`).
 
+One model means the whole `state_dict`: the average covers the parameters (a tied parameter once,
+so it stays tied) and the floating-point buffers, read from the module at every average (a buffer
+the module replaced rather than updated in place is averaged, not the one it dropped), and the
+integer and boolean buffers (BatchNorm's `num_batches_tracked`, which differs between ranks that took
+different numbers of steps) become their element-wise maximum over the live ranks
+(`lightning_prague.core.comm.exact`), all in the same all-or-nothing decision
+(`GroupWorker.global_average`).
+
 `SyncPoints` is the callback that calls these points from the trainer's hooks; the strategy
 inserts it before every other callback, so that they all run on the consensus model.
 """
@@ -20,10 +28,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_prague.core.comm.averaging import averaged_optimizer_state
+from lightning_prague.core.comm.averaging import averaged_optimizer_state, averaged_state
+from lightning_prague.core.comm.exact import exact_state
 from lightning_prague.core.exchange.worker import GroupWorker
 
 if TYPE_CHECKING:
@@ -37,6 +47,9 @@ class SyncPoints(Callback):
 
     def __init__(self, strategy: DecentralizedStrategy) -> None:
         self.strategy = strategy
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        follow_module(self.strategy)  # before any meeting, the stop point's included
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.strategy.progress is not None:
@@ -74,6 +87,22 @@ class SyncPoints(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.synchronize("fit_end")
+
+
+def follow_module(strategy: DecentralizedStrategy) -> None:
+    """Make the strategy's global averages read the model's state at each average: the averaged
+    tensors (`averaged_state`) and the integer and boolean buffers (`exact_state`)."""
+    worker = strategy.worker
+    if worker is None or worker.live_state is not None:
+        return
+
+    def live_state() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        module = strategy.lightning_module
+        if module is None:  # no module any more (torn down): the tensors of setup
+            return list(worker.tensors.tensors), []
+        return averaged_state(module), exact_state(module)
+
+    worker.live_state = live_state
 
 
 def average_replicas(worker: GroupWorker, name: str) -> None:
@@ -115,6 +144,7 @@ class Synchronizer:
         if strategy.measure_consensus:
             strategy.consensus_error = worker.consensus_error()
         if strategy.average_at_sync:
+            follow_module(strategy)
             average_replicas(worker, name)
         if loader is not None:
             loader.set_members(list(worker.members))

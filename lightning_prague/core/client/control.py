@@ -327,6 +327,14 @@ class Session:
         if self._gone():
             raise self.plane_lost(during)
 
+    def fit_failed(self) -> None:
+        """The fit failed on this rank, whatever the error (the strategies call it from Lightning's
+        `on_exception`): its training thread trains no more, so once the control plane is lost its
+        exception path (an `OnExceptionCheckpoint`, the teardown) gets the session's long bound
+        before the last resort, as when it raised `ControlPlaneLost` itself. (A `ControlPlaneLost`
+        raised in a communication thread reaches the training thread as it is, without passing here.)"""
+        self._raised = True
+
     def check_reachable(self) -> None:
         """The watch thread's check (every `WATCH_SECONDS`, see the module docstring): mark the session
         cut off if the control plane has not been heard from for this rank's hang bound plus

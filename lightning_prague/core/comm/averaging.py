@@ -13,19 +13,28 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_prague.core.comm.exact import storage_key, unique_tensors
 from lightning_prague.core.comm.groups import GroupComm
 from lightning_prague.core.comm.norms import Drift
 
 
 def averaged_state(module: nn.Module) -> list[torch.Tensor]:
-    """The tensors that replicas must agree on: parameters and floating-point buffers.
+    """The tensors that replicas average: parameters and floating-point buffers (a complex buffer as
+    its real view), the live tensors of the module, each once.
 
-    Integer buffers (e.g. BatchNorm's `num_batches_tracked`) are counters, not estimates, and are
-    left alone.
+    A tensor shared by several modules (tied weights: `module.parameters()` yields a shared parameter
+    once; two tensor objects over the same memory count once as well) is averaged once, in place, so
+    it stays shared. Integer and boolean buffers (BatchNorm's `num_batches_tracked`, masks) have no
+    mean: every global average makes them the element-wise maximum over the members instead
+    (`lightning_prague.core.comm.exact`).
     """
     tensors = [p.data for p in module.parameters()]
-    tensors += [b.data for b in module.buffers() if torch.is_floating_point(b)]
-    return tensors
+    tensors += [
+        torch.view_as_real(b.data) if b.is_complex() else b.data
+        for b in module.buffers()
+        if b.is_floating_point() or b.is_complex()
+    ]
+    return list(unique_tensors(tensors))
 
 
 class BucketedTensors:
@@ -358,3 +367,27 @@ def _same_everywhere(signature: int, comm: GroupComm, members: Sequence[int], op
         return False
     count = float(len(members))
     return bool(mine[0] == count * signature and mine[1] == count * float(signature) ** 2 and mine[2] == count)
+
+
+def follow_live(state: BucketedTensors, live: Sequence[torch.Tensor]) -> bool:
+    """Point `state` at `live` (the module's tensors now, `averaged_state`) wherever the module replaced
+    a tensor by another of the same shape, dtype and device since `state` was built (a buffer assigned
+    anew rather than updated in place, a parameter's `.data` replaced): averages then change the
+    module's tensors, not the ones it dropped. In place, in `state.tensors` and its buckets, so that
+    everything built on `state` (its flat copies and snapshots) follows.
+
+    Returns False, changing nothing, where the layout changed (tensors added, removed, reshaped or
+    converted): `state` cannot follow, and the caller averages `live` on its own instead.
+    """
+    live = list(live)
+    pairs = list(zip(state.tensors, live))
+    if len(live) != len(state.tensors) or any(
+        (old.shape, old.dtype, old.device) != (new.shape, new.dtype, new.device) for old, new in pairs
+    ):
+        return False
+    stale = {id(old): new for old, new in pairs if storage_key(old) != storage_key(new)}
+    if stale:
+        state.tensors[:] = [stale.get(id(t), t) for t in state.tensors]
+        for bucket in state.buckets:
+            bucket[:] = [stale.get(id(t), t) for t in bucket]
+    return True

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from lightning_prague.core.data.progress import ProgressCounter
 from lightning_prague.core.data.sharding import WorkQueueSampler
+from lightning_prague.core.errors import ControlPlaneError
 
 
 class ProgressLoader:
@@ -246,8 +247,14 @@ class ProgressLoader:
         """Where training stands; complete on rank 0 (which writes checkpoints) at a synchronization point."""
         state: dict[str, Any] = {"epoch": self.epoch, "epoch_base": self.epoch_base, "progress": self.progress}
         if self.sampler is not None and self.rank == self.leader:
+            try:
+                cursor = self.sampler.cursor()
+            except (
+                ControlPlaneError
+            ):  # the plane is gone (a checkpoint on the way out): the epoch resumes from its start
+                return state
             state["pending"] = sorted(self.pending)
-            state["cursor"] = self.sampler.cursor()
+            state["cursor"] = cursor
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

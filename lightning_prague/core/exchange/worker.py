@@ -12,14 +12,15 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 import torch
 
 from lightning_prague.core.client.control import Session
-from lightning_prague.core.comm.averaging import BucketedTensors, FlatBuffers, average_
+from lightning_prague.core.comm.averaging import BucketedTensors, FlatBuffers, average_, follow_live
+from lightning_prague.core.comm.exact import ExactMaxima, layout_signature
 from lightning_prague.core.comm.groups import GroupComm
 from lightning_prague.core.comm.norms import Drift
 from lightning_prague.core.comm.streams import CommStream, mark_on
@@ -168,6 +169,10 @@ class GroupWorker:
         self._doing = "training"  # what this rank waits on, for error messages
         self._spare: FlatBuffers | None = None
         self._stop_requests: set[str] = set()  # stops this rank asked for (once each)
+        #: where a global average finds the model's state now: `() -> (averaged tensors, exact buffers)`,
+        #: e.g. `averaged_state(module)` and `exact_state(module)`; `None`: the tensors of construction
+        self.live_state: Callable[[], tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] | None = None
+        self._warned_layout = False
 
     # -- messaging -------------------------------------------------------------------------
     def _send(self, op: str, **fields: Any) -> None:
@@ -409,14 +414,44 @@ class GroupWorker:
         """From now on exchange among `members` (a release's live ranks), if they changed: every
         survivor calls this right after the same release, so all switch at the same point. The
         job's process group is rebuilt among them (no communicator that held a lost rank is used
-        again)."""
+        again). A member that departs while they rebuild it is no hang: they start again without
+        it (`Job.regroup`, deciding at meetings of their own, `_agree_on_group`), and this worker's
+        `release` then names the members the group was built among."""
         if members is None or tuple(members) == self.comm.everyone:
             return
-        gone = sorted(set(self.comm.everyone) - set(members))
         job = self.job
-        group = job.regroup(members) if job is not None and self.comm.pg is job.group else self.comm.pg
+        group = self.comm.pg
+        if job is not None and self.comm.pg is job.group:
+            self._rebuild = 0
+            group = job.regroup(members, self._departed_now, self._agree_on_group, timeout=self.timeout)
+            members = list(job.members)
+        gone = sorted(set(self.comm.everyone) - set(members))
         self.comm.rebind(group, members)
         log.warning("rank %d: going on without ranks %s; members now %s", self.rank, gone, list(members))
+
+    def _departed_now(self) -> dict[int, str]:
+        """The ranks that left the job, for a rebuild of the process group to poll (it ends at once,
+        with `ControlPlaneLost`, if the control plane is lost)."""
+        self.session.raise_if_cut_off("rebuilding the job's process group")
+        return self.session.departed
+
+    def _agree_on_group(self, built: bool) -> tuple[list[int], bool]:
+        """`Job.regroup`'s agreement: one more meeting (`<sync>/rebuild<N>/commit`), where each member
+        says whether it built the group; returns the live members and whether every one of them did.
+        The first release stays this worker's `release`, with the members named by this one."""
+        first, version = self.release or {}, self.released_version
+        self._rebuild += 1
+        name = f"{first.get('sync', STOP_SYNC)}/rebuild{self._rebuild}{COMMIT}"
+        self._doing = f"the rebuild of the job's process group ({name!r})"
+        with self.session.beacon.waiting():
+            self._meet(name, time.monotonic(), None, {} if built else {"incomplete": True}, follow_stop=False)
+        decided = self.release or {}
+        members = [int(r) for r in decided.get("members", first.get("members", self.comm.everyone))]
+        self.release = {**first, "members": members}
+        self.released_version = version
+        everyone = bool(decided.get("complete", built))
+        log.debug("rank %d: %r: built here %s, everywhere %s; members %s", self.rank, name, built, everyone, members)
+        return members, everyone
 
     def request_stop(self, reason: str = "sigterm") -> None:
         """Ask every rank to stop. `"sigterm"`: they drain their groups at the next step and leave
@@ -502,21 +537,37 @@ class GroupWorker:
     def global_average(self) -> bool:
         """Average over all live ranks; call only right after `synchronize` returned.
 
+        The floating-point state is averaged (the live tensors: `live_state`, if set, tells where they
+        are now, `follow_live`); the exact buffers of `live_state` (integer and boolean ones) become
+        their element-wise maximum over the members (`ExactMaxima`). Both are decided together and
+        written together: the members end with bitwise the same parameters and buffers.
+
         Returns False, on every member alike, if a member was lost during it (every member kept its
         tensors): meet again (the release leaves the lost member out) and average again. The
         members' completeness is decided at the control plane before anything is written back (a
         member that dies part-way through its sends can leave one survivor's sum complete and
         another's not). A sum that is incomplete while nobody left means the replicas hold
-        non-finite values: an error.
+        non-finite values: an error. Replicas of different layouts raise `SyncMismatchError`.
         """
+        tensors, exact = self._state_now()
+        sums = self.spare() if tensors is self.tensors else None
+        maxima = ExactMaxima(exact, self.comm, self.comm.everyone, "global average")
+        applied = False
         try:
-            _, applied = average_(
-                self.tensors, self.comm, self.comm.everyone, operation="global average", sums=self.spare(),
-                decide=self._agreed,
-            )  # fmt: skip
+            complete = maxima.gather(layout_signature(tensors.tensors, exact), self.agree)
+            if complete is not None:  # else every member knows a member was lost: nothing to decide
+
+                def decide(mine: torch.Tensor) -> torch.Tensor:
+                    return self._agreed(mine & complete.to(mine.device))
+
+                _, done = average_(
+                    tensors, self.comm, self.comm.everyone, operation="global average", sums=sums, decide=decide
+                )
+                applied = bool(done)
         except CoordinationTimeout as err:
             raise self.session.explain(err, "the global average") from err
-        if bool(applied):
+        if applied:
+            maxima.apply()
             return True
         if set((self.release or {}).get("members", self.comm.everyone)) >= set(self.comm.everyone):
             raise SyncMismatchError(
@@ -525,3 +576,20 @@ class GroupWorker:
             )
         log.warning("rank %d: a rank was lost during the global average; meeting again without it", self.rank)
         return False
+
+    def _state_now(self) -> tuple[BucketedTensors, list[torch.Tensor]]:
+        """What a global average changes: the floating-point tensors (those of construction, pointed
+        at the live ones where the module replaced some) and the exact buffers (see `live_state`)."""
+        if self.live_state is None:
+            return self.tensors, []
+        live, exact = self.live_state()
+        if follow_live(self.tensors, live):
+            return self.tensors, list(exact)
+        if not self._warned_layout:
+            self._warned_layout = True
+            log.warning(
+                "rank %d: the model's parameters or floating-point buffers changed in number, shape or dtype "
+                "since setup: synchronization points average them, group exchanges still average those of setup",
+                self.rank,
+            )
+        return BucketedTensors(live), list(exact)

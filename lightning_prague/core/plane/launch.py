@@ -8,12 +8,19 @@ Where the launching process has not initialised CUDA (CPU jobs), the supervisor 
 it starts at once, with nothing to import (on two cores, a fresh interpreter's `import torch`
 costs every job a few seconds of start-up). A process that holds a CUDA context must not fork, so
 there it is a fresh interpreter (`python -c BOOTSTRAP`), which imports only the core.
+
+Either way the supervisor holds none of the launching process's file descriptors (rank 0's gloo
+sockets when the process group was initialised first, its store connection, its files): a fresh
+interpreter inherits none (`close_fds`), and a forked one lets go of every one but its standard
+streams at once (`release_inherited_descriptors`), so that it keeps no connection of rank 0 open
+after rank 0 is gone, and no file of its open after the job.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -147,6 +154,7 @@ def _fork(argv: list[str], log_file: Path, secret: bytes) -> Supervisor:
             os.dup2(err.fileno(), 2)
         for handler in list(logging.root.handlers):  # the parent's handlers write where it does
             logging.root.removeHandler(handler)
+        release_inherited_descriptors(keep=(0, 1, 2))  # before main opens its own (store, server)
         main(argv)
         status = 0
     except SystemExit as err:  # its reason, where rank 0 reads it (the log file is this process's stderr)
@@ -158,6 +166,49 @@ def _fork(argv: list[str], log_file: Path, secret: bytes) -> Supervisor:
         traceback.print_exc()
     finally:
         os._exit(status)
+
+
+def release_inherited_descriptors(keep: tuple[int, ...] = (0, 1, 2)) -> int:
+    """In a forked child: let go of every file descriptor it inherited but `keep` (the standard
+    streams: its log is its standard error); returns how many it let go of.
+
+    Each is pointed at /dev/null (`dup2`) rather than closed: the socket or file it held is released
+    (a peer sees the connection close once the parent lets go of it too), but its number stays taken,
+    so no descriptor the child opens later gets a number that an object inherited from the parent
+    (a socket, a file) may still close when the garbage collector drops it."""
+    own = _open_descriptors()
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    released = 0
+    try:
+        for fd in own:
+            if fd in keep or fd == null:
+                continue
+            try:
+                os.fstat(fd)  # not the listing's own descriptor, closed by now
+                os.dup2(null, fd, inheritable=False)
+                released += 1
+            except OSError:
+                pass
+    finally:
+        os.close(null)
+    return released
+
+
+def _open_descriptors() -> list[int]:
+    """This process's open file descriptors (Linux: /proc/self/fd; elsewhere every possible number)."""
+    try:
+        return sorted(int(name) for name in os.listdir("/proc/self/fd"))
+    except OSError:
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = limit if 0 < limit < 1 << 16 else 1 << 16
+        found = []
+        for fd in range(limit):
+            try:
+                os.fstat(fd)
+            except OSError:
+                continue
+            found.append(fd)
+        return found
 
 
 def wait_until_listening(proc: Supervisor, host: str, port: int, timeout: float) -> None:
