@@ -282,14 +282,23 @@ def run_external_ranks(
     when one dies). They are forked from the test process. Returns each rank's exit code (``None``:
     still running at the timeout, then killed) and output. ``slurm``: with the variables SLURM's
     ``srun`` sets as well (one node, job 4242), so that Lightning uses its SLURM environment."""
+    argv = [*args, "--devices", str(world), "--json", str(tmp / "result.json")]
+    return run_script_ranks(tmp, world, "train.py", argv, timeout, slurm)
+
+
+def run_script_ranks(
+    tmp: Path, world: int, script: str, argv: list[str], timeout: float = 90, slurm: bool = False
+) -> tuple[list[int | None], list[str]]:
+    """``scripts/<script>`` as ``world`` ranks forked from this process, each started as a cluster
+    launcher would (no launcher kills the others): their exit codes (``None``: killed at the timeout)
+    and their logs."""
     ctx = multiprocessing.get_context("fork")
     base = env(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
     logs = [tmp / f"rank{r}.log" for r in range(world)]
-    argv = [*args, "--devices", str(world), "--json", str(tmp / "result.json")]
     procs = [
         ctx.Process(
             target=_run_script_in_child,
-            args=(SCRIPTS / "train.py", argv, {**base, **_rank_variables(r, world, slurm)}, logs[r]),
+            args=(SCRIPTS / script, argv, {**base, **_rank_variables(r, world, slurm)}, logs[r]),
         )
         for r in range(world)
     ]

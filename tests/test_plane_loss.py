@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from helpers import SCRIPTS, _rank_variables, _run_script_in_child, _start_forked, env, free_port
+from helpers import SCRIPTS, _run_script_in_child, _start_forked, env, free_port, run_script_ranks
 
 import lightning_prague.demo.run  # noqa: F401  (imported once here: the ranks are forked from this process)
 from lightning_prague.core.client import partition
@@ -28,28 +28,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def run_ranks(tmp, world: int, script: str, argv: list[str], timeout: float = 90) -> tuple[list, list[str]]:
-    """``scripts/<script>`` as ``world`` ranks forked from this process, each started as a cluster
-    launcher would (no launcher kills the others): their exit codes and their logs."""
-    ctx = multiprocessing.get_context("fork")
-    base = env(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0")
-    logs = [tmp / f"rank{r}.log" for r in range(world)]
-    procs = [
-        ctx.Process(
-            target=_run_script_in_child,
-            args=(SCRIPTS / script, argv, {**base, **_rank_variables(r, world, False)}, logs[r]),
-        )
-        for r in range(world)
-    ]
-    _start_forked(procs)
-    deadline = time.monotonic() + timeout
-    codes = []
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-        codes.append(p.exitcode)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return codes, [log.read_text() for log in logs]
+    """``scripts/<script>`` as ``world`` ranks started as a cluster launcher would (`run_script_ranks`)."""
+    return run_script_ranks(tmp, world, script, argv, timeout)
 
 
 # -- the whole fit ---------------------------------------------------------------------------------
