@@ -51,17 +51,25 @@ def test_the_forked_supervisor_inherits_no_socket_and_no_file_of_rank_0():
         held.close()
 
 
-def test_release_points_every_inherited_descriptor_at_dev_null_and_keeps_the_numbers(tmp_path):
+def test_release_points_inherited_sockets_and_files_at_dev_null_and_leaves_pipes_alone(tmp_path):
+    # a pipe or an event descriptor may be a native library's process-wide state (libuv under torch's
+    # store): the supervisor's own store would break without it
+    left, right = socket.socketpair()
+    handle = open(tmp_path / "inherited.txt", "w")
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: what the supervisor does first
         try:
             released = release_inherited_descriptors(keep=(0, 1, 2))
-            ok = released >= 2 and all(os.readlink(f"/proc/self/fd/{fd}") == os.devnull for fd in (read, write))
-            os._exit(0 if ok else 1)
+            gone = all(os.readlink(f"/proc/self/fd/{fd}") == os.devnull for fd in (left.fileno(), handle.fileno()))
+            kept = all(os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:") for fd in (read, write))
+            os._exit(0 if released >= 3 and gone and kept else 1)
         except BaseException:
             os._exit(2)
     _, status = os.waitpid(pid, 0)
-    os.close(read)
-    os.close(write)
+    for fd in (read, write):
+        os.close(fd)
+    left.close()
+    right.close()
+    handle.close()
     assert os.waitstatus_to_exitcode(status) == 0

@@ -22,6 +22,7 @@ import logging
 import os
 import resource
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -169,8 +170,9 @@ def _fork(argv: list[str], log_file: Path, secret: bytes) -> Supervisor:
 
 
 def release_inherited_descriptors(keep: tuple[int, ...] = (0, 1, 2)) -> int:
-    """In a forked child: let go of every file descriptor it inherited but `keep` (the standard
-    streams: its log is its standard error); returns how many it let go of.
+    """In a forked child: let go of every socket and file it inherited but `keep` (the standard
+    streams: its log is its standard error); returns how many it let go of. Other descriptors (event,
+    epoll and pipe descriptors of native libraries' process-wide state) are left alone.
 
     Each is pointed at /dev/null (`dup2`) rather than closed: the socket or file it held is released
     (a peer sees the connection close once the parent lets go of it too), but its number stays taken,
@@ -184,7 +186,12 @@ def release_inherited_descriptors(keep: tuple[int, ...] = (0, 1, 2)) -> int:
             if fd in keep or fd == null:
                 continue
             try:
-                os.fstat(fd)  # not the listing's own descriptor, closed by now
+                mode = os.fstat(fd).st_mode  # not the listing's own descriptor, closed by now
+                # sockets and files only: an event or epoll descriptor (an anonymous inode) or a pipe may
+                # belong to a native library's process-wide state (libuv's loop under torch's TCPStore),
+                # which the supervisor's own store then uses; replacing it breaks that store
+                if not (stat.S_ISSOCK(mode) or stat.S_ISREG(mode)):
+                    continue
                 os.dup2(null, fd, inheritable=False)
                 released += 1
             except OSError:
