@@ -7,6 +7,7 @@
 from lightning_prague.core.errors import (
     ConfigurationError,
     ControlPlaneError,
+    ControlPlaneLost,
     CoordinationTimeout,
     MemberLost,
     PragueError,
@@ -26,6 +27,7 @@ __all__ = [
     "ADPSGDStrategy",
     "ConfigurationError",
     "ControlPlaneError",
+    "ControlPlaneLost",
     "CoordinationTimeout",
     "DecentAdamStrategy",
     "DecentralizedStrategy",

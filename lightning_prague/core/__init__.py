@@ -22,6 +22,7 @@ from lightning_prague.core.data.sharding import WorkQueueSampler
 from lightning_prague.core.errors import (
     ConfigurationError,
     ControlPlaneError,
+    ControlPlaneLost,
     CoordinationTimeout,
     MemberLost,
     PragueError,
@@ -48,6 +49,7 @@ __all__ = [
     "CommStream",
     "ConfigurationError",
     "ControlPlaneError",
+    "ControlPlaneLost",
     "CoordinationTimeout",
     "ControlClient",
     "ControlPlane",

@@ -63,12 +63,14 @@ DDP_OPTIONS: dict[str, DDPOption] = {
     # -- rejected: they configure machinery that does not exist here ----------------------------
     "broadcast_buffers": DDPOption(
         "buffers are not broadcast from rank 0 at every forward: floating-point buffers are averaged with the "
-        "parameters in every exchange and at synchronization points, integer buffers stay local",
+        "parameters in every exchange and at synchronization points, integer and boolean buffers take their "
+        "element-wise maximum over the live ranks at every synchronization point",
         instead=_REMOVE,
     ),
     "forward_sync_buffers": DDPOption(
         "buffers are not broadcast from rank 0 at every forward: floating-point buffers are averaged with the "
-        "parameters in every exchange and at synchronization points, integer buffers stay local",
+        "parameters in every exchange and at synchronization points, integer and boolean buffers take their "
+        "element-wise maximum over the live ranks at every synchronization point",
         instead=_REMOVE,
     ),
     "bucket_cap_mb": DDPOption(
