@@ -1,6 +1,6 @@
 """Averages over persistent flat buffers: what they compute, all-or-nothing, and that a step allocates
 nothing the size of the model. In one process: the group is a stand-in whose sums add the other
-members' known shares, and whose chosen call fails as a lost member's would (NaN in the sum)."""
+members' known shares, and whose chosen call fails as a lost member's would (its flag says so)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from lightning_prague.core.comm.averaging import (
     average_,
     average_difference_,
 )
-from lightning_prague.core.comm.groups import sum_is_complete
 from lightning_prague.core.comm.norms import squared_distance, squared_norm
 
 sys.path.insert(0, str(SCRIPTS))
@@ -29,19 +28,26 @@ pytestmark = pytest.mark.timeout(60)
 
 class PeerSums:
     """`sum_` of a group of this rank and one peer whose tensors are `peer` (flat, per bucket in
-    order); the call numbered `fail_at` ends incomplete (NaN), as a lost member's would."""
+    order); the call numbered `fail_at` ends incomplete, as a lost member's would: its sum holds
+    garbage and its flag says so. The members' agreement is this member's own flag (the peer is
+    taken to agree)."""
 
     def __init__(self, peer: list[torch.Tensor], fail_at: int | None = None) -> None:
         self.peer, self.fail_at, self.calls = peer, fail_at, 0
         self.weight = 0.5  # the peer's share is scaled as ours (the plain mean of two)
 
-    def sum_(self, tensor: torch.Tensor, members, operation: str = "", timeout=None) -> None:
+    def sum_(self, tensor: torch.Tensor, members, operation: str = "", timeout=None) -> bool:
         index = self.calls % len(self.peer)
-        if self.calls == self.fail_at:
-            tensor.fill_(float("nan"))
-        else:
+        complete = self.calls != self.fail_at
+        if complete:
             tensor.add_(self.peer[index], alpha=self.weight)
+        else:
+            tensor.fill_(12345.0)  # what a lost share leaves: anything
         self.calls += 1
+        return complete
+
+    def agree_among(self, members, complete: bool, operation: str = "") -> bool:
+        return complete
 
 
 def model(seed: int) -> list[torch.Tensor]:
@@ -168,14 +174,15 @@ def test_chunked_norms_match_a_float64_computation(monkeypatch):
     assert float(squared_distance(wide, other)) == pytest.approx(float((wide - other).pow(2).sum()), rel=1e-12)
 
 
-def test_a_sum_is_complete_unless_an_element_is_nan_or_infinite(monkeypatch):
-    monkeypatch.setattr(norms, "NORM_CHUNK", 4)
-    big = torch.full((10,), 3e38)  # the largest float32 values: their squares do not overflow float64
-    assert bool(sum_is_complete(big))
-    for bad in (float("nan"), float("inf"), -float("inf")):
-        broken = big.clone()
-        broken[9] = bad  # in the last chunk
-        assert not bool(sum_is_complete(broken))
+def test_nan_and_infinities_are_data_not_an_incomplete_sum():
+    mine = [torch.tensor([float("nan"), 1.0, 2.0]), torch.tensor([float("inf"), 4.0])]
+    theirs = [torch.tensor([1.0, 3.0, 4.0]), torch.tensor([1.0, -float("inf")])]
+    live = BucketedTensors(mine, bucket_bytes=12)  # a bucket each
+    assert len(live.buckets) == 2
+    _, applied = average_(live, PeerSums(theirs), (0, 1))
+    assert applied, "a NaN or an infinity in a replica is averaged as DDP would, not taken for a lost member"
+    assert torch.isnan(mine[0][0]) and mine[0][1:].tolist() == [2.0, 3.0]
+    assert mine[1].tolist() == [float("inf"), -float("inf")]
 
 
 def largest_allocation(work) -> int:

@@ -284,10 +284,11 @@ def _links_rank() -> None:
     def recorded_sum(summed, members, operation="group sum"):
         current.operation = operation
         start = time.monotonic()
-        group_sum(summed, members, operation)
+        complete = group_sum(summed, members, operation)
         sums.append(
             {"operation": operation, "thread": threading.current_thread().name, "start": start, "end": time.monotonic()}
         )
+        return complete
 
     comm.sum_ = recorded_sum
     simulate_slow_links(RecordingLinks(frozenset({1}), 0.25 / 4000))  # 0.25 s for this tensor

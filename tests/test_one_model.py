@@ -117,12 +117,16 @@ class PairComm:
     def __init__(self, rank: int, shared: dict) -> None:
         self.rank, self.shared = rank, shared
 
-    def sum_(self, tensor: torch.Tensor, members, operation: str = "", timeout=None) -> None:
+    def sum_(self, tensor: torch.Tensor, members, operation: str = "", timeout=None) -> bool:
         self.shared[self.rank] = tensor.clone()
         self.shared["barrier"].wait()
         total = self.shared[0] + self.shared[1]
         self.shared["barrier"].wait()
         tensor.copy_(total)
+        return True
+
+    def agree_among(self, members, complete: bool, operation: str = "") -> bool:
+        return complete
 
 
 def _agree_between_two(states: list[list[torch.Tensor]], signatures: list[int]) -> list:

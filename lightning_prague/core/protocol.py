@@ -324,6 +324,8 @@ RECORDS: dict[str, Record] = {
         {"hold": _CHUNKS, "tickets": list_of(optional(_TICKET), 1 << 16), "done": _CHUNKS},
         key=_KEY,
     ),
+    # this rank's completeness of a group collective, before it writes anything back (`GroupVerdicts`)
+    "summed": _session_record("summed", key=text(128), members=list_of(_RANK, MAX_RANK + 1), ok=BOOLEAN),
     "parked": _session_record("parked", request=True),
     "history": _session_record("history", request=True),
     "ready": _session_record("ready", {"version": _COUNT}, request=True),

@@ -170,7 +170,11 @@ class Synchronizer:
         if worker is None or strategy.failed or not strategy.controller.aligned or not state:
             return state
         averaged, complete = averaged_optimizer_state(
-            state, worker.comm, worker.members, operation="optimizer state average for a checkpoint"
+            state,
+            worker.comm,
+            worker.members,
+            operation="optimizer state average for a checkpoint",
+            decide=worker.agree,
         )
         if not complete:
             log.warning(

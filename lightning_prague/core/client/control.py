@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 _CLOSED: Message = {"t": "__closed__"}
 #: seconds between two checks of the session's watch thread (`Session.check_reachable`)
 WATCH_SECONDS = 0.5
+#: verdicts kept that no thread has taken (one whose wait timed out arrives later and is dropped)
+MAX_VERDICTS = 1024
 
 
 class ControlClient:
@@ -231,10 +233,25 @@ class Session:
         #: the thread that opened the session: the one that trains (its raise is what the grace waits for)
         self._trainer = threading.get_ident()
         self._watching = threading.Event()
+        #: key -> the control plane's verdict on a group collective this rank reported (`verdict`)
+        self._verdicts: dict[str, bool] = {}
+        self._verdict_ready = threading.Condition()
+        self._rejected: str | None = None  # the control plane rejected one of this rank's messages
 
     def deliver(self, item: Message) -> None:
         """Called by the reader thread for every item of this session."""
         kind = item["t"]
+        if kind == "verdict":  # not an inbox item: the thread waiting in `verdict` takes it
+            with self._verdict_ready:
+                self._verdicts[str(item["key"])] = item.get("apply") is True
+                while len(self._verdicts) > MAX_VERDICTS:  # verdicts no one waits for any more (timed out)
+                    del self._verdicts[next(iter(self._verdicts))]
+                self._verdict_ready.notify_all()
+            return
+        if kind == "error" and item.get("source") == CONTROL_PLANE:
+            with self._verdict_ready:
+                self._rejected = str(item.get("message", "a message was rejected"))
+                self._verdict_ready.notify_all()
         if kind == "departed":
             self.departed[int(item["rank"])] = str(item["reason"])
             self.departed_at[int(item["rank"])] = time.time()
@@ -411,6 +428,37 @@ class Session:
             self._inbox.put(_CLOSED)
             raise self.plane_lost("a wait for the control plane's next item")
         return item
+
+    def verdict(
+        self, key: str, members: Sequence[int], complete: bool, operation: str, timeout: float | None = None
+    ) -> bool:
+        """Whether group collective `key` among `members` takes effect on every member: this rank
+        reports its own completeness (`complete`) and waits for the control plane's verdict, the
+        same for every member (`lightning_prague.core.plane.verdicts`). A `Decide` of a group sum.
+
+        Raises `CoordinationTimeout` naming the members and `operation` if no verdict came within
+        `timeout` (default: the session's), and `ControlPlaneLost` once the control plane is lost.
+        """
+        self._rejected = None
+        self.send("summed", key=key, members=[int(m) for m in members], ok=bool(complete))
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self.beacon.waiting(), self._verdict_ready:
+            while key not in self._verdicts:
+                if self._gone():
+                    raise self.plane_lost(f"the verdict on {operation}")
+                if self._rejected is not None:
+                    raise ControlPlaneError(f"rank {self.rank}: {self._rejected}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CoordinationTimeout(
+                        f"rank {self.rank}: the control plane gave no verdict on {operation} over ranks "
+                        f"{list(members)} within {limit:.0f}s (a member neither reported its sum nor was declared lost)"
+                    )
+                self._verdict_ready.wait(min(remaining, WATCH_SECONDS))
+            applied = self._verdicts.pop(key)
+        log.debug("rank %d: %s (%s): complete here %s, verdict %s", self.rank, operation, key, complete, applied)
+        return applied
 
     def post(self, item: Message) -> None:
         """Put `item` at the end of this rank's inbox, behind everything the coordinator already sent it."""

@@ -7,14 +7,14 @@ most `bucket_bytes` (grouped by dtype and device) keeps it to a handful per aver
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_prague.core.comm.exact import storage_key, unique_tensors
-from lightning_prague.core.comm.groups import GroupComm
+from lightning_prague.core.comm.groups import Decide, GroupComm
 from lightning_prague.core.comm.norms import Drift
 
 
@@ -120,10 +120,11 @@ def _shaped_views(flat: torch.Tensor, bucket: Sequence[torch.Tensor]) -> list[to
     return views
 
 
-def _accumulators(device: torch.device) -> tuple[torch.Tensor, Drift]:
-    """An average's running results on `device`: whether every bucket's sum was complete, and the
-    drift of this member from it, its group error (tensors: no host synchronisation)."""
-    return torch.ones((), dtype=torch.bool, device=device), Drift(device)
+def _deciding(decide: Decide | None, comm: GroupComm, members: Sequence[int], operation: str) -> Decide:
+    """`decide`, or where none is given, the members' direct agreement (`GroupComm.agree_among`)."""
+    if decide is not None:
+        return decide
+    return lambda complete: comm.agree_among(members, complete, operation)
 
 
 def average_(
@@ -133,41 +134,41 @@ def average_(
     weight: float | None = None,
     operation: str = "average",
     sums: FlatBuffers | None = None,
-    decide: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    decide: Decide | None = None,
+) -> tuple[torch.Tensor, bool]:
     """In place: every member's tensors become the (weighted) average over `members`, or, if a
     member disappeared during it, stay as they were (all-or-nothing: no member keeps a partial sum).
 
     With `weight=None` this is the plain mean. Otherwise each member contributes `weight * x`
     and the weights of the members must sum to 1 (staleness-aware Partial Reduce).
 
-    Returns `(error, applied)`, scalar tensors on the tensors' device (reading them is left to
-    whoever needs the numbers, so the average costs no host synchronisation): `error` is
-    `||x - avg||^2 / ||avg||^2` for this member's tensors before the average, a free estimate of how
-    far this replica had drifted from its group (`consensus/group_error`); `applied` whether the
-    average was complete and taken. Every bucket is summed before any is written back, so the
-    decision covers the whole model: `sums` (allocated for the call if not given) holds the sums,
-    one copy of the tensors. The members end with bitwise the same tensors.
+    Returns `(error, applied)`: `error` is `||x - avg||^2 / ||avg||^2` for this member's tensors
+    before the average (a scalar tensor on the tensors' device, read by whoever needs the number: no
+    host synchronisation), a free estimate of how far this replica had drifted from its group
+    (`consensus/group_error`), 0 if the average was not taken; `applied` whether it was taken. Every
+    bucket is summed before any is written back, so the decision covers the whole model: `sums`
+    (allocated for the call if not given) holds the sums, one copy of the tensors. The members end
+    with bitwise the same tensors.
 
-    A member that dies part-way through its sends can leave one member's sum complete and
-    another's not. `decide`, given this member's completeness, returns whether to apply, the same
-    on every member (a decision taken elsewhere, e.g. by the control plane) before anything is
-    written back; without it each member applies its own complete sum.
+    `decide` (a `Decide`: the control plane's verdict during a fit, `Session.verdict`) turns this
+    member's completeness of the sums into the members' common decision, taken before anything is
+    written back; without it the members agree directly (`GroupComm.agree_among`).
     """
     scale = 1.0 / len(members) if weight is None else weight
     sums = sums if sums is not None else FlatBuffers(tensors)
-    applied, drift = _accumulators(tensors.device)
+    drift = Drift(tensors.device)
+    complete = True
     for flat, views, bucket in zip(sums.flats, sums.views, tensors.buckets):
         torch._foreach_copy_(views, bucket)
         flat.mul_(scale)
-        comm.sum_(flat, members, operation)
-        applied &= torch.isfinite(drift.add_average(flat))  # non-finite if the sum is incomplete
-    if decide is not None:
-        applied = decide(applied)
-    for views, bucket in zip(sums.views, tensors.buckets):
-        for t, avg in zip(bucket, views):
-            drift.add_distance(t, avg)
-            torch.where(applied, avg, t, out=t)
+        complete &= comm.sum_(flat, members, operation)  # every bucket, so the members stay in step
+    applied = _deciding(decide, comm, members, operation)(complete)
+    if applied:
+        for flat, views, bucket in zip(sums.flats, sums.views, tensors.buckets):
+            drift.add_average(flat)
+            for t, avg in zip(bucket, views):
+                drift.add_distance(t, avg)
+            torch._foreach_copy_(bucket, views)
     return drift.error(applied=applied), applied
 
 
@@ -178,25 +179,30 @@ def average_difference_(
     out: FlatBuffers,
     weight: float | None = None,
     operation: str = "average",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    decide: Decide | None = None,
+) -> tuple[torch.Tensor, bool]:
     """`out` becomes `avg - snapshot`, the (weighted, as in `average_`) average over `members` of
     their snapshots minus this member's, or zero everywhere if a member disappeared during it
     (all-or-nothing: `out` is the sum target of each bucket, so no other copy is needed).
 
     `snapshot` is not changed; adding `out` to it gives the average, adding `out` to tensors that
     moved on since the snapshot keeps their progress (AD-PSGD's atomic averaging). Returns
-    `(error, applied)` as `average_` does.
+    `(error, applied)` and takes `decide` as `average_` does.
     """
     scale = 1.0 / len(members) if weight is None else weight
-    applied, drift = _accumulators(snapshot.live.device)
+    drift = Drift(snapshot.live.device)
+    complete = True
     for mine, total in zip(snapshot.flats, out.flats):
         torch.mul(mine, scale, out=total)
-        comm.sum_(total, members, operation)
-        applied &= torch.isfinite(drift.add_average(total))  # non-finite if the sum is incomplete
-        total.sub_(mine)
-        drift.add_difference(total)
-    for total in out.flats:
-        total.masked_fill_(~applied, 0.0)
+        complete &= comm.sum_(total, members, operation)
+    applied = _deciding(decide, comm, members, operation)(complete)
+    for mine, total in zip(snapshot.flats, out.flats):
+        if applied:
+            drift.add_average(total)
+            total.sub_(mine)
+            drift.add_difference(total)
+        else:
+            total.zero_()
     return drift.error(applied=applied), applied
 
 
@@ -208,10 +214,12 @@ def average_chained_(
     scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor],
     weight: float | None = None,
     operation: str = "average",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    decide: Decide | None = None,
+) -> tuple[torch.Tensor, bool]:
     """A further average of a snapshot that earlier averages changed: `snapshot` becomes the (weighted)
     average over `members` and `change` gains what that changed, committed **bucket by bucket**: a
-    bucket whose sum is incomplete (a member disappeared) keeps its values, on every member alike.
+    bucket whose sum does not take effect (a member disappeared) keeps its values, on every member
+    alike (`decide` is asked once per bucket, in bucket order).
 
     Whole-model all-or-nothing would need a third copy of the model, to hold the result while the
     earlier change is kept (`average_difference_` writes its first result into a zero `change`,
@@ -221,7 +229,9 @@ def average_chained_(
     `average_` does (`applied`: every bucket was).
     """
     scale = 1.0 / len(members) if weight is None else weight
-    applied, drift = _accumulators(snapshot.live.device)
+    decide = _deciding(decide, comm, members, operation)
+    drift = Drift(snapshot.live.device)
+    applied = True
     for mine, total_change in zip(snapshot.flats, change.flats):
         key = (mine.dtype, mine.device)
         if key not in scratch or scratch[key].numel() < mine.numel():
@@ -229,12 +239,12 @@ def average_chained_(
             scratch[key] = torch.empty(largest, dtype=mine.dtype, device=mine.device)
         total = scratch[key][: mine.numel()]
         torch.mul(mine, scale, out=total)
-        comm.sum_(total, members, operation)
-        complete = torch.isfinite(drift.add_average(total))  # non-finite if the sum is incomplete
-        applied &= complete
+        if not decide(comm.sum_(total, members, operation)):
+            applied = False
+            continue
+        drift.add_average(total)
         total.sub_(mine)
         drift.add_difference(total)
-        total.masked_fill_(~complete, 0.0)
         mine.add_(total)
         total_change.add_(total)
     return drift.error(applied=applied), applied
@@ -279,14 +289,19 @@ class SnapshotAverages:
         self._taken = True
 
     def average(
-        self, comm: GroupComm, members: tuple[int, ...], weight: float | None, operation: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        comm: GroupComm,
+        members: tuple[int, ...],
+        weight: float | None,
+        operation: str,
+        decide: Decide | None = None,
+    ) -> tuple[torch.Tensor, bool]:
         """One group average of the snapshot (an `AverageTarget`); see the class docstring."""
         if not self._taken:
             raise RuntimeError("an average of a snapshot that was not taken since its change was applied")
         if not self.changed:  # the change is zero: an average that does not complete leaves it zero
             error, applied = average_difference_(
-                self.snapshot, comm, members, self.change, weight=weight, operation=operation
+                self.snapshot, comm, members, self.change, weight=weight, operation=operation, decide=decide
             )
             self._behind = True
             self.changed = True
@@ -294,7 +309,7 @@ class SnapshotAverages:
         if self._behind:
             self.snapshot.add_(self.change)
             self._behind = False
-        return average_chained_(self.snapshot, self.change, comm, members, self._scratch, weight, operation)
+        return average_chained_(self.snapshot, self.change, comm, members, self._scratch, weight, operation, decide)
 
     def apply(self) -> bool:
         """Add the change to the live tensors and clear it; False if there was none.
@@ -312,7 +327,11 @@ class SnapshotAverages:
 
 
 def averaged_optimizer_state(
-    state: dict[str, Any], comm: GroupComm, members: Sequence[int], operation: str = "optimizer state average"
+    state: dict[str, Any],
+    comm: GroupComm,
+    members: Sequence[int],
+    operation: str = "optimizer state average",
+    decide: Decide | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """A copy of an optimizer's `state_dict()` whose floating-point state tensors (Adam's moments and
     step count, SGD's momentum buffers) are the mean over `members`; the optimizer is not changed.
@@ -323,6 +342,7 @@ def averaged_optimizer_state(
     aligned. Returns `(state, averaged)`: this rank's own state, unchanged, if a member was lost
     meanwhile (all-or-nothing, as every average) or if the members' states do not have the same
     structure (a worker that never stepped holds no moments yet): the mean of those would be wrong.
+    `decide`: as `average_`'s, asked after each of its sums (the members take the same branches).
     """
     per_param = {key: dict(entry) for key, entry in state.get("state", {}).items()}
     names = sorted(
@@ -336,7 +356,8 @@ def averaged_optimizer_state(
         [(key, name, tuple(per_param[key][name].shape), str(per_param[key][name].dtype)) for key, name in names]
     )
     # every member runs this check, even one with no state yet, so the sums below match on every member
-    if not _same_everywhere(zlib.crc32(layout.encode()) % (1 << 20), comm, members, operation):
+    decide = _deciding(decide, comm, members, operation)
+    if not _same_everywhere(zlib.crc32(layout.encode()) % (1 << 20), comm, members, operation, decide):
         return copy, False
     if not names:  # no floating-point state (plain SGD) on any member: nothing to average
         return copy, True
@@ -346,8 +367,8 @@ def averaged_optimizer_state(
         by_device.setdefault(tensor.device, []).append(tensor)
     complete = True
     for group in by_device.values():
-        _, applied = average_(BucketedTensors(group), comm, members, operation=operation)
-        complete = complete and bool(applied)
+        _, applied = average_(BucketedTensors(group), comm, members, operation=operation, decide=decide)
+        complete = complete and applied
     if complete:  # all-or-nothing over the whole state, not per device
         for (key, name), tensor in zip(names, averaged):
             per_param[key][name] = tensor
@@ -358,12 +379,11 @@ def _averageable(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
-def _same_everywhere(signature: int, comm: GroupComm, members: Sequence[int], operation: str) -> bool:
+def _same_everywhere(signature: int, comm: GroupComm, members: Sequence[int], operation: str, decide: Decide) -> bool:
     """Whether every member has the same `signature` (below 2**20: its sum and its sum of squares
     are exact in float64, and they equal `count` times its value and square only if all are equal)."""
     mine = torch.tensor([float(signature), float(signature) ** 2, 1.0], dtype=torch.float64, device=comm.device)
-    comm.sum_(mine, members, f"{operation}: the layouts")
-    if not bool(torch.isfinite(mine).all()):
+    if not decide(comm.sum_(mine, members, f"{operation}: the layouts")):
         return False
     count = float(len(members))
     return bool(mine[0] == count * signature and mine[1] == count * float(signature) ** 2 and mine[2] == count)

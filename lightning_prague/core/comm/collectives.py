@@ -5,12 +5,14 @@ broadcast, `EarlyStopping`'s decision, torchmetrics' state sync, a barrier). On 
 collectives a member that dies in the middle can leave the others waiting: gloo's ring algorithms
 wait on a live neighbour that gave up, until the process group's timeout, which then closes every
 connection of the process. These collectives are built on `GroupComm.sum_` instead, whose sums
-survive a member that disappears (`lightning_prague.core.comm.groups`): each returns `None` when the
-result is incomplete and the caller falls back to its own value. A member that dies part-way
-through its sends can leave one member's sum complete and another's not; with `agree` (the
-control plane's decision, `GroupWorker.agree`) every member takes the same branch after each sum,
-so the results are alike and the members' next messages stay in step. Without it (after a fit,
-when no control plane runs) the members decide each on its own.
+survive a member that disappears (`lightning_prague.core.comm.groups`) and say so with an explicit
+flag (a NaN or an infinity in a value is data: a diverged loss is reduced as one). Each returns
+`None` on every member when a member was lost, and the caller falls back to its own value. A
+member that dies part-way through its sends can leave one member's sum complete and another's
+not; after each sum every member takes the same branch, decided by `agree` (the control plane's
+decision, `GroupWorker.agree`) or, where no control plane runs (after a fit), by the members'
+direct agreement (`GroupComm.agree_among`), so the results are alike and the members' next
+messages stay in step.
 A gather costs two sums (the shapes, then the padded tensors in one slot per member), a
 broadcast of an object two sums (its size, then its bytes). An object travels as `torch.save`
 writes it and is read with `torch.load(weights_only=True)`, never unpickled: what another process
@@ -54,10 +56,11 @@ class MemberCollectives:
     def _sum(self, tensor: torch.Tensor, what: str) -> Optional[torch.Tensor]:
         """`tensor` summed over the members (on the comm's device), or `None` if a member was lost."""
         total = tensor.to(self.comm.device, copy=True)
-        self.comm.sum_(total, self.members, what, timeout=self.timeout)
-        complete = bool(torch.isfinite(total).all())
+        complete = self.comm.sum_(total, self.members, what, timeout=self.timeout)
         if self.agree is not None:
             complete = self.agree(complete)
+        else:
+            complete = self.comm.agree_among(self.members, complete, what)
         return total if complete else None
 
     def barrier(self) -> bool:

@@ -104,12 +104,13 @@ class ExactMaxima:
         self.operation = operation
         self._maxima: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def _gather(self, row: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every member's `row` (`[members, len(row)]`, in member order) and whether all arrived."""
+    def _gather(self, row: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
+        """Every member's `row` (`[members, len(row)]`, in member order) and whether this member's
+        sum was complete (`GroupComm.sum_`'s flag)."""
         table = torch.zeros(len(self.members), row.numel(), dtype=torch.float64, device=self.comm.device)
         table[self.members.index(self.comm.rank)] = row.to(self.comm.device)
-        self.comm.sum_(table, self.members, f"{self.operation}: {what}")
-        return table, torch.isfinite(table).all()
+        complete = self.comm.sum_(table, self.members, f"{self.operation}: {what}")
+        return table, complete
 
     def _keep_maxima(self, tensors: list[torch.Tensor], table: torch.Tensor, start: int) -> None:
         for t in tensors:
@@ -118,16 +119,17 @@ class ExactMaxima:
             self._maxima.append((t, largest.reshape(t.shape).to(device=t.device, dtype=t.dtype)))
             start += width
 
-    def gather(self, signature: int, agree: Optional[Callable[[bool], bool]] = None) -> Optional[torch.Tensor]:
-        """Run the sums (every member alike) and compute the maxima; returns whether every piece
-        arrived (a boolean scalar tensor on the comm's device, not read here) or `None` when every
+    def gather(self, signature: int, agree: Optional[Callable[[bool], bool]] = None) -> Optional[bool]:
+        """Run the sums (every member alike) and compute the maxima; returns whether this member's
+        later sum was complete (to be decided with the average it goes with) or `None` when every
         member knows already that the first sum was incomplete somewhere.
 
         Raises `SyncMismatchError` if the members' `signature`s (`layout_signature` of what they
         average and of these buffers) differ. `agree` (`GroupWorker.agree`): given this member's
-        completeness of the first sum, whether every member's was complete; it is asked only where
-        large buffers may need a second sum, whose size depends on the first sum's values (without
-        it each member decides on its own).
+        completeness of the first sum, whether every member's was complete, the same answer on
+        every member (without it the members agree directly, `GroupComm.agree_among`). It is asked
+        before the layouts are compared: a sum that lacks a member's share would look like another
+        layout.
         """
         self._maxima = []
         small = [t for t in self.tensors if t.numel() <= SMALL]
@@ -137,31 +139,29 @@ class ExactMaxima:
         parts += [_pieces(t).to(device) for t in small]
         parts += [_pieces(_checksums(t)).to(device) for t in large]
         table, complete = self._gather(torch.cat(parts), "the layouts and the small buffers")
+        agreed = agree(complete) if agree is not None else self.comm.agree_among(self.members, complete, self.operation)
+        if not agreed:  # the first sum lacks a share somewhere: no second sum anywhere
+            return None
         # a synchronization point may read the host: the layouts must agree before anything is averaged
-        if bool(complete):
-            signatures = table[:, 0].tolist()
-            if len(set(signatures)) > 1:
-                by_signature: dict[float, list[int]] = {}
-                for rank, value in zip(self.members, signatures):
-                    by_signature.setdefault(value, []).append(rank)
-                groups = "; ".join(f"ranks {ranks}" for ranks in by_signature.values())
-                raise SyncMismatchError(
-                    f"rank {self.comm.rank}: the replicas are not one model at {self.operation}: their parameters "
-                    f"or buffers differ in number, shape or dtype between {groups} (was a buffer or parameter "
-                    "added, removed or reshaped on some rank after setup?)"
-                )
+        signatures = table[:, 0].tolist()
+        if len(set(signatures)) > 1:
+            by_signature: dict[float, list[int]] = {}
+            for rank, value in zip(self.members, signatures):
+                by_signature.setdefault(value, []).append(rank)
+            groups = "; ".join(f"ranks {ranks}" for ranks in by_signature.values())
+            raise SyncMismatchError(
+                f"rank {self.comm.rank}: the replicas are not one model at {self.operation}: their parameters "
+                f"or buffers differ in number, shape or dtype between {groups} (was a buffer or parameter "
+                "added, removed or reshaped on some rank after setup?)"
+            )
         self._keep_maxima(small, table, 1)
         if not large:
-            return complete
-        ok = agree(bool(complete)) if agree is not None else bool(complete)
-        if not ok:  # the first sum's values are not the same on every member: no second sum anywhere
-            self._maxima = []
-            return None
+            return True
         start = 1 + sum(2 * t.numel() for t in small)
         checks = table[:, start:].reshape(len(self.members), len(large), 4)
         differing = [t for t, same in zip(large, (checks == checks[:1]).all(dim=2).all(dim=0).tolist()) if not same]
         if not differing:
-            return complete
+            return True
         values, complete = self._gather(torch.cat([_pieces(t).to(device) for t in differing]), "the large buffers")
         self._keep_maxima(differing, values, 0)
         return complete

@@ -38,14 +38,20 @@ unless it chose to block).
 
 **A member that disappears mid-operation** (its process died, or it was fenced after a hang) makes
 the operations on its pairs fail; on gloo only those pairs fail. Every member still posts and
-waits for all of its remaining operations (so no live member waits for one that gave up), and a
-receive that failed fills its buffer with NaN. The NaN reaches every member's result (each result
-depends on every member's contribution, through whichever path the algorithm takes), so
-`sum_is_complete` tells every member alike that the sum is incomplete, and callers keep their own
-tensors: all-or-nothing, without a host synchronisation. On NCCL a dead peer's operations never
+waits for all of its remaining operations (so no live member waits for one that gave up), and
+`sum_` returns whether this member saw every one of its operations succeed: an explicit flag,
+never a value of the tensor (NaN and infinities are data and travel as such). The flag is local:
+a member whose partner in recursive doubling or a ring lost a message may get a sum that lacks a
+share although its own operations all succeeded, and in all-to-all a peer that dies part-way
+through its sends reaches some members and not others. So no caller applies a sum on its own
+flag: the members decide together, all-or-nothing, before anything is written back. During a
+fit the control plane decides (every member reports its flag; the sum takes effect iff every
+member reported success, and on none if a member departed before it reported:
+`lightning_prague.core.client.control.Session.verdict`); without a control plane the members
+exchange their flags directly (`GroupComm.agree_among`). On NCCL a dead peer's operations never
 complete: the host wait polls `abandon` (the control plane announced a member's departure) and
-gives up, and the communicator is not used again (the job rebuilds its group among the survivors,
-`lightning_prague.core.job`).
+gives up, and the communicator is not used again (the job rebuilds its group among the
+survivors, `lightning_prague.core.job`).
 """
 
 from __future__ import annotations
@@ -61,7 +67,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_prague.core.comm.norms import is_finite
 from lightning_prague.core.errors import CoordinationTimeout
 
 log = logging.getLogger(__name__)
@@ -112,10 +117,9 @@ def _communicate(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise PeerFailure(str(err)) from err
 
 
-def sum_is_complete(tensor: torch.Tensor) -> torch.Tensor:
-    """A boolean scalar tensor on `tensor`'s device: whether the sum `tensor` holds every member's
-    contribution (no failed receive poisoned it). Reading it is left to the caller (no host sync)."""
-    return is_finite(tensor)
+#: decides, from this member's own completeness of a collective, whether every member completed it:
+#: the same answer on every member (the control plane's verdict, or `GroupComm.agree_among`)
+Decide = Callable[[bool], bool]
 
 
 def communicator_count() -> int:
@@ -196,12 +200,13 @@ class GroupComm:
 
     def sum_(
         self, tensor: torch.Tensor, members: Sequence[int], operation: str = "group sum", timeout: float | None = None
-    ) -> None:
+    ) -> bool:
         """In place: `tensor` becomes the sum of the members' tensors (`members` sorted, holding this rank).
 
         Blocks the calling thread until the sum is in `tensor` or the timeout (default: this comm's,
-        one operation's) has passed. A member that disappears leaves NaN in the sum (see the module
-        docstring and `sum_is_complete`).
+        one operation's) has passed. Returns whether every operation of this member succeeded; if
+        not (a member disappeared), `tensor` holds no meaningful value. A True is this member's
+        view only: the members decide together whether to use the sum (see the module docstring).
         """
         members = tuple(members)
         if self.rank not in members:
@@ -209,7 +214,7 @@ class GroupComm:
                 f"rank {self.rank} asked to run {operation} of group {list(members)} it is not a member of"
             )
         if len(members) < 2:
-            return
+            return True
         start = time.monotonic()
         limit = self.timeout if timeout is None else timeout
         deadline = start + limit
@@ -219,8 +224,8 @@ class GroupComm:
         staged = tensor if tensor.device == self.device else tensor.to(self.device)
         staged = staged if staged.is_contiguous() else staged.contiguous()
         if self.broken:
-            tensor.fill_(float("nan"))
-            return
+            return False
+        complete = True
         with self.waiting():
             try:
                 small = nbytes <= self.doubling_max_bytes
@@ -236,6 +241,7 @@ class GroupComm:
                 else:
                     self._ring(staged, members, deadline)
                 self._finish(staged, deadline, members)
+                complete = not self.failed_peers
             except (PeerFailure, TimeoutError) as err:  # not this rank's own errors (out of memory, dtype)
                 if isinstance(err, CoordinationTimeout):
                     raise
@@ -244,13 +250,56 @@ class GroupComm:
                 # a member is gone: on NCCL the communicator is unusable until the survivors rebuild it
                 log.warning("rank %d: %s over ranks %s ended incomplete: %s", self.rank, operation, list(members), err)
                 self.broken = self.device.type != "cpu"
-                staged.fill_(float("nan"))
+                complete = False
         if staged is not tensor:
             tensor.copy_(staged)
         self.stats.operations += 1
         remaining = ready_at - time.monotonic()
         if remaining > 0:  # an emulated slow link (set_link_delay)
             time.sleep(remaining)
+        if not complete:
+            log.debug("rank %d: %s over ranks %s is incomplete here", self.rank, operation, list(members))
+        return complete
+
+    def agree_among(self, members: Sequence[int], complete: bool, operation: str = "a collective") -> bool:
+        """Whether every member of `members` completed the collective they just ran, where no control
+        plane decides (a `Decide`): each member sends its flag to every other and takes the
+        collective only if every flag arrived and says complete.
+
+        A member lost before it sent its flags fails the exchange on every other member alike, so
+        they all drop the collective; one lost part-way through sending its flags can still leave
+        some members taking it and others not (no rule without a decider can prevent that), which
+        is why a fit decides at the control plane instead.
+        """
+        members = tuple(members)
+        peers = [m for m in members if m != self.rank]
+        if not peers:
+            return complete
+        if self.broken:
+            return False
+        mine = torch.full((1,), 1.0 if complete else 0.0, device=self.device)
+        theirs = torch.zeros(len(peers), device=self.device)
+        ops = []
+        for index, peer in enumerate(peers):
+            ops.append(dist.P2POp(dist.isend, mine, peer, self.pg))
+            ops.append(dist.P2POp(dist.irecv, theirs[index : index + 1], peer, self.pg))
+        self.failed_peers = set()
+        start = time.monotonic()
+        deadline = start + self.timeout
+        with self.waiting():
+            try:
+                self._exchange(ops, deadline, 4 * len(peers), pairs=len(peers))
+                self._finish(theirs, deadline, members)
+            except (PeerFailure, TimeoutError) as err:
+                if isinstance(err, CoordinationTimeout):
+                    raise
+                if not self.abandon(members):
+                    raise self._failure(
+                        f"{operation}: the members' agreement", members, start, self.timeout, err
+                    ) from err
+                self.broken = self.device.type != "cpu"
+                return False
+        return complete and not self.failed_peers and bool((theirs == 1.0).all())
 
     # -- algorithms ------------------------------------------------------------------------------
     def _all_to_all(self, tensor: torch.Tensor, members: tuple[int, ...], deadline: float) -> None:
@@ -346,7 +395,7 @@ class GroupComm:
 
         On NCCL they run as one batch (its point-to-point operations must be grouped). On gloo each
         is posted and waited for on its own: an operation with a peer that is gone fails at once,
-        and the others still run (a receive that failed leaves NaN in its buffer).
+        and the others still run (a receive that failed leaves its buffer as it was; `sum_` reports it).
         """
         self._complete(self._post(ops), deadline, nbytes, len(ops) // 2 if pairs is None else pairs)
 
@@ -386,8 +435,6 @@ class GroupComm:
         if op.peer not in self.failed_peers:
             log.debug("rank %d: an operation with rank %d failed (its process is gone?): %s", self.rank, op.peer, err)
         self.failed_peers.add(op.peer)
-        if op.op is dist.irecv:
-            op.tensor.fill_(float("nan"))
 
     def _wait(self, work: dist.Work, deadline: float) -> None:
         if self._host_waits:

@@ -1,9 +1,9 @@
 """Squared norms of model-sized tensors through temporaries of a bounded size, and the drift metric.
 
 `x.double().pow(2).sum()` of a 25 MB bucket makes a 50 MB float64 copy and a second one for the
-square; the group error, the consensus measurement and the completeness of every group sum run on
-every exchange, so they reduce in chunks of `NORM_CHUNK` elements instead (in float64, whatever the
-tensors' dtype). `Drift` is the one measure of how far replicas are from their average, built on them.
+square; the group error and the consensus measurement run on every exchange, so they reduce in
+chunks of `NORM_CHUNK` elements instead (in float64, whatever the tensors' dtype). `Drift` is the
+one measure of how far replicas are from their average, built on them.
 """
 
 from __future__ import annotations
@@ -42,16 +42,6 @@ def squared_distance(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> to
     return total
 
 
-def is_finite(tensor: torch.Tensor) -> torch.Tensor:
-    """A boolean scalar tensor: whether every element of `tensor` is finite (no host synchronisation).
-
-    Through the squared norm in float64 (bounded temporaries, where `torch.isfinite(x).all()` makes
-    several full-size ones): a NaN or an infinity makes it non-finite, and no finite float32, bfloat16
-    or float16 tensor can overflow it (float64 tensors with elements beyond 1e150 would).
-    """
-    return torch.isfinite(squared_norm(tensor))
-
-
 def relative_error(distance: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
     """`distance / norm` (both squared norms, scalar tensors), 0 when both are 0, inf when only norm is."""
     safe = torch.where(norm > 0, norm, torch.ones_like(norm))
@@ -78,8 +68,7 @@ class Drift:
         self.norm = torch.zeros((), dtype=torch.float64, device=device)
 
     def add_average(self, total: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        """Add one bucket of the average, `avg = scale * total`; returns its squared norm, which is
-        non-finite where `total` is an incomplete group sum (NaN: `sum_is_complete`)."""
+        """Add one bucket of the average, `avg = scale * total`; returns its squared norm."""
         bucket_norm = squared_norm(total, scale)
         self.norm += bucket_norm
         return bucket_norm
@@ -93,11 +82,10 @@ class Drift:
         computes it in place needs no second temporary)."""
         self.distance += squared_norm(difference)
 
-    def error(self, replicas: int = 1, applied: torch.Tensor | None = None) -> torch.Tensor:
+    def error(self, replicas: int = 1, applied: bool = True) -> torch.Tensor:
         """`(distance / replicas) / norm` as a scalar tensor (0 when both are 0, inf when only the
-        norm is); with `applied`, 0 where the average was not applied (its sums hold NaN)."""
+        norm is); 0 if the average was not `applied` (nothing was measured then)."""
+        if not applied:
+            return torch.zeros_like(self.distance)
         distance = self.distance if replicas == 1 else self.distance / replicas
-        error = relative_error(distance, self.norm)
-        if applied is None:
-            return error
-        return torch.where(applied, error, torch.zeros_like(distance))
+        return relative_error(distance, self.norm)

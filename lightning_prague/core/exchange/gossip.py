@@ -25,9 +25,11 @@ with more steps are never stuck. A waiting worker starts an idle round only once
 round is done, so it keeps reading its inbox. The ranks then settle the final round: each stops,
 reports the rounds it issued, and all run to the largest (`GroupWorker.settle_rounds`).
 
-A worker that leaves the job: a round it was in fails on every member alike (its share is
-missing, see `lightning_prague.core.comm.groups`) and changes nobody's model. From the next meeting's
-release on, each round's groups lose it (`surviving`).
+Every round is all-or-nothing: after its sums each member reports its own completeness to the
+control plane and mixes the round in only if the verdict says every member completed it
+(`lightning_prague.core.plane.verdicts`), decided in the communication thread, so the overlap
+keeps it hidden. A worker that leaves the job: a round it was in changes nobody's model, on every
+member alike. From the next meeting's release on, each round's groups lose it (`surviving`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,8 +64,10 @@ IDLE_AFTER = 1.0
 class _InFlight:
     round_index: int
     weighted: WeightedGroup
-    #: whether every sum of the round holds every member's share (a bool tensor: no host sync)
-    complete: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.bool))
+    #: the round's name at the control plane (its verdict): the same on every member of it
+    key: str = ""
+    #: whether the round took effect on every member (the control plane's verdict)
+    applied: bool = True
     #: `||x_i - mean||^2 / ||mean||^2` of the round's group (a tensor, set by the communication thread)
     error: torch.Tensor | None = None
     future: Future[Marker] | None = None  # None: the worker sits this round out, or it was waited for
@@ -149,8 +153,9 @@ class LaggedGossip(Exchanger):
     def issue(self) -> None:
         """Send this worker's current tensors into its group of the next round."""
         weighted = surviving(self.schedule.group_of(self.worker.rank, self.round), self.worker.members)
-        flight = _InFlight(self.round, weighted)
-        flight.complete = torch.ones((), dtype=torch.bool, device=self.live.device)
+        # meetings and rounds are counted alike on every member of the round; its groups are disjoint
+        key = f"m{self.worker.stats.syncs}.r{self.round}.{min(weighted.members)}"
+        flight = _InFlight(self.round, weighted, key=key)
         self.round += 1
         if flight.exchanges:
             self._round_buffers().copy_from_live()
@@ -163,7 +168,8 @@ class LaggedGossip(Exchanger):
 
     def _sum(self, flight: _InFlight, ready: Marker) -> Marker:
         """In the communication thread: the round's group sums, and from them the round's change
-        `(a - 1) x_i + b sum_j x_j` over the snapshot (zero everywhere if the round is incomplete)."""
+        `(a - 1) x_i + b sum_j x_j` over the snapshot; zero everywhere if the round does not take effect
+        (a member was lost: the control plane's verdict, the same on every member)."""
         self.streams.wait(ready)
         buffers = self._round_buffers()
         self.streams.keep_for(buffers.flats)
@@ -171,17 +177,20 @@ class LaggedGossip(Exchanger):
         a, b = flight.weighted.coefficients()
         size = len(flight.weighted.members)
         drift = Drift(self.live.device)
+        complete = True
+        members = flight.weighted.members
         for flat in buffers.flats:
             total = self._scratch_for(flat)
             total.copy_(flat)
-            self.worker.comm.sum_(total, flight.weighted.members, operation)
-            # the average is the sum over `size`; its norm is non-finite if the sum is incomplete (NaN)
-            flight.complete &= torch.isfinite(drift.add_average(total, 1.0 / size))
+            complete &= self.worker.comm.sum_(total, members, operation)
+            drift.add_average(total, 1.0 / size)
             drift.add_distance(flat, total, 1.0 / size)
             flat.mul_(a - 1.0).add_(total, alpha=b)
-        for flat in buffers.flats:  # a round a member left mid-way is skipped by every member of it
-            flat.masked_fill_(~flight.complete, 0.0)
-        flight.error = drift.error(applied=flight.complete)
+        flight.applied = self.worker.verdicts(flight.key, members, operation)(complete)
+        if not flight.applied:  # a round a member left mid-way is skipped by every member of it
+            for flat in buffers.flats:
+                flat.zero_()
+        flight.error = drift.error(applied=flight.applied)
         return self.streams.mark()
 
     def _wait(self, flight: _InFlight, timeout: float | None = None) -> None:

@@ -8,6 +8,7 @@ Then nothing is in flight anywhere, and a world-wide average is safe.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -21,7 +22,7 @@ import torch
 from lightning_prague.core.client.control import Session
 from lightning_prague.core.comm.averaging import BucketedTensors, FlatBuffers, average_, follow_live
 from lightning_prague.core.comm.exact import ExactMaxima, layout_signature
-from lightning_prague.core.comm.groups import GroupComm
+from lightning_prague.core.comm.groups import Decide, GroupComm
 from lightning_prague.core.comm.norms import Drift
 from lightning_prague.core.comm.streams import CommStream, mark_on
 from lightning_prague.core.errors import (
@@ -49,9 +50,10 @@ class PhaseEnd(Protocol):
     def finish(self, release: dict[str, Any]) -> None: ...
 
 
-#: runs one group average on some copy of the model: `(comm, members, weight, operation) -> (error, applied)`
-#: as `lightning_prague.core.comm.averaging.average_` returns them; the default averages the live tensors
-AverageTarget = Callable[[GroupComm, tuple[int, ...], Optional[float], str], tuple[torch.Tensor, torch.Tensor]]
+#: runs one group average on some copy of the model: `(comm, members, weight, operation, decide) -> (error,
+#: applied)` as `lightning_prague.core.comm.averaging.average_` takes and returns them (`decide`: the
+#: control plane's verdict, `GroupWorker.verdicts`); the default averages the live tensors
+AverageTarget = Callable[[GroupComm, tuple[int, ...], Optional[float], str, Decide], tuple[torch.Tensor, bool]]
 
 PAUSE = {"t": "pause"}  # a worker posts this to its own inbox to stop a thread that serves it
 
@@ -227,10 +229,28 @@ class GroupWorker:
         return self._spare
 
     def average_live(
-        self, comm: GroupComm, members: tuple[int, ...], weight: float | None, operation: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, comm: GroupComm, members: tuple[int, ...], weight: float | None, operation: str, decide: Decide
+    ) -> tuple[torch.Tensor, bool]:
         """The default `AverageTarget`: average the live tensors in place (all-or-nothing)."""
-        return average_(self.tensors, comm, members, weight=weight, operation=operation, sums=self.spare())
+        return average_(
+            self.tensors, comm, members, weight=weight, operation=operation, sums=self.spare(), decide=decide
+        )
+
+    def verdicts(self, key: str, members: Sequence[int], operation: str) -> Decide:
+        """The `Decide` of a group collective `key` (the same on every member) among `members`: the
+        control plane's verdict (`Session.verdict`: all-or-nothing on every member). A collective
+        that decides more than once (bucket by bucket) asks under `key`, then `key.1`, `key.2`, ..."""
+        calls = itertools.count()
+
+        def decide(complete: bool) -> bool:
+            index = next(calls)
+            part = f"{key}.{index}" if index else key
+            try:
+                return self.session.verdict(part, members, complete, operation, timeout=self.timeout)
+            except CoordinationTimeout as err:
+                raise self.session.explain(err, f"the verdict on {operation} over ranks {list(members)}") from err
+
+        return decide
 
     def execute(self, item: dict[str, Any], target: AverageTarget | None = None) -> int | None:
         """Carry out one inbox item, a group average on `target` (default: the live tensors); returns an
@@ -241,13 +261,14 @@ class GroupWorker:
             weights = item.get("weights")
             weight = None if weights is None else float(weights[members.index(self.rank)])
             operation = f"group average #{item['gid']}"
+            decide = self.verdicts(f"g{item['gid']}", members, operation)
             try:
-                error, _ = (target or self.average_live)(self.comm, members, weight, operation)
+                error, applied = (target or self.average_live)(self.comm, members, weight, operation, decide)
             except CoordinationTimeout as err:
                 raise self.session.explain(err, f"{operation} over ranks {list(members)}") from err
-            if self.comm.failed_peers:
-                gone = sorted(self.comm.failed_peers)
-                log.info("rank %d: %s was cancelled: ranks %s are gone", self.rank, operation, gone)
+            if not applied:
+                gone = sorted(self.comm.failed_peers) or "(elsewhere in the group)"
+                log.info("rank %d: %s was cancelled on every member: lost ranks %s", self.rank, operation, gone)
             self.stats.record_group_error(error)
             self.stats.groups_executed += 1
             self.stats.group_sizes.append(len(members))
@@ -383,11 +404,6 @@ class GroupWorker:
         self.released_version = version
         log.debug("rank %d: %r: complete here %s, on every member %s", self.rank, name, complete, agreed)
         return agreed
-
-    def _agreed(self, complete: torch.Tensor) -> torch.Tensor:
-        """`agree` for `average_`'s `decide`: reading the one flag on the host is a synchronization
-        point's cost."""
-        return torch.full_like(complete, self.agree(bool(complete)))
 
     def settle_rounds(self, issued: int) -> int:
         """The final round of a gossip phase whose release said `settle`: every rank meets once more,
@@ -525,13 +541,16 @@ class GroupWorker:
         count = len(everyone)
         drift = Drift(self.tensors.device)
         sums = self.spare()
+        complete = True
         for flat, views, bucket in zip(sums.flats, sums.views, self.tensors.buckets):
             torch._foreach_copy_(views, bucket)
-            self.comm.sum_(flat, everyone, "consensus measurement")
+            complete &= self.comm.sum_(flat, everyone, "consensus measurement")
             drift.add_average(flat, 1.0 / count)
             for mine, total in zip(bucket, views):
                 drift.add_distance(mine, total, 1.0 / count)
-        self.comm.sum_(drift.distance.view(1), everyone, "consensus measurement")  # summed over every replica
+        complete &= self.comm.sum_(drift.distance.view(1), everyone, "consensus measurement")  # over every replica
+        if not complete:  # a measurement: a member lost during it leaves no number (nothing is changed)
+            return float("nan")
         return float(drift.error(replicas=count))
 
     def global_average(self) -> bool:
@@ -546,8 +565,7 @@ class GroupWorker:
         tensors): meet again (the release leaves the lost member out) and average again. The
         members' completeness is decided at the control plane before anything is written back (a
         member that dies part-way through its sends can leave one survivor's sum complete and
-        another's not). A sum that is incomplete while nobody left means the replicas hold
-        non-finite values: an error. Replicas of different layouts raise `SyncMismatchError`.
+        another's not). Replicas of different layouts raise `SyncMismatchError`.
         """
         tensors, exact = self._state_now()
         sums = self.spare() if tensors is self.tensors else None
@@ -557,13 +575,12 @@ class GroupWorker:
             complete = maxima.gather(layout_signature(tensors.tensors, exact), self.agree)
             if complete is not None:  # else every member knows a member was lost: nothing to decide
 
-                def decide(mine: torch.Tensor) -> torch.Tensor:
-                    return self._agreed(mine & complete.to(mine.device))
+                def decide(mine: bool) -> bool:
+                    return self.agree(mine and complete)
 
-                _, done = average_(
+                _, applied = average_(
                     tensors, self.comm, self.comm.everyone, operation="global average", sums=sums, decide=decide
                 )
-                applied = bool(done)
         except CoordinationTimeout as err:
             raise self.session.explain(err, "the global average") from err
         if applied:
@@ -571,8 +588,9 @@ class GroupWorker:
             return True
         if set((self.release or {}).get("members", self.comm.everyone)) >= set(self.comm.everyone):
             raise SyncMismatchError(
-                f"rank {self.rank}: the global average over ranks {list(self.comm.everyone)} was not finite "
-                "although no rank left: a replica holds NaN or infinite values (training diverged?)"
+                f"rank {self.rank}: the global average over ranks {list(self.comm.everyone)} did not complete on "
+                "every member although no rank left the job: a connection between live ranks failed (the log of "
+                "the rank that reported it names the peer)"
             )
         log.warning("rank %d: a rank was lost during the global average; meeting again without it", self.rank)
         return False

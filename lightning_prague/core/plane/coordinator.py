@@ -49,6 +49,7 @@ from lightning_prague.core.grouping.policies import policy_from_spec
 from lightning_prague.core.plane.fencing import fence, running_cpu_seconds
 from lightning_prague.core.plane.generator import GroupGenerator, Item
 from lightning_prague.core.plane.liveness import HangDetector
+from lightning_prague.core.plane.verdicts import GroupVerdicts
 from lightning_prague.core.plane.work import WorkLedger
 from lightning_prague.core.protocol import ALIVE, REQUEUED, SessionConfig
 
@@ -91,6 +92,8 @@ class CoordinatorSession:
         self.values: dict[str, Any] = {}
         #: per rank, the work queue's chunks it holds untrained (they go back to the queue if it is lost)
         self.work = WorkLedger()
+        #: the all-or-nothing verdicts of the group collectives in flight
+        self.verdicts = GroupVerdicts()
         self._waits: dict[str, list[tuple[int, int]]] = defaultdict(list)
 
     @property
@@ -120,6 +123,8 @@ class CoordinatorSession:
             out.setdefault(member, []).append(notice)
         if not leaving:
             self.generator.depart(rank, out)
+        for member, item in self.verdicts.depart(rank, self.departed):
+            out.setdefault(member, []).append(item)
 
     def _lost_node(self, rank: int) -> tuple[str, list[str]]:
         """`rank`'s node and its addresses if every rank of it has now departed and it is not the control
@@ -362,6 +367,12 @@ class ControlPlane:
             session.kv(rank, int(message["req"]), message, out)
         elif op == "work":
             session.report_work(rank, message)
+        elif op == "summed":
+            members = message["members"]
+            if any(m >= session.world_size for m in members):
+                raise ValueError(f"rank {rank} reported a collective of ranks {members} outside the session")
+            for member, item in session.verdicts.report(rank, message["key"], members, message["ok"], session.departed):
+                out.setdefault(member, []).append(item)
         elif op == "close":
             session.members.discard(rank)
             session.closed.add(rank)
