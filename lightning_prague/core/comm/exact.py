@@ -12,7 +12,7 @@ synchronization points these buffers stay local, as the ranks' step counts do.
 
 Exact by construction: values travel as float64 pieces (an integer as its high and low 32 bits),
 each member's in a slot of its own that the others leave zero, so the sum over the members is a
-gather (`x + 0` is exact) and a lost member's NaN marks it incomplete, as in every other sum. A
+gather (`x + 0` is exact); a lost member makes it incomplete, decided as every other sum. A
 small buffer (at most `SMALL` elements: a counter) travels whole in the first sum; a larger one only
 as two checksums there, and travels whole in a second sum only if the checksums differ among the
 members (a constant table never does). The first sum also carries a signature of each member's
