@@ -12,8 +12,8 @@ A member that reported and departed afterwards does not change the verdict (its 
 sum). A verdict decided by a departure is kept until every live member has had it, so a member
 that reports late learns the same. The table holds only undecided collectives and decided ones
 that live members have yet to fetch; a rank may have at most `MAX_OPEN_PER_RANK` of them open
-(a rank runs one group at a time; more is a misbehaving client, whose connection is dropped), so
-nothing in it grows with the number of steps.
+(a rank runs one group at a time; a report beyond that, or one a rank would never send, is refused
+with an error to its sender only), so nothing in it grows with the number of steps.
 """
 
 from __future__ import annotations
