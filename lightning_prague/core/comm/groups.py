@@ -243,14 +243,7 @@ class GroupComm:
                 self._finish(staged, deadline, members)
                 complete = not self.failed_peers
             except (PeerFailure, TimeoutError) as err:  # not this rank's own errors (out of memory, dtype)
-                if isinstance(err, CoordinationTimeout):
-                    raise
-                if not self.abandon(members):
-                    raise self._failure(operation, members, start, limit, err) from err
-                # a member is gone: on NCCL the communicator is unusable until the survivors rebuild it
-                log.warning("rank %d: %s over ranks %s ended incomplete: %s", self.rank, operation, list(members), err)
-                self.broken = self.device.type != "cpu"
-                complete = False
+                complete = self._member_gone(err, operation, members, start, limit)
         if staged is not tensor:
             tensor.copy_(staged)
         self.stats.operations += 1
@@ -291,14 +284,7 @@ class GroupComm:
                 self._exchange(ops, deadline, 4 * len(peers), pairs=len(peers))
                 self._finish(theirs, deadline, members)
             except (PeerFailure, TimeoutError) as err:
-                if isinstance(err, CoordinationTimeout):
-                    raise
-                if not self.abandon(members):
-                    raise self._failure(
-                        f"{operation}: the members' agreement", members, start, self.timeout, err
-                    ) from err
-                self.broken = self.device.type != "cpu"
-                return False
+                return self._member_gone(err, f"{operation}: the members' agreement", members, start, self.timeout)
         return complete and not self.failed_peers and bool((theirs == 1.0).all())
 
     # -- algorithms ------------------------------------------------------------------------------
@@ -456,6 +442,20 @@ class GroupComm:
             if self.abandon(members):
                 raise TimeoutError("a member left the job; the operation will not complete")
             time.sleep(1e-4)
+
+    def _member_gone(
+        self, err: BaseException, operation: str, members: tuple[int, ...], start: float, limit: float
+    ) -> bool:
+        """An operation failed or timed out: if a member's departure was announced, note it and return
+        False (incomplete); otherwise raise the `CoordinationTimeout` naming the ranks."""
+        if isinstance(err, CoordinationTimeout):
+            raise err
+        if not self.abandon(members):
+            raise self._failure(operation, members, start, limit, err) from err
+        # a member is gone: on NCCL the communicator is unusable until the survivors rebuild it
+        log.warning("rank %d: %s over ranks %s ended incomplete: %s", self.rank, operation, list(members), err)
+        self.broken = self.device.type != "cpu"
+        return False
 
     def _failure(
         self, operation: str, members: tuple[int, ...], start: float, limit: float, err: BaseException
