@@ -23,24 +23,21 @@ pytestmark = pytest.mark.timeout(200)
 FAULTS = {2: "1:kill", 1: "5:kill-after-step", 4: "7:kill"}
 
 
-@pytest.mark.parametrize("strategy", ["prague", "adpsgd"])
-def test_no_batch_is_lost_or_trained_twice_when_ranks_die(tmp_path, strategy):
-    args = ["--strategy", strategy, "--epochs", "2", "--step-time", "0.05", "--record-samples"]
-    for rank, fault in FAULTS.items():
-        args += ["--fault", f"{rank}:{fault}"]
-    codes, logs = run_external_ranks(tmp_path, 5, *args, timeout=150)
-    for rank in (0, 3):
-        assert codes[rank] == 0, (rank, codes, logs[rank][-3000:])
+def trained_samples(tmp_path, world: int) -> tuple[Counter, dict[int, Counter], Counter]:
+    """The training set, the samples every epoch trained over all ranks, and each rank's batch count."""
     dataset = Counter(json.loads((tmp_path / "dataset.json").read_text()))
     trained: dict[int, Counter] = {0: Counter(), 1: Counter()}
-    by_rank: dict[int, int] = Counter()
-    for rank in range(5):
+    by_rank: Counter = Counter()
+    for rank in range(world):
         path = tmp_path / f"samples.rank{rank}.jsonl"
         for line in path.read_text().splitlines() if path.exists() else []:
             record = json.loads(line)
             trained[record["epoch"]].update(record["samples"])
             by_rank[rank] += 1
-    assert by_rank[1] == 5, by_rank  # it trained five batches and died after the fifth
+    return dataset, trained, by_rank
+
+
+def assert_every_sample_once(dataset: Counter, trained: dict[int, Counter]) -> None:
     for epoch, samples in trained.items():
         assert samples == dataset, (
             epoch,
@@ -49,3 +46,33 @@ def test_no_batch_is_lost_or_trained_twice_when_ranks_die(tmp_path, strategy):
             "twice:",
             sum((samples - dataset).values()),
         )
+
+
+@pytest.mark.parametrize("strategy", ["prague", "adpsgd"])
+def test_no_batch_is_lost_or_trained_twice_when_ranks_die(tmp_path, strategy):
+    args = ["--strategy", strategy, "--epochs", "2", "--step-time", "0.05", "--record-samples"]
+    for rank, fault in FAULTS.items():
+        args += ["--fault", f"{rank}:{fault}"]
+    codes, logs = run_external_ranks(tmp_path, 5, *args, timeout=150)
+    for rank in (0, 3):
+        assert codes[rank] == 0, (rank, codes, logs[rank][-3000:])
+    dataset, trained, by_rank = trained_samples(tmp_path, 5)
+    assert by_rank[1] == 5, by_rank  # it trained five batches and died after the fifth
+    assert_every_sample_once(dataset, trained)
+
+
+def test_a_hung_ranks_batches_are_trained_by_the_others_after_they_emptied_the_queue(tmp_path):
+    """Rank 3 hangs early in the first epoch; the others empty the queue long before it is found
+    hung, and their claims at the queue's end wait for it. Once it is fenced, its batches go to them.
+    Blocking prague: its random groups draw ranks that wait at the queue's end, which serve them
+    (without that, their peers would wait for them, and they for their peers, until a timeout)."""
+    args = ["--strategy", "prague", "--no-overlap", "--epochs", "2", "--step-time", "0.05", "--record-samples"]
+    args += ["--grouping-timeout", "30", "--hang-timeout", "2", "--fault", "3:2:hang"]
+    codes, logs = run_external_ranks(tmp_path, 6, *args, timeout=150)
+    for rank in (0, 1, 2, 4, 5):
+        assert codes[rank] == 0, (rank, codes, logs[rank][-3000:])
+    dataset, trained, by_rank = trained_samples(tmp_path, 6)
+    assert by_rank[3] == 1, by_rank  # it trained one batch, then hung in its second
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert list(result["lost_workers"]) == ["3"], result["lost_workers"]
+    assert_every_sample_once(dataset, trained)

@@ -318,10 +318,11 @@ RECORDS: dict[str, Record] = {
     "leave": _session_record("leave"),
     "idle": _session_record("idle"),
     "stop": _session_record("stop", {"reason": text(64)}),
-    # chunks of the work queue this rank now holds (`tickets`: the claim values of their tickets) or trained
+    # chunks of the work queue this rank now holds (`tickets`: the claim values of their tickets) or trained;
+    # `end`: it claims no more from that queue (`lightning_prague.core.plane.queue_end`)
     "work": _session_record(
         "work",
-        {"hold": _CHUNKS, "tickets": list_of(optional(_TICKET), 1 << 16), "done": _CHUNKS},
+        {"hold": _CHUNKS, "tickets": list_of(optional(_TICKET), 1 << 16), "done": _CHUNKS, "end": BOOLEAN},
         key=_KEY,
     ),
     # this rank's completeness of a group collective, before it writes anything back (`GroupVerdicts`)
@@ -357,6 +358,7 @@ KV_RECORDS: dict[str, Record] = {
             "chunk": _COUNT,
             "members": list_of(_RANK, MAX_RANK + 1),
             "preset": list_of(integer(-1, MAX_INT), MAX_RANK + 1),
+            "park": BOOLEAN,
         },
     ),
     "get": Record("'kv' get", {**_KV, "do": one_of("get"), "key": _KEY}),

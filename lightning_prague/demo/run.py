@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--csv-dir", type=Path, help="log metrics with Lightning's CSVLogger here")
     parser.add_argument("--group-size", type=int, default=3)
     parser.add_argument("--grouping", default="random", help="prague's grouping policy")
+    parser.add_argument(
+        "--no-overlap", dest="overlap", action="store_false", help="prague: exchange in the training thread (blocking)"
+    )
     parser.add_argument("--weighting", default="uniform", help="partial_reduce: uniform or staleness")
     parser.add_argument("--topology", default="ring", help="decent_adam's topology")
     parser.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZERS))
@@ -109,7 +112,9 @@ def build_strategy(args: argparse.Namespace) -> Any:
         "hang_factor": args.hang_factor,
     }
     if args.strategy in ("prague", "partial_all_reduce"):
-        return lightning_prague.PartialAllReduceStrategy(group_size=args.group_size, grouping=args.grouping, **shared)
+        return lightning_prague.PartialAllReduceStrategy(
+            group_size=args.group_size, grouping=args.grouping, overlap=args.overlap, **shared
+        )
     if args.strategy == "partial_reduce":
         return lightning_prague.PartialReduceStrategy(group_size=args.group_size, weighting=args.weighting, **shared)
     if args.strategy == "adpsgd":

@@ -40,7 +40,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -127,8 +127,11 @@ class ControlClient:
     def send(self, message: Message) -> None:
         self.link.send(message)
 
-    def request(self, message: Message, what: str, timeout: float | None = None) -> Any:
-        """Send `message` with a fresh `req` number and return the reply's value."""
+    def request(
+        self, message: Message, what: str, timeout: float | None = None, serve: Callable[[], None] | None = None
+    ) -> Any:
+        """Send `message` with a fresh `req` number and return the reply's value; `serve` is called
+        every few milliseconds while the reply is awaited (a rank that waits long still serves its peers)."""
         req = next(self._req)
         waiter: queue.Queue[Message] = queue.Queue(maxsize=1)
         with self._lock:
@@ -138,13 +141,17 @@ class ControlClient:
         self.link.send({**message, "req": req, "rank": self.rank})
         limit = self.timeout if timeout is None else timeout
         try:
-            reply = waiter.get(timeout=limit)
+            reply = waiter.get(timeout=limit) if serve is None else _serving(waiter, limit, serve)
         except queue.Empty:
             with self._lock:
                 self._replies.pop(req, None)
             raise CoordinationTimeout(
                 f"rank {self.rank}: the control plane at {self.address} did not answer {what} within {limit:.0f}s"
             ) from None
+        except BaseException:  # `serve` failed: nobody waits for the reply any more
+            with self._lock:
+                self._replies.pop(req, None)
+            raise
         if "error" in reply:
             if reply.get("source") == CONTROL_PLANE:  # its handler rejected the request
                 raise ControlPlaneError(f"rank {self.rank}: {what} failed: {reply['error']}")
@@ -408,11 +415,13 @@ class Session:
         finally:
             os._exit(FENCED_EXIT_STATUS)
 
-    def request(self, op: str, what: str, timeout: float | None = None, **fields: Any) -> Any:
+    def request(
+        self, op: str, what: str, timeout: float | None = None, serve: Callable[[], None] | None = None, **fields: Any
+    ) -> Any:
         self.raise_if_cut_off(what)
         self.requests += 1
         try:
-            return self.client.request({"op": op, "s": self.number, **fields}, what, timeout)
+            return self.client.request({"op": op, "s": self.number, **fields}, what, timeout, serve)
         except PragueError as err:
             if self._gone():
                 raise self.plane_lost(what) from err
@@ -514,6 +523,9 @@ class Counters:
 
     def __init__(self, session: Session) -> None:
         self.session = session
+        #: called while a claim waits at an emptied queue: the exchanges the training thread runs
+        #: itself (a blocking exchanger's groups), which its peers would otherwise wait for
+        self.serve: Callable[[], None] | None = None
 
     def _kv(self, do: str, what: str, timeout: float | None = None, **fields: Any) -> Any:
         return self.session.request("kv", what, timeout, do=do, **fields)
@@ -530,13 +542,16 @@ class Counters:
         num: int | None = None,
         chunk: int | None = None,
         set_aside: tuple[Sequence[int], Sequence[int]] | None = None,
+        park: bool = False,
     ) -> tuple[int, int | None]:
         """The work queue's next chunk (`first` plus the claims of `cursor` so far; or `chunk`, one a
         resumed checkpoint handed to this rank) and, if `tickets` is given and the chunk is below
         `ticketed`, the next value of the `tickets` counter with it: one message for a batch's data and
         its global-progress ticket. The control plane holds the chunk for this rank until it reports it
         trained (`report`). `num`: the queue's length; `set_aside`: on this rank's first claim of an
-        epoch, the members and the chunk each started the epoch with (`lightning_prague.core.plane.work`)."""
+        epoch, the members and the chunk each started the epoch with (`lightning_prague.core.plane.work`);
+        `park`: at an emptied queue, wait while a live member may still give chunks back, serving
+        `serve` meanwhile (`lightning_prague.core.plane.queue_end`)."""
         what = f"a claim on the work queue {cursor!r}"
         fields: dict[str, Any] = {"key": cursor, "first": first, "tickets": tickets, "ticketed": ticketed}
         if num is not None:
@@ -545,7 +560,16 @@ class Counters:
             fields["chunk"] = chunk
         if set_aside is not None:
             fields["members"], fields["preset"] = list(set_aside[0]), list(set_aside[1])
-        claimed, ticket = self._kv("claim", what, **fields)
+        if not park:
+            claimed, ticket = self._kv("claim", what, **fields)
+            return int(claimed), None if ticket is None else int(ticket)
+        # at an emptied queue the claim waits while a member may still give chunks back, as long as
+        # the epoch's closing meeting would wait for it (`lightning_prague.core.plane.queue_end`)
+        session = self.session
+        with session.beacon.waiting():
+            claimed, ticket = session.request(
+                "kv", f"{what} (at the queue's end)", session.long_bound, self.serve, do="claim", park=True, **fields
+            )
         return int(claimed), None if ticket is None else int(ticket)
 
     def report(
@@ -554,10 +578,14 @@ class Counters:
         hold: Sequence[int] = (),
         tickets: Sequence[int | None] = (),
         done: Sequence[int] = (),
+        end: bool = False,
     ) -> None:
         """Tell the control plane, without waiting, of chunks of the queue `cursor` this rank now holds
-        (with the claim values of their `tickets`) or has trained (`done`)."""
+        (with the claim values of their `tickets`) or has trained (`done`); `end`: it claims no more
+        from that queue (it left the epoch's tail)."""
         fields: dict[str, Any] = {"key": cursor}
+        if end:
+            fields["end"] = True
         if hold:
             fields["hold"], fields["tickets"] = list(hold), list(tickets)
         if done:
@@ -593,3 +621,15 @@ class Counters:
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _serving(waiter: queue.Queue[Message], limit: float, serve: Callable[[], None]) -> Message:
+    """`waiter`'s message within `limit` seconds, calling `serve` every few milliseconds meanwhile."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            return waiter.get(timeout=max(0.0, min(0.005, deadline - time.monotonic())))
+        except queue.Empty:
+            if time.monotonic() >= deadline:
+                raise
+        serve()

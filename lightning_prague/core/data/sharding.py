@@ -130,8 +130,10 @@ class WorkQueueSampler(Sampler[int]):
 
         The control plane holds the chunk for this rank until it is reported trained (`trained`), so
         that it goes back to the queue if this rank is lost first (`lightning_prague.core.plane.work`);
-        this rank's first claim of an epoch tells it which chunk every member started the epoch with. A
-        plain store, in tests, just counts."""
+        this rank's first claim of an epoch tells it which chunk every member started the epoch with.
+        A claim that finds the queue empty waits there while another member may still be lost with
+        chunks in hand, and may get one of them (`lightning_prague.core.plane.queue_end`). A plain
+        store, in tests, just counts."""
         store = self._connect()
         request = self.ticketing()
         if hasattr(store, "claim"):
@@ -145,6 +147,7 @@ class WorkQueueSampler(Sampler[int]):
                 num=self.num_chunks,
                 chunk=chunk,
                 set_aside=set_aside,
+                park=chunk is None,
             )
         assert request is None, "tickets are claimed with chunks only from the control plane's counters"
         if chunk is not None:
@@ -308,6 +311,9 @@ class WorkQueueSampler(Sampler[int]):
         if increment(self._connect(), _KEYS.key(self.epoch, "left")) >= self.world_size:
             return False
         self.chunks_left_to_others = remaining
+        report = getattr(self._store, "report", None)
+        if report is not None:  # the others' claims at the queue's end need not wait for this rank
+            report(self._cursor_key, end=True)
         return True
 
     @staticmethod

@@ -63,6 +63,10 @@ class Exchanger:
         #: the stream communication threads run on, and the events that order it against compute
         self.streams = CommStream(live.device)
 
+    #: the training thread carries out the groups others draw this rank into (no thread does): it
+    #: must serve its inbox wherever it waits long between steps (`GroupWorker.serve_inbox`)
+    serves_inbox = False
+
     def start(self) -> None:
         """An asynchronous phase begins (idempotent)."""
 
@@ -106,6 +110,8 @@ class Exchanger:
 
 class BlockingExchanger(Exchanger):
     """The training thread requests a group and averages the live model before the next step."""
+
+    serves_inbox = True
 
     def step(self) -> None:
         reported = self.worker.version

@@ -49,6 +49,7 @@ from lightning_prague.core.grouping.policies import policy_from_spec
 from lightning_prague.core.plane.fencing import fence, running_cpu_seconds
 from lightning_prague.core.plane.generator import GroupGenerator, Item
 from lightning_prague.core.plane.liveness import HangDetector
+from lightning_prague.core.plane.queue_end import QueueEnds
 from lightning_prague.core.plane.verdicts import GroupVerdicts
 from lightning_prague.core.plane.work import WorkLedger
 from lightning_prague.core.protocol import ALIVE, REQUEUED, SessionConfig
@@ -92,6 +93,8 @@ class CoordinatorSession:
         self.values: dict[str, Any] = {}
         #: per rank, the work queue's chunks it holds untrained (they go back to the queue if it is lost)
         self.work = WorkLedger()
+        #: the claims that found their queue empty and wait while a member may still give chunks back
+        self.ends = QueueEnds()
         #: the all-or-nothing verdicts of the group collectives in flight
         self.verdicts = GroupVerdicts()
         self._waits: dict[str, list[tuple[int, int]]] = defaultdict(list)
@@ -112,6 +115,7 @@ class CoordinatorSession:
         self.members.discard(rank)
         self.hangs.forget(rank)
         self._requeue(rank)
+        self.ends.depart(rank)
         self.departed[rank] = reason
         log.warning("session %d: rank %d departed (%s)", self.number, rank, reason)
         notice: Item = {"t": "departed", "rank": rank, "reason": reason, "members": sorted(self.members)}
@@ -125,6 +129,7 @@ class CoordinatorSession:
             self.generator.depart(rank, out)
         for member, item in self.verdicts.depart(rank, self.departed):
             out.setdefault(member, []).append(item)
+        self.settle_queues(out)
 
     def _lost_node(self, rank: int) -> tuple[str, list[str]]:
         """`rank`'s node and its addresses if every rank of it has now departed and it is not the control
@@ -158,9 +163,15 @@ class CoordinatorSession:
         elif do == "claim":  # the work queue: the next chunk, and with it the batch's ticket (one message)
             if "members" in message:  # this rank's first claim of the epoch: the chunks set aside
                 self._set_aside(key, message["members"], message["preset"])
+            if self.ends.claims_on(key, rank):  # it went on to another epoch: no claim waits for it there
+                self.settle_queues(out)
             chunk, ticket = self._next_chunk(key, message)
             if chunk < int(message.get("num", chunk + 1)):
                 self.work.claimed(rank, key, chunk, ticket)
+            elif message.get("park"):  # the queue is empty: wait while a member may still give chunks back
+                self.ends.park(key, rank, req, chunk)
+                self._settle(key, out)
+                return
             self._reply(rank, req, [chunk, ticket], out)
         elif do == "get":  # waits for the key, as TCPStore.get does
             if key in values:
@@ -171,6 +182,8 @@ class CoordinatorSession:
             self._reply(rank, req, all(k in values for k in message["keys"]), out)
         elif do == "delete":
             self.work.forget(key)
+            for answer in self.ends.forget(key):
+                self._reply(answer.rank, answer.req, [answer.chunk, None], out)
             self._reply(rank, req, values.pop(key, None) is not None, out)
         elif do == "keys":
             self._reply(rank, req, len(values), out)
@@ -209,6 +222,24 @@ class CoordinatorSession:
         hold = message.get("hold", [])
         self.work.hold(rank, key, hold, message.get("tickets", [None] * len(hold)))
         self.work.done(rank, key, message.get("done", []))
+        if message.get("end"):
+            self.ends.finish(key, rank)
+
+    def settle_queues(self, out: Out) -> None:
+        """Answer the parked claims that may return now (`lightning_prague.core.plane.queue_end`):
+        after anything that changes whom they wait for (a departure, a rank done claiming, one that
+        arrived at a meeting or closed the session)."""
+        for key in self.ends.keys():
+            self._settle(key, out)
+
+    def _settle(self, key: str, out: Out) -> None:
+        members = self.work.members(key) or sorted(self.members)
+        requeued = self.values.get(key + REQUEUED, [])
+        holding = self.work.holders(key)
+        for answer in self.ends.settle(key, self.members, members, self.generator.parked, holding, requeued):
+            if answer.given_back:
+                self.work.claimed(answer.rank, key, answer.chunk, answer.ticket)
+            self._reply(answer.rank, answer.req, [answer.chunk, answer.ticket], out)
 
     def _requeue(self, rank: int) -> None:
         """A lost rank's untrained chunks go back to their epoch's queue, with their tickets."""
@@ -367,6 +398,7 @@ class ControlPlane:
             session.kv(rank, int(message["req"]), message, out)
         elif op == "work":
             session.report_work(rank, message)
+            session.settle_queues(out)
         elif op == "summed":
             members = message["members"]
             if any(m >= session.world_size for m in members):
@@ -376,6 +408,8 @@ class ControlPlane:
         elif op == "close":
             session.members.discard(rank)
             session.closed.add(rank)
+            session.ends.depart(rank)
+            session.settle_queues(out)
             self._maybe_delete(session)
         elif op == "parked":
             CoordinatorSession._reply(rank, int(message["req"]), sorted(session.generator.parked), out)
@@ -393,6 +427,8 @@ class ControlPlane:
         else:
             for r, items in session.generator.handle(message).items():
                 out.setdefault(r, []).extend(items)
+            if op == "arrive":  # a rank at a meeting claims nothing until its release
+                session.settle_queues(out)
         self._tag(session, out)
 
     @staticmethod

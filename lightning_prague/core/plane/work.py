@@ -45,6 +45,8 @@ class WorkLedger:
         self._registered: set[str] = set()
         #: chunks reported done on a queue before its set-aside chunks were registered
         self._early: dict[str, set[int]] = {}
+        #: the members of each registered queue's epoch, as its first claim named them
+        self._members: dict[str, list[int]] = {}
 
     def claimed(self, rank: int, key: str, chunk: int, ticket: Optional[int]) -> None:
         """`rank` holds `chunk` of `key`'s queue, claimed with `ticket`."""
@@ -63,6 +65,7 @@ class WorkLedger:
         if key in self._registered:
             return []
         self._registered.add(key)
+        self._members[key] = list(members)
         early = self._early.pop(key, set())
         gone = set(lost)
         orphans: Held = []
@@ -78,6 +81,14 @@ class WorkLedger:
         if orphans:
             log.warning("work: the set-aside chunks %s of %s belong to lost ranks", [c for c, _ in orphans], key)
         return orphans
+
+    def holders(self, key: str) -> set[int]:
+        """The ranks that hold chunks of `key`'s queue untrained."""
+        return {rank for rank, held in self._held.items() if held.get(key)}
+
+    def members(self, key: str) -> list[int] | None:
+        """The members of `key`'s epoch (`None` until its set-aside chunks are registered)."""
+        return self._members.get(key)
 
     def hold(self, rank: int, key: str, chunks: Sequence[int], tickets: Sequence[Optional[int]]) -> None:
         """`rank` holds `chunks` with these `tickets` (claimed apart from the chunks)."""
@@ -105,3 +116,4 @@ class WorkLedger:
             chunks.pop(key, None)
         self._registered.discard(key)
         self._early.pop(key, None)
+        self._members.pop(key, None)

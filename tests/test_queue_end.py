@@ -1,0 +1,153 @@
+"""A claim at an emptied work queue waits while a live member may still give chunks back.
+
+The control plane's side, driven message by message (`CoordinatorSession`, `QueueEnds`); the
+whole path, with real processes and kill -9 and hangs, is in `test_exactly_once.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_prague.core.grouping.policies import make_policy
+from lightning_prague.core.plane.coordinator import CoordinatorSession
+from lightning_prague.core.plane.queue_end import MAX_QUEUES, QueueEnds
+from lightning_prague.core.protocol import SessionConfig
+
+KEY = "epoch/0/cursor"
+NUM = 6  # chunks 0-2 are set aside for ranks 0-2, the queue hands out 3-5
+
+
+def session_of(world: int = 3) -> CoordinatorSession:
+    session = CoordinatorSession(1, SessionConfig(world, make_policy("random", world, 2).spec()))
+    session.members.update(range(world))
+    return session
+
+
+def claim(session: CoordinatorSession, rank: int, req: int, out: dict, first_claim: bool = False) -> None:
+    message = {"do": "claim", "key": KEY, "first": 3, "ticketed": 0, "num": NUM, "park": True}
+    if first_claim:
+        message.update(members=[0, 1, 2], preset=[0, 1, 2])
+    session.kv(rank, req, message, out)
+
+
+def replies(out: dict) -> dict[int, list]:
+    """rank -> the value of the reply it got (each rank has at most one claim in flight here)."""
+    return {rank: item["value"] for rank, items in out.items() for item in items if item["t"] == "reply"}
+
+
+def test_a_claim_at_the_end_waits_for_a_member_still_training_and_gets_what_it_gives_back():
+    session = session_of()
+    out: dict = {}
+    claim(session, 0, 1, out, first_claim=True)
+    claim(session, 1, 1, out)
+    claim(session, 0, 2, out)
+    assert replies(out) == {0: [5, None], 1: [4, None]}  # 0 got 3 first, then 5
+    out = {}
+    claim(session, 0, 3, out)  # the queue is empty; rank 2 still trains its set-aside chunk 2
+    assert replies(out) == {}
+    session.report_work(1, {"key": KEY, "done": [1]})
+    claim(session, 1, 2, out)
+    assert replies(out) == {}  # both wait for rank 2
+    session.depart(2, "killed", out)  # chunk 2 goes back, with its set-aside ticket: to the first that waited
+    assert replies(out) == {0: [2, 0]}
+    out = {}  # rank 1 now waits for rank 0, which may be lost with chunk 2 in hand
+    session.report_work(0, {"key": KEY, "done": [0, 3, 5, 2]})
+    assert replies(out) == {}
+    claim(session, 0, 4, out)  # rank 0 trained it and comes back: nobody is left to wait for
+    assert {rank: value[0] >= NUM for rank, value in replies(out).items()} == {0: True, 1: True}
+    assert session.work.lose(0) == {} and session.work.lose(1) == {KEY: [(4, None)]}
+
+
+def test_every_waiting_claim_returns_empty_once_no_member_is_left_to_wait_for():
+    session = session_of()
+    out: dict = {}
+    claim(session, 0, 1, out, first_claim=True)
+    claim(session, 1, 1, out)
+    claim(session, 2, 1, out)  # the queue's three chunks are out
+    out = {}
+    claim(session, 0, 2, out)
+    claim(session, 1, 2, out)
+    assert replies(out) == {}
+    claim(session, 2, 2, out)  # the last member comes to the end: nobody can give chunks back
+    assert set(replies(out)) == {0, 1, 2} and all(value[0] >= NUM for value in replies(out).values())
+
+
+def test_a_member_at_a_meeting_or_done_claiming_or_closed_is_not_waited_for():
+    for release in ("arrive", "end", "close"):
+        session = session_of()
+        out: dict = {}
+        claim(session, 0, 1, out, first_claim=True)
+        claim(session, 1, 1, out)
+        claim(session, 2, 1, out)
+        out = {}
+        claim(session, 0, 2, out)
+        claim(session, 1, 2, out)
+        assert replies(out) == {}, release
+        if release == "arrive":  # it waits at a boundary: the parked claims must not wait for it
+            session.generator.handle({"op": "arrive", "rank": 2, "sync": "progress@5"})
+            session.settle_queues(out)
+        elif release == "end":  # it left the epoch's tail: waited for until it trained what it holds
+            session.report_work(2, {"key": KEY, "end": True})
+            session.settle_queues(out)
+            assert replies(out) == {}
+            session.report_work(2, {"key": KEY, "done": [2, 5]})
+            session.settle_queues(out)
+        else:
+            session.members.discard(2)
+            session.settle_queues(out)
+        assert set(replies(out)) == {0, 1}, release
+
+
+def test_deleting_the_queue_answers_its_waiting_claims_and_a_rank_waits_once_per_queue():
+    session = session_of()
+    out: dict = {}
+    claim(session, 0, 1, out, first_claim=True)
+    claim(session, 1, 1, out)
+    claim(session, 2, 1, out)
+    out = {}
+    claim(session, 1, 2, out)
+    with pytest.raises(ValueError, match="already waits"):
+        claim(session, 1, 3, out)
+    session.kv(2, 7, {"do": "delete", "key": KEY}, out)
+    assert 1 in replies(out) and replies(out)[1][0] >= NUM
+
+
+def test_a_rank_that_claims_on_the_next_epoch_is_done_with_this_one():
+    session = session_of()
+    out: dict = {}
+    claim(session, 0, 1, out, first_claim=True)
+    claim(session, 1, 1, out)
+    claim(session, 2, 1, out)
+    out = {}
+    claim(session, 1, 2, out)
+    claim(session, 0, 2, out)
+    assert replies(out) == {}
+    session.report_work(2, {"key": KEY, "done": [2, 5]})
+    session.kv(2, 3, {"do": "claim", "key": "epoch/1/cursor", "first": 3, "ticketed": 0, "num": NUM}, out)
+    assert {0, 1} <= set(replies(out))
+
+
+def test_the_number_of_queues_that_end_at_once_is_bounded():
+    ends = QueueEnds()
+    for index in range(MAX_QUEUES):
+        ends.finish(f"q{index}", 0)
+    with pytest.raises(ValueError, match="work queues"):
+        ends.park("one more", 0, 1, 10)
+
+
+def test_a_rank_that_left_the_tail_and_is_lost_gives_its_chunks_to_the_waiting_claims():
+    session = session_of()
+    out: dict = {}
+    claim(session, 0, 1, out, first_claim=True)
+    claim(session, 1, 1, out)
+    session.report_work(2, {"key": KEY, "end": True})  # slow: it leaves chunk 5 to the others
+    out = {}
+    claim(session, 0, 2, out)
+    claim(session, 1, 2, out)
+    assert replies(out) == {0: [5, None]}  # the queue's last chunk
+    out = {}
+    session.report_work(0, {"key": KEY, "done": [0, 3]})
+    claim(session, 0, 3, out)
+    assert replies(out) == {}  # rank 2 still trains its set-aside chunk 2
+    session.depart(2, "hung", out)
+    assert replies(out) == {1: [2, 0]}
