@@ -3,8 +3,10 @@ computing worker is not hung."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+import types
 
 import pytest
 
@@ -234,6 +236,30 @@ def test_a_thread_that_computes_is_active_and_one_that_blocks_or_sleeps_in_a_loo
     assert all(_activity_of(compute))
     assert not any(_activity_of(block))
     assert not any(_activity_of(sleep_in_a_loop))
+
+
+def test_a_stack_that_moves_without_cpu_is_a_polling_loop_not_a_sign_of_life(monkeypatch):
+    """A thread that sleeps in a loop is caught between two sleeps now and then (its stack differs
+    from the last sample's) but uses no CPU: that alone once made a hung step look alive for one
+    more hang bound. Samples are played from a script: (CPU seconds, stack) per sample."""
+    from lightning_prague.core.client import activity as module
+
+    script = iter([(1.0, "sleep"), (1.0, "loop"), (1.0, "sleep"), (1.01, "sleep"), (1.02, "loop"), (1.02, "sleep")])
+    current: list = [None]
+
+    def read_cpu(native_id):
+        current[0] = next(script)
+        return current[0][0]
+
+    monkeypatch.setattr(module, "thread_cpu_seconds", read_cpu)
+    monkeypatch.setattr(module, "stack_signature", lambda ident: ((hash(current[0][1]), 0),))
+    seconds = itertools.count()
+    monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=lambda: float(next(seconds))))
+    activity = ThreadActivity(cpu_share=0.5)  # a sample a second: CPU alone never counts here
+    activity.watch()
+    samples = [activity.sample() for _ in range(6)]
+    # moved without CPU (twice); no move with CPU; moved with CPU; moved without CPU
+    assert samples == [False, False, False, False, True, False]
 
 
 def test_a_busy_device_is_a_sign_of_life():

@@ -186,3 +186,30 @@ def test_speeds_are_ignored_until_every_rank_has_one(counters):
     assert sampler.seconds_per_chunk == 0.0
     sampler.set_speeds([0.5, 0.1, 0.25])
     assert sampler.seconds_per_chunk == 0.1 and sampler._others_rate == pytest.approx(2 + 4)
+
+
+class _WaitingClaims:
+    """A control plane's counters whose claims take `wait` seconds of a simulated clock (as one that
+    waits at an emptied queue for a hung member does), for `claim` and `report`."""
+
+    def __init__(self, now: list[float], wait: float) -> None:
+        self.now, self.wait, self.next = now, wait, 1
+
+    def claim(self, cursor, first, tickets, ticketed, num, chunk=None, set_aside=None, park=False):
+        self.now[0] += self.wait
+        self.next += 1
+        return self.next, None
+
+    def report(self, *args, **kwargs):
+        pass
+
+
+def test_time_a_claim_waits_at_the_queue_is_not_counted_as_this_ranks_step_time():
+    now = [0.0]
+    sampler = WorkQueueSampler(40, 1, 0, 2, _WaitingClaims(now, wait=30.0), shuffle=False, slow_ratio=0.0)
+    sampler.clock = lambda: now[0]
+    indices = iter(sampler)
+    for _ in range(6):  # each batch trains for 1 s of the clock, each claim waits 30 s
+        next(indices)
+        now[0] += 1.0
+    assert sampler.seconds_per_chunk == pytest.approx(1.0)

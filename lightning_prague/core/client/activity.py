@@ -7,7 +7,9 @@ apart without touching the training thread (`ThreadActivity.sample`):
 * the **training thread's CPU time** (Linux: `/proc/self/task/<tid>/stat`; elsewhere the process's):
   a thread that computes uses the CPU, one that waits on a lock or on I/O does not;
 * the **training thread's stack** (`sys._current_frames`): the innermost frames and the instruction
-  each stands at; a step that runs Python code moves, one that sits in one blocking call does not;
+  each stands at; a step that runs Python code moves, one that sits in one blocking call does not
+  (a move counts only if the thread used some CPU meanwhile: one that sleeps in a polling loop is
+  caught between two sleeps now and then, and is as blocked as one that waits);
 * the **device's activity** (optional `device_busy`, e.g. a CUDA stream with work queued): a step
   that waits on its kernels is computing on the device.
 
@@ -99,9 +101,12 @@ class ThreadActivity:
         signs = []
         if last is not None:
             then, cpu_then, stack_then = last
-            if cpu is not None and cpu_then is not None and cpu - cpu_then >= self.cpu_share * (now - then):
+            used = None if cpu is None or cpu_then is None else cpu - cpu_then
+            if used is not None and used >= self.cpu_share * (now - then):
                 signs.append("cpu")
-            if stack is not None and stack_then is not None and stack != stack_then:
+            # a moved stack counts only with some CPU used meanwhile: a thread that sleeps in a loop
+            # (polls) is caught between two sleeps now and then, and is as blocked as one that waits
+            if stack is not None and stack_then is not None and stack != stack_then and (used is None or used > 0):
                 signs.append("stack")
         if self.device_busy is not None:
             try:

@@ -225,7 +225,9 @@ class WorkQueueSampler(Sampler[int]):
             claimed_at = self.clock()
             chunk, ticket = self._claim()
             self._observe(previous, claimed_at, chunk)
-            previous = (claimed_at, chunk)
+            # from when the claim returned: a claim that waited at the queue's end (for a hung
+            # member, say) must not make this rank look slow in the next epoch's tail decisions
+            previous = (self.clock(), chunk)
 
     @property
     def _cursor_key(self) -> str:
