@@ -30,6 +30,15 @@ def claim(session: CoordinatorSession, rank: int, req: int, out: dict, first_cla
     session.kv(rank, req, message, out)
 
 
+def queue_handed_out(session: CoordinatorSession) -> dict:
+    """Every rank claimed once: the queue's three chunks are out; returns an empty `out`."""
+    out: dict = {}
+    claim(session, 0, 1, out, first_claim=True)
+    claim(session, 1, 1, out)
+    claim(session, 2, 1, out)
+    return {}
+
+
 def replies(out: dict) -> dict[int, list]:
     """rank -> the value of the reply it got (each rank has at most one claim in flight here)."""
     return {rank: item["value"] for rank, items in out.items() for item in items if item["t"] == "reply"}
@@ -60,11 +69,7 @@ def test_a_claim_at_the_end_waits_for_a_member_still_training_and_gets_what_it_g
 
 def test_every_waiting_claim_returns_empty_once_no_member_is_left_to_wait_for():
     session = session_of()
-    out: dict = {}
-    claim(session, 0, 1, out, first_claim=True)
-    claim(session, 1, 1, out)
-    claim(session, 2, 1, out)  # the queue's three chunks are out
-    out = {}
+    out = queue_handed_out(session)
     claim(session, 0, 2, out)
     claim(session, 1, 2, out)
     assert replies(out) == {}
@@ -75,11 +80,7 @@ def test_every_waiting_claim_returns_empty_once_no_member_is_left_to_wait_for():
 def test_a_member_at_a_meeting_or_done_claiming_or_closed_is_not_waited_for():
     for release in ("arrive", "end", "close"):
         session = session_of()
-        out: dict = {}
-        claim(session, 0, 1, out, first_claim=True)
-        claim(session, 1, 1, out)
-        claim(session, 2, 1, out)
-        out = {}
+        out = queue_handed_out(session)
         claim(session, 0, 2, out)
         claim(session, 1, 2, out)
         assert replies(out) == {}, release
@@ -100,11 +101,7 @@ def test_a_member_at_a_meeting_or_done_claiming_or_closed_is_not_waited_for():
 
 def test_deleting_the_queue_answers_its_waiting_claims_and_a_rank_waits_once_per_queue():
     session = session_of()
-    out: dict = {}
-    claim(session, 0, 1, out, first_claim=True)
-    claim(session, 1, 1, out)
-    claim(session, 2, 1, out)
-    out = {}
+    out = queue_handed_out(session)
     claim(session, 1, 2, out)
     with pytest.raises(ValueError, match="already waits"):
         claim(session, 1, 3, out)
@@ -114,11 +111,7 @@ def test_deleting_the_queue_answers_its_waiting_claims_and_a_rank_waits_once_per
 
 def test_a_rank_that_claims_on_the_next_epoch_is_done_with_this_one():
     session = session_of()
-    out: dict = {}
-    claim(session, 0, 1, out, first_claim=True)
-    claim(session, 1, 1, out)
-    claim(session, 2, 1, out)
-    out = {}
+    out = queue_handed_out(session)
     claim(session, 1, 2, out)
     claim(session, 0, 2, out)
     assert replies(out) == {}
