@@ -10,7 +10,7 @@ import pytest
 
 from lightning_prague.core.grouping.policies import make_policy
 from lightning_prague.core.plane.coordinator import CoordinatorSession
-from lightning_prague.core.plane.queue_end import MAX_QUEUES, QueueEnds
+from lightning_prague.core.plane.queue_end import MAX_PARKED_PER_RANK, MAX_QUEUES, QueueEnds
 from lightning_prague.core.protocol import SessionConfig
 
 KEY = "epoch/0/cursor"
@@ -120,12 +120,19 @@ def test_a_rank_that_claims_on_the_next_epoch_is_done_with_this_one():
     assert {0, 1} <= set(replies(out))
 
 
-def test_the_number_of_queues_that_end_at_once_is_bounded():
+def test_what_a_rank_sends_about_queue_ends_is_bounded_and_costs_no_other_rank_its_claims():
     ends = QueueEnds()
-    for index in range(MAX_QUEUES):
-        ends.finish(f"q{index}", 0)
-    with pytest.raises(ValueError, match="work queues"):
-        ends.park("one more", 0, 1, 10)
+    for index in range(10 * MAX_QUEUES):  # a rank says it is done on ever new queues: they push each other out
+        ends.finish(f"junk{index}", 9)
+    ends.park(KEY, 0, 1, 10)  # a real claim at a real queue's end still waits
+    assert ends.parked(KEY) == [0]
+    for index in range(MAX_PARKED_PER_RANK):
+        ends.park(f"q{index}", 9, index, 10)
+    with pytest.raises(ValueError, match="claims of"):
+        ends.park("one more", 9, 99, 10)
+    for index in range(MAX_QUEUES):  # the queues with waiting claims are kept; room is made from the others
+        ends.finish(f"more{index}", 9)
+    assert ends.parked(KEY) == [0]
 
 
 def test_a_rank_that_left_the_tail_and_is_lost_gives_its_chunks_to_the_waiting_claims():

@@ -20,8 +20,9 @@ What this cannot cover: Lightning fetches one batch ahead, so every rank trains 
 epoch after its last claim returned. A rank lost while training that batch gives it back when no
 claim is left to take it (`docs/fault_tolerance.md`, "Exactly once").
 
-Everything here is bounded by what one rank may hold: one parked claim per rank and queue, and at
-most `MAX_QUEUES` queues with parked claims or ranks done claiming.
+Everything here is bounded whatever a connection sends: one parked claim per rank and queue, at most
+`MAX_PARKED_PER_RANK` queues per rank, and at most `MAX_QUEUES` queues (a rank that reports itself
+done on many queues only pushes out the queues nobody waits on).
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-#: queues (epochs) with parked claims or done ranks at once: one or two in a run (the epoch ending,
-#: perhaps the next one starting); a connection that claims on more is refused
+#: queues (epochs) kept at once: one or two in a run (the epoch ending, perhaps the next one
+#: starting); beyond it a queue without parked claims is dropped (it only knew who was done claiming,
+#: which saves the others a short wait), and if every one has parked claims a new one is refused
 MAX_QUEUES = 64
+#: queues one rank may have parked claims on at once (a training process has one claim in flight)
+MAX_PARKED_PER_RANK = 4
 
 
 @dataclass
@@ -67,7 +71,10 @@ class QueueEnds:
         queue = self._queues.get(key)
         if queue is None:
             if len(self._queues) >= MAX_QUEUES:
-                raise ValueError(f"more than {MAX_QUEUES} work queues end at once")
+                idle = next((k for k, q in self._queues.items() if not q.parked), None)
+                if idle is None:
+                    raise ValueError(f"more than {MAX_QUEUES} work queues end at once")
+                del self._queues[idle]
             queue = self._queues[key] = _Queue()
         return queue
 
@@ -76,6 +83,8 @@ class QueueEnds:
         queue = self._queue(key)
         if rank in queue.parked:
             raise ValueError(f"rank {rank} already waits on a claim of {key!r}")
+        if sum(rank in q.parked for q in self._queues.values()) >= MAX_PARKED_PER_RANK:
+            raise ValueError(f"rank {rank} already waits on claims of {MAX_PARKED_PER_RANK} work queues")
         queue.parked[rank] = (req, end)
         queue.done.discard(rank)
         log.debug("queue end: rank %d's claim on %s parks", rank, key)
