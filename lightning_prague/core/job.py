@@ -72,13 +72,17 @@ from lightning_prague.core.auth import (
     user_secret,
 )
 from lightning_prague.core.client.control import ControlClient, Session
+from lightning_prague.core.comm.groups import GroupComm
+from lightning_prague.core.comm.transfer import receive_payload
 from lightning_prague.core.errors import ConfigurationError, ControlPlaneError, CoordinationTimeout, MemberLost
 from lightning_prague.core.plane.launch import Supervisor, launch, wait_until_listening
-from lightning_prague.core.protocol import ADDRESS_RECORD, SessionConfig, address_key
+from lightning_prague.core.protocol import ADDRESS_RECORD, SessionConfig, address_key, rebuild_meeting
 from lightning_prague.core.records import BadRecord
 
 log = logging.getLogger(__name__)
 
+#: the store prefix under which rebuilt groups meet (each under a name of its own)
+GROUPS_PREFIX = "lightning_prague/groups"
 #: seconds a rebuilt group's members may take to connect to each other once every address is in the
 #: store (gloo tries a refused connection a few times: a member that died there costs a few times this)
 CONNECT_SECONDS = 10.0
@@ -192,8 +196,9 @@ class Job:
     world_size: int
     backend: str
     control: ControlClient
-    #: the library's process group over every rank (see the module docstring)
-    group: dist.ProcessGroup
+    #: the library's process group over every rank (see the module docstring); `None` for a joiner
+    #: until its admission
+    group: Optional[dist.ProcessGroup]
     #: the supervisor process (on global rank 0 only)
     supervisor: Optional[Supervisor] = None
     sessions: int = field(default=0)
@@ -202,9 +207,17 @@ class Job:
     pg_timeout: Optional[timedelta] = None
     #: attempts to rebuild `group` so far, the same number on every member (each one's store prefix)
     rebuilds: int = 0
+    #: the job's store (no prefix): rebuilt groups meet on it, under `GROUPS_PREFIX`
+    store: Optional[dist.Store] = None
+    #: the device a rebuilt group is bound to (NCCL), else the default group's
+    device_id: Optional[torch.device] = None
+    #: a new process for a rank that left the job: outside it until `rejoin` admits it
+    joining: bool = False
+    #: this process rejoined a running fit (`rejoin`)
+    rejoined: bool = False
 
     def __post_init__(self) -> None:
-        if not self.members:
+        if not self.members and not self.joining:
             self.members = tuple(range(self.world_size))
 
     @property
@@ -218,9 +231,10 @@ class Job:
         departed: Callable[[], Collection[int]] = frozenset,
         agree: Optional[Agreement] = None,
         timeout: Optional[float] = None,
+        tag: Optional[str] = None,
     ) -> dist.ProcessGroup:
-        """The library's process group among `members` (survivors), built by them alone; every
-        member must call this at the same point (see the module docstring).
+        """The library's process group among `members` (survivors, and ranks that rejoin), built by
+        them alone; every member must call this at the same point (see the module docstring).
 
         `departed()`: the ranks known to have left the job (polled while waiting on the others; it
         may raise to end the rebuild, e.g. when the control plane is lost). `agree(built)`: called
@@ -228,9 +242,12 @@ class Job:
         members and whether every one of them built it (a meeting of the control plane). Without
         it, one attempt, which fails with `MemberLost` if a member departs. `timeout`: the bound of
         the whole rebuild (default: the process group's timeout). `members` (then `self.members`)
-        ends up as the members of the group returned."""
+        ends up as the members of the group returned. `tag`: names the point where the members
+        call it, alike on every one of them (the session and its meeting), so that a rank that
+        rejoins, which has rebuilt nothing before, finds the others' rendezvous; default: the
+        number of rebuilds so far."""
         proposal = tuple(sorted(members))
-        if proposal == self.members:
+        if proposal == self.members and self.group is not None:
             return self.group
         bound = timeout if timeout is not None else self._pg_seconds()
         deadline = time.monotonic() + bound
@@ -243,7 +260,7 @@ class Job:
             group: Optional[dist.ProcessGroup] = None
             failure: Optional[BaseException] = None
             try:
-                group = self._build(proposal, what, departed, deadline, bound)
+                group = self._build(proposal, what, departed, deadline, bound, f"{tag or 'rebuild'}-{attempt}")
             except ControlPlaneError:
                 raise
             except (RuntimeError, TimeoutError) as err:  # a member left, the bound passed, a connection failed
@@ -287,18 +304,20 @@ class Job:
         departed: Callable[[], Collection[int]],
         deadline: float,
         bound: float,
+        tag: str,
     ) -> dist.ProcessGroup:
         """One attempt: a group among `members` under a store prefix of its own, built by a thread
         of its own while this one watches for departures and the deadline (see the module docstring)."""
         others = [m for m in members if m != self.rank]
-        name = f"lightning_prague-rebuild-{self.rebuilds}-" + "-".join(map(str, members))
-        store = RendezvousStore(_default_store(), self.rank, members, what, departed, deadline, bound)
+        name = f"lightning_prague-{tag}-" + "-".join(map(str, members))
+        base = dist.PrefixStore(GROUPS_PREFIX, self.store) if self.store is not None else _default_store()
+        store = RendezvousStore(base, self.rank, members, what, departed, deadline, bound)
         connect = timedelta(seconds=max(1.0, min(CONNECT_SECONDS, deadline - time.monotonic())))
         outcome: dict[str, object] = {}
 
         def build() -> None:
             try:
-                outcome["group"] = _new_group(members, self.backend, store, name, connect, what)
+                outcome["group"] = _new_group(members, self.backend, store, name, connect, what, self.device_id)
             except BaseException as err:  # the waiting thread raises it, or has moved on
                 outcome["error"] = err
                 if store.abandoned:
@@ -338,7 +357,7 @@ class Job:
     def _adopt(self, group: dist.ProcessGroup, members: tuple[int, ...]) -> dist.ProcessGroup:
         """Switch to `group`, built among `members` on every one of them."""
         old, self.group, self.members = self.group, group, members
-        if "nccl" in self.backend:
+        if "nccl" in self.backend and old is not None:
             _abort(old)
         log.debug("rank %d: rebuilt the job's process group among ranks %s", self.rank, list(members))
         return group
@@ -347,11 +366,67 @@ class Job:
     def supervisor_pid(self) -> int:
         return self.control.supervisor_pid
 
+    def rejoin(self, config: SessionConfig, wait: float, timeout: float) -> Admission:
+        """A new process for a rank that left the job: join the running fit's session, wait (at
+        most `wait` s) for the members' next epoch's end, meet them at its admission, rebuild the
+        process group with them (`regroup`, tagged with that meeting) and receive the fit's state
+        from the donor (`lightning_prague.core.comm.transfer`); `timeout` bounds each operation.
+        Raises `ControlPlaneError` with the reason if the fit cannot take it back."""
+        self.sessions += 1
+        session = self.control.open_session(self.sessions, config, rejoin=True)
+        start = time.monotonic()
+        try:
+            name = session.await_admission(wait)
+            release = session.meet(name, wait)
+            joined = [int(r) for r in release.get("joined", [])]
+            if self.rank not in joined:
+                raise MemberLost(f"rank {self.rank}: the fit admitted ranks {joined} at {name!r}, not this one")
+            donor = min(int(m) for m in release["members"] if int(m) not in joined)
+            rebuilds = 0
+
+            def agree(built: bool) -> tuple[Sequence[int], bool]:
+                nonlocal rebuilds
+                rebuilds += 1
+                report = {} if built else {"incomplete": True}
+                decided = session.meet(rebuild_meeting(name, rebuilds), wait, **report)
+                return [int(r) for r in decided["members"]], bool(decided.get("complete", built))
+
+            departed = lambda: session.departed  # noqa: E731
+            self.regroup(release["members"], departed, agree, timeout=timeout, tag=f"s{session.number}/{name}")
+            if donor not in self.members:
+                raise MemberLost(f"rank {self.rank}: rank {donor}, which was to send the fit's state, left the job")
+            comm = GroupComm(self.rank, self.world_size, timeout, self.group)
+            comm.rebind(self.group, self.members)  # type: ignore[arg-type]
+            admitted = time.monotonic()
+            payload = receive_payload(comm, donor, "the fit's state")
+        except BaseException:
+            session.close()
+            raise
+        self.joining, self.rejoined = False, True
+        done = time.monotonic()
+        log.warning(
+            "rank %d: rejoined the job at %r after %.1fs; received the fit's state from rank %d (%.1f MB in %.2fs)",
+            self.rank, name, admitted - start, donor, len(payload) / 1e6, done - admitted,
+        )  # fmt: skip
+        return Admission(session, donor, payload, admitted - start, done - admitted)
+
     def open_session(self, config: SessionConfig) -> Session:
         """A new session (one fit). Every rank opens its sessions in the same order, so they agree on
         the number without communicating."""
         self.sessions += 1
         return self.control.open_session(self.sessions, config)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a rank that rejoined got: its session, the donor and the fit's state (bytes) it sent,
+    the seconds it waited for its admission and those the state took to arrive."""
+
+    session: Session
+    donor: int
+    payload: bytes
+    waited: float
+    received: float
 
 
 _JOB: Optional[Job] = None
@@ -382,8 +457,15 @@ def init_job(
     device_id: Optional[torch.device] = None,
     pg_timeout: Optional[timedelta] = None,
     control_port: Optional[int] = None,
+    rejoin: Optional[bool] = None,
 ) -> Job:
     """Join the job (see the module docstring); returns this process's `Job` (the same one when called again).
+
+    `rejoin` (default: `rejoining()`, from the environment): this process replaces a rank that left
+    the running job. It starts no supervisor and meets nobody at a rendezvous: it reaches the store
+    and the control plane the job already has, and its `Job` is outside the job (`joining`) until
+    `Job.rejoin` admits it into the running fit. Its default process group is a local stand-in
+    (torch's `fake` backend, one process) that nothing of the library or of Lightning runs on.
 
     `control_port`: where global rank 0's supervisor serves the control plane (unset:
     `LIGHTNING_PRAGUE_CONTROL_PORT`, else a free port; see `supervisor.resolve_control_port`).
@@ -403,6 +485,17 @@ def init_job(
     proc: Optional[Supervisor] = None
     pg_timeout = pg_timeout or timedelta(seconds=timeout)
     secret, launch_id = user_secret(), known_launch_id()
+    if rejoin if rejoin is not None else rejoining():
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=pg_timeout, wait_for_workers=False)
+        control = _connect(store, rank, timeout, None, secret, launch_id)
+        _init_local_world(rank, world_size)
+        _JOB = Job(
+            rank, world_size, backend, control, None, pg_timeout=pg_timeout, store=store, device_id=device_id,
+            joining=True,
+        )  # fmt: skip
+        atexit.register(control.close)
+        log.warning("rank %d: a new process for this rank; it rejoins the running job", rank)
+        return _JOB
     start = dict(
         secret=secret or generated_secret().encode(),
         launch_id=launch_id or new_launch_id(),
@@ -434,10 +527,47 @@ def init_job(
             proc = launch(store.host, store.port, world_size, timeout, False, control_port, **start)
     control = _connect(raw_store(), rank, timeout, proc, secret, launch_id if proc is None else start["launch_id"])
     group = dist.new_group(list(range(world_size)), backend=backend, timeout=pg_timeout)
-    _JOB = Job(rank, world_size, backend, control, group, proc, pg_timeout=pg_timeout)
+    _JOB = Job(
+        rank, world_size, backend, control, group, proc, pg_timeout=pg_timeout, store=raw_store(), device_id=device_id
+    )
     atexit.register(control.close)
     log.debug("rank %d: joined the job (%d ranks, supervisor pid %d)", rank, world_size, control.supervisor_pid)
     return _JOB
+
+
+#: environment variable: how many times this rank's process was started again (set by the strategies'
+#: launcher with `max_restarts`; 0 or unset: the first start)
+RESTARTS_VARIABLE = "LIGHTNING_PRAGUE_RESTART_COUNT"
+#: environment variable: `1` makes a process rejoin the running job as the rank its environment names
+#: (a restart by a launcher other than the strategies': a SLURM requeue of one task, a pod's restart)
+REJOIN_VARIABLE = "LIGHTNING_PRAGUE_REJOIN"
+
+
+def rejoining() -> bool:
+    """Whether this process replaces a rank of a running job (`RESTARTS_VARIABLE` above 0, or
+    `REJOIN_VARIABLE` set to 1)."""
+    try:
+        restarts = int(os.environ.get(RESTARTS_VARIABLE, "0") or 0)
+    except ValueError:
+        raise ConfigurationError(f"{RESTARTS_VARIABLE}={os.environ[RESTARTS_VARIABLE]!r} is not a number") from None
+    flag = os.environ.get(REJOIN_VARIABLE, "").strip()
+    if flag not in ("", "0", "1"):
+        raise ConfigurationError(f"{REJOIN_VARIABLE}={flag!r}: set it to 1 (rejoin the running job) or 0")
+    return restarts > 0 or flag == "1"
+
+
+def _init_local_world(rank: int, world_size: int) -> None:
+    """A rejoining process's default process group: a local stand-in of the world (torch's `fake`
+    backend: this process alone, with its rank), so that `torch.distributed` is initialised and
+    knows this process's global rank; every exchange runs on the library's group (`Job.group`)."""
+    try:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the `fake` backend)
+    except ImportError as err:
+        raise ConfigurationError(
+            f"rank {rank}: rejoining a running job needs torch's `fake` process group backend, which the installed "
+            f"torch=={torch.__version__} lacks ({err}); this release needs torch{SUPPORTED_TORCH}"
+        ) from None
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
 
 
 def _default_store() -> dist.Store:
@@ -447,7 +577,13 @@ def _default_store() -> dist.Store:
 
 
 def _new_group(
-    members: tuple[int, ...], backend: str, store: dist.Store, name: str, timeout: timedelta, what: str
+    members: tuple[int, ...],
+    backend: str,
+    store: dist.Store,
+    name: str,
+    timeout: timedelta,
+    what: str,
+    device_id: Optional[torch.device] = None,
 ) -> dist.ProcessGroup:
     """`dist.new_group(members, use_local_synchronization=True)` under the group name (its store prefix)
     `name` and on `store`: torch names a group by its ranks and the number of groups this process
@@ -462,7 +598,7 @@ def _new_group(
         store,
         c10d.GroupName(name),
         timeout=timeout,
-        device_id=default.bound_device_id,
+        device_id=device_id if device_id is not None else default.bound_device_id,
         group_desc=what[:200],
     )
     c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(members)}

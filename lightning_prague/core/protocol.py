@@ -210,6 +210,20 @@ STOP_SYNC = "__stop__"
 #: the suffix of a commit meeting (`<sync>/commit`): the members' completeness of a collective;
 #: released whenever every live worker arrived, while stopping too
 COMMIT = "/commit"
+#: the suffix of the meeting where ranks that rejoin the fit are admitted, right after an epoch's end
+#: (`<epoch end>/admit`: the members and the joiners meet there; `GroupGenerator`'s `Rejoining`)
+ADMIT = "/admit"
+#: the prefix of the meetings at which joiners are admitted (every epoch's end)
+ADMITTING_AT = "epoch_end@"
+
+
+def rebuild_meeting(sync: str, attempt: int) -> str:
+    """The meeting where the members of a rebuilt process group (`Job.regroup`) agree whether its
+    `attempt`-th build, after the release of `sync`, succeeded everywhere: the survivors of a loss
+    and a joiner at its admission name it alike."""
+    return f"{sync}/rebuild{attempt}{COMMIT}"
+
+
 #: reasons of a stop at once (every rank drains at its next batch): a signal, or the cluster's requeue signal
 SIGTERM, REQUEUE = "sigterm", "requeue"
 
@@ -306,7 +320,8 @@ RECORDS: dict[str, Record] = {
     "echo": Record("'echo'", {"op": one_of("echo"), "rank": _RANK, "item": json_object(16)}),
     "join": _session_record(
         "join",
-        {"addresses": list_of(text(64), 1024)},
+        # `rejoin`: a new process for a rank that left the job, asking to be admitted at the next epoch's end
+        {"addresses": list_of(text(64), 1024), "rejoin": BOOLEAN},
         config=json_object(),
         pid=integer(0, 1 << 31),
         host=text(255),

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.job import rejoining
 
 KINDS = (
     "kill", "kill-in-exchange", "raise", "hang", "stop", "kill-in-validation", "kill-after-step", "compute", "block"
@@ -70,8 +71,8 @@ class Fault:
 
 def inject_faults(model: Any, faults: list[Fault], directory: Path) -> None:
     """Wrap `model.training_step` so that each fault strikes its rank at its batch."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 or rejoining():
+        return  # a restarted process: the fault struck its predecessor
     plan = {f.rank: f for f in faults}
     step, validation_step, batch_end = model.training_step, model.validation_step, model.on_train_batch_end
     seen = [0]

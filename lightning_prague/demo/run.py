@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import time
 from functools import partial
 from pathlib import Path
@@ -21,6 +22,7 @@ import lightning_prague  # noqa: F401  (registers the strategies)
 from lightning_prague.callbacks import ConsensusMonitor, SlowdownInjector, StragglerMonitor, WorkerSummary
 from lightning_prague.callbacks.slowdown import PROFILES
 from lightning_prague.core.exchange.overlap import communication_threads
+from lightning_prague.core.job import RESTARTS_VARIABLE
 from lightning_prague.demo.captured import run_captured
 from lightning_prague.demo.digits import OPTIMIZERS, DigitsClassifier, DigitsDataModule
 from lightning_prague.demo.faults import KINDS, Fault, inject_faults
@@ -75,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grouping-timeout", type=float, default=300.0, help="timeout of every wait (s)")
     parser.add_argument("--min-workers", type=int, default=1, help="stop the job when fewer workers remain")
     parser.add_argument(
+        "--max-restarts", type=int, default=0, help="start a lost rank's process again (at most this often per rank)"
+    )
+    parser.add_argument(
         "--hang-timeout",
         type=float,
         default=60.0,
@@ -108,6 +113,7 @@ def build_strategy(args: argparse.Namespace) -> Any:
         "timeout": args.grouping_timeout,
         "start_method": args.start_method,
         "min_workers": args.min_workers,
+        "max_restarts": args.max_restarts,
         "hang_timeout": args.hang_timeout,
         "hang_factor": args.hang_factor,
     }
@@ -314,6 +320,8 @@ def report(
     result["lost_workers"] = {str(rank): {"time": at, "why": why} for rank, (at, why) in lost.items()}
     # every rank reports its own checksum and digest so callers can check the replicas agree
     result["rank"] = trainer.global_rank
+    result["restarts"] = int(os.environ.get(RESTARTS_VARIABLE, "0") or 0)  # this process's: 0 for the first
+    result["batches_this_process"] = getattr(trainer.strategy, "batches_done", None)
     result["threads_after_fit"] = communication_threads()
     if trainer.is_global_zero:
         print(

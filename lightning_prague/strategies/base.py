@@ -76,6 +76,7 @@ from lightning_prague.strategies.global_progress import GlobalProgress
 from lightning_prague.strategies.launcher import SurvivingScriptLauncher
 from lightning_prague.strategies.loaders import StrategyLoaders
 from lightning_prague.strategies.options import DDP_TIMEOUT, Option, StrategyOptions, watchdog_margin
+from lightning_prague.strategies.rejoin import PEER_CHECKPOINT, PeerState
 from lightning_prague.strategies.stops import Stops
 from lightning_prague.strategies.survivors import Survivors
 from lightning_prague.strategies.sync_points import Synchronizer, SyncPoints
@@ -121,6 +122,7 @@ class DecentralizedStrategy(DDPStrategy):
         hang_factor: float = 20.0,
         sync_timeout: Optional[float] = None,
         coordinator_port: Optional[int] = None,
+        max_restarts: int = 0,
         **ddp_kwargs: Any,
     ) -> None:
         """Options every asynchronous strategy shares.
@@ -170,6 +172,12 @@ class DecentralizedStrategy(DDPStrategy):
                 serves the control plane (on every interface of the first node), for a firewall
                 that only opens known ports; unset: the `LIGHTNING_PRAGUE_CONTROL_PORT`
                 environment variable, else a free port. Setting both to different ports is an error.
+            max_restarts: how many times the strategy's launcher (`start_method="popen"`, one node)
+                starts the process of a lost rank again, for each rank, rank 0 included; the new
+                process rejoins the running fit at its next epoch's end with the state of a live
+                worker (`lightning_prague.strategies.rejoin`). With it above 0 the process you start
+                trains nothing itself: it starts every rank and restarts the lost ones. 0: a lost
+                rank stays lost, and the others finish the fit.
             **ddp_kwargs: options of Lightning's `DDPStrategy` / `DistributedDataParallel`, for code
                 moved from DDP. The model is not wrapped in `DistributedDataParallel` (replicas
                 average parameters in groups, not gradients), so `find_unused_parameters`,
@@ -184,7 +192,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.options = StrategyOptions(
             sync_every=sync_every, seed=seed, timeout=timeout, average_at_sync=average_at_sync, bucket_mb=bucket_mb,
             min_workers=min_workers, hang_timeout=hang_timeout, hang_factor=hang_factor, sync_timeout=sync_timeout,
-            coordinator_port=coordinator_port,
+            coordinator_port=coordinator_port, max_restarts=max_restarts,
         )  # fmt: skip
         super().__init__(
             accelerator=accelerator,
@@ -225,6 +233,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.stops = Stops(self)
         self.synchronizer = Synchronizer(self)
         self.survivors = Survivors(self)
+        self.peer_state = PeerState(self)
 
     # -- the options, read-only (`StrategyOptions`) ------------------------------------------------
     sync_every = Option[int]()
@@ -238,6 +247,7 @@ class DecentralizedStrategy(DDPStrategy):
     min_workers = Option[int]()
     #: the control plane's port; `None`: `LIGHTNING_PRAGUE_CONTROL_PORT` or a free one
     coordinator_port = Option[Optional[int]]()
+    max_restarts = Option[int]()
     hang_rule = Option[HangRule]()
 
     # -- this fit's session (None outside an asynchronous fit) ------------------------------------
@@ -290,6 +300,8 @@ class DecentralizedStrategy(DDPStrategy):
             # which loads the training data (through the work queue) there
             self.training = TrainingSession(self._require_job(), self.session_plan(policy))
             self.training.open()
+            if self.training.admission is not None:  # rejoined: the others train on, unaligned with it
+                self.controller.batch_starts()
             replacements = {**self.stops.replacements(), **self.loaders.replacements(trainer)}
             if self.shards_by_work_queue:
                 self.progress = GlobalProgress(trainer, self.world_size, self.controller, self.synchronize)
@@ -360,7 +372,9 @@ class DecentralizedStrategy(DDPStrategy):
         super()._configure_launcher()
         if self._start_method == "popen":  # Lightning's would SIGKILL every rank when one fails
             assert self.cluster_environment is not None
-            self._launcher = SurvivingScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SurvivingScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes, max_restarts=self.max_restarts
+            )
 
     @property
     @override
@@ -504,7 +518,29 @@ class DecentralizedStrategy(DDPStrategy):
         run starts every worker from the same state, and from all workers' rather than rank 0's.
         Between synchronization points (a checkpoint of one rank's replica), or if the workers'
         states differ in layout (one never stepped), this rank's own state."""
-        return self.synchronizer.optimizer_state(super().optimizer_state(optimizer))
+        state = super().optimizer_state(optimizer)
+        if self.peer_state.dumping:  # the state sent to a rejoining rank: this replica's own
+            return state
+        return self.synchronizer.optimizer_state(state)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """A rejoining rank gets its checkpoint when it is admitted, in its setup (`rejoin`)."""
+        return self.job is not None and (self.job.joining or self.job.rejoined)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """`PEER_CHECKPOINT`: the state a live member sent this rejoining rank; else Lightning's."""
+        if str(checkpoint_path) == PEER_CHECKPOINT:
+            admission = self.training.admission if self.training is not None else None
+            if admission is None:
+                raise ConfigurationError(
+                    f"ckpt_path={PEER_CHECKPOINT!r} is the state of a rank that rejoins a running fit; this "
+                    "process did not rejoin one"
+                )
+            return self.peer_state.checkpoint(admission.payload)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

@@ -51,6 +51,9 @@ class RoutedCollectives:
     def local_instead(self, operation: str, stacklevel: int = _CALLER) -> bool:
         """Whether `operation` must act locally (the ranks are unaligned); warns once per operation."""
         strategy = self.strategy
+        job = strategy.job
+        if job is not None and job.joining:  # a rejoining rank before its admission: nobody to meet
+            return True
         if strategy.controller.aligned:
             return False
         if operation not in strategy.warned:
@@ -66,10 +69,13 @@ class RoutedCollectives:
 
     @property
     def survivors(self) -> Optional[dist.ProcessGroup]:
-        """The survivors' group once a rank was lost (collectives of the world group would need it)."""
+        """The members' group once the membership changed (a rank was lost, or rejoined as a new
+        process): the world group then holds a process that is gone, or lacks one that came."""
         job = self.strategy.job
-        if job is None or len(job.members) == job.world_size or not dist.is_initialized():
+        if job is None or not dist.is_initialized():
             return None
+        if len(job.members) == job.world_size and not job.rebuilds and not job.rejoined:
+            return None  # the world group holds every rank of this job's first processes
         return job.group
 
     def members(self) -> Optional[MemberCollectives]:

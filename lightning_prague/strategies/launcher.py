@@ -16,6 +16,19 @@ recovery is restart and resume: on a restart (`TORCHELASTIC_RESTART_COUNT` above
 no `ckpt_path` resumes from the last checkpoint (`ckpt_path="last"`: the newest `last` checkpoint of
 the trainer's `ModelCheckpoint` callbacks; from scratch, with Lightning's warning, if there is
 none), on however many workers the restart has.
+
+**Restarts** (`max_restarts` above 0, one node): the process the user started becomes the node's
+*agent*. It trains nothing: it starts every rank of the node, rank 0 included, as a child (`RankAgent`),
+and when one exits with an error (a crash, `kill -9`, an out-of-memory kill, a hang the control plane
+fenced) it starts a new process for that rank, with the rank's environment and
+`LIGHTNING_PRAGUE_RESTART_COUNT` counting its restarts. That process rejoins the running fit
+(`lightning_prague.strategies.rejoin`). Each rank is restarted at most `max_restarts` times, the
+n-th time after `RESTART_BACKOFF` x 2^(n-1) seconds, so a rank that crashes at once again is not
+restarted in a tight loop; past its budget it stays lost and the others finish the fit. The agent
+is the one process that must live: it holds no training state and runs no collective, so only a
+signal to it ends it (it forwards SIGTERM and SIGINT to the ranks, and restarts nothing after). It
+exits once every rank's last process has, with status 0 if each of them exited 0, else 1; the rest of
+the user's script after `fit` runs in the ranks' processes (in rank 0's, as usual), not in the agent.
 """
 
 from __future__ import annotations
@@ -24,17 +37,22 @@ import atexit
 import inspect
 import logging
 import os
+import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Optional
 
+from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
 from lightning_prague.core.auth import LAUNCH_VARIABLE, known_launch_id, new_launch_id
+from lightning_prague.core.job import RESTARTS_VARIABLE, rejoining
+from lightning_prague.strategies.rejoin import PEER_CHECKPOINT
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +65,18 @@ class SurvivingScriptLauncher(_SubprocessScriptLauncher):
     #: a fit that torchrun restarted resumes from the last checkpoint (see the module docstring)
     resume_on_restart: bool = True
 
+    def __init__(self, *args: Any, max_restarts: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: restarts of each rank's process (see the module docstring); 0: none
+        self.max_restarts = max_restarts
+
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
         fitting = trainer is not None and getattr(trainer.state.fn, "value", None) == "fit"
-        if self.resume_on_restart and restarted and fitting:
+        if fitting and rejoining():  # a new process for a lost rank: the fit's state comes from a live member
+            args, kwargs = with_checkpoint(function, args, kwargs, PEER_CHECKPOINT, force=True)
+        elif self.resume_on_restart and restarted and fitting:
             args, kwargs = resume_from_last(function, args, kwargs)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
@@ -59,6 +84,12 @@ class SurvivingScriptLauncher(_SubprocessScriptLauncher):
                 # every rank of this launch is a child of this process: they inherit its id, and refuse a
                 # control plane that serves another launch (an earlier job's supervisor on a fixed port)
                 os.environ[LAUNCH_VARIABLE] = new_launch_id()
+            if self.max_restarts > 0 and self.num_nodes == 1:
+                self._call_children_scripts()  # Lightning's environment for every rank; rank 0 is started below
+                status = RankAgent(self.procs, self.max_restarts).run()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)  # the agent trained nothing: the script's rest runs in the ranks
             self._call_children_scripts()
             threading.Thread(
                 target=_report_exits, args=(list(self.procs),), name="prague-children", daemon=True
@@ -94,6 +125,13 @@ def _wait_for(procs: list[subprocess.Popen], limit: float) -> None:
 def resume_from_last(function: Callable, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """`function`'s arguments with `ckpt_path="last"` unless one was given (Lightning's `_fit_impl`
     takes it; if a Lightning version does not, nothing changes and a warning says so)."""
+    return with_checkpoint(function, args, kwargs, "last")
+
+
+def with_checkpoint(
+    function: Callable, args: tuple, kwargs: dict[str, Any], path: str, force: bool = False
+) -> tuple[tuple, dict[str, Any]]:
+    """`function`'s arguments with `ckpt_path=path`, unless one was given and not `force`."""
     try:
         bound = inspect.signature(function).bind(*args, **kwargs)
     except (TypeError, ValueError):
@@ -101,7 +139,76 @@ def resume_from_last(function: Callable, args: tuple, kwargs: dict[str, Any]) ->
     if bound is None or "ckpt_path" not in inspect.signature(function).parameters:
         log.warning("this Lightning version's fit takes no ckpt_path: a restarted fit starts from scratch")
         return args, kwargs
-    if bound.arguments.get("ckpt_path") is None:
-        log.warning("the job was restarted: resuming the fit from the last checkpoint")
-        bound.arguments["ckpt_path"] = "last"
+    if force or bound.arguments.get("ckpt_path") is None:
+        log.warning("the job was restarted: resuming the fit from %s", path)
+        bound.arguments["ckpt_path"] = path
     return bound.args, bound.kwargs
+
+
+#: seconds before a rank's first restart; each further one waits twice as long
+RESTART_BACKOFF = 1.0
+
+
+class RankAgent:
+    """Starts every rank of one node and restarts the lost ones (see the module docstring)."""
+
+    def __init__(self, children: list[subprocess.Popen], max_restarts: int, period: float = 0.2) -> None:
+        self.max_restarts = max_restarts
+        self.period = period
+        #: local rank -> its running process (rank 0's started here; Lightning started the others)
+        self.procs: dict[int, subprocess.Popen] = {0: self._start(0, 0)}
+        self.procs.update({local: proc for local, proc in enumerate(children, start=1)})
+        self.restarts: dict[int, int] = dict.fromkeys(self.procs, 0)
+        self.status: dict[int, int] = {}
+        self._stopping = False
+
+    @staticmethod
+    def _start(local_rank: int, restarts: int) -> subprocess.Popen:
+        """A process for `local_rank` with the environment Lightning gives it, and its restart count."""
+        env = os.environ.copy()
+        env["LOCAL_RANK"] = str(local_rank)
+        env[RESTARTS_VARIABLE] = str(restarts)
+        if restarts == 0:
+            env.pop(RESTARTS_VARIABLE)
+        return subprocess.Popen(_basic_subprocess_cmd(), env=env)
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        self._stopping = True
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    def run(self) -> int:
+        """Watch the ranks until every one's last process exited; the agent's exit status."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._forward)
+        due: dict[int, float] = {}  # local rank -> when its next process starts
+        while len(self.status) < len(self.procs):
+            time.sleep(self.period)
+            for local, proc in list(self.procs.items()):
+                if local in self.status or local in due or proc.poll() is None:
+                    continue
+                code = proc.returncode
+                if code == 0 or self._stopping or self.restarts[local] >= self.max_restarts:
+                    self.status[local] = code
+                    if code:
+                        log.warning(
+                            "local rank %d (pid %d) exited with status %d and stays lost (%d restarts of %d used)",
+                            local, proc.pid, code, self.restarts[local], self.max_restarts,
+                        )  # fmt: skip
+                    continue
+                self.restarts[local] += 1
+                wait = RESTART_BACKOFF * 2 ** (self.restarts[local] - 1)
+                due[local] = time.monotonic() + wait
+                log.warning(
+                    "local rank %d (pid %d) exited with status %d: starting it again in %.0fs (restart %d of %d)",
+                    local, proc.pid, code, wait, self.restarts[local], self.max_restarts,
+                )  # fmt: skip
+            for local, when in list(due.items()):
+                if time.monotonic() >= when and not self._stopping:
+                    self.procs[local] = self._start(local, self.restarts[local])
+                    del due[local]
+                elif self._stopping:
+                    self.status[local] = self.procs[local].returncode or 1
+                    del due[local]
+        return 0 if all(code == 0 for code in self.status.values()) else 1

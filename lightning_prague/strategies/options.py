@@ -52,6 +52,8 @@ class StrategyOptions:
     sync_timeout: Optional[float] = None
     #: the control plane's port; `None`: `LIGHTNING_PRAGUE_CONTROL_PORT` or a free one
     coordinator_port: Optional[int] = None
+    #: times the strategy's launcher starts a lost rank's process again (0: never)
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         timeout = self.timeout
@@ -65,6 +67,10 @@ class StrategyOptions:
             raise ConfigurationError(f"timeout={timeout} is invalid: it must be a positive number of seconds")
         if self.bucket_mb <= 0:
             raise ConfigurationError(f"bucket_mb={self.bucket_mb} is invalid: it must be positive")
+        if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
+            raise ConfigurationError(
+                f"max_restarts={self.max_restarts!r} is invalid: it must be a whole number of restarts, 0 or more"
+            )
         if self.min_workers < 1:
             raise ConfigurationError(f"min_workers={self.min_workers} is invalid: it must be at least 1")
         if self.hang_timeout <= 0 or self.hang_factor <= 0:

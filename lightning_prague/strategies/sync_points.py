@@ -35,6 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_prague.core.comm.averaging import averaged_optimizer_state, averaged_state
 from lightning_prague.core.comm.exact import exact_state
 from lightning_prague.core.exchange.worker import GroupWorker
+from lightning_prague.core.protocol import ADMITTING_AT
 
 if TYPE_CHECKING:
     from lightning_prague.strategies.base import DecentralizedStrategy
@@ -123,7 +124,11 @@ class Synchronizer:
         """Drain, meet every rank, then average (see `DecentralizedStrategy.synchronize`)."""
         strategy = self.strategy
         worker = strategy.worker
-        if worker is None or not strategy.controller.must_meet:
+        if worker is None:
+            return
+        # ranks wait to rejoin (the last release said so): every member meets at this epoch's end to admit them
+        admitting = name.startswith(ADMITTING_AT) and bool((worker.release or {}).get("joining"))
+        if not strategy.controller.must_meet and not admitting:
             return
         strategy.drain()
         loader = strategy.progress.loader if strategy.progress is not None else None
@@ -146,6 +151,8 @@ class Synchronizer:
         if strategy.average_at_sync:
             follow_module(strategy)
             average_replicas(worker, name)
+        if release.get("admit"):  # ranks rejoin here: meet them, regroup, the donor sends them its state
+            worker.admit(strategy.peer_state.payload)
         if loader is not None:
             loader.set_members(list(worker.members))
         strategy.regrouped = strategy.survivors.follow_membership()

@@ -163,8 +163,11 @@ class ControlClient:
         return reply.get("value")
 
     # -- sessions ------------------------------------------------------------------------------
-    def open_session(self, number: int, config: SessionConfig) -> Session:
-        """Join session `number` (one fit); every rank of the session must join it with the same config."""
+    def open_session(self, number: int, config: SessionConfig, rejoin: bool = False) -> Session:
+        """Join session `number` (one fit); every rank of the session must join it with the same config.
+
+        `rejoin`: this is a new process for a rank that left the fit; it asks to be admitted at the
+        next epoch's end (`Session.await_admission`)."""
         # the control plane's hang detector uses the longer of the two as the bound of a busy worker
         long_bound = max(config.timeout, config.sync_timeout or 0.0)
         session = Session(self, number, config.world_size, Beacon(config.hang), long_bound)
@@ -181,6 +184,7 @@ class ControlClient:
                 # where other nodes reach this process: a survivor drops its connections there once
                 # every rank of this node is lost (`lightning_prague.core.client.partition`)
                 "addresses": own_addresses(local),
+                **({"rejoin": True} if rejoin else {}),
             }
         )
         session.beacon.start(lambda fields: session.send("beat", **fields), f"prague-control-beacon-{self.rank}")
@@ -274,6 +278,12 @@ class Session:
                 node = item.get("node", "its node")
                 drop_connections(item["unreachable"], self.rank, f"every rank of {node} left the job")
             self._departure.set()
+        elif kind == "release" and item.get("joined"):  # ranks that rejoined are members again
+            for rank in item["joined"]:
+                self.departed.pop(int(rank), None)
+                self.departed_at.pop(int(rank), None)
+            self.members = [int(r) for r in item.get("members", self.members)]
+            log.warning("rank %d: ranks %s rejoined the job; members %s", self.rank, item["joined"], self.members)
         elif kind == "fenced":  # declared hung: end this process, as a local one would be SIGKILLed
             log.error("rank %d: the control plane fenced this rank (%s); exiting", self.rank, item.get("reason"))
             os._exit(FENCED_EXIT_STATUS)
@@ -468,6 +478,40 @@ class Session:
             applied = self._verdicts.pop(key)
         log.debug("rank %d: %s (%s): complete here %s, verdict %s", self.rank, operation, key, complete, applied)
         return applied
+
+    def await_admission(self, timeout: float) -> str:
+        """A rejoining rank: wait (at most `timeout` s) until the members reach an epoch's end, and
+        return the name of the meeting where they admit it (`<epoch end>/admit`). Raises
+        `ControlPlaneError` with the control plane's reason if it cannot rejoin (the fit ended, is
+        stopping, runs another configuration) and `CoordinationTimeout` if no epoch ended in time."""
+        item = self._next(f"the next epoch's end of the fit it rejoins (up to {timeout:.0f}s)", timeout)
+        while item["t"] != "admit":
+            if item["t"] == "error":
+                raise ControlPlaneError(f"rank {self.rank}: {item.get('message')}")
+            item = self._next("its admission to the fit", timeout)
+        return str(item["sync"])
+
+    def meet(self, name: str, timeout: float, **report: Any) -> Message:
+        """Arrive at meeting `name` and return its release (for a rank that runs no groups yet: a
+        joiner at its admission and the rebuild of the process group that follows it)."""
+        self.send("arrive", sync=name, **report)
+        while True:
+            item = self._next(f"the other ranks at {name!r}", timeout)
+            if item["t"] == "release" and item["sync"] == name:
+                return item
+            if item["t"] == "error":
+                raise ControlPlaneError(f"rank {self.rank}: {item.get('message')} (at {name!r})")
+
+    def _next(self, what: str, timeout: float) -> Message:
+        with self.beacon.waiting():
+            if self._rejected is not None:
+                raise ControlPlaneError(f"rank {self.rank}: {self._rejected}")
+            item = self.receive(timeout)
+        if item is None:
+            if self._rejected is not None:
+                raise ControlPlaneError(f"rank {self.rank}: {self._rejected}")
+            raise CoordinationTimeout(f"rank {self.rank}: waited {timeout:.0f}s for {what}")
+        return item
 
     def post(self, item: Message) -> None:
         """Put `item` at the end of this rank's inbox, behind everything the coordinator already sent it."""

@@ -376,6 +376,24 @@ class GroupComm:
             self._exchange(ops, deadline, send.numel() * size)
 
     # -- waiting ---------------------------------------------------------------------------------
+    def point_to_point(self, tensor: torch.Tensor, peer: int, send: bool, operation: str) -> None:
+        """Send `tensor` to `peer` (`send`), or receive it into `tensor`, on the backend's device;
+        bounded by the timeout, and a `CoordinationTimeout` naming both ranks if it fails."""
+        start = time.monotonic()
+        deadline = start + self.timeout
+        staged = tensor.to(self.device)
+        op = dist.P2POp(dist.isend if send else dist.irecv, staged, peer, self.pg)
+        try:
+            self._exchange([op], deadline, tensor.numel() * tensor.element_size() if send else 0, int(send))
+            self._finish(staged, deadline, (self.rank, peer))
+        except (RuntimeError, TimeoutError) as err:
+            raise self._failure(operation, (self.rank, peer), start, self.timeout, err) from err
+        if self.failed_peers:
+            failed, self.failed_peers = sorted(self.failed_peers), set()
+            raise self._failure(operation, (self.rank, peer), start, self.timeout, RuntimeError(f"ranks {failed}"))
+        if not send and staged is not tensor:
+            tensor.copy_(staged)
+
     def _exchange(self, ops: list[dist.P2POp], deadline: float, nbytes: int, pairs: int | None = None) -> None:
         """Run `ops`; `pairs`: the messages this rank sent (default: half the ops).
 

@@ -23,7 +23,7 @@ from lightning_prague.core.client.control import Session
 from lightning_prague.core.comm.averaging import BucketedTensors
 from lightning_prague.core.exchange.overlap import Exchanger
 from lightning_prague.core.exchange.worker import GroupWorker
-from lightning_prague.core.job import Job
+from lightning_prague.core.job import Admission, Job
 from lightning_prague.core.protocol import SessionConfig
 
 log = logging.getLogger(__name__)
@@ -54,11 +54,19 @@ class TrainingSession:
         self.session: Session | None = None
         self.worker: GroupWorker | None = None
         self.exchanger: Exchanger | None = None
+        #: a rank that rejoined the fit: its admission and the state the donor sent (`Job.rejoin`)
+        self.admission: Admission | None = None
 
     def open(self) -> Session:
-        """Join this fit's session of the control plane (every rank opens its sessions in the same order)."""
+        """Join this fit's session of the control plane (every rank opens its sessions in the same
+        order); a rank that rejoins waits here for its admission and the fit's state (`Job.rejoin`)."""
         if self.session is None:
-            self.session = self.job.open_session(self.plan.config)
+            if self.job.joining:
+                wait = self.plan.sync_timeout or self.plan.timeout
+                self.admission = self.job.rejoin(self.plan.config, wait, self.plan.timeout)
+                self.session = self.admission.session
+            else:
+                self.session = self.job.open_session(self.plan.config)
         return self.session
 
     def start(self, state: list[torch.Tensor]) -> None:

@@ -25,6 +25,7 @@ from lightning_prague.core.comm.exact import ExactMaxima, layout_signature
 from lightning_prague.core.comm.groups import Decide, GroupComm
 from lightning_prague.core.comm.norms import Drift
 from lightning_prague.core.comm.streams import CommStream, mark_on
+from lightning_prague.core.comm.transfer import send_payload
 from lightning_prague.core.errors import (
     CONTROL_PLANE,
     ControlPlaneError,
@@ -33,7 +34,7 @@ from lightning_prague.core.errors import (
     SyncMismatchError,
 )
 from lightning_prague.core.job import Job
-from lightning_prague.core.protocol import COMMIT, REQUEUE, SIGTERM, STOP_SYNC
+from lightning_prague.core.protocol import ADMIT, COMMIT, REQUEUE, SIGTERM, STOP_SYNC, rebuild_meeting
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +154,14 @@ class GroupWorker:
         self.counters = session.counters
         if comm is None:
             comm = GroupComm(self.rank, self.world_size, timeout, job.group if job is not None else None)
+            if job is not None and job.group is not None and job.members != comm.everyone:
+                comm.rebind(job.group, job.members)  # ranks were lost before this fit, or this one rejoined
         #: sums over any group on one process group that spans every rank; no communicator per group
         self.comm = comm
         self.comm.abandon = lambda members: any(m in session.departed for m in members)
         self.comm.waiting = session.beacon.waiting
-        self.comm.warm_up()
+        if job is None or not job.rejoined:  # a joiner's group was built with it, amid the others' training
+            self.comm.warm_up()
         self.stats = WorkerStats()
         self.stop_seen = False
         self._stopped = False
@@ -445,11 +449,46 @@ class GroupWorker:
         group = self.comm.pg
         if job is not None and self.comm.pg is job.group:
             self._rebuild = 0
-            group = job.regroup(members, self._departed_now, self._agree_on_group, timeout=self.timeout)
+            tag = f"s{self.session.number}/{(self.release or {}).get('sync', STOP_SYNC)}"
+            group = job.regroup(members, self._departed_now, self._agree_on_group, timeout=self.timeout, tag=tag)
             members = list(job.members)
         gone = sorted(set(self.comm.everyone) - set(members))
+        came = sorted(set(members) - set(self.comm.everyone))
         self.comm.rebind(group, members)
-        log.warning("rank %d: going on without ranks %s; members now %s", self.rank, gone, list(members))
+        if gone:
+            log.warning("rank %d: going on without ranks %s; members now %s", self.rank, gone, list(members))
+        if came:
+            log.warning("rank %d: ranks %s joined; members now %s", self.rank, came, list(members))
+
+    def admit(self, state: Callable[[], bytes]) -> list[int]:
+        """After the release of an epoch's end that admits joiners (its `admit`): meet them at
+        `<sync>/admit`, rebuild the process group with them (`change_members`), and, on the lowest
+        member that was there before them (the donor), send each joiner `state()`, the fit's state
+        (`lightning_prague.core.comm.transfer`). Returns the ranks that joined. A joiner lost on the
+        way costs the donor a warning, not the fit. The first release stays this worker's `release`."""
+        first, version = self.release or {}, self.released_version
+        name = f"{first['sync']}{ADMIT}"
+        self._doing = f"the admission of ranks {first.get('admit')} ({name!r})"
+        with self.session.beacon.waiting():
+            self._meet(name, time.monotonic(), None, {}, follow_stop=False)
+        joined = [int(r) for r in (self.release or {}).get("joined", [])]
+        before = [m for m in (self.release or {}).get("members", self.comm.everyone) if m not in joined]
+        self.change_members((self.release or {}).get("members"))
+        donor = min(before) if before else None
+        if donor == self.rank:
+            for joiner in [j for j in joined if j in self.members]:
+                try:
+                    payload = state()
+                    seconds = send_payload(self.comm, joiner, payload, "the fit's state")
+                    log.warning(
+                        "rank %d: sent the fit's state to rank %d (%.1f MB in %.2fs)",
+                        self.rank, joiner, len(payload) / 1e6, seconds,
+                    )  # fmt: skip
+                except (CoordinationTimeout, RuntimeError) as err:
+                    log.warning("rank %d: could not send rank %d the fit's state: %s", self.rank, joiner, err)
+        self.release = {**first, "members": list(self.members)}
+        self.released_version = version
+        return joined
 
     def _departed_now(self) -> dict[int, str]:
         """The ranks that left the job, for a rebuild of the process group to poll (it ends at once,
@@ -463,7 +502,7 @@ class GroupWorker:
         The first release stays this worker's `release`, with the members named by this one."""
         first, version = self.release or {}, self.released_version
         self._rebuild += 1
-        name = f"{first.get('sync', STOP_SYNC)}/rebuild{self._rebuild}{COMMIT}"
+        name = rebuild_meeting(first.get("sync", STOP_SYNC), self._rebuild)
         self._doing = f"the rebuild of the job's process group ({name!r})"
         with self.session.beacon.waiting():
             self._meet(name, time.monotonic(), None, {} if built else {"incomplete": True}, follow_stop=False)

@@ -308,7 +308,7 @@ class ControlPlane:
                 session.depart(rank, reason, out)
                 self._fence(session, rank, reason, out)
                 self._tag(session, out)
-            self._maybe_delete(session)
+            self._maybe_delete(session, out)
         return out
 
     def _cpu_seconds(self, session: CoordinatorSession, rank: int) -> float | None:
@@ -342,7 +342,7 @@ class ControlPlane:
             if rank in session.members:
                 session.depart(rank, "its process ended: its connection to the control plane closed", out)
                 self._tag(session, out)
-            self._maybe_delete(session)
+            self._maybe_delete(session, out)
         return out
 
     # -- messages -------------------------------------------------------------------------------
@@ -350,6 +350,9 @@ class ControlPlane:
         op = message["op"]
         number = message["s"]
         session = self.sessions.get(number)
+        if op == "join" and message.get("rejoin"):
+            self._rejoin(session, number, rank, message)
+            return
         if op == "join":
             config = SessionConfig.from_wire(message["config"])
             if session is None:
@@ -410,7 +413,7 @@ class ControlPlane:
             session.closed.add(rank)
             session.ends.depart(rank)
             session.settle_queues(out)
-            self._maybe_delete(session)
+            self._maybe_delete(session, out)
         elif op == "parked":
             CoordinatorSession._reply(rank, int(message["req"]), sorted(session.generator.parked), out)
         elif op == "history":  # for tests and benchmarks (SessionConfig.record_history)
@@ -432,13 +435,53 @@ class ControlPlane:
         self._tag(session, out)
 
     @staticmethod
+    def _rejoin(session: CoordinatorSession | None, number: int, rank: int, message: dict[str, Any]) -> None:
+        """A new process for `rank`, which left the fit, asks to be admitted at the next epoch's end
+        (`GroupGenerator.request_join`); refused, to it alone, where that cannot be."""
+        if session is None:
+            raise ValueError(
+                f"rank {rank} cannot rejoin fit {number}: no such fit runs (it ended, or every rank left it)"
+            )
+        if rank not in session.departed:
+            raise ValueError(f"rank {rank} cannot rejoin fit {number}: that rank is a live member of it")
+        config = SessionConfig.from_wire(message["config"])
+        if config != session.config:
+            raise ValueError(
+                f"rank {rank} cannot rejoin fit {number}: it runs with another configuration than the fit's "
+                "(another strategy, options or number of workers: another job's script?)"
+            )
+        generator = session.generator
+        if generator.stopping or generator.stop_requested:
+            raise ValueError(f"rank {rank} cannot rejoin fit {number}: the fit is stopping")
+        session.processes[rank] = (message["pid"], message["host"])
+        session.addresses[rank] = list(message.get("addresses", ()))
+        generator.request_join(rank)
+        log.warning("session %d: a new process for rank %d asks to rejoin (pid %d)", number, rank, message["pid"])
+
+    @staticmethod
+    def _take_joined(session: CoordinatorSession) -> None:
+        """Ranks the generator admitted are members again (see `GroupGenerator`'s `Rejoining`)."""
+        for rank in session.generator.take_joined():
+            session.departed.pop(rank, None)
+            session.members.add(rank)
+            session.hangs.joined(rank)
+            log.warning("session %d: rank %d rejoined the fit", session.number, rank)
+
+    @staticmethod
     def _tag(session: CoordinatorSession, out: Out) -> None:
+        """After each message: ranks admitted meanwhile are members again; items carry the session."""
+        ControlPlane._take_joined(session)
         for items in out.values():
             for item in items:
                 if item["t"] != "reply":
                     item["s"] = session.number
 
-    def _maybe_delete(self, session: CoordinatorSession) -> None:
+    def _maybe_delete(self, session: CoordinatorSession, out: Out) -> None:
+        if session.over and session.generator.joining:  # nobody is left to admit them
+            for rank in session.generator.joining:
+                message = f"rank {rank} cannot rejoin fit {session.number}: the fit ended"
+                out.setdefault(rank, []).append({"t": "error", "message": message, "s": session.number})
+            session.generator.joining = []
         if session.over and self.sessions.get(session.number) is session:
             del self.sessions[session.number]
             log.debug("control plane: session %d is over", session.number)

@@ -65,6 +65,19 @@ average of a synchronization point, they report their completeness at one more m
 apply it only if the release says `complete`. `min_workers`: when fewer remain, the job is asked to stop (the
 `"request"` stop: every rank ends its epoch, and the next release says stop).
 
+Rejoining: a new process for a rank that left (`request_join`) waits, outside the job, for the next
+release of an epoch's end (`epoch_end@<n>`, `ADMITTING_AT`) that does not stop the fit. Every
+release while it waits names it in `joining`: the members then meet at their next epoch's end even
+where they would skip that meeting (validation met them just before), all alike, since they all
+saw the same release. The epoch's end's release
+names it in `admit`, and it gets an `{"t": "admit", "sync": "<epoch end>/admit"}` item: the members
+finish that synchronization point (its global average is theirs alone) and then meet the joiners at
+`<epoch end>/admit`. Only that meeting waits for the joiners; its release names them in `joined`
+and the members, joiners included, in `members`, and from then on they are live workers like any
+other (their next epoch's groups, rounds and work include them). A joiner that departs before its
+admission is simply forgotten; a fit that ends (`fit_end`, a stop) before admitting it sends it an
+`error` item that says so.
+
 The cost of a message does not grow with the number of workers: the set of workers that may be
 drawn into a group is kept up to date when it changes (parking, leaving, lagging) rather than
 rebuilt per request, and who is lagging is re-evaluated every `ceil(N / 8)` reports.
@@ -78,7 +91,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from lightning_prague.core.grouping.policies import Group, GroupingPolicy
-from lightning_prague.core.protocol import COMMIT, REQUEUE, SIGTERM, STOP_SYNC
+from lightning_prague.core.protocol import ADMIT, ADMITTING_AT, COMMIT, REQUEUE, SIGTERM, STOP_SYNC
 
 Item = dict[str, Any]
 
@@ -154,6 +167,25 @@ class GroupGenerator:
         self._lagging_every = max(1, math.ceil(world_size / 8))
         self._pool: Candidates | None = None  # workers that may be drawn into groups, rebuilt on change
         self._available_cache: Candidates | None = None
+        #: ranks that rejoin, waiting for the next epoch's end (see `Rejoining` in the module docstring)
+        self.joining: list[int] = []
+        #: ranks told to meet at `<epoch end>/admit`, and those of them that arrived there
+        self._admitting: set[int] = set()
+        self._admit_parked: set[int] = set()
+        #: ranks admitted by the latest release, until the control plane takes them (`take_joined`)
+        self._joined: list[int] = []
+
+    def request_join(self, rank: int) -> None:
+        """`rank`, which left the job, has a new process that asks to rejoin (see the module docstring)."""
+        if rank not in self.left:
+            raise ValueError(f"rank {rank} cannot rejoin: it is a live member of the fit")
+        if rank not in self.joining and rank not in self._admitting:
+            self.joining.append(rank)
+
+    def take_joined(self) -> list[int]:
+        """The ranks admitted since the last call (the control plane counts them as members again)."""
+        joined, self._joined = self._joined, []
+        return joined
 
     # -- messages ---------------------------------------------------------------------------
     def handle(self, message: dict[str, Any]) -> dict[int, list[Item]]:
@@ -163,6 +195,11 @@ class GroupGenerator:
         rank = int(message["rank"])
         if not 0 <= rank < self.world_size:
             raise ValueError(f"message from rank {rank} outside world of size {self.world_size}: {message}")
+        if rank in self._admitting and op == "arrive":  # a joiner at its admission
+            self._admit_parked.add(rank)
+            if self.parked:
+                self._maybe_release(next(iter(self.parked.values())), out)
+            return out
         if rank in self.left:  # out of the job (failed, or fenced while it still ran): assign it nothing
             if op == "ready":
                 self._answer(rank, int(message["req"]), None, out)
@@ -377,10 +414,13 @@ class GroupGenerator:
         self._maybe_release(sync, out)
 
     def _maybe_release(self, sync: str, out: dict[int, list[Item]]) -> None:
-        """Release the meeting if every live worker is parked."""
+        """Release the meeting if every live worker is parked (an admission: and every joiner)."""
         if not self.parked or len(self.parked) < len(self.live):
             return
         names = set(self.parked.values())
+        admission = len(names) == 1 and sync.endswith(ADMIT)
+        if admission and not self._admitting <= self._admit_parked:
+            return  # the joiners are on their way
         settled = (n == STOP_SYNC or n.startswith(f"{STOP_SYNC}/") or n.endswith(COMMIT) for n in names)
         if self.stopping and not all(settled):
             return  # every rank sees the stop item and arrives at the stop point (or its settling); wait
@@ -398,6 +438,12 @@ class GroupGenerator:
                 # every live rank completed the collective this meeting decides on (`GroupWorker.global_average`)
                 "complete": not self._incomplete,
             }
+            if admission:
+                self._admit(release)
+            elif self.joining:
+                self._offer_admission(sync, release, out)
+            if self.joining:  # they wait: the members meet at their next epoch's end even if they met just before
+                release["joining"] = sorted(self.joining)
             if self._rounds:
                 rounds = set(self._rounds.values())
                 if self._settling or (len(rounds) == 1 and not self._idle):
@@ -431,6 +477,32 @@ class GroupGenerator:
         self._waiting.clear()
         self._changed()
 
+    def _offer_admission(self, sync: str, release: Item, out: dict[int, list[Item]]) -> None:
+        """At an epoch's end that does not stop the fit the joiners are told to meet the members at
+        `<sync>/admit`; at the end of the fit (or a stop) they are told that it ends without them."""
+        stopping = release["stop"] or sync == STOP_SYNC or sync.startswith(f"{STOP_SYNC}/")
+        if sync.startswith(ADMITTING_AT) and "/" not in sync and not stopping:
+            release["admit"] = sorted(self.joining)
+            self._admitting = set(self.joining)
+            for r in self.joining:
+                self._push(out, r, {"t": "admit", "sync": f"{sync}{ADMIT}"})
+            self.joining = []
+        elif sync == "fit_end" or stopping:
+            for r in self.joining:
+                message = f"rank {r} cannot rejoin: the fit ended (or is stopping) before its next epoch's end"
+                self._push(out, r, {"t": "error", "message": message})
+            self.joining = []
+
+    def _admit(self, release: Item) -> None:
+        """The admission meeting's release: the joiners that arrived are live workers from here."""
+        joined = sorted(self._admitting)
+        self._admitting, self._admit_parked = set(), set()
+        self.left.difference_update(joined)
+        self.live = sorted(set(self.live) | set(joined))
+        release["joined"] = joined
+        release["members"] = list(self.live)
+        self._joined.extend(joined)
+
     def _leave(self, rank: int, out: dict[int, list[Item]]) -> None:
         """A worker shuts down after an error: it departs, and gets its `left` item after every group
         already issued to it, which it still executes (so no peer waits in one of those groups)."""
@@ -442,6 +514,13 @@ class GroupGenerator:
 
     def depart(self, rank: int, out: dict[int, list[Item]]) -> None:
         """`rank` is out of the job (see `Membership` in the module docstring); nothing is sent to it."""
+        if rank in self.joining:  # a joiner gone before its admission: forgotten
+            self.joining.remove(rank)
+        if rank in self._admitting:
+            self._admitting.discard(rank)
+            self._admit_parked.discard(rank)
+            if self.parked:
+                self._maybe_release(next(iter(self.parked.values())), out)
         if rank in self.left:
             return
         self.left.add(rank)

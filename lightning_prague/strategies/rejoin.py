@@ -1,0 +1,126 @@
+"""A lost worker comes back: the Lightning side of rejoining a running fit.
+
+A new process for a rank that left the job (started again by the strategy's launcher with
+`max_restarts`, or by any launcher with `LIGHTNING_PRAGUE_REJOIN=1`; `lightning_prague.core.job.rejoining`)
+runs the user's script from its start. Its `fit` is made to resume from `PEER_CHECKPOINT` (the
+launcher sets `ckpt_path`), and its strategy restores that checkpoint after its setup, where it was
+admitted (`lightning_prague.core.job.Job.rejoin`): the checkpoint is the one a live member, the donor, sent it.
+
+The donor's side (`PeerState`): at the release of an epoch's end that admits joiners, after the
+members' global average (the consensus model, where the strategy has one), every member meets the
+joiners, they rebuild the process group together, and the donor sends Lightning's own checkpoint
+of that moment (`dump_checkpoint`: the model, the optimizer (this replica's state, not a mean: the
+other members go on training), the LR schedulers, the loops' progress, the callbacks' states) as
+bytes that `torch.load(weights_only=True)` reads (`encode_object`): never unpickled. Values a
+checkpoint can hold that such a load cannot read (objects of the user's classes in the
+hyperparameters or a callback's state) are left out, each named in a warning. The joiner checks
+that the model it was given has its own model's parameters (names, shapes, dtypes) before
+anything is restored; another model is a `ConfigurationError` that names the differences.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_prague.core.comm.collectives import decode_object, encode_object
+from lightning_prague.core.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from lightning_prague.strategies.base import DecentralizedStrategy
+
+log = logging.getLogger(__name__)
+
+#: the `ckpt_path` a rejoining process's `fit` resumes from: the state a live member sends it
+PEER_CHECKPOINT = "lightning-prague://peer"
+
+_PLAIN = (str, int, float, bool, type(None), torch.Tensor, pathlib.PurePath)
+
+
+def readable(value: Any, where: str, dropped: list[str]) -> Any:
+    """`value` with only what `torch.load(weights_only=True)` reads back: tensors, numbers,
+    strings, paths, and dicts, lists and tuples of them; anything else is left out (named in `dropped`)."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                dropped.append(f"{where}[{key!r}]")
+                continue
+            kept = readable(item, f"{where}[{key!r}]", dropped)
+            if kept is not _DROPPED:
+                out[key] = kept
+        return out
+    if isinstance(value, (list, tuple)):
+        items = [readable(item, f"{where}[{i}]", dropped) for i, item in enumerate(value)]
+        items = [item for item in items if item is not _DROPPED]
+        return items if isinstance(value, list) else tuple(items)
+    dropped.append(f"{where} ({type(value).__name__})")
+    return _DROPPED
+
+
+_DROPPED = object()
+
+
+class PeerState:
+    """The donor's side and the joiner's side of the fit's state (see the module docstring)."""
+
+    def __init__(self, strategy: DecentralizedStrategy) -> None:
+        self.strategy = strategy
+        #: True while the donor dumps its checkpoint: the optimizer state is this replica's own
+        self.dumping = False
+
+    def payload(self) -> bytes:
+        """The donor's checkpoint of this moment, as bytes (see the module docstring)."""
+        trainer = self.strategy._trainer
+        assert trainer is not None
+        self.dumping = True
+        try:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        finally:
+            self.dumping = False
+        dropped: list[str] = []
+        kept = readable(checkpoint, "checkpoint", dropped)
+        if dropped:
+            log.warning(
+                "rank %d: the state sent to a rejoining rank leaves out what it could not read back: %s",
+                self.strategy.global_rank,
+                ", ".join(dropped[:10]),
+            )
+        payload = encode_object(kept)
+        if payload is None:
+            raise TypeError("the fit's checkpoint could not be encoded for a rejoining rank")
+        return payload
+
+    def checkpoint(self, payload: bytes) -> dict[str, Any]:
+        """The joiner's side: the donor's checkpoint, checked against this rank's own model."""
+        checkpoint = decode_object(payload)
+        if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+            raise ConfigurationError("the state a live member sent this rejoining rank is not a checkpoint")
+        mine = self.strategy.lightning_module.state_dict()
+        theirs = checkpoint["state_dict"]
+        differences = [
+            f"{name}: {tuple(t.shape)} {t.dtype} here, {_describe(theirs.get(name))} in the job"
+            for name, t in mine.items()
+            if not isinstance(theirs.get(name), torch.Tensor)
+            or theirs[name].shape != t.shape
+            or theirs[name].dtype != t.dtype
+        ]
+        differences += [f"{name}: missing here" for name in theirs if name not in mine]
+        if differences:
+            raise ConfigurationError(
+                f"rank {self.strategy.global_rank} cannot rejoin: its model is not the job's "
+                f"({'; '.join(differences[:8])}{'; ...' if len(differences) > 8 else ''})"
+            )
+        return checkpoint
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype}"
+    return "absent"
