@@ -82,6 +82,10 @@ class RoutedCollectives:
         """Collectives that survive a lost member: during a fit, and after one that lost a rank."""
         strategy = self.strategy
         worker = strategy.worker
+        if worker is not None and worker.fresh:  # ranks just rejoined, not aligned yet: among the others,
+            # deciding among themselves (a meeting of the control plane would wait for the joiners)
+            others = tuple(m for m in worker.members if m not in worker.fresh)
+            return MemberCollectives(worker.comm, strategy.sync_timeout, members=others)
         if worker is not None:
             return MemberCollectives(worker.comm, strategy.sync_timeout, agree=worker.agree)
         job = strategy.job

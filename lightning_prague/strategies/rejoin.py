@@ -8,9 +8,13 @@ admitted (`lightning_prague.core.job.Job.rejoin`): the checkpoint is the one a l
 
 The donor's side (`PeerState`): at the release of an epoch's end that admits joiners, after the
 members' global average (the consensus model, where the strategy has one), every member meets the
-joiners, they rebuild the process group together, and the donor sends Lightning's own checkpoint
-of that moment (`dump_checkpoint`: the model, the optimizer (this replica's state, not a mean: the
-other members go on training), the LR schedulers, the loops' progress, the callbacks' states) as
+joiners at `<epoch end>/admit`, they rebuild the process group together, and the donor (the lowest
+member) sends Lightning's own checkpoint of that moment (`dump_checkpoint`: the model, the
+optimizer (this replica's state, not a mean: the other members go on training), the LR schedulers,
+the loops' progress, the callbacks' states; `GroupWorker.admit`). The joiners are not aligned with
+the members until the next synchronization point: until then the members' own collectives (the
+rest of the epoch's end: callbacks, checkpoints) run among themselves (`GroupWorker.fresh`). The
+checkpoint travels as
 bytes that `torch.load(weights_only=True)` reads (`encode_object`): never unpickled. Values a
 checkpoint can hold that such a load cannot read (objects of the user's classes in the
 hyperparameters or a callback's state) are left out, each named in a warning. The joiner checks
@@ -38,7 +42,8 @@ log = logging.getLogger(__name__)
 #: the `ckpt_path` a rejoining process's `fit` resumes from: the state a live member sends it
 PEER_CHECKPOINT = "lightning-prague://peer"
 
-_PLAIN = (str, int, float, bool, type(None), torch.Tensor, pathlib.PurePath)
+_PLAIN = (type(None), torch.Tensor, pathlib.PurePath)
+_SCALARS = (bool, int, float, str)  # subclasses (numpy's float64) become the plain type: a safe load reads only those
 
 
 def readable(value: Any, where: str, dropped: list[str]) -> Any:
@@ -46,6 +51,9 @@ def readable(value: Any, where: str, dropped: list[str]) -> Any:
     strings, paths, and dicts, lists and tuples of them; anything else is left out (named in `dropped`)."""
     if isinstance(value, _PLAIN):
         return value
+    for kind in _SCALARS:
+        if isinstance(value, kind):
+            return kind(value)
     if isinstance(value, Mapping):
         out = {}
         for key, item in value.items():

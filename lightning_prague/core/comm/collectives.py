@@ -43,15 +43,21 @@ class MemberCollectives:
     """
 
     def __init__(
-        self, comm: GroupComm, timeout: Optional[float] = None, agree: Optional[Callable[[bool], bool]] = None
+        self,
+        comm: GroupComm,
+        timeout: Optional[float] = None,
+        agree: Optional[Callable[[bool], bool]] = None,
+        members: Optional[tuple[int, ...]] = None,
     ) -> None:
         self.comm = comm
         self.timeout = timeout
         self.agree = agree
+        self._members = members
 
     @property
     def members(self) -> tuple[int, ...]:
-        return self.comm.everyone
+        """The ranks they run among: `members` if given, else every member of `comm`."""
+        return self._members if self._members is not None else self.comm.everyone
 
     def _sum(self, tensor: torch.Tensor, what: str) -> Optional[torch.Tensor]:
         """`tensor` summed over the members (on the comm's device), or `None` if a member was lost."""

@@ -178,6 +178,9 @@ class GroupWorker:
         #: where a global average finds the model's state now: `() -> (averaged tensors, exact buffers)`,
         #: e.g. `averaged_state(module)` and `exact_state(module)`; `None`: the tensors of construction
         self.live_state: Callable[[], tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] | None = None
+        #: ranks admitted at the last synchronization point (`admit`): not aligned with the others until
+        #: the next one, so the collectives of this aligned stretch run without them
+        self.fresh: set[int] = set()
         self._warned_layout = False
 
     # -- messaging -------------------------------------------------------------------------
@@ -347,6 +350,7 @@ class GroupWorker:
         if exchanger is not None:
             exchanger.finish(self.release)  # the phase's last rounds, among the phase's members
         self.change_members((self.release or {}).get("members"))
+        self.fresh = set()  # every member, joiners included, is at this meeting: aligned
         self.stats.syncs += 1
         self.stats.sync_seconds += time.monotonic() - start
         if target == STOP_SYNC:
@@ -474,6 +478,7 @@ class GroupWorker:
         joined = [int(r) for r in (self.release or {}).get("joined", [])]
         before = [m for m in (self.release or {}).get("members", self.comm.everyone) if m not in joined]
         self.change_members((self.release or {}).get("members"))
+        self.fresh = {j for j in joined if j in self.members}
         donor = min(before) if before else None
         if donor == self.rank:
             for joiner in [j for j in joined if j in self.members]:

@@ -68,15 +68,16 @@ apply it only if the release says `complete`. `min_workers`: when fewer remain, 
 Rejoining: a new process for a rank that left (`request_join`) waits, outside the job, for the next
 release of an epoch's end (`epoch_end@<n>`, `ADMITTING_AT`) that does not stop the fit. Every
 release while it waits names it in `joining`: the members then meet at their next epoch's end even
-where they would skip that meeting (validation met them just before), all alike, since they all
-saw the same release. The epoch's end's release
-names it in `admit`, and it gets an `{"t": "admit", "sync": "<epoch end>/admit"}` item: the members
-finish that synchronization point (its global average is theirs alone) and then meet the joiners at
-`<epoch end>/admit`. Only that meeting waits for the joiners; its release names them in `joined`
-and the members, joiners included, in `members`, and from then on they are live workers like any
-other (their next epoch's groups, rounds and work include them). A joiner that departs before its
-admission is simply forgotten; a fit that ends (`fit_end`, a stop) before admitting it sends it an
-`error` item that says so.
+where they would skip that meeting (validation met them just before), all alike, since they all saw
+the same release. The epoch's end's release names it in `admit`, and it gets an `{"t": "admit",
+"sync": "<epoch end>/admit"}` item: the members finish that synchronization point and the aligned
+stretch after it among themselves (its global average and their collectives are theirs alone) and
+meet the joiners at `<epoch end>/admit` as they start their next batch
+(`lightning_prague.strategies.rejoin`). Only that meeting waits for the joiners; its release names
+them in `joined` and the members, joiners included, in `members`, and from then on they are live
+workers like any other (their next epoch's groups, rounds and work include them). A joiner that
+departs before its admission is simply forgotten; a fit that ends (`fit_end`, a stop) before
+admitting it sends it an `error` item that says so.
 
 The cost of a message does not grow with the number of workers: the set of workers that may be
 drawn into a group is kept up to date when it changes (parking, leaving, lagging) rather than
@@ -442,6 +443,8 @@ class GroupGenerator:
                 self._admit(release)
             elif self.joining:
                 self._offer_admission(sync, release, out)
+            elif self._admitting and (sync == "fit_end" or release["stop"]):  # the members never reach the admission
+                self._turn_away(out)
             if self.joining:  # they wait: the members meet at their next epoch's end even if they met just before
                 release["joining"] = sorted(self.joining)
             if self._rounds:
@@ -488,10 +491,14 @@ class GroupGenerator:
                 self._push(out, r, {"t": "admit", "sync": f"{sync}{ADMIT}"})
             self.joining = []
         elif sync == "fit_end" or stopping:
-            for r in self.joining:
-                message = f"rank {r} cannot rejoin: the fit ended (or is stopping) before its next epoch's end"
-                self._push(out, r, {"t": "error", "message": message})
-            self.joining = []
+            self._turn_away(out)
+
+    def _turn_away(self, out: dict[int, list[Item]]) -> None:
+        """The fit ends (or stops) before the joiners could be admitted: each is told so."""
+        for r in [*self.joining, *sorted(self._admitting)]:
+            message = f"rank {r} cannot rejoin: the fit ended (or is stopping) before it was admitted"
+            self._push(out, r, {"t": "error", "message": message})
+        self.joining, self._admitting, self._admit_parked = [], set(), set()
 
     def _admit(self, release: Item) -> None:
         """The admission meeting's release: the joiners that arrived are live workers from here."""

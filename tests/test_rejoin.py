@@ -1,0 +1,189 @@
+"""A lost worker comes back: respawn by the strategy's launcher, admission at an epoch's end, the state
+from a live member (`lightning_prague.strategies.rejoin`, `Job.rejoin`, `GroupGenerator`'s `Rejoining`).
+
+One real job (the slow part): four CPU workers under the strategy's launcher with `max_restarts=1`,
+rank 0 kills itself with SIGKILL at its 20th batch; the agent starts it again, it rejoins, gets the
+fit's state from rank 1 and trains to the end with the others. The rest are message-level and unit tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.grouping.policies import make_policy
+from lightning_prague.core.job import REJOIN_VARIABLE, RESTARTS_VARIABLE, rejoining
+from lightning_prague.core.plane.coordinator import ControlPlane
+from lightning_prague.core.plane.generator import GroupGenerator
+from lightning_prague.core.protocol import SessionConfig
+from lightning_prague.strategies import PartialAllReduceStrategy
+from lightning_prague.strategies.launcher import RankAgent
+from lightning_prague.strategies.rejoin import readable
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_0_is_started_again_and_rejoins_the_fit(tmp_path):
+    out = tmp_path / "result.json"
+    command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", "prague", "--devices", "4"]
+    command += ["--epochs", "18", "--step-time", "0.1", "--profile", "homogeneous", "--fault", "0:20:kill"]
+    command += ["--max-restarts", "1", "--hang-timeout", "10", "--json", str(out)]
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220)
+    assert done.returncode == 0, done.stderr[-4000:]  # the agent: every rank's last process exited 0
+    results = {}
+    for rank in range(4):
+        path = out if rank == 0 else out.with_suffix(f".rank{rank}.json")
+        assert path.exists(), (rank, done.stderr[-4000:])
+        results[rank] = json.loads(path.read_text())
+    assert results[0]["restarts"] == 1 and all(results[r]["restarts"] == 0 for r in (1, 2, 3))
+    assert results[0]["batches_this_process"] > 0  # the new rank 0 trained after it rejoined
+    assert "rejoined the job at 'epoch_end@" in done.stderr
+    for result in results.values():  # every fit ran to its end, on one consensus model
+        assert result["epochs_run"] == 18
+        assert result["params_sha256"] == results[1]["params_sha256"]
+
+
+# -- the generator: who is admitted, where ----------------------------------------------------------
+def generator_without(rank: int, world: int = 4) -> GroupGenerator:
+    generator = GroupGenerator(world, make_policy("random", world, 2, seed=1))
+    generator.depart(rank, {})
+    return generator
+
+
+def meet(generator: GroupGenerator, ranks, sync: str) -> dict:
+    out: dict = {}
+    for rank in ranks:
+        for r, items in generator.handle({"op": "arrive", "rank": rank, "sync": sync}).items():
+            out.setdefault(r, []).extend(items)
+    return out
+
+
+def test_a_joiner_is_admitted_at_the_next_epoch_end_and_only_the_admission_waits_for_it():
+    generator = generator_without(2)
+    generator.request_join(2)
+    validation = meet(generator, [0, 1, 3], "validation@epoch1")
+    assert validation[0][-1]["joining"] == [2] and 2 not in validation  # not admitted at validation
+    released = meet(generator, [0, 1, 3], "epoch_end@epoch1")
+    assert released[2] == [{"t": "admit", "sync": "epoch_end@epoch1/admit"}]
+    assert released[0][-1]["admit"] == [2] and released[0][-1]["members"] == [0, 1, 3]
+    commit = meet(generator, [0, 1, 3], "epoch_end@epoch1/commit")  # the members' own global average
+    assert commit[0][-1]["sync"] == "epoch_end@epoch1/commit" and 2 not in commit
+    assert meet(generator, [0, 1, 3], "epoch_end@epoch1/admit") == {}  # waits for the joiner
+    admitted = meet(generator, [2], "epoch_end@epoch1/admit")
+    for rank in (0, 1, 2, 3):
+        assert admitted[rank][-1]["joined"] == [2] and admitted[rank][-1]["members"] == [0, 1, 2, 3]
+    assert generator.take_joined() == [2] and generator.live == [0, 1, 2, 3]
+
+
+def test_a_joiner_lost_before_its_admission_does_not_hold_the_members():
+    generator = generator_without(2)
+    generator.request_join(2)
+    meet(generator, [0, 1, 3], "epoch_end@epoch1")
+    assert meet(generator, [0, 1, 3], "epoch_end@epoch1/admit") == {}
+    out: dict = {}
+    generator.depart(2, out)
+    assert out[0][-1]["sync"] == "epoch_end@epoch1/admit" and out[0][-1]["joined"] == []
+    assert generator.live == [0, 1, 3]
+
+
+def test_a_joiner_is_told_when_the_fit_ends_without_it():
+    generator = generator_without(2)
+    generator.request_join(2)
+    out = meet(generator, [0, 1, 3], "fit_end")
+    assert out[2][0]["t"] == "error" and "fit ended" in out[2][0]["message"]
+    with pytest.raises(ValueError, match="live member"):
+        generator.request_join(1)
+
+
+# -- the control plane: who may rejoin ----------------------------------------------------------
+def config(world: int = 4, seed: int = 1) -> dict:
+    return SessionConfig(world, make_policy("random", world, 2, seed=seed).spec()).to_wire()
+
+
+def join(plane: ControlPlane, rank: int, wire: dict, rejoin: bool = False) -> dict:
+    message = {"op": "join", "s": 1, "rank": rank, "config": wire, "pid": 1000 + rank, "host": "h"}
+    return plane.handle({**message, **({"rejoin": True} if rejoin else {})})
+
+
+def test_the_control_plane_refuses_a_rejoin_it_cannot_take():
+    plane = ControlPlane()
+    assert "no such fit" in join(plane, 1, config(), rejoin=True)[1][0]["message"]
+    for rank in range(4):
+        join(plane, rank, config())
+    assert "live member" in join(plane, 1, config(), rejoin=True)[1][0]["message"]
+    plane.on_disconnect(1)
+    assert "another configuration" in join(plane, 1, config(seed=2), rejoin=True)[1][0]["message"]
+    assert join(plane, 1, config(), rejoin=True) == {}  # accepted: it waits for the next epoch's end
+    assert plane.sessions[1].generator.joining == [1]
+
+
+# -- options, environment, payload ---------------------------------------------------------------
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_max_restarts_must_be_a_count(bad):
+    with pytest.raises(ConfigurationError, match="max_restarts=.* is invalid"):
+        PartialAllReduceStrategy(max_restarts=bad)
+    assert PartialAllReduceStrategy(max_restarts=2).max_restarts == 2
+
+
+def test_a_strategy_that_cannot_take_a_rank_back_says_so():
+    from lightning_prague.strategies import DecentAdamStrategy
+
+    with pytest.raises(ConfigurationError, match="max_restarts=1: strategy='decent_adam' cannot take a lost rank"):
+        DecentAdamStrategy(max_restarts=1)
+
+
+def test_rejoining_is_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv(RESTARTS_VARIABLE, raising=False)
+    monkeypatch.delenv(REJOIN_VARIABLE, raising=False)
+    assert not rejoining()
+    monkeypatch.setenv(RESTARTS_VARIABLE, "2")
+    assert rejoining()
+    monkeypatch.setenv(RESTARTS_VARIABLE, "0")
+    monkeypatch.setenv(REJOIN_VARIABLE, "1")
+    assert rejoining()
+    monkeypatch.setenv(REJOIN_VARIABLE, "yes")
+    with pytest.raises(ConfigurationError, match=REJOIN_VARIABLE):
+        rejoining()
+
+
+def test_the_state_sent_to_a_joiner_leaves_out_what_a_safe_load_cannot_read():
+    class Opaque:
+        pass
+
+    dropped: list[str] = []
+    kept = readable({"w": torch.ones(2), "hp": {"lr": 0.1, "obj": Opaque()}, "xs": [1, Opaque()]}, "ckpt", dropped)
+    assert set(kept) == {"w", "hp", "xs"} and kept["hp"] == {"lr": 0.1} and kept["xs"] == [1]
+    assert dropped == ["ckpt['hp']['obj'] (Opaque)", "ckpt['xs'][1] (Opaque)"]
+
+
+class FakeProcess:
+    """A process whose exit statuses are scripted."""
+
+    def __init__(self, codes: list[int | None]) -> None:
+        self.codes, self.pid, self.returncode = list(codes), 1, None
+
+    def poll(self):
+        self.returncode = self.codes.pop(0) if self.codes else self.returncode
+        return self.returncode
+
+
+def test_the_agent_restarts_a_lost_rank_within_its_budget_then_leaves_it_lost(monkeypatch):
+    import lightning_prague.strategies.launcher as launcher
+
+    started: list[tuple[int, int]] = []
+
+    def start(local_rank: int, restarts: int) -> FakeProcess:
+        started.append((local_rank, restarts))
+        return FakeProcess([None, -9])  # every process of local rank 0 is killed at once
+
+    monkeypatch.setattr(launcher, "RESTART_BACKOFF", 0.0)
+    monkeypatch.setattr(RankAgent, "_start", staticmethod(start))
+    agent = RankAgent([FakeProcess([None, 0])], max_restarts=2, period=0.0)
+    assert agent.run() == 1  # rank 0 stays lost after its two restarts: the job did not end well
+    assert started == [(0, 0), (0, 1), (0, 2)] and agent.status == {0: -9, 1: 0}
