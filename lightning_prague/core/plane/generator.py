@@ -51,7 +51,7 @@ connect every rank) fails as soon as a member is lost, because rounds with a los
 once. This is the same meeting that ends every strategy's phase.
 
 Membership: a worker that departs (its process ended, it was fenced after a hang, or it left
-after an error) is out of the job for good. It is never drawn into a group again: every policy
+after an error) is out of the job until a new process for its rank rejoins (below). It is never drawn into a group again: every policy
 picks from the live workers only, so a group of the policy's that contained it becomes the group
 of its other members (skipped if one is left), each averaging with the plain mean over the members
 present, which keeps every round's mixing doubly stochastic. Its pending request is withdrawn,
