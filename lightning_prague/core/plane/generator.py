@@ -50,20 +50,20 @@ issued needs no bound on how far ranks drift apart: a bound from the schedule (h
 connect every rank) fails as soon as a member is lost, because rounds with a lost member end at
 once. This is the same meeting that ends every strategy's phase.
 
-Membership: a worker that departs (its process ended, it was fenced after a hang, or it left
-after an error) is out of the job until a new process for its rank rejoins (below). It is never drawn into a group again: every policy
-picks from the live workers only, so a group of the policy's that contained it becomes the group
-of its other members (skipped if one is left), each averaging with the plain mean over the members
-present, which keeps every round's mixing doubly stochastic. Its pending request is withdrawn,
-meetings wait for the live workers only, and the next release names the live `members`, so every
-survivor changes its membership at the same point of its sequence of exchanges. A group sum
-with a member that died fails on every other member alike if it had posted nothing (see
-`lightning_prague.core.comm.groups`); one that died part-way through its sends may have reached some
-members and not others, so their sums can differ in completeness. Each then keeps its own tensors
-or takes the complete average, never a partial one; where the members must agree, the global
-average of a synchronization point, they report their completeness at one more meeting and all
-apply it only if the release says `complete`. `min_workers`: when fewer remain, the job is asked to stop (the
-`"request"` stop: every rank ends its epoch, and the next release says stop).
+Membership: a worker that departs (its process ended, it was fenced after a hang, or it left after
+an error) is out of the job until a new process for its rank rejoins (below). Meanwhile it is never
+drawn into a group: every policy picks from the live workers only, so a group of the policy's that
+contained it becomes the group of its other members (skipped if one is left), each averaging with
+the plain mean over the members present, which keeps every round's mixing doubly stochastic. Its
+pending request is withdrawn, meetings wait for the live workers only, and the next release names
+the live `members`, so every survivor changes its membership at the same point of its sequence of
+exchanges. A group sum with a member that died fails on every other member alike if it had posted
+nothing (see `lightning_prague.core.comm.groups`); one that died part-way through its sends may
+have reached some members and not others, so their sums can differ in completeness. Each then keeps
+its own tensors or takes the complete average, never a partial one; where the members must agree,
+the global average of a synchronization point, they report their completeness at one more meeting
+and all apply it only if the release says `complete`. `min_workers`: when fewer remain, the job is
+asked to stop (the `"request"` stop: every rank ends its epoch, and the next release says stop).
 
 Rejoining: a new process for a rank that left (`request_join`) waits, outside the job, for the next
 release of an epoch's end (`epoch_end@<n>`, `ADMITTING_AT`) that does not stop the fit. Every
