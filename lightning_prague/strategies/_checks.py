@@ -138,6 +138,18 @@ LIGHTNING_INTERNALS: tuple[LightningInternal, ...] = (
     # -- the trainer and its connectors
     LightningInternal(
         "trainer",
+        "_checkpoint_connector",
+        "called",
+        "dump_checkpoint: the fit's state a live worker sends a rank that rejoins (strategies.rejoin.PeerState)",
+    ),
+    LightningInternal(
+        "lightning.fabric.strategies.launchers.subprocess_script",
+        "_basic_subprocess_cmd",
+        "called",
+        "the command line of a rank's process that the launcher's agent starts again (launcher.RankAgent)",
+    ),
+    LightningInternal(
+        "trainer",
         "_val_check_time_interval",
         "read",
         "a val_check_interval given as a duration is rejected (check_trainer) and kept out of step-based "

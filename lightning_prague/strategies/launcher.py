@@ -140,7 +140,9 @@ def with_checkpoint(
         log.warning("this Lightning version's fit takes no ckpt_path: a restarted fit starts from scratch")
         return args, kwargs
     if force or bound.arguments.get("ckpt_path") is None:
-        log.warning("the job was restarted: resuming the fit from %s", path)
+        log.warning(
+            "the job was restarted: resuming the fit from %s", "the last checkpoint" if path == "last" else path
+        )
         bound.arguments["ckpt_path"] = path
     return bound.args, bound.kwargs
 
