@@ -131,13 +131,6 @@ def test_max_restarts_must_be_a_count(bad):
     assert PartialAllReduceStrategy(max_restarts=2).max_restarts == 2
 
 
-def test_a_strategy_that_cannot_take_a_rank_back_says_so():
-    from lightning_prague.strategies import DecentAdamStrategy
-
-    with pytest.raises(ConfigurationError, match="max_restarts=1: strategy='decent_adam' cannot take a lost rank"):
-        DecentAdamStrategy(max_restarts=1)
-
-
 def test_rejoining_is_read_from_the_environment(monkeypatch):
     monkeypatch.delenv(RESTARTS_VARIABLE, raising=False)
     monkeypatch.delenv(REJOIN_VARIABLE, raising=False)

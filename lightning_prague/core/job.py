@@ -57,7 +57,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -408,7 +408,7 @@ class Job:
             "rank %d: rejoined the job at %r after %.1fs; received the fit's state from rank %d (%.1f MB in %.2fs)",
             self.rank, name, admitted - start, donor, len(payload) / 1e6, done - admitted,
         )  # fmt: skip
-        return Admission(session, donor, payload, admitted - start, done - admitted)
+        return Admission(session, donor, payload, admitted - start, done - admitted, release)
 
     def open_session(self, config: SessionConfig) -> Session:
         """A new session (one fit). Every rank opens its sessions in the same order, so they agree on
@@ -420,13 +420,15 @@ class Job:
 @dataclass(frozen=True)
 class Admission:
     """What a rank that rejoined got: its session, the donor and the fit's state (bytes) it sent,
-    the seconds it waited for its admission and those the state took to arrive."""
+    the seconds it waited for its admission and those the state took to arrive, and the admission's
+    release (the members' counters it takes up: `Exchanger.take_up`)."""
 
     session: Session
     donor: int
     payload: bytes
     waited: float
     received: float
+    release: dict[str, Any]
 
 
 _JOB: Optional[Job] = None

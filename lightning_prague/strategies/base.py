@@ -102,8 +102,6 @@ class DecentralizedStrategy(DDPStrategy):
     avoid_stragglers = False
     #: draw into a group only workers not busy in an unfinished one (`GroupGenerator.avoid_busy`)
     avoid_busy = False
-    #: a lost rank's new process can rejoin a running fit (`max_restarts`, `lightning_prague.strategies.rejoin`)
-    supports_rejoin = True
 
     def __init__(
         self,
@@ -206,12 +204,6 @@ class DecentralizedStrategy(DDPStrategy):
             timeout=self.options.backend_timeout,  # fires after every one of ours
             start_method=start_method,
         )
-        if max_restarts and not self.supports_rejoin:
-            raise ConfigurationError(
-                f"max_restarts={max_restarts}: strategy={self.strategy_name!r} cannot take a lost rank back into a "
-                "running fit yet (its gossip rounds are counted from the fit's start on every worker); use "
-                "max_restarts=0, or a work-queue strategy (prague, partial_reduce, adpsgd)"
-            )
         #: rank -> (wall-clock time this rank heard of it, why): workers lost during the last fit
         self.lost_workers: dict[int, tuple[float, str]] = {}
         #: the last synchronization point changed the membership (see `Survivors.follow_membership`)
@@ -306,12 +298,6 @@ class DecentralizedStrategy(DDPStrategy):
             check_layer_sync(self, self.strategy_name)
             # before Lightning's setup: configure_optimizers may read trainer.estimated_stepping_batches,
             # which loads the training data (through the work queue) there
-            if self._require_job().joining and not self.supports_rejoin:
-                raise ConfigurationError(
-                    f"rank {self.global_rank}: strategy={self.strategy_name!r} cannot take a lost rank back into a "
-                    "running fit yet; this process was started to rejoin one (LIGHTNING_PRAGUE_REJOIN or "
-                    "LIGHTNING_PRAGUE_RESTART_COUNT is set)"
-                )
             self.training = TrainingSession(self._require_job(), self.session_plan(policy))
             self.training.open()
             if self.training.admission is not None:  # rejoined: the others train on, unaligned with it

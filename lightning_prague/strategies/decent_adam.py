@@ -81,9 +81,6 @@ class DecentAdamStrategy(DecentralizedStrategy):
 
     strategy_name = "decent_adam"
     shards_by_work_queue = False
-    #: its gossip rounds are numbered from the fit's start on every member: a new process cannot
-    #: take up the others' count yet
-    supports_rejoin = False
 
     def __init__(
         self,

@@ -153,8 +153,9 @@ class LaggedGossip(Exchanger):
     def issue(self) -> None:
         """Send this worker's current tensors into its group of the next round."""
         weighted = surviving(self.schedule.group_of(self.worker.rank, self.round), self.worker.members)
-        # meetings and rounds are counted alike on every member of the round; its groups are disjoint
-        key = f"m{self.worker.stats.syncs}.r{self.round}.{min(weighted.members)}"
+        # rounds are counted from the fit's start alike on every member (a rank that rejoined takes up
+        # the members' count, `take_up`) and never repeat; a round's groups are disjoint
+        key = f"r{self.round}.{min(weighted.members)}"
         flight = _InFlight(self.round, weighted, key=key)
         self.round += 1
         if flight.exchanges:
@@ -246,6 +247,17 @@ class LaggedGossip(Exchanger):
             self._meeting_started = time.monotonic()
             self._waited_before = self.wait_seconds
         return {"round": self.round}
+
+    def admission_report(self) -> dict[str, Any]:
+        return {"round": self.round}
+
+    def take_up(self, release: dict[str, Any]) -> None:
+        """A rank that rejoined goes on from the members' round (its admission's `final`)."""
+        final = release.get("final")
+        if not isinstance(final, int) or final < 0:
+            raise ValueError(f"rank {self.worker.rank}: the admission's release names no gossip round ({final!r})")
+        self.round = final
+        log.debug("rank %d: rejoined gossip at round %d", self.worker.rank, final)
 
     def serve(self) -> None:
         """An idle round, if the round in flight is done (else nothing: the meeting goes on reading

@@ -85,6 +85,13 @@ class Exchanger:
         """What this rank tells the coordinator when it arrives at a meeting."""
         return {}
 
+    def admission_report(self) -> dict[str, Any]:
+        """What this rank tells the coordinator when it meets ranks that rejoin (their `take_up`)."""
+        return {}
+
+    def take_up(self, release: dict[str, Any]) -> None:
+        """On a rank that rejoined: take up the members' counters from its admission's release."""
+
     def serve(self) -> None:
         """While waiting at a meeting in idle mode: serve the neighbours that still step (one round)."""
 

@@ -77,6 +77,8 @@ class TrainingSession:
             session, tensors, self.plan.timeout, sync_timeout=self.plan.sync_timeout, job=self.job
         )
         self.exchanger = self.plan.make_exchanger(self.worker, tensors)
+        if self.admission is not None:  # rejoined: go on from the members' counters
+            self.exchanger.take_up(self.admission.release)
         # a claim that waits at the work queue's end keeps running the groups peers drew this rank into
         session.counters.serve = self.worker.serve_inbox if self.exchanger.serves_inbox else None
 

@@ -464,17 +464,18 @@ class GroupWorker:
         if came:
             log.warning("rank %d: ranks %s joined; members now %s", self.rank, came, list(members))
 
-    def admit(self, state: Callable[[], bytes]) -> list[int]:
+    def admit(self, state: Callable[[], bytes], report: dict[str, Any] | None = None) -> list[int]:
         """After the release of an epoch's end that admits joiners (its `admit`): meet them at
         `<sync>/admit`, rebuild the process group with them (`change_members`), and, on the lowest
         member that was there before them (the donor), send each joiner `state()`, the fit's state
-        (`lightning_prague.core.comm.transfer`). Returns the ranks that joined. A joiner lost on the
+        (`lightning_prague.core.comm.transfer`). `report`: what the joiners take up from the
+        admission's release (`Exchanger.admission_report`). Returns the ranks that joined. A joiner lost on the
         way costs the donor a warning, not the fit. The first release stays this worker's `release`."""
         first, version = self.release or {}, self.released_version
         name = f"{first['sync']}{ADMIT}"
         self._doing = f"the admission of ranks {first.get('admit')} ({name!r})"
         with self.session.beacon.waiting():
-            self._meet(name, time.monotonic(), None, {}, follow_stop=False)
+            self._meet(name, time.monotonic(), None, dict(report or {}), follow_stop=False)
         joined = [int(r) for r in (self.release or {}).get("joined", [])]
         before = [m for m in (self.release or {}).get("members", self.comm.everyone) if m not in joined]
         self.change_members((self.release or {}).get("members"))

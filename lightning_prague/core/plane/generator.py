@@ -449,7 +449,8 @@ class GroupGenerator:
                 release["joining"] = sorted(self.joining)
             if self._rounds:
                 rounds = set(self._rounds.values())
-                if self._settling or (len(rounds) == 1 and not self._idle):
+                # (an admission: the members' round after their phase's end, which joiners take up)
+                if admission or self._settling or (len(rounds) == 1 and not self._idle):
                     release["final"] = max(rounds)
                 else:  # some rank may still be issuing rounds: every rank reports where it stopped
                     release["settle"] = True
