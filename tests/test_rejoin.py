@@ -25,6 +25,7 @@ from lightning_prague.core.protocol import SessionConfig
 from lightning_prague.strategies import PartialAllReduceStrategy
 from lightning_prague.strategies.launcher import RankAgent
 from lightning_prague.strategies.rejoin import readable
+from lightning_prague.strategies.spare import read_environment
 
 
 @pytest.mark.timeout(240)
@@ -180,3 +181,40 @@ def test_the_agent_restarts_a_lost_rank_within_its_budget_then_leaves_it_lost(mo
     agent = RankAgent([FakeProcess([None, 0])], max_restarts=2, period=0.0)
     assert agent.run() == 1  # rank 0 stays lost after its two restarts: the job did not end well
     assert started == [(0, 0), (0, 1), (0, 2)] and agent.status == {0: -9, 1: 0}
+
+
+# -- the warm spare ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "line",
+    [b"[1, 2]", b'{"A": 1}', b'{"A=B": "x"}', b"not json", b'{"A": "' + b"x" * (1 << 20) + b'"}'],
+)
+def test_a_spare_takes_only_an_environment_of_strings(line):
+    with pytest.raises(ValueError):
+        read_environment(line)
+
+
+@pytest.mark.timeout(60)
+def test_a_warm_spare_becomes_the_rank_its_agent_names(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "if __name__ == '__main__':\n"
+        "    out = {'argv': sys.argv[1:], 'rank': os.environ.get('LOCAL_RANK'), 'stale': os.environ.get('STALE')}\n"
+        "    open(sys.argv[1], 'w').write(json.dumps(out))\n"
+    )
+    out = tmp_path / "out.json"
+    env = {**os.environ, "STALE": "from the agent's start"}
+    spare = subprocess.Popen(
+        [sys.executable, "-m", "lightning_prague.strategies.spare", str(script), str(out), "--flag"],
+        stdin=subprocess.PIPE,
+        env=env,
+    )
+    rank_env = {k: v for k, v in os.environ.items() if k != "STALE"}
+    spare.communicate(json.dumps({**rank_env, "LOCAL_RANK": "3"}).encode() + b"\n", timeout=50)
+    assert spare.returncode == 0
+    assert json.loads(out.read_text()) == {"argv": [str(out), "--flag"], "rank": "3", "stale": None}
+    idle = subprocess.Popen(
+        [sys.executable, "-m", "lightning_prague.strategies.spare", str(script)], stdin=subprocess.PIPE
+    )
+    idle.communicate(b"", timeout=50)  # the agent ended: the spare runs nothing
+    assert idle.returncode == 0

@@ -148,6 +148,13 @@ class RunReport(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._start = time.perf_counter()
+        self.first_batch_time: float | None = None
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if getattr(self, "first_batch_time", None) is None:  # (a rejoined rank's: when it trains again)
+            self.first_batch_time = time.time()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # the strategy's worker is gone by on_fit_end (teardown runs first)
@@ -170,9 +177,26 @@ class RunReport(L.Callback):
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         seconds = time.perf_counter() - self._start
+        measurements = {
+            **self.measurements,
+            "process_started": process_start_time(),
+            "first_batch_time": getattr(self, "first_batch_time", None),
+        }
         self.result = report(
-            self.args, trainer, pl_module, self.data, self.summary, self.checkpoint, seconds, self.measurements
+            self.args, trainer, pl_module, self.data, self.summary, self.checkpoint, seconds, measurements
         )
+
+
+def process_start_time() -> float | None:
+    """The wall-clock time this process started (Linux: `/proc`), else `None`."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def time_allreduce(module: torch.nn.Module, repeats: int = 20, budget: float = 2.0) -> float:

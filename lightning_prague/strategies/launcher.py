@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import json
 import logging
 import os
 import signal
@@ -149,6 +150,9 @@ def with_checkpoint(
 
 #: seconds before a rank's first restart; each further one waits twice as long
 RESTART_BACKOFF = 1.0
+#: seconds after a restart took the warm spare before a new one starts (its imports would slow the
+#: restarted rank's own start)
+SPARE_DELAY = 5.0
 
 
 class RankAgent:
@@ -157,6 +161,9 @@ class RankAgent:
     def __init__(self, children: list[subprocess.Popen], max_restarts: int, period: float = 0.2) -> None:
         self.max_restarts = max_restarts
         self.period = period
+        #: a process that imported torch and Lightning, ready to become a lost rank (see `_start`)
+        self.spare: Optional[subprocess.Popen] = None
+        self._spare_due = time.monotonic()  # it imports alongside the ranks: ready by the first loss
         #: local rank -> its running process (rank 0's started here; Lightning started the others)
         self.procs: dict[int, subprocess.Popen] = {0: self._start(0, 0)}
         self.procs.update({local: proc for local, proc in enumerate(children, start=1)})
@@ -164,15 +171,47 @@ class RankAgent:
         self.status: dict[int, int] = {}
         self._stopping = False
 
-    @staticmethod
-    def _start(local_rank: int, restarts: int) -> subprocess.Popen:
-        """A process for `local_rank` with the environment Lightning gives it, and its restart count."""
+    def _start(self, local_rank: int, restarts: int) -> subprocess.Popen:
+        """A process for `local_rank` with the environment Lightning gives it, and its restart count:
+        a restart takes the warm spare if one is ready (`lightning_prague.strategies.spare`)."""
         env = os.environ.copy()
         env["LOCAL_RANK"] = str(local_rank)
         env[RESTARTS_VARIABLE] = str(restarts)
         if restarts == 0:
             env.pop(RESTARTS_VARIABLE)
+            return subprocess.Popen(_basic_subprocess_cmd(), env=env)
+        spare, self.spare = self.spare, None
+        self._spare_due = time.monotonic() + SPARE_DELAY
+        if spare is not None and spare.poll() is None and spare.stdin is not None:
+            try:
+                spare.stdin.write(json.dumps(env).encode() + b"\n")
+                spare.stdin.close()
+                log.debug("local rank %d: its new process is the warm spare (pid %d)", local_rank, spare.pid)
+                return spare
+            except OSError:  # the spare died: start the rank as usual
+                pass
         return subprocess.Popen(_basic_subprocess_cmd(), env=env)
+
+    def _keep_spare(self) -> None:
+        """Start a warm spare when none is ready: with the ranks, and `SPARE_DELAY` after a restart took one."""
+        if self._stopping or self.max_restarts == 0 or time.monotonic() < self._spare_due:
+            return
+        if self.spare is not None and self.spare.poll() is None:
+            return
+        command = _basic_subprocess_cmd()
+        self.spare = subprocess.Popen(
+            [command[0], "-m", "lightning_prague.strategies.spare", *command[1:]], stdin=subprocess.PIPE
+        )
+        log.debug("a warm spare (pid %d) stands ready to replace a lost rank", self.spare.pid)
+
+    def _end_spare(self) -> None:
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.stdin is not None:
+            spare.stdin.close()  # end of input: it exits
+            try:
+                spare.wait(5.0)
+            except subprocess.TimeoutExpired:
+                spare.kill()
 
     def _forward(self, signum: int, frame: Any) -> None:
         self._stopping = True
@@ -184,9 +223,16 @@ class RankAgent:
         """Watch the ranks until every one's last process exited; the agent's exit status."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._forward)
+        try:
+            return self._watch()
+        finally:
+            self._end_spare()
+
+    def _watch(self) -> int:
         due: dict[int, float] = {}  # local rank -> when its next process starts
         while len(self.status) < len(self.procs):
             time.sleep(self.period)
+            self._keep_spare()
             for local, proc in list(self.procs.items()):
                 if local in self.status or local in due or proc.poll() is None:
                     continue

@@ -1,0 +1,75 @@
+"""A warm spare: a process that has imported torch and Lightning and waits to become a lost rank.
+
+Most of the time a restarted rank needs before it can rejoin is its interpreter importing torch and
+Lightning (4-5 s on a free CPU core, more next to busy ranks). With `max_restarts` the node's agent
+(`lightning_prague.strategies.launcher.RankAgent`) keeps one such process ready: started as
+`python -m lightning_prague.strategies.spare <the rank's command>`, it imports the heavy modules
+and then blocks on its standard input. When a rank is lost the agent writes it one line, the
+environment of the rank's new process as a JSON object of strings; the spare takes that
+environment and runs the rank's command in itself (`runpy`, as `python -m` or `python script.py`
+would: the script's `__main__`, its arguments in `sys.argv`). End of input (the agent is gone)
+ends the spare. The line comes from the agent that started it, through a pipe no other process
+holds; it is still checked (a JSON object of strings, bounded) before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+#: the longest line the spare reads (the environment of a rank), bytes
+MAX_ENVIRONMENT_BYTES = 1 << 20
+
+
+def read_environment(line: bytes) -> dict[str, str]:
+    """The environment the agent sent: a JSON object of strings; `ValueError` for anything else."""
+    if len(line) > MAX_ENVIRONMENT_BYTES:
+        raise ValueError(f"an environment of {len(line)} bytes (at most {MAX_ENVIRONMENT_BYTES})")
+    environment = json.loads(line)
+    if not isinstance(environment, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
+        for k, v in environment.items()
+    ):
+        raise ValueError("the environment is not a JSON object of strings")
+    return environment
+
+
+def run_command(command: list[str]) -> None:
+    """Run `command` (`[-m module | script] args...`, without the interpreter) in this process."""
+    if len(command) >= 2 and command[0] == "-m":
+        sys.argv = [command[1], *command[2:]]
+        runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+    elif command:
+        script = os.path.abspath(command[0])
+        sys.argv = [script, *command[1:]]
+        sys.path.insert(0, os.path.dirname(script))
+        runpy.run_path(script, run_name="__main__")
+    else:
+        raise ValueError("no command to run")
+
+
+def main() -> None:
+    command = sys.argv[1:]
+    import lightning.pytorch  # noqa: F401  (the imports are what the spare is kept for)
+    import torch  # noqa: F401
+
+    import lightning_prague.strategies  # noqa: F401
+
+    line = sys.stdin.buffer.readline(MAX_ENVIRONMENT_BYTES + 1)
+    if not line.strip():
+        return  # the agent is gone, or needs no spare any more
+    try:
+        environment = read_environment(line)
+    except ValueError as err:
+        sys.exit(f"lightning_prague spare: {err}")
+    os.environ.clear()
+    os.environ.update(environment)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the rank reads no input, as a rank Lightning starts
+    sys.stdin = open(os.devnull)  # noqa: SIM115
+    run_command(command)
+
+
+if __name__ == "__main__":
+    main()
