@@ -71,6 +71,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--exit-grace", type=float, default=10.0, help="kill what is left of a run this long after its last result (s)"
     )
+    parser.add_argument(
+        "--max-restarts", type=int, default=0, help="the demo's: a killed rank's process is started again and rejoins"
+    )
+    parser.add_argument(
+        "--churn", type=float, metavar="SECONDS", help="instead of --faults: kill a worker every SECONDS (churn.py)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-out/faults"))
     args = parser.parse_args(argv)
     problems = []
@@ -148,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append("--step-time and --hang-timeout must be positive")
     if not 2 <= args.group_size <= args.devices:
         problems.append(f"--group-size {args.group_size}: between 2 and --devices ({args.devices})")
+    if args.max_restarts < 0 or (args.churn is not None and args.churn <= 0):
+        problems.append("--max-restarts must be at least 0 and --churn positive")
     if args.fault_batch is not None and args.fault_batch < 1:
         problems.append(f"--fault-batch {args.fault_batch}: batches count from 1")
     bad = [fault_name(f) for f in args.faults if f[1] >= args.devices]
@@ -256,12 +265,18 @@ def read_fault_time(directory: Path) -> float | None:
     return min(times) if times else None
 
 
-def launch(label: str, argv: list[str], args: argparse.Namespace, survivors: set[int] | None) -> dict[str, Any]:
+def launch(
+    label: str,
+    argv: list[str],
+    args: argparse.Namespace,
+    survivors: set[int] | None,
+    during: Callable[[Path, float], None] | None = None,
+) -> dict[str, Any]:
     """Run the demo with `argv` in `--out/runs/<label>`, bounded; returns what happened.
 
     `survivors`: the ranks that should write a result (the run is over once they have, plus
     `--exit-grace`); `None` for a DDP run with a fault (over when its processes are gone, or
-    `--ddp-stall` seconds after the fault).
+    `--ddp-stall` seconds after the fault). `during(directory, now)`: called while it runs (churn's kills).
     """
     directory = args.out / "runs" / label
     shutil.rmtree(directory, ignore_errors=True)
@@ -288,6 +303,8 @@ def launch(label: str, argv: list[str], args: argparse.Namespace, survivors: set
         fault_time = fault_time or read_fault_time(directory)
         if not live:
             break
+        if during is not None:
+            during(directory, now)
         if survivors and results_complete is None and survivors <= read_results(directory).keys():
             results_complete = now
         if results_complete is not None and now - results_complete > args.exit_grace:
@@ -442,6 +459,14 @@ def fault_row(
     row["val_acc"] = leader["val_acc"]
     row["val_acc_gap_points"] = 100 * (leader["val_acc"] - free_leader["val_acc"])
     row["checksums_agree"] = _agree([results[r]["params_checksum"] for r in done])
+    back = results.get(rank) if args.max_restarts else None  # its new process rejoined and finished the fit
+    if back is not None and back.get("restarts"):
+        row["rejoined"] = {
+            "first_batch_after_fault": back["first_batch_time"] - run["fault_time"],
+            "batches": back["batches_this_process"],
+            "agrees": _agree([back["params_checksum"], leader["params_checksum"]]),
+            "fit_returned_after_fault": back["fit_end_time"] - run["fault_time"],
+        }
     # training batches of the fit: the survivors' and the faulted rank's before it struck, of the fault-free run's
     row["batches"] = sum(leader["batches_per_worker"]) + batch - 1
     row["batches_fault_free"] = sum(free_leader["batches_per_worker"])
@@ -556,8 +581,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     start = time.time()
     all_ranks = set(range(args.devices))
 
-    def run(label: str, run_argv: list[str], survivors: set[int] | None) -> dict[str, Any]:
-        result = launch(label, run_argv, args, survivors)
+    def run(
+        label: str, run_argv: list[str], survivors: set[int] | None, during: Callable | None = None
+    ) -> dict[str, Any]:
+        result = launch(label, run_argv, args, survivors, during)
         runs.append(result)
         print(
             f"[{time.time() - start:5.0f}s] {label}: {result['ended']}, exit status {result['exit_status']}, "
@@ -566,6 +593,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         )
         write_outputs(args, runs, rows, argv)  # partial results survive an interrupted bench
         return result
+
+    if args.churn is not None:
+        try:
+            from benchmarks.churn import format_churn_table, run_churn
+        except ImportError:  # run as a script: its folder is on the path
+            from churn import format_churn_table, run_churn
+
+        churn_rows = run_churn(args, demo_argv, run)
+        print(format_churn_table(churn_rows))
+        print(f"{len(runs)} runs in {time.time() - start:.0f}s; wrote {args.out}/churn.json and churn.md")
+        return churn_rows
 
     if not args.no_baselines:
         base = demo_argv("ddp", args)
@@ -617,8 +655,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             kind, rank, only = fault
             if only and strategy not in only:
                 continue
+            rejoins = args.max_restarts > 0  # the faulted rank's new process writes a result too
             fault_run = run(
-                f"{strategy}-{kind}-{rank}", [*base, "--fault", f"{rank}:{batch}:{kind}"], all_ranks - {rank}
+                f"{strategy}-{kind}-{rank}",
+                [*base, "--fault", f"{rank}:{batch}:{kind}", "--max-restarts", str(args.max_restarts)],
+                all_ranks if rejoins else all_ranks - {rank},
             )
             rows.append(fault_row(strategy, fault, batch, fault_run, free_run, args))
 

@@ -148,7 +148,10 @@ class RunReport(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._start = time.perf_counter()
+        self.fit_start_time = time.time()
         self.first_batch_time: float | None = None
+        if self.args.json:  # which process is this rank now (`benchmarks/faults.py --churn` kills them)
+            (self.args.json.parent / f"pid.{trainer.global_rank}").write_text(str(os.getpid()))
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -181,6 +184,8 @@ class RunReport(L.Callback):
             **self.measurements,
             "process_started": process_start_time(),
             "first_batch_time": getattr(self, "first_batch_time", None),
+            "fit_start_time": getattr(self, "fit_start_time", None),
+            "fit_end_time": time.time(),
         }
         self.result = report(
             self.args, trainer, pl_module, self.data, self.summary, self.checkpoint, seconds, measurements
