@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
+from lightning_prague.core.auth import LAUNCH_VARIABLE
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.grouping.policies import make_policy
 from lightning_prague.core.job import REJOIN_VARIABLE, RESTARTS_VARIABLE, rejoining
@@ -28,26 +31,58 @@ from lightning_prague.strategies.rejoin import readable
 from lightning_prague.strategies.spare import read_environment
 
 
-@pytest.mark.timeout(240)
-def test_a_killed_rank_0_is_started_again_and_rejoins_the_fit(tmp_path):
+@pytest.mark.timeout(300)
+def test_a_killed_rank_0_rejoins_and_two_new_workers_join_the_running_fit(tmp_path):
+    """One job for both: rank 0 is killed and started again by the agent; ranks 4 and 5 (`max_workers=6`)
+    are started by hand once the four are training, as a user adds workers to a running job."""
     out = tmp_path / "result.json"
     command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", "prague", "--devices", "4"]
     command += ["--epochs", "18", "--step-time", "0.1", "--profile", "homogeneous", "--fault", "0:20:kill"]
-    command += ["--max-restarts", "1", "--hang-timeout", "10", "--json", str(out)]
+    command += ["--max-restarts", "1", "--max-workers", "6", "--hang-timeout", "10", "--json", str(out)]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220)
-    assert done.returncode == 0, done.stderr[-4000:]  # the agent: every rank's last process exited 0
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **{LAUNCH_VARIABLE: "scale-up-test"})
+    logs = [open(tmp_path / f"log{i}.txt", "w") for i in range(3)]  # noqa: SIM115  (pipes would fill up)
+    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=logs[0])
+    joiners: list[subprocess.Popen] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"pid.{r}").exists() for r in range(4)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for local in (0, 1):
+            joiner_env = {**env, "NODE_RANK": "1", "LOCAL_RANK": str(local), REJOIN_VARIABLE: "1"}
+            joiners.append(
+                subprocess.Popen(
+                    command, cwd=tmp_path, env=joiner_env, stdout=subprocess.DEVNULL, stderr=logs[1 + local]
+                )
+            )
+        for proc in [job, *joiners]:
+            proc.wait(timeout=240)
+    finally:
+        for proc in [job, *joiners]:
+            proc.kill()
+        for log in logs:
+            log.close()
+    stderr, *errors = [(tmp_path / f"log{i}.txt").read_text() for i in range(3)]
+    assert job.returncode == 0, stderr[-4000:]  # the agent: every rank's last process exited 0
+    assert [p.returncode for p in joiners] == [0, 0], [e[-3000:] for e in errors]
     results = {}
-    for rank in range(4):
+    for rank in range(6):
         path = out if rank == 0 else out.with_suffix(f".rank{rank}.json")
-        assert path.exists(), (rank, done.stderr[-4000:])
+        assert path.exists(), (rank, stderr[-4000:])
         results[rank] = json.loads(path.read_text())
     assert results[0]["restarts"] == 1 and all(results[r]["restarts"] == 0 for r in (1, 2, 3))
-    assert results[0]["batches_this_process"] > 0  # the new rank 0 trained after it rejoined
-    assert "rejoined the job at 'epoch_end@" in done.stderr
+    for rank in (0, 4, 5):  # the new rank 0 and the two new workers trained after they joined
+        assert results[rank]["batches_this_process"] > 0, rank
+    assert "rejoined the job at 'epoch_end@" in stderr
     for result in results.values():  # every fit ran to its end, on one consensus model
         assert result["epochs_run"] == 18
         assert result["params_sha256"] == results[1]["params_sha256"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # -- the generator: who is admitted, where ----------------------------------------------------------

@@ -460,6 +460,7 @@ def init_job(
     pg_timeout: Optional[timedelta] = None,
     control_port: Optional[int] = None,
     rejoin: Optional[bool] = None,
+    launched: Optional[int] = None,
 ) -> Job:
     """Join the job (see the module docstring); returns this process's `Job` (the same one when called again).
 
@@ -468,6 +469,10 @@ def init_job(
     and the control plane the job already has, and its `Job` is outside the job (`joining`) until
     `Job.rejoin` admits it into the running fit. Its default process group is a local stand-in
     (torch's `fake` backend, one process) that nothing of the library or of Lightning runs on.
+
+    `launched`: the ranks `0..launched-1` that start the job (torch's world; default: `world_size`).
+    The job can grow to `world_size` workers: a process with a rank from `launched` on joins the
+    running fit as a rejoining one does, in a free place (`max_workers`).
 
     `control_port`: where global rank 0's supervisor serves the control plane (unset:
     `LIGHTNING_PRAGUE_CONTROL_PORT`, else a free port; see `supervisor.resolve_control_port`).
@@ -486,6 +491,14 @@ def init_job(
         ) from None
     proc: Optional[Supervisor] = None
     pg_timeout = pg_timeout or timedelta(seconds=timeout)
+    starting = world_size if launched is None else launched
+    if not 1 <= starting <= world_size:
+        raise ConfigurationError(f"rank {rank}: {starting} ranks cannot start a job of at most {world_size}")
+    if rank >= starting and not (rejoin if rejoin is not None else rejoining()):
+        raise ConfigurationError(
+            f"rank {rank} is past the {starting} ranks that start the job: a worker that joins a running job needs "
+            f"{REJOIN_VARIABLE}=1"
+        )
     secret, launch_id = user_secret(), known_launch_id()
     if rejoin if rejoin is not None else rejoining():
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=pg_timeout, wait_for_workers=False)
@@ -508,30 +521,29 @@ def init_job(
     if not dist.is_initialized():
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
         if rank == 0:
-            proc = launch(host, port, world_size, timeout, not agent_store, control_port, **start)
+            proc = launch(host, port, starting, timeout, not agent_store, control_port, **start)
             log.info("rank 0: the supervisor (pid %d) logs to %s", proc.pid, proc.log_file)
             if not agent_store:
                 wait_until_listening(proc, host, port, timeout)
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=pg_timeout, wait_for_workers=False)
+        store = dist.TCPStore(host, port, starting, is_master=False, timeout=pg_timeout, wait_for_workers=False)
         rendezvous: dist.Store = store
         if agent_store:  # as torch's env:// rendezvous does: each restart attempt has keys of its own
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             rendezvous = dist.PrefixStore(f"/worker/attempt_{attempt}", store)
         kwargs = {"device_id": device_id} if device_id is not None else {}
-        dist.init_process_group(
-            backend, store=rendezvous, rank=rank, world_size=world_size, timeout=pg_timeout, **kwargs
-        )
+        dist.init_process_group(backend, store=rendezvous, rank=rank, world_size=starting, timeout=pg_timeout, **kwargs)
         if "nccl" in backend:  # as Lightning does: torch warns about an NCCL process group left at exit
             atexit.register(_destroy_process_group)
     else:
         store = raw_store()
         if rank == 0:
-            proc = launch(store.host, store.port, world_size, timeout, False, control_port, **start)
+            proc = launch(store.host, store.port, starting, timeout, False, control_port, **start)
     control = _connect(raw_store(), rank, timeout, proc, secret, launch_id if proc is None else start["launch_id"])
-    group = dist.new_group(list(range(world_size)), backend=backend, timeout=pg_timeout)
+    group = dist.new_group(list(range(starting)), backend=backend, timeout=pg_timeout)
     _JOB = Job(
-        rank, world_size, backend, control, group, proc, pg_timeout=pg_timeout, store=raw_store(), device_id=device_id
-    )
+        rank, world_size, backend, control, group, proc, pg_timeout=pg_timeout, store=raw_store(), device_id=device_id,
+        members=tuple(range(starting)),
+    )  # fmt: skip
     atexit.register(control.close)
     log.debug("rank %d: joined the job (%d ranks, supervisor pid %d)", rank, world_size, control.supervisor_pid)
     return _JOB

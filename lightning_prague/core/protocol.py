@@ -162,6 +162,9 @@ class SessionConfig:
     sync_timeout: float | None = None
     #: groups draw only workers not busy in another group (`GroupGenerator.avoid_busy`)
     avoid_busy: bool = False
+    #: ranks `0..launched-1` start the fit; ranks from `launched` up to `world_size` are free places
+    #: that new workers take by joining the running fit (`max_workers`); `None`: every rank starts it
+    launched: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """This configuration as the JSON object `join` carries."""
@@ -172,7 +175,14 @@ class SessionConfig:
         """The configuration a `join` carried; raises `BadRecord` naming a field that is not what it must be."""
         fields = dict(CONFIG_RECORD.check(obj))
         fields["hang"] = HangRule(**HANG_RECORD.check(fields.get("hang", {})))
+        if fields.get("launched") is not None and fields["launched"] > fields["world_size"]:
+            raise BadRecord(f"a session's configuration: launched={fields['launched']} > world_size")
         return SessionConfig(**fields)
+
+    @property
+    def starting(self) -> int:
+        """How many ranks start the fit (the others join it later)."""
+        return self.world_size if self.launched is None else self.launched
 
 
 #: the largest rank (and world size less one) the control plane accepts
@@ -201,6 +211,7 @@ CONFIG_RECORD = Record(
         "min_workers": integer(0, MAX_RANK + 1),
         "sync_timeout": optional(number(1e-3, 1e7)),
         "avoid_busy": BOOLEAN,
+        "launched": optional(integer(1, MAX_RANK + 1)),
     },
 )
 

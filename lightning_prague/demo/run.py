@@ -77,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grouping-timeout", type=float, default=300.0, help="timeout of every wait (s)")
     parser.add_argument("--min-workers", type=int, default=1, help="stop the job when fewer workers remain")
     parser.add_argument(
+        "--max-workers",
+        type=int,
+        help="the job may grow to this many workers (new ones join with LIGHTNING_PRAGUE_REJOIN=1)",
+    )
+    parser.add_argument(
         "--max-restarts", type=int, default=0, help="start a lost rank's process again (at most this often per rank)"
     )
     parser.add_argument(
@@ -114,6 +119,7 @@ def build_strategy(args: argparse.Namespace) -> Any:
         "start_method": args.start_method,
         "min_workers": args.min_workers,
         "max_restarts": args.max_restarts,
+        "max_workers": args.max_workers,
         "hang_timeout": args.hang_timeout,
         "hang_factor": args.hang_factor,
     }

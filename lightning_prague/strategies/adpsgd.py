@@ -45,9 +45,9 @@ class ADPSGDStrategy(DecentralizedStrategy):
 
     def make_policy(self) -> GroupingPolicy:
         if self.graph_spec is None:
-            graph = BipartiteGraph.ring(self.world_size)
+            graph = BipartiteGraph.ring(self.capacity)
         else:
-            graph = BipartiteGraph.from_spec(self.world_size, self.graph_spec)
+            graph = BipartiteGraph.from_spec(self.capacity, self.graph_spec)
         return GossipPolicy(graph, self.seed)
 
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors, policy: GroupingPolicy) -> Exchanger:

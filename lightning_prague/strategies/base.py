@@ -123,6 +123,7 @@ class DecentralizedStrategy(DDPStrategy):
         sync_timeout: Optional[float] = None,
         coordinator_port: Optional[int] = None,
         max_restarts: int = 0,
+        max_workers: Optional[int] = None,
         **ddp_kwargs: Any,
     ) -> None:
         """Options every asynchronous strategy shares.
@@ -178,6 +179,10 @@ class DecentralizedStrategy(DDPStrategy):
                 worker (`lightning_prague.strategies.rejoin`). With it above 0 the process you start
                 trains nothing itself: it starts every rank and restarts the lost ones. 0: a lost
                 rank stays lost, and the others finish the fit.
+            max_workers: the most workers the job may grow to while it runs: a process started
+                with a rank from the launched number on (and `LIGHTNING_PRAGUE_REJOIN=1`) joins the
+                running fit as a lost rank's new process does (see `docs/fault_tolerance.md`, "Scale
+                up"). Unset: the workers the job was launched with.
             **ddp_kwargs: options of Lightning's `DDPStrategy` / `DistributedDataParallel`, for code
                 moved from DDP. The model is not wrapped in `DistributedDataParallel` (replicas
                 average parameters in groups, not gradients), so `find_unused_parameters`,
@@ -192,7 +197,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.options = StrategyOptions(
             sync_every=sync_every, seed=seed, timeout=timeout, average_at_sync=average_at_sync, bucket_mb=bucket_mb,
             min_workers=min_workers, hang_timeout=hang_timeout, hang_factor=hang_factor, sync_timeout=sync_timeout,
-            coordinator_port=coordinator_port, max_restarts=max_restarts,
+            coordinator_port=coordinator_port, max_restarts=max_restarts, max_workers=max_workers,
         )  # fmt: skip
         super().__init__(
             accelerator=accelerator,
@@ -245,6 +250,7 @@ class DecentralizedStrategy(DDPStrategy):
     average_at_sync = Option[bool]()
     bucket_mb = Option[float]()
     min_workers = Option[int]()
+    max_workers = Option[Optional[int]]()
     #: the control plane's port; `None`: `LIGHTNING_PRAGUE_CONTROL_PORT` or a free one
     coordinator_port = Option[Optional[int]]()
     max_restarts = Option[int]()
@@ -280,6 +286,12 @@ class DecentralizedStrategy(DDPStrategy):
 
     # -- setup / teardown ---------------------------------------------------------------------
     @property
+    def capacity(self) -> int:
+        """The ranks of the library's world: the launched workers (`world_size`), or `max_workers`
+        if more (places new workers may join). Policies, topologies and the control plane count these."""
+        return self.options.capacity(self.world_size)
+
+    @property
     def workers_per_node(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices else 1
 
@@ -304,7 +316,7 @@ class DecentralizedStrategy(DDPStrategy):
                 self.controller.batch_starts()
             replacements = {**self.stops.replacements(), **self.loaders.replacements(trainer)}
             if self.shards_by_work_queue:
-                self.progress = GlobalProgress(trainer, self.world_size, self.controller, self.synchronize)
+                self.progress = GlobalProgress(trainer, self.capacity, self.controller, self.synchronize)
                 replacements.update(self.progress.replacements())
             _patches.install(trainer, replacements, self.strategy_name)
         super().setup(trainer)
@@ -356,12 +368,13 @@ class DecentralizedStrategy(DDPStrategy):
         os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
         self.job = init_job(
             self.global_rank,
-            self.world_size,
+            self.capacity,
             backend,
             self.operation_timeout,
             device_id=self.root_device if self.root_device.type != "cpu" else None,
             pg_timeout=self._timeout,
             control_port=self.coordinator_port,
+            launched=self.world_size,
         )
         supervisor = self.job.supervisor
         if supervisor is not None:

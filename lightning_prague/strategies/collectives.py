@@ -91,7 +91,7 @@ class RoutedCollectives:
         job = strategy.job
         if self.survivors is None or job is None:
             return None  # no fit, nobody lost: the world group's collectives
-        comm = GroupComm(strategy.global_rank, strategy.world_size, strategy.operation_timeout, job.group)
+        comm = GroupComm(strategy.global_rank, job.world_size, strategy.operation_timeout, job.group)
         comm.rebind(job.group, job.members)
         return MemberCollectives(comm, strategy.sync_timeout)
 

@@ -105,7 +105,7 @@ class DecentAdamStrategy(DecentralizedStrategy):
 
     def make_policy(self) -> GroupingPolicy:
         per_node = self.node_size or self.workers_per_node
-        schedule = make_topology(self.topology, self.world_size, per_node, self.schedule_spec)
+        schedule = make_topology(self.topology, self.capacity, per_node, self.schedule_spec)
         return SchedulePolicy(schedule, self.seed)
 
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors, policy: GroupingPolicy) -> Exchanger:

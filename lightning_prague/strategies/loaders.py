@@ -80,7 +80,7 @@ class StrategyLoaders:
             strategy.operation_timeout,
             progress.budget,
             strategy.global_rank,
-            strategy.world_size,
+            strategy.capacity,
             progress.batches_per_step,
         )
         return ProgressLoader(
@@ -115,7 +115,7 @@ class StrategyLoaders:
             len(dataloader.dataset),  # type: ignore[arg-type]
             dataloader.batch_size,
             strategy.global_rank,
-            strategy.world_size,
+            strategy.capacity,
             strategy.session.counters,
             shuffle=shuffle,
             seed=strategy.seed,

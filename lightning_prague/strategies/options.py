@@ -54,6 +54,8 @@ class StrategyOptions:
     coordinator_port: Optional[int] = None
     #: times the strategy's launcher starts a lost rank's process again (0: never)
     max_restarts: int = 0
+    #: the most workers the job may grow to while it runs (new workers join it); `None`: the launched ones
+    max_workers: Optional[int] = None
 
     def __post_init__(self) -> None:
         timeout = self.timeout
@@ -71,6 +73,10 @@ class StrategyOptions:
             raise ConfigurationError(
                 f"max_restarts={self.max_restarts!r} is invalid: it must be a whole number of restarts, 0 or more"
             )
+        if self.max_workers is not None and (
+            not isinstance(self.max_workers, int) or isinstance(self.max_workers, bool) or self.max_workers < 1
+        ):
+            raise ConfigurationError(f"max_workers={self.max_workers!r} is invalid: it must be a number of workers")
         if self.min_workers < 1:
             raise ConfigurationError(f"min_workers={self.min_workers} is invalid: it must be at least 1")
         if self.hang_timeout <= 0 or self.hang_factor <= 0:
@@ -113,10 +119,20 @@ class StrategyOptions:
         """The size of the flat buffers averaged in one collective, in bytes."""
         return int(self.bucket_mb * 2**20)
 
+    def capacity(self, launched: int) -> int:
+        """The most workers a job started with `launched` may grow to (`max_workers`)."""
+        if self.max_workers is not None and self.max_workers < launched:
+            raise ConfigurationError(
+                f"max_workers={self.max_workers} is fewer than the {launched} workers the job starts with"
+            )
+        return max(launched, self.max_workers or 0)
+
     def session_config(
-        self, world_size: int, policy: GroupingPolicy, avoid_stragglers: bool, avoid_busy: bool
+        self, launched: int, policy: GroupingPolicy, avoid_stragglers: bool, avoid_busy: bool
     ) -> SessionConfig:
-        """The configuration of one fit's control session (the grouping options are the strategy's own)."""
+        """The configuration of one fit's control session (the grouping options are the strategy's own)
+        for a job started with `launched` workers."""
+        world_size = self.capacity(launched)
         return SessionConfig(
             world_size,
             policy.spec(),  # the control plane rebuilds it: it runs no code a training process sends
@@ -127,6 +143,7 @@ class StrategyOptions:
             min_workers=self.min_workers,
             sync_timeout=self.sync_bound,
             avoid_busy=avoid_busy,
+            launched=launched if world_size > launched else None,
         )
 
 

@@ -87,9 +87,9 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
             self.shards_by_work_queue = False
 
     def make_policy(self) -> GroupingPolicy:
-        policy = make_policy(self.grouping, self.world_size, self.group_size, self.seed, self.workers_per_node)
+        policy = make_policy(self.grouping, self.capacity, self.group_size, self.seed, self.workers_per_node)
         if isinstance(policy, StaticPolicy) and policy.workers_per_node != self.group_size:
-            nodes, per_node = self.world_size // policy.workers_per_node, policy.workers_per_node
+            nodes, per_node = self.capacity // policy.workers_per_node, policy.workers_per_node
             rank_zero_warn(
                 f"grouping='static' on {nodes} nodes of {per_node} workers groups by the node layout (node averages, "
                 f"pairs inside a node and one group across the nodes); group_size={self.group_size} is not used"

@@ -63,7 +63,7 @@ class PartialReduceStrategy(DecentralizedStrategy):
     def make_policy(self) -> GroupingPolicy:
         return make_policy(
             "first_ready",
-            self.world_size,
+            self.capacity,
             self.group_size,
             self.seed,
             weighting=self.weighting,

@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 Out = dict[int, list[Item]]
 
 
+#: why a rank from a session's `launched` on is not a member: no worker has joined in its place yet
+FREE_PLACE = "a free place: no worker has joined the fit as this rank yet"
+
+
 class CoordinatorSession:
     """One fit's coordinator: its generator, members and counters."""
 
@@ -79,6 +83,7 @@ class CoordinatorSession:
             sync_averages=config.sync_averages,
             min_workers=config.min_workers,
             avoid_busy=config.avoid_busy,
+            launched=config.launched,
         )
         self.hangs = HangDetector(config.hang, max(config.timeout, config.sync_timeout or 0.0))
         #: rank -> (pid, host name) of its process, as it said when it joined (the pid is only a claim:
@@ -89,7 +94,8 @@ class CoordinatorSession:
         self.generator.record_history = config.record_history
         self.members: set[int] = set()
         self.closed: set[int] = set()
-        self.departed: dict[int, str] = {}
+        #: rank -> why it is not a member: it left, or it is a free place that a worker may join (`launched`)
+        self.departed: dict[int, str] = dict.fromkeys(range(config.starting, config.world_size), FREE_PLACE)
         self.values: dict[str, Any] = {}
         #: per rank, the work queue's chunks it holds untrained (they go back to the queue if it is lost)
         self.work = WorkLedger()

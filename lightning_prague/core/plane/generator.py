@@ -130,6 +130,7 @@ class GroupGenerator:
         sync_averages: bool = False,
         min_workers: int = 1,
         avoid_busy: bool = False,
+        launched: int | None = None,
     ) -> None:
         self.world_size = world_size
         #: draw no worker into another's group while a group of its own is still unfinished (see `busy`)
@@ -148,8 +149,10 @@ class GroupGenerator:
         self.stopping = False  # SIGTERM: every rank drains to the stop point
         self.stop_reason: str | None = None  # `SIGTERM` or `REQUEUE`, once stopping
         self.stop_requested = False  # a rank asked the job to stop at the next synchronization point
-        self.left: set[int] = set()  # ranks that shut down after an error or departed
-        self.live: list[int] = list(range(world_size))  # the others, sorted
+        starting = world_size if launched is None else launched
+        #: ranks that shut down after an error or departed, and free places no worker took yet (`launched`)
+        self.left: set[int] = set(range(starting, world_size))
+        self.live: list[int] = list(range(starting))  # the others, sorted
         self._speeds: list[float] = [0.0] * world_size  # seconds per batch, as reported with `arrive`
         self._untrained: dict[int, list[int]] = {}
         self._rounds: dict[int, int] = {}  # gossip rounds reported with `arrive`, this meeting
