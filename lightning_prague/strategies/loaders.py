@@ -125,10 +125,11 @@ class StrategyLoaders:
 
     # -- Lightning's shards among the live ranks -------------------------------------------------
     def sampler_kwargs(self) -> Optional[dict[str, Any]]:
-        """Lightning's shards among the live ranks once one was lost; `None`: Lightning's own."""
+        """Lightning's shards among the members (the launched ranks, less those lost, plus those that
+        joined); `None`: Lightning's own (no job yet)."""
         strategy = self.strategy
         job = strategy.job
-        if job is not None and len(job.members) < job.world_size and strategy.global_rank in job.members:
+        if job is not None and strategy.global_rank in job.members:
             return {"num_replicas": len(job.members), "rank": job.members.index(strategy.global_rank)}
         return None
 
