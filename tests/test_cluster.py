@@ -44,6 +44,7 @@ import pytest
 
 from lightning_prague.tools.cluster import Cluster, ClusterUnavailable, clean_environment
 from lightning_prague.tools.cluster.emulate import cluster_ids, namespaces
+from lightning_prague.tools.cluster.srun import Layout, task_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,6 +66,9 @@ NODES, WORKERS = 2, 2
 PREFIX = "lpcltest-"
 #: the most seconds one job may take before its processes are killed and it fails
 JOB_TIMEOUT = 150
+#: the srun-style job whose rank 2 is killed (SIGKILL at its 20th batch) and started again with its
+#: old environment, and which two more workers join as ranks 4 and 5 (`max_workers=6`)
+REJOIN, REJOIN_EPOCHS = "prague", 25
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +82,15 @@ def cluster():
         yield built
 
 
-def demo_args(strategy: str, out: Path, partitioned: bool = False) -> list[str]:
+def demo_args(strategy: str, out: Path, partitioned: bool = False, rejoin: bool = False) -> list[str]:
     """The demo's options for one short job of ``strategy`` on the cluster; the srun-style jobs train
-    through node2's cut (`CUT_SECONDS`), the partitioned one with a detection bound under it."""
+    through node2's cut (`CUT_SECONDS`), the partitioned one with a detection bound under it; the
+    rejoin job long enough for a killed rank and two new workers to join it (`REJOIN_EPOCHS`)."""
     timing = ["--epochs", "1", "--step-time", "0.02", "--hang-timeout", str(HANG)]
-    if partitioned:
+    if rejoin:  # silent bound max(10 s, 150 x 0.1 s): above the cut
+        timing = ["--epochs", str(REJOIN_EPOCHS), "--step-time", "0.1", "--hang-timeout", str(HANG)]
+        timing += ["--hang-factor", "150", "--profile", "homogeneous", "--fault", "2:20:kill", "--max-workers", "6"]
+    elif partitioned:
         timing = ["--epochs", "6", "--step-time", "0.05", "--hang-timeout", str(PARTITION_HANG), "--hang-factor", "5"]
         timing += ["--profile", "homogeneous"]
     elif out.parent.parent.name == "srun":
@@ -111,6 +119,7 @@ class Job:
     job_id: str = ""  # srun-style: SLURM_JOB_ID (its tasks log to the launchers' directory, the parent)
     procs: list[subprocess.Popen] = field(default_factory=list)
     codes: list[int | None] = field(default_factory=list)
+    rejoin: bool = False  # the job a rank rejoins and two new workers join (`REJOIN`)
 
     @property
     def out(self) -> Path:
@@ -160,7 +169,11 @@ def start_srun(cluster: Cluster, jobs: list[Job], directory: Path) -> list[subpr
     for i, job in enumerate(jobs):
         job.job_id = str(25001 + i)
     steps = [
-        {"job_id": job.job_id, "argv": demo_args(job.strategy, job.out, job.strategy == PARTITIONED)} for job in jobs
+        {
+            "job_id": job.job_id,
+            "argv": demo_args(job.strategy, job.out, job.strategy == PARTITIONED and not job.rejoin, job.rejoin),
+        }
+        for job in jobs
     ]
     (directory / "steps.json").write_text(json.dumps(steps))
     procs = []
@@ -211,6 +224,27 @@ def cut_node2(cluster: Cluster, jobs: list[Job], procs: list[subprocess.Popen], 
         cluster.heal("node2")
 
 
+def rejoin_and_grow(cluster: Cluster, job: Job, deadline: float) -> None:
+    """Once the rejoin job's rank 2 killed itself: a new process for it on node2 with the variables
+    srun gave it and `LIGHTNING_PRAGUE_REJOIN=1` (a requeued task), and two new workers, ranks 4 and 5
+    (`SLURM_PROCID`; the job keeps its `SLURM_NTASKS`), one per node; waits for the three."""
+    while not (job.directory / "fault.2.json").exists():
+        if time.monotonic() > deadline:
+            return  # the test reports the missing ranks
+        time.sleep(0.2)
+    port = str(15000 + int(job.job_id[-4:]))  # Lightning's MASTER_PORT under SLURM
+    starts = [(cluster.nodes[1], 1, 0), (cluster.nodes[0], 2, 0), (cluster.nodes[1], 2, 1)]  # node, node id, local id
+    for node, node_id, local in starts:
+        layout = Layout(NODES, node_id, WORKERS, f"node[1-{NODES}]")
+        env = task_environment(node_env(node, job.directory.parent), layout, job.job_id, local)
+        env.update(MASTER_ADDR="node1", MASTER_PORT=port, LIGHTNING_PRAGUE_REJOIN="1")
+        argv = [sys.executable, "-m", "lightning_prague.demo.run", *demo_args(job.strategy, job.out, rejoin=True)]
+        log_path = job.directory.parent / f"job{job.job_id}.rank{layout.rank(local)}.rejoin.log"
+        with open(log_path, "w") as log:
+            job.procs.append(cluster.run(node, argv, env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+    job.codes = wait(job.procs, deadline)
+
+
 @pytest.fixture(scope="module")
 def jobs(cluster, tmp_path_factory) -> dict[tuple[str, str], Job]:
     """Every job of both launch paths, all started at once, waited for."""
@@ -222,16 +256,20 @@ def jobs(cluster, tmp_path_factory) -> dict[tuple[str, str], Job]:
             made[path, strategy].directory.mkdir(parents=True)
     for i, strategy in enumerate(TORCHRUN):
         start_torchrun(cluster, made["torchrun", strategy], 29400 + i)
-    srun_jobs = [made["srun", strategy] for strategy in SRUN]
+    made["srun-rejoin", REJOIN] = Job("srun", REJOIN, root / "srun" / f"{REJOIN}-rejoin", rejoin=True)
+    made["srun-rejoin", REJOIN].directory.mkdir(parents=True)
+    srun_jobs = [made["srun", strategy] for strategy in SRUN] + [made["srun-rejoin", REJOIN]]
     srun_procs = start_srun(cluster, srun_jobs, root / "srun")
     deadline = time.monotonic() + JOB_TIMEOUT + 10
     cut_node2(cluster, srun_jobs, srun_procs, deadline)
+    rejoin_and_grow(cluster, made["srun-rejoin", REJOIN], deadline)
     for strategy in TORCHRUN:
         job = made["torchrun", strategy]
         job.codes = wait(job.procs, deadline)
     srun_codes = wait(srun_procs, deadline)
     for job in srun_jobs:
-        job.codes = srun_codes  # the launchers' worst task of all jobs; each job is judged by its results
+        if not job.rejoin:
+            job.codes = srun_codes  # the launchers' worst task of all jobs; each job is judged by its results
     return made
 
 
@@ -275,6 +313,22 @@ def test_a_node_cut_off_beyond_the_bound_fences_itself_and_the_other_finishes(jo
         ended = f"(job {job.job_id} rank {rank}) exited with 75" in launcher
         failed = f"(job {job.job_id} rank {rank}) exited with 1" in launcher and "ControlPlaneLost" in log
         assert ended or failed, f"{launcher}\n{job.logs()}"
+
+
+def test_a_rank_started_again_rejoins_and_two_new_workers_join_on_the_cluster(jobs):
+    """SLURM-style: rank 2 (node2) is killed; a new process with its old variables and
+    `LIGHTNING_PRAGUE_REJOIN=1` rejoins, and ranks 4 and 5 join the 4-worker job; every fit returns,
+    with one model, and each of the three trained after it joined."""
+    job = jobs["srun-rejoin", REJOIN]
+    results = job.results()
+    assert job.codes == [0, 0, 0], f"the three new processes' exit codes {job.codes}\n{job.logs()}"
+    assert sorted(results) == list(range(6)), f"results of ranks {sorted(results)}\n{job.logs()}"
+    assert len({r["params_sha256"] for r in results.values()}) == 1, job.logs()
+    struck = json.loads((job.directory / "fault.2.json").read_text())["time"]
+    for rank in (2, 4, 5):
+        assert results[rank]["batches_this_process"] > 0 and results[rank]["first_batch_time"] > struck, rank
+    for rank, result in results.items():
+        assert result["epochs_run"] == REJOIN_EPOCHS, (rank, result["epochs_run"], job.logs())
 
 
 # -- the tool itself

@@ -28,7 +28,7 @@ from lightning_prague.core.protocol import SessionConfig
 from lightning_prague.strategies import PartialAllReduceStrategy
 from lightning_prague.strategies.launcher import RankAgent
 from lightning_prague.strategies.rejoin import readable
-from lightning_prague.strategies.spare import read_environment
+from lightning_prague.strategies.spare import read_environment, spare_environment
 
 
 @pytest.mark.timeout(300)
@@ -231,14 +231,16 @@ def test_a_spare_takes_only_an_environment_of_strings(line):
 @pytest.mark.timeout(60)
 def test_a_warm_spare_becomes_the_rank_its_agent_names(tmp_path):
     script = tmp_path / "rank.py"
+    (tmp_path / "helper_next_to_it.py").write_text("VALUE = 'imported from the script folder'\n")
     script.write_text(
         "import json, os, sys\n"
+        "from helper_next_to_it import VALUE\n"
         "if __name__ == '__main__':\n"
         "    out = {'argv': sys.argv[1:], 'rank': os.environ.get('LOCAL_RANK'), 'stale': os.environ.get('STALE')}\n"
-        "    open(sys.argv[1], 'w').write(json.dumps(out))\n"
+        "    open(sys.argv[1], 'w').write(json.dumps({**out, 'value': VALUE}))\n"
     )
     out = tmp_path / "out.json"
-    env = {**os.environ, "STALE": "from the agent's start"}
+    env = spare_environment([str(script)], {**os.environ, "STALE": "from the agent's start"})
     spare = subprocess.Popen(
         [sys.executable, "-m", "lightning_prague.strategies.spare", str(script), str(out), "--flag"],
         stdin=subprocess.PIPE,
@@ -247,7 +249,8 @@ def test_a_warm_spare_becomes_the_rank_its_agent_names(tmp_path):
     rank_env = {k: v for k, v in os.environ.items() if k != "STALE"}
     spare.communicate(json.dumps({**rank_env, "LOCAL_RANK": "3"}).encode() + b"\n", timeout=50)
     assert spare.returncode == 0
-    assert json.loads(out.read_text()) == {"argv": [str(out), "--flag"], "rank": "3", "stale": None}
+    expected = {"argv": [str(out), "--flag"], "rank": "3", "stale": None, "value": "imported from the script folder"}
+    assert json.loads(out.read_text()) == expected
     idle = subprocess.Popen(
         [sys.executable, "-m", "lightning_prague.strategies.spare", str(script)], stdin=subprocess.PIPE
     )

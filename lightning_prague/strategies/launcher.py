@@ -54,6 +54,7 @@ from typing_extensions import override
 from lightning_prague.core.auth import LAUNCH_VARIABLE, known_launch_id, new_launch_id
 from lightning_prague.core.job import RESTARTS_VARIABLE, rejoining
 from lightning_prague.strategies.rejoin import PEER_CHECKPOINT
+from lightning_prague.strategies.spare import spare_environment
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,9 @@ class RankAgent:
             return
         command = _basic_subprocess_cmd()
         self.spare = subprocess.Popen(
-            [command[0], "-m", "lightning_prague.strategies.spare", *command[1:]], stdin=subprocess.PIPE
+            [command[0], "-m", "lightning_prague.strategies.spare", *command[1:]],
+            stdin=subprocess.PIPE,
+            env=spare_environment(command[1:], dict(os.environ)),
         )
         log.debug("a warm spare (pid %d) stands ready to replace a lost rank", self.spare.pid)
 

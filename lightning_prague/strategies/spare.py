@@ -44,10 +44,20 @@ def run_command(command: list[str]) -> None:
     elif command:
         script = os.path.abspath(command[0])
         sys.argv = [script, *command[1:]]
-        sys.path.insert(0, os.path.dirname(script))
-        runpy.run_path(script, run_name="__main__")
+        runpy.run_path(script, run_name="__main__")  # its folder is on the path (`spare_environment`)
     else:
         raise ValueError("no command to run")
+
+
+def spare_environment(command: list[str], environment: dict[str, str]) -> dict[str, str]:
+    """The environment a spare for `command` starts with: `environment`, and for a script its folder
+    first on `PYTHONPATH`, where `python script.py` puts it (the rank's own environment replaces
+    this one before the script runs; the path stays)."""
+    if not command or command[0] == "-m":
+        return dict(environment)
+    folder = os.path.dirname(os.path.abspath(command[0]))
+    rest = environment.get("PYTHONPATH")
+    return {**environment, "PYTHONPATH": folder + (os.pathsep + rest if rest else "")}
 
 
 def main() -> None:

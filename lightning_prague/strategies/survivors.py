@@ -39,9 +39,13 @@ class Survivors:
         job = strategy.job
         if job is None or not strategy.loaders.reshard(job.members):
             return False
-        if job.leader != 0 and strategy.is_global_zero and rank_zero_only.rank != 0:
-            log.warning("rank %d: takes over global rank 0's duties (checkpoints, logging)", strategy.global_rank)
-            rank_zero_only.rank = 0
+        duty = 0 if strategy.is_global_zero else strategy.global_rank  # the leader logs as rank zero, and only it
+        if duty != rank_zero_only.rank:
+            if duty == 0:
+                log.warning("rank %d: takes over global rank 0's duties (checkpoints, logging)", strategy.global_rank)
+            else:
+                log.warning("rank %d: hands global rank 0's duties back to rank %d", strategy.global_rank, job.leader)
+            rank_zero_only.rank = duty
         return True
 
     def report_losses(self) -> None:
@@ -49,10 +53,12 @@ class Survivors:
         the lowest live rank, warn naming them."""
         strategy = self.strategy
         session = strategy.session
-        if session is None or not session.departed:
+        if session is None or not (session.departed or session.rejoined):
             return
         departed, at = dict(session.departed), dict(session.departed_at)  # the reader thread adds to them
         lost = {r: (at.get(r, 0.0), why) for r, why in departed.items()}
+        for r, (when, why) in dict(session.rejoined).items():  # lost, and back: named too
+            lost.setdefault(r, (when, f"{why}; a new process for it rejoined the fit"))
         strategy.lost_workers = lost
         if strategy.is_global_zero:
             lines = "; ".join(

@@ -170,7 +170,7 @@ class ControlClient:
         next epoch's end (`Session.await_admission`)."""
         # the control plane's hang detector uses the longer of the two as the bound of a busy worker
         long_bound = max(config.timeout, config.sync_timeout or 0.0)
-        session = Session(self, number, config.world_size, Beacon(config.hang), long_bound)
+        session = Session(self, number, config.world_size, Beacon(config.hang), long_bound, config.starting)
         self._sessions[number] = session
         local = self.link.local_address()
         self.send(
@@ -210,6 +210,7 @@ class Session:
         world_size: int,
         beacon: Beacon | None = None,
         long_bound: float | None = None,
+        starting: int | None = None,
     ) -> None:
         self.client = client
         #: the hang bound of this rank while it is busy or has not timed a step (`HangRule.bound`)
@@ -226,8 +227,11 @@ class Session:
         self.departed: dict[int, str] = {}
         #: rank -> when (wall-clock seconds) this rank heard of its departure
         self.departed_at: dict[int, float] = {}
-        #: the ranks still in the job, as of the latest departure notice
-        self.members: list[int] = list(range(world_size))
+        #: the ranks still in the job, as of the latest departure notice or admission (at first the
+        #: `starting` ranks that launched it; the rest of `world_size` are free places)
+        self.members: list[int] = list(range(world_size if starting is None else starting))
+        #: rank -> (when this rank heard of its departure, why) for ranks that left and came back
+        self.rejoined: dict[int, tuple[float, str]] = {}
         #: `None`, or why the job is stopping (`"sigterm"`, `"request"`), as soon as it is announced
         self.stop_reason: str | None = None
         self.counters = Counters(self)
@@ -280,8 +284,10 @@ class Session:
             self._departure.set()
         elif kind == "release" and item.get("joined"):  # ranks that rejoined are members again
             for rank in item["joined"]:
-                self.departed.pop(int(rank), None)
-                self.departed_at.pop(int(rank), None)
+                why = self.departed.pop(int(rank), None)
+                when = self.departed_at.pop(int(rank), None)
+                if why is not None:  # (a free place that a new worker took was never a member)
+                    self.rejoined[int(rank)] = (when or 0.0, why)
             self.members = [int(r) for r in item.get("members", self.members)]
             log.warning("rank %d: ranks %s rejoined the job; members %s", self.rank, item["joined"], self.members)
         elif kind == "fenced":  # declared hung: end this process, as a local one would be SIGKILLed
