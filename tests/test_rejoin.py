@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lightning_prague.core.auth import LAUNCH_VARIABLE
-from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.comm.collectives import encode_object
+from lightning_prague.core.comm.transfer import receive_payload, send_payload
+from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout
 from lightning_prague.core.grouping.policies import make_policy
 from lightning_prague.core.job import REJOIN_VARIABLE, RESTARTS_VARIABLE, rejoining
 from lightning_prague.core.plane.coordinator import ControlPlane
@@ -27,7 +32,7 @@ from lightning_prague.core.plane.generator import GroupGenerator
 from lightning_prague.core.protocol import SessionConfig
 from lightning_prague.strategies import PartialAllReduceStrategy
 from lightning_prague.strategies.launcher import RankAgent
-from lightning_prague.strategies.rejoin import readable
+from lightning_prague.strategies.rejoin import PeerState, readable
 from lightning_prague.strategies.spare import read_environment, spare_environment
 
 
@@ -256,3 +261,94 @@ def test_a_warm_spare_becomes_the_rank_its_agent_names(tmp_path):
     )
     idle.communicate(b"", timeout=50)  # the agent ended: the spare runs nothing
     assert idle.returncode == 0
+
+
+# -- the state on the wire: what a joiner refuses --------------------------------------------------
+class ScriptedComm:
+    """`GroupComm.point_to_point` over a list of tensors (what the donor sends), failing where told."""
+
+    rank = 2
+
+    def __init__(self, sent: list[torch.Tensor] | None = None, fail_at: int | None = None) -> None:
+        self.sent = list(sent or [])
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def point_to_point(self, tensor: torch.Tensor, peer: int, send: bool, operation: str) -> None:
+        self.calls += 1
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise CoordinationTimeout(f"rank {self.rank}: {operation} with rank {peer} failed: peer gone")
+        if send:
+            self.sent.append(tensor.clone())
+        else:
+            tensor.copy_(self.sent.pop(0))
+
+
+def test_a_joiner_refuses_an_announced_size_above_its_bound_before_allocating():
+    comm = ScriptedComm([torch.tensor([1 << 40], dtype=torch.int64)])
+    with pytest.raises(CoordinationTimeout, match="announced the fit's state of 1099511627776 bytes"):
+        receive_payload(comm, 0, "the fit's state", limit=1 << 30)  # type: ignore[arg-type]
+
+
+def test_a_transfer_that_breaks_mid_way_fails_on_both_sides(monkeypatch):
+    import lightning_prague.core.comm.transfer as transfer
+
+    monkeypatch.setattr(transfer, "PIECE_BYTES", 4)
+    donor = ScriptedComm(fail_at=3)  # the size and one piece went out; the peer is gone at the second
+    with pytest.raises(CoordinationTimeout, match="peer gone"):
+        send_payload(donor, 3, b"0123456789", "the fit's state")  # type: ignore[arg-type]
+    joiner = ScriptedComm([*donor.sent], fail_at=3)  # what arrived before the break
+    with pytest.raises(CoordinationTimeout, match="peer gone"):
+        receive_payload(joiner, 0, "the fit's state")  # type: ignore[arg-type]
+    whole = ScriptedComm()
+    send_payload(whole, 3, b"0123456789", "the fit's state")  # type: ignore[arg-type]
+    assert receive_payload(ScriptedComm(whole.sent), 0, "the fit's state") == b"0123456789"  # type: ignore[arg-type]
+
+
+class _Runs:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/lightning-prague-rejoin-pwned",))
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"not a checkpoint at all", pickle.dumps(_Runs()), pickle.dumps([1, 2])],
+    ids=["garbage", "a pickle that runs code", "not a checkpoint"],
+)
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_a_joiner_refuses_a_state_that_is_not_a_checkpoint_and_runs_nothing(payload, tmp_path):
+    if os.path.exists("/tmp/lightning-prague-rejoin-pwned"):
+        os.unlink("/tmp/lightning-prague-rejoin-pwned")
+    peer = PeerState(SimpleNamespace(lightning_module=torch.nn.Linear(2, 2), global_rank=2))  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="is not a checkpoint"):
+        peer.checkpoint(payload)
+    assert not os.path.exists("/tmp/lightning-prague-rejoin-pwned")
+
+
+def test_a_joiner_with_another_model_is_told_which_parameters_differ():
+    theirs = encode_object({"state_dict": {"weight": torch.zeros(3, 2), "bias": torch.zeros(2)}})
+    assert theirs is not None
+    peer = PeerState(SimpleNamespace(lightning_module=torch.nn.Linear(2, 2), global_rank=2))  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"cannot rejoin: its model is not the job's \(weight: \(2, 2\)"):
+        peer.checkpoint(theirs)
+
+
+def test_a_joiner_with_no_job_at_its_address_is_told_so_soon(monkeypatch):
+    from lightning_prague.core.errors import ControlPlaneError
+    from lightning_prague.core.job import init_job
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(ControlPlaneError, match=r"rank 2 cannot join the running job: no job's store answered at"):
+        init_job(2, 4, "gloo", timeout=2.0, pg_timeout=timedelta(seconds=1800), rejoin=True)
+    assert time.monotonic() - start < 30  # bounded by the operation timeout, not the process group's
+    torch.distributed.destroy_process_group()  # the local stand-in world it set up first
+
+
+def test_a_torch_without_the_local_stand_in_cannot_rejoin(monkeypatch):
+    from lightning_prague.core.job import _init_local_world
+
+    monkeypatch.setitem(sys.modules, "torch.testing._internal.distributed.fake_pg", None)
+    with pytest.raises(ConfigurationError, match="rejoining a running job needs torch's `fake` process group"):
+        _init_local_world(2, 4)

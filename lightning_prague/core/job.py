@@ -48,6 +48,7 @@ not when a rank is lost.
 from __future__ import annotations
 
 import atexit
+import importlib
 import inspect
 import json
 import logging
@@ -501,9 +502,9 @@ def init_job(
         )
     secret, launch_id = user_secret(), known_launch_id()
     if rejoin if rejoin is not None else rejoining():
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=pg_timeout, wait_for_workers=False)
+        _init_local_world(rank, world_size)  # first: a torch without the stand-in fails before anything connects
+        store = _joiner_store(rank, host, port, world_size, min(pg_timeout, timedelta(seconds=timeout)))
         control = _connect(store, rank, timeout, None, secret, launch_id)
-        _init_local_world(rank, world_size)
         _JOB = Job(
             rank, world_size, backend, control, None, pg_timeout=pg_timeout, store=store, device_id=device_id,
             joining=True,
@@ -570,12 +571,24 @@ def rejoining() -> bool:
     return restarts > 0 or flag == "1"
 
 
+def _joiner_store(rank: int, host: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The running job's store, for a process that joins it; a `ControlPlaneError` that says so if
+    nothing answers at `host:port` within `timeout` (the job ended, or the address is not its)."""
+    try:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, TimeoutError) as err:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
+        raise ControlPlaneError(
+            f"rank {rank} cannot join the running job: no job's store answered at {host}:{port} within "
+            f"{timeout.total_seconds():.0f}s (the job ended, or MASTER_ADDR / MASTER_PORT are not the job's): {err}"
+        ) from None
+
+
 def _init_local_world(rank: int, world_size: int) -> None:
     """A rejoining process's default process group: a local stand-in of the world (torch's `fake`
     backend: this process alone, with its rank), so that `torch.distributed` is initialised and
     knows this process's global rank; every exchange runs on the library's group (`Job.group`)."""
     try:
-        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the `fake` backend)
+        importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers the `fake` backend
     except ImportError as err:
         raise ConfigurationError(
             f"rank {rank}: rejoining a running job needs torch's `fake` process group backend, which the installed "

@@ -107,9 +107,17 @@ class PeerState:
 
     def checkpoint(self, payload: bytes) -> dict[str, Any]:
         """The joiner's side: the donor's checkpoint, checked against this rank's own model."""
-        checkpoint = decode_object(payload)
+        try:
+            checkpoint = decode_object(payload)
+        except Exception as err:  # not torch.save's format, or something a weights-only load refuses
+            raise ConfigurationError(
+                f"rank {self.strategy.global_rank}: the state a live member sent it is not a checkpoint "
+                f"({type(err).__name__}: {str(err)[:200]})"
+            ) from None
         if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
-            raise ConfigurationError("the state a live member sent this rejoining rank is not a checkpoint")
+            raise ConfigurationError(
+                f"rank {self.strategy.global_rank}: the state a live member sent it is not a checkpoint"
+            )
         mine = self.strategy.lightning_module.state_dict()
         theirs = checkpoint["state_dict"]
         differences = [

@@ -18,6 +18,7 @@ import json
 import os
 import runpy
 import sys
+import threading
 
 #: the longest line the spare reads (the environment of a rank), bytes
 MAX_ENVIRONMENT_BYTES = 1 << 20
@@ -60,16 +61,23 @@ def spare_environment(command: list[str], environment: dict[str, str]) -> dict[s
     return {**environment, "PYTHONPATH": folder + (os.pathsep + rest if rest else "")}
 
 
-def main() -> None:
-    command = sys.argv[1:]
+def _import_heavy_modules() -> None:
     import lightning.pytorch  # noqa: F401  (the imports are what the spare is kept for)
     import torch  # noqa: F401
 
     import lightning_prague.strategies  # noqa: F401
 
+
+def main() -> None:
+    command = sys.argv[1:]
+    # the imports run while the spare waits: one that is told at once that it is not needed ends at once
+    imports = threading.Thread(target=_import_heavy_modules, name="prague-spare-imports", daemon=True)
+    imports.start()
     line = sys.stdin.buffer.readline(MAX_ENVIRONMENT_BYTES + 1)
     if not line.strip():
-        return  # the agent is gone, or needs no spare any more
+        sys.stdout.flush()
+        os._exit(0)  # the agent is gone, or needs no spare any more (an import may still be running)
+    imports.join()
     try:
         environment = read_environment(line)
     except ValueError as err:
