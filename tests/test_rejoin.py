@@ -352,3 +352,19 @@ def test_a_torch_without_the_local_stand_in_cannot_rejoin(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.testing._internal.distributed.fake_pg", None)
     with pytest.raises(ConfigurationError, match="rejoining a running job needs torch's `fake` process group"):
         _init_local_world(2, 4)
+
+
+def test_what_the_payload_filter_keeps_a_weights_only_load_reads_back():
+    import io
+    import pathlib
+
+    from lightning_prague.core.comm.collectives import decode_object
+
+    dropped: list[str] = []
+    state = {"w": torch.ones(2), "n": 3, "x": 0.5, "s": "a", "p": pathlib.PurePosixPath("/ckpt"), "t": (1, [2.0])}
+    kept = readable({**state, "np": __import__("numpy").float64(1.5)}, "checkpoint", dropped)
+    buffer = io.BytesIO()
+    torch.save(kept, buffer)
+    back = decode_object(buffer.getvalue())
+    assert back["np"] == 1.5 and type(back["np"]) is float and back["p"] == pathlib.PurePosixPath("/ckpt")
+    assert back["t"] == (1, [2.0]) and torch.equal(back["w"], torch.ones(2)) and dropped == []

@@ -24,6 +24,7 @@ anything is restored; another model is a `ConfigurationError` that names the dif
 
 from __future__ import annotations
 
+import io
 import logging
 import pathlib
 from collections.abc import Mapping
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_prague.core.comm.collectives import decode_object, encode_object
+from lightning_prague.core.comm.collectives import decode_object
 from lightning_prague.core.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -100,10 +101,9 @@ class PeerState:
                 self.strategy.global_rank,
                 ", ".join(dropped[:10]),
             )
-        payload = encode_object(kept)
-        if payload is None:
-            raise TypeError("the fit's checkpoint could not be encoded for a rejoining rank")
-        return payload
+        buffer = io.BytesIO()
+        torch.save(kept, buffer)  # what `readable` kept, a weights-only load reads back (`decode_object`)
+        return buffer.getvalue()
 
     def checkpoint(self, payload: bytes) -> dict[str, Any]:
         """The joiner's side: the donor's checkpoint, checked against this rank's own model."""
