@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import run_core_ranks
 
 from lightning_prague.core.auth import LAUNCH_VARIABLE
 from lightning_prague.core.comm.collectives import encode_object
@@ -368,3 +369,12 @@ def test_what_the_payload_filter_keeps_a_weights_only_load_reads_back():
     back = decode_object(buffer.getvalue())
     assert back["np"] == 1.5 and type(back["np"]) is float and back["p"] == pathlib.PurePosixPath("/ckpt")
     assert back["t"] == (1, [2.0]) and torch.equal(back["w"], torch.ones(2)) and dropped == []
+
+
+@pytest.mark.timeout(90)
+def test_a_background_transfer_runs_beside_other_exchanges_and_before_any_with_its_receiver(tmp_path):
+    donor, other, receiver = run_core_ranks(tmp_path, 3, script="transfer_worker.py")
+    assert donor["sent_before_the_first_sum"] is False  # the sum with rank 1 ran while the state was out
+    assert donor["sent_before_the_second_sum"] is True  # the sum with the receiver waited for it
+    assert receiver["payload_intact"] is True
+    assert donor["sum_with_2"] == receiver["sum_with_0"] == 101.0 and other["sum_with_0"] == 11.0

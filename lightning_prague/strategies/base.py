@@ -314,6 +314,7 @@ class DecentralizedStrategy(DDPStrategy):
             self.training.open()
             if self.training.admission is not None:  # rejoined: the others train on, unaligned with it
                 self.controller.batch_starts()
+                trainer.num_sanity_val_steps = 0  # the fit is under way: no sanity check (and no collectives)
             replacements = {**self.stops.replacements(), **self.loaders.replacements(trainer)}
             if self.shards_by_work_queue:
                 self.progress = GlobalProgress(trainer, self.capacity, self.controller, self.synchronize)

@@ -9,9 +9,10 @@ admitted (`lightning_prague.core.job.Job.rejoin`): the checkpoint is the one a l
 The donor's side (`PeerState`): at the release of an epoch's end that admits joiners, after the
 members' global average (the consensus model, where the strategy has one), every member meets the
 joiners at `<epoch end>/admit`, they rebuild the process group together, and the donor (the lowest
-member) sends Lightning's own checkpoint of that moment (`dump_checkpoint`: the model, the
+member) takes Lightning's own checkpoint of that moment (`dump_checkpoint`: the model, the
 optimizer (this replica's state, not a mean: the other members go on training), the LR schedulers,
-the loops' progress, the callbacks' states; `GroupWorker.admit`). The joiners are not aligned with
+the loops' progress, the callbacks' states), copies its tensors off the live ones, and sends it in
+the background while it trains on (`GroupWorker.admit`, `BackgroundTransfer`). The joiners are not aligned with
 the members until the next synchronization point: until then the members' own collectives (the
 rest of the epoch's end: callbacks, checkpoints) run among themselves (`GroupWorker.fresh`). The
 checkpoint travels as
@@ -27,7 +28,7 @@ from __future__ import annotations
 import io
 import logging
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,8 +85,9 @@ class PeerState:
         #: True while the donor dumps its checkpoint: the optimizer state is this replica's own
         self.dumping = False
 
-    def payload(self) -> bytes:
-        """The donor's checkpoint of this moment, as bytes (see the module docstring)."""
+    def snapshot(self) -> Callable[[], bytes]:
+        """The donor's checkpoint of this moment, copied off the live tensors (the donor trains on);
+        returns what encodes it as bytes (run in the background: `BackgroundTransfer`)."""
         trainer = self.strategy._trainer
         assert trainer is not None
         self.dumping = True
@@ -93,6 +95,11 @@ class PeerState:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         finally:
             self.dumping = False
+        kept = self._readable(checkpoint)
+        copied = _copied(kept)
+        return lambda: _saved(copied)
+
+    def _readable(self, checkpoint: dict[str, Any]) -> Any:
         dropped: list[str] = []
         kept = readable(checkpoint, "checkpoint", dropped)
         if dropped:
@@ -101,9 +108,7 @@ class PeerState:
                 self.strategy.global_rank,
                 ", ".join(dropped[:10]),
             )
-        buffer = io.BytesIO()
-        torch.save(kept, buffer)  # what `readable` kept, a weights-only load reads back (`decode_object`)
-        return buffer.getvalue()
+        return kept
 
     def checkpoint(self, payload: bytes) -> dict[str, Any]:
         """The joiner's side: the donor's checkpoint, checked against this rank's own model."""
@@ -134,6 +139,25 @@ class PeerState:
                 f"({'; '.join(differences[:8])}{'; ...' if len(differences) > 8 else ''})"
             )
         return checkpoint
+
+
+def _copied(value: Any) -> Any:
+    """`value` (what `readable` kept) with each tensor copied to the CPU: a snapshot training cannot change."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_copied(item) for item in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
+def _saved(value: Any) -> bytes:
+    """`value` as `torch.save` writes it: what `readable` kept, a weights-only load reads back (`decode_object`)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def _describe(value: Any) -> str:

@@ -153,7 +153,7 @@ class Synchronizer:
             average_replicas(worker, name)
         if release.get("admit"):  # ranks rejoin here: meet them, regroup, the donor sends them its state
             report = strategy.exchanger.admission_report() if strategy.exchanger is not None else {}
-            worker.admit(strategy.peer_state.payload, report)
+            worker.admit(strategy.peer_state.snapshot, report)
         if loader is not None:
             loader.set_members(list(worker.members))
         strategy.regrouped = strategy.survivors.follow_membership()

@@ -6,6 +6,13 @@ first, then the bytes in pieces of `PIECE_BYTES`, as point-to-point operations o
 the backend's device (staged through it on NCCL), each wait bounded. Only the sender and the
 receiver take part; the other members go on at once.
 
+`BackgroundTransfer` sends one payload to one or more receivers from a thread of its own, so that
+the sender trains on meanwhile: it encodes the payload there (from a snapshot the caller took),
+and sends it on a `GroupComm` of its own over the same process group. An exchange of the
+sender's with a receiver waits for the transfer first (`GroupComm.before_exchange`), so the
+receiver's operations with the sender come in one order, on gloo and NCCL alike; exchanges with
+anyone else run while it sends.
+
 What arrives is bytes: the receiver checks the size against its bound before it allocates
 anything, and decodes the bytes itself (never by unpickling: `lightning_prague.core.comm.collectives.decode_object`).
 """
@@ -13,7 +20,9 @@ anything, and decodes the bytes itself (never by unpickling: `lightning_prague.c
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -56,3 +65,63 @@ def receive_payload(comm: GroupComm, peer: int, what: str, limit: int = MAX_PAYL
         comm.point_to_point(piece, peer, False, what)
         out[offset : offset + piece.numel()] = piece.numpy().tobytes()
     return bytes(out)
+
+
+class BackgroundTransfer:
+    """`encode()`'s bytes to each of `receivers`, sent from a thread (see the module docstring).
+
+    A receiver lost on the way costs a warning, not the sender's fit: its own side fails, and it
+    leaves the job. `wait` ends the transfer (bounded by `timeout` per receiver).
+    """
+
+    def __init__(
+        self, comm: GroupComm, receivers: Sequence[int], encode: Callable[[], bytes], what: str, timeout: float
+    ) -> None:
+        self.receivers = set(receivers)
+        self.what = what
+        self.timeout = timeout
+        # a communicator of its own over the same process group: the training thread's keeps its state
+        self._comm = GroupComm(comm.rank, comm.world_size, timeout, comm.pg)
+        self._comm.rebind(comm.pg, comm.everyone)
+        self._comm.abandon = comm.abandon
+        self._encode = encode
+        #: (receiver, MB, seconds) of each completed send
+        self.sent: list[tuple[int, float, float]] = []
+        self._thread = threading.Thread(target=self._run, name=f"prague-transfer-{comm.rank}", daemon=True)
+
+    def start(self) -> BackgroundTransfer:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            payload = self._encode()
+        except Exception as err:  # the receivers' own waits fail; they leave the job
+            log.warning("rank %d: could not encode %s: %s", self._comm.rank, self.what, err)
+            return
+        for receiver in sorted(self.receivers):
+            try:
+                seconds = send_payload(self._comm, receiver, payload, self.what)
+                self.sent.append((receiver, len(payload) / 1e6, seconds))
+                log.warning(
+                    "rank %d: sent %s to rank %d in the background (%.1f MB in %.2fs)",
+                    self._comm.rank, self.what, receiver, len(payload) / 1e6, seconds,
+                )  # fmt: skip
+            except (CoordinationTimeout, RuntimeError) as err:
+                log.warning("rank %d: could not send rank %d %s: %s", self._comm.rank, receiver, self.what, err)
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def guard(self, peers: set[int]) -> None:
+        """Before an exchange with `peers`: if one of them is a receiver, the transfer ends first."""
+        if self.receivers & peers and not self.done:
+            log.debug("rank %d: an exchange with ranks %s waits for %s", self._comm.rank, sorted(peers), self.what)
+            self.wait()
+
+    def wait(self) -> None:
+        """Until the transfer ended (each send is bounded by the timeout, so this is too)."""
+        self._thread.join(self.timeout * (len(self.receivers) + 1) + 5.0)
+        if self._thread.is_alive():
+            log.warning("rank %d: %s is still being sent after its timeout", self._comm.rank, self.what)

@@ -25,7 +25,7 @@ from lightning_prague.core.comm.exact import ExactMaxima, layout_signature
 from lightning_prague.core.comm.groups import Decide, GroupComm
 from lightning_prague.core.comm.norms import Drift
 from lightning_prague.core.comm.streams import CommStream, mark_on
-from lightning_prague.core.comm.transfer import send_payload
+from lightning_prague.core.comm.transfer import BackgroundTransfer
 from lightning_prague.core.errors import (
     CONTROL_PLANE,
     ControlPlaneError,
@@ -181,6 +181,8 @@ class GroupWorker:
         #: ranks admitted at the last synchronization point (`admit`): not aligned with the others until
         #: the next one, so the collectives of this aligned stretch run without them
         self.fresh: set[int] = set()
+        #: the fit's state on its way to ranks that rejoined, sent by this rank (the donor) in the background
+        self.transfer: BackgroundTransfer | None = None
         self._warned_layout = False
 
     # -- messaging -------------------------------------------------------------------------
@@ -342,6 +344,7 @@ class GroupWorker:
         phase goes idle, and runs to the release's final round; see `GroupGenerator`).
         """
         start = time.monotonic()
+        self.end_transfer()  # the membership may change here: the state a joiner waits for goes out first
         target = STOP_SYNC if self.stop_seen else name
         if exchanger is not None:
             report = {**report, **exchanger.meeting_report()}
@@ -464,11 +467,13 @@ class GroupWorker:
         if came:
             log.warning("rank %d: ranks %s joined; members now %s", self.rank, came, list(members))
 
-    def admit(self, state: Callable[[], bytes], report: dict[str, Any] | None = None) -> list[int]:
+    def admit(self, snapshot: Callable[[], Callable[[], bytes]], report: dict[str, Any] | None = None) -> list[int]:
         """After the release of an epoch's end that admits joiners (its `admit`): meet them at
         `<sync>/admit`, rebuild the process group with them (`change_members`), and, on the lowest
-        member that was there before them (the donor), send each joiner `state()`, the fit's state
-        (`lightning_prague.core.comm.transfer`). `report`: what the joiners take up from the
+        member that was there before them (the donor), take `snapshot()` of the fit's state here and send
+        each joiner what it encodes in the background (`lightning_prague.core.comm.transfer.BackgroundTransfer`:
+        the donor trains on; its exchanges with a joiner wait for the transfer; the next
+        synchronization point ends it). `report`: what the joiners take up from the
         admission's release (`Exchanger.admission_report`). Returns the ranks that joined. A joiner lost on the
         way costs the donor a warning, not the fit. The first release stays this worker's `release`."""
         first, version = self.release or {}, self.released_version
@@ -481,17 +486,12 @@ class GroupWorker:
         self.change_members((self.release or {}).get("members"))
         self.fresh = {j for j in joined if j in self.members}
         donor = min(before) if before else None
-        if donor == self.rank:
-            for joiner in [j for j in joined if j in self.members]:
-                try:
-                    payload = state()
-                    seconds = send_payload(self.comm, joiner, payload, "the fit's state")
-                    log.warning(
-                        "rank %d: sent the fit's state to rank %d (%.1f MB in %.2fs)",
-                        self.rank, joiner, len(payload) / 1e6, seconds,
-                    )  # fmt: skip
-                except (CoordinationTimeout, RuntimeError) as err:
-                    log.warning("rank %d: could not send rank %d the fit's state: %s", self.rank, joiner, err)
+        receivers = [j for j in joined if j in self.members]
+        if donor == self.rank and receivers:
+            self.end_transfer()
+            transfer = BackgroundTransfer(self.comm, receivers, snapshot(), "the fit's state", self.timeout)
+            self.comm.before_exchange = transfer.guard
+            self.transfer = transfer.start()
         self.release = {**first, "members": list(self.members)}
         self.released_version = version
         return joined
@@ -573,8 +573,16 @@ class GroupWorker:
         """
         self.session.post(PAUSE)
 
+    def end_transfer(self) -> None:
+        """Wait until the state this rank sends in the background (`admit`) is out."""
+        transfer, self.transfer = self.transfer, None
+        if transfer is not None:
+            transfer.wait()
+            self.comm.before_exchange = lambda peers: None
+
     def close(self) -> None:
         """This rank is done with its session (teardown; the worker is not used afterwards)."""
+        self.end_transfer()
         self.session.close()
 
     def drain_for_stop(self, exchanger: PhaseEnd | None = None) -> None:
