@@ -56,6 +56,12 @@ class RoutedCollectives:
             return True
         if strategy.controller.aligned:
             return False
+        worker = strategy.worker
+        if job is not None and job.rejoined and worker is not None and worker.stats.syncs == 0:
+            # a rank that rejoined, before its first meeting (Lightning restores its checkpoint and sets
+            # up its validation data there): local, as the others train on; nothing to warn about
+            log.debug("rank %d: %s before its first meeting since it rejoined: local", strategy.global_rank, operation)
+            return True
         if operation not in strategy.warned:
             strategy.warned.add(operation)
             warnings.warn(
