@@ -6,17 +6,18 @@
 Two processes on this machine, a gloo process group over 127.0.0.1 (the library's transport for a
 rejoin: `lightning_prague.core.comm.transfer`, the same `GroupComm` point-to-point the exchanges
 use). For each state (the digits demo's model, the text demo's model, then float32 tensors of
-each `--sizes-mb`, as a checkpoint holds them: a dict of named tensors) the donor encodes it as
-the donor does (`encode_object`: `torch.save` to bytes, checked by a `weights_only` load) and
-sends it (`send_payload`); the joiner receives it (`receive_payload`) and decodes it
-(`decode_object`). Reported: the payload's size, the seconds and MB/s of the send, and the seconds of
-encoding (on the donor) and decoding (on the joiner). The donor's training thread pays for the
-encoding and the send; the joiner's decoding delays only the joiner.
+each `--sizes-mb`, as a checkpoint holds them: a dict of named tensors) the donor encodes it as a
+donor's transfer thread does (`torch.save` to bytes) and sends it (`send_payload`); the joiner
+receives it (`receive_payload`) and decodes it (`decode_object`). Reported: the payload's size,
+the seconds and MB/s of the send, and the seconds of encoding (on the donor) and decoding (on the
+joiner). Both the encoding and the send run on the donor's transfer thread while it trains on
+(`BackgroundTransfer`); the joiner's decoding delays only the joiner.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import socket
@@ -48,7 +49,7 @@ def sized_state(megabytes: float, piece_mb: float = 64.0) -> dict[str, torch.Ten
 
 
 def _rank(rank: int, port: int, states: list[tuple[str, Any]], out: str) -> None:
-    from lightning_prague.core.comm.collectives import decode_object, encode_object
+    from lightning_prague.core.comm.collectives import decode_object
     from lightning_prague.core.comm.groups import GroupComm
     from lightning_prague.core.comm.transfer import receive_payload, send_payload
 
@@ -59,8 +60,9 @@ def _rank(rank: int, port: int, states: list[tuple[str, Any]], out: str) -> None
     for name, state in states:
         if rank == 0:
             start = time.perf_counter()
-            payload = encode_object(state)
-            assert payload is not None
+            buffer = io.BytesIO()
+            torch.save(state, buffer)  # as the donor's transfer thread writes its snapshot
+            payload = buffer.getvalue()
             encoded = time.perf_counter() - start
             sent = send_payload(comm, 1, payload, name)
             rows.append({"state": name, "bytes": len(payload), "encode_s": encoded, "send_s": sent})

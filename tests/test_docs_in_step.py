@@ -9,6 +9,7 @@ docs build's to check (`mkdocs build --strict`)."""
 
 from __future__ import annotations
 
+import ast
 import builtins
 import inspect
 import re
@@ -224,3 +225,50 @@ def test_every_error_the_package_exports_is_explained_on_the_troubleshooting_pag
     assert "ControlPlaneError" in errors_, "the package exports its errors"
     for name in errors_:
         assert re.search(rf"`(?:lightning_prague\.)?{name}`", text), f"troubleshooting.md does not explain {name}"
+
+
+def _warning_messages() -> list[tuple[str, str]]:
+    """(where, the longest literal piece of its message) for every `warnings.warn` / `rank_zero_warn`
+    call in the package."""
+    found = []
+    for path in sorted((ROOT / "lightning_prague").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name not in ("warn", "rank_zero_warn"):
+                continue
+            message = node.args[0]
+            parts = message.values if isinstance(message, ast.JoinedStr) else [message]
+            pieces = [p.value for p in parts if isinstance(p, ast.Constant) and isinstance(p.value, str)]
+            if pieces:
+                found.append((f"{path.relative_to(ROOT)}:{node.lineno}", max(pieces, key=len)))
+    return found
+
+
+def test_every_warning_the_package_emits_is_listed_on_the_troubleshooting_page():
+    page = " ".join((DOCS / "troubleshooting.md").read_text().split())
+    messages = _warning_messages()
+    assert len(messages) >= 4, messages  # the scan finds the package's warnings
+    for where, piece in messages:  # its opening: the page may abridge the rest with "..."
+        opening = " ".join(piece.split()).strip(" ;:,.")[:35]
+        assert opening in page, f"troubleshooting.md does not list the warning at {where} ({opening!r}...)"
+
+
+def _shared_options() -> list[str]:
+    return [name for name in options(DecentralizedStrategy) if name not in LIGHTNING_PLUGINS]
+
+
+@pytest.mark.parametrize("cls", STRATEGIES, ids=lambda c: c.__name__)
+def test_every_strategy_names_every_shared_option_where_it_points_to_them(cls):
+    kwargs = " ".join((cls.__doc__ or "").split("**kwargs:", 1)[-1].split("see `DecentralizedStrategy`")[0].split())
+    missing = [name for name in _shared_options() if f"`{name}`" not in kwargs]
+    assert not missing, f"{cls.__name__}'s **kwargs entry does not name {missing}"
+
+
+def test_the_readme_names_every_shared_option():
+    line = " ".join(
+        (ROOT / "README.md").read_text().split("Options every strategy shares:", 1)[1].split("\n- ")[0].split()
+    )
+    missing = [name for name in _shared_options() if f"`{name}`" not in line]
+    assert not missing, f"README.md's list of the shared options misses {missing}"

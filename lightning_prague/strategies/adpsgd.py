@@ -31,8 +31,9 @@ class ADPSGDStrategy(DecentralizedStrategy):
             rank 0 is active. Default: `BipartiteGraph.ring` (even ranks active, ring hops
             +-1 and +-(1 + 2^i); for odd world sizes the wrap-around edges, which would join two
             ranks of the same parity, are left out).
-        **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`,
-            `timeout`, `average_at_sync`, `bucket_mb`) and Lightning's
+        **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`, `timeout`,
+            `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`,
+            `sync_timeout`, `coordinator_port`, `max_restarts`, `max_workers`) and Lightning's
             plugins; see `DecentralizedStrategy`.
     """
 

@@ -52,8 +52,9 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         overlap: run each group exchange on a snapshot in a background thread and fold the result
             in at the next step (no worker ever blocks on its group); `False` blocks the training
             thread until the group is averaged, as in the paper.
-        **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`,
-            `timeout`, `average_at_sync`, `bucket_mb`) and Lightning's
+        **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`, `timeout`,
+            `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`,
+            `sync_timeout`, `coordinator_port`, `max_restarts`, `max_workers`) and Lightning's
             plugins; see `DecentralizedStrategy`.
     """
 

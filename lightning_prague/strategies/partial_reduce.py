@@ -35,8 +35,9 @@ class PartialReduceStrategy(DecentralizedStrategy):
         overlap: report ready and average on a snapshot in a background thread, folding the
             result in at the next step, so the training thread never waits for its group;
             `False` waits in the training thread, as in the paper.
-        **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`,
-            `timeout`, `average_at_sync`, `bucket_mb`) and Lightning's
+        **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`, `timeout`,
+            `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`,
+            `sync_timeout`, `coordinator_port`, `max_restarts`, `max_workers`) and Lightning's
             plugins; see `DecentralizedStrategy`.
     """
 

@@ -1,6 +1,6 @@
 """`lightning-prague bench --cluster`: every strategy against DDP on an emulated cluster with slow links.
 
-    sudo lightning-prague bench --cluster slow_node inter_node --out bench-cluster
+    sudo -E env PATH="$PATH" lightning-prague bench --cluster slow_node inter_node --out bench-cluster
 
 Each profile builds an emulated cluster (`lightning_prague/tools/cluster`: one network namespace per node, a
 Debian-style ``/etc/hosts``, links shaped with ``tc tbf``; it needs root) and
