@@ -167,11 +167,11 @@ def test_ddp_options_whose_purpose_holds_are_accepted_by_every_strategy(name, ca
     monkeypatch.setattr(ddp_options, "_logged", set())
     cls = STRATEGIES[name][0]
     with caplog.at_level(logging.DEBUG, logger=ddp_options.__name__):
-        strategy = cls(**DDP_NO_OPS, init_sync=True, sync_every=2)
+        strategy = cls(**DDP_NO_OPS, init_sync=True, broadcast_buffers=False, sync_every=2)
         cls(find_unused_parameters=False)
     assert strategy.sync_every == 2  # the strategy's own options still apply
     lines = [r.getMessage() for r in caplog.records if r.name == ddp_options.__name__]
-    for option in [*DDP_NO_OPS, "init_sync"]:
+    for option in [*DDP_NO_OPS, "init_sync", "broadcast_buffers"]:
         # once each, with the reason
         assert sum(f"ignoring {option}=" in line for line in lines) == 1, lines
     assert any("find_unused_parameters=True: parameters without a gradient are no error" in line for line in lines)
@@ -180,7 +180,7 @@ def test_ddp_options_whose_purpose_holds_are_accepted_by_every_strategy(name, ca
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"broadcast_buffers": False}, r"broadcast_buffers=False: buffers are not broadcast.*instead: remove"),
+        ({"broadcast_buffers": True}, r"broadcast_buffers=True: buffers are not broadcast.*instead: remove.*=False"),
         ({"bucket_cap_mb": 50}, r"bucket_cap_mb=50: there are no gradient buckets.*instead: bucket_mb="),
         ({"ddp_comm_hook": print}, r"ddp_comm_hook=.*no gradient is all-reduced.*instead: sync_every="),
         ({"ddp_comm_state": object()}, r"ddp_comm_state=.*instead: sync_every="),

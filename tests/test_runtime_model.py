@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 
@@ -286,3 +287,17 @@ def test_partial_reduce_averages_the_workers_left_over_from_full_groups_after_th
         workers = [ComputeProfile(0.001)] * n  # steps short enough that the drain decides
         prague, partial = predict(workers, MB, strategies=["prague", "partial_reduce"], cluster=cluster)
         assert partial.sync_wait - prague.sync_wait == pytest.approx(extra, abs=1e-9), n
+
+
+def test_every_plan_option_says_what_it_is_and_its_default(capsys):
+    from lightning_prague.tools.plan import make_parser
+
+    parser = make_parser()
+    undescribed = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
+    assert not undescribed, f"plan options without help: {undescribed}"
+    assert isinstance(parser.formatter_class, type) and issubclass(
+        parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter
+    )
+    with pytest.raises(SystemExit):
+        plan(["--help"])
+    assert "training processes (ranks) in the job (default: 8)" in " ".join(capsys.readouterr().out.split())

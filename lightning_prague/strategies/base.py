@@ -188,7 +188,7 @@ class DecentralizedStrategy(DDPStrategy):
                 average parameters in groups, not gradients), so `find_unused_parameters`,
                 `static_graph`, `gradient_as_bucket_view` (and the other options whose purpose
                 already holds, `lightning_prague.strategies.ddp_options.DDP_OPTIONS`) are accepted
-                and ignored; the others (`broadcast_buffers`, `bucket_cap_mb` - use `bucket_mb`,
+                and ignored; the others (`broadcast_buffers=True`, `bucket_cap_mb` - use `bucket_mb`,
                 `ddp_comm_hook`, `model_averaging_period` - use `sync_every`, ...) raise a
                 `ConfigurationError` that says what to use instead. Any other keyword is a `TypeError`.
         """

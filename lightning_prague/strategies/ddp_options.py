@@ -65,7 +65,8 @@ DDP_OPTIONS: dict[str, DDPOption] = {
         "buffers are not broadcast from rank 0 at every forward: floating-point buffers are averaged with the "
         "parameters in every exchange and at synchronization points, integer and boolean buffers take their "
         "element-wise maximum over the live ranks at every synchronization point",
-        instead=_REMOVE,
+        instead="remove the option, or broadcast_buffers=False (what happens here)",
+        only=(False,),
     ),
     "forward_sync_buffers": DDPOption(
         "buffers are not broadcast from rank 0 at every forward: floating-point buffers are averaged with the "

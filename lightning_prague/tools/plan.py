@@ -35,27 +35,53 @@ from lightning_prague.tools.runtime_model import (
 )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="lightning-prague plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--step-time", type=float, default=0.05, help="compute seconds per step of a normal worker")
-    parser.add_argument("--sigma", type=float, default=0.0, help="lognormal jitter of every step")
+def make_parser() -> argparse.ArgumentParser:
+    """`lightning-prague plan`'s options, each with its help and (in `--help`) its default."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-prague plan",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every option's default in --help
+    )
+    parser.add_argument("--workers", type=int, default=8, help="training processes (ranks) in the job")
+    parser.add_argument(
+        "--step-time",
+        type=float,
+        default=0.05,
+        help="compute seconds per step (forward and backward) of a normal worker",
+    )
+    parser.add_argument("--sigma", type=float, default=0.0, help="lognormal jitter (sigma) of every step's time")
     parser.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR", help="a straggler (repeatable)")
     parser.add_argument(
         "--timings", type=Path, help="StragglerMonitor's file (its path option), or a JSON list of seconds per step"
     )
-    parser.add_argument("--model-mb", type=float, default=1.0, help="size of the averaged model state in MB")
+    parser.add_argument("--model-mb", type=float, default=1.0, help="size of the averaged model state (MB)")
     parser.add_argument("--workers-per-node", type=int, default=1, help="consecutive ranks sharing a node")
-    parser.add_argument("--bandwidth-gbps", "--inter-bandwidth-gbps", dest="bandwidth_gbps", type=float, default=10.0)
-    parser.add_argument("--latency-ms", "--inter-latency-ms", dest="latency_ms", type=float, default=0.1)
-    parser.add_argument("--intra-bandwidth-gbps", type=float, default=800.0, help="between workers of one node")
-    parser.add_argument("--intra-latency-ms", type=float, default=0.01)
+    parser.add_argument(
+        "--bandwidth-gbps",
+        "--inter-bandwidth-gbps",
+        dest="bandwidth_gbps",
+        type=float,
+        default=10.0,
+        help="each node's link (Gbit/s): between nodes, or between workers with one worker per node",
+    )
+    parser.add_argument(
+        "--latency-ms",
+        "--inter-latency-ms",
+        dest="latency_ms",
+        type=float,
+        default=0.1,
+        help="one message's latency (ms) between nodes",
+    )
+    parser.add_argument(
+        "--intra-bandwidth-gbps", type=float, default=800.0, help="between workers of one node (Gbit/s)"
+    )
+    parser.add_argument("--intra-latency-ms", type=float, default=0.01, help="one message's latency (ms) inside a node")
     parser.add_argument(
         "--node-bandwidth-gbps",
         type=float,
         nargs="+",
         metavar="GBPS",
-        help="each node's own link, one per node (instead of one --bandwidth-gbps for all): a slow node",
+        help="each node's own link (Gbit/s), one per node (instead of one --bandwidth-gbps for all): a slow node",
     )
     parser.add_argument("--topology", default="ring", choices=sorted(TOPOLOGIES), help="decent_adam's topology")
     parser.add_argument("--grouping", default="random", choices=["random", "static"], help="prague's grouping")
@@ -65,18 +91,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2 / 3,
         help="share of a step that is the backward pass, which DDP overlaps its all-reduce with (0: no overlap)",
     )
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's gradient bucket size")
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGY_MODELS), choices=STRATEGY_MODELS)
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's gradient bucket size (MB)")
     parser.add_argument(
-        "--group-size", type=int, help="prague/partial_reduce group size (default: 3, at most the worker count)"
+        "--strategies",
+        nargs="+",
+        default=list(STRATEGY_MODELS),
+        choices=STRATEGY_MODELS,
+        help="the strategies to predict",
+    )
+    parser.add_argument(
+        "--group-size", type=int, help="prague/partial_reduce group size (unset: 3, at most the worker count)"
     )
     parser.add_argument(
         "--step-overhead",
         type=float,
         default=0.0,
-        help="host seconds every step pays that a slow device does not stretch",
+        help="host seconds (s) every step pays that a slow device does not stretch",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the simulated grouping decisions and jitter")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = make_parser()
     args = parser.parse_args(argv)
     problems = check(args)
     if not problems:
