@@ -329,6 +329,11 @@ def test_a_rank_started_again_rejoins_and_two_new_workers_join_on_the_cluster(jo
         assert results[rank]["batches_this_process"] > 0 and results[rank]["first_batch_time"] > struck, rank
     for rank, result in results.items():
         assert result["epochs_run"] == REJOIN_EPOCHS, (rank, result["epochs_run"], job.logs())
+    # what the srun-style launchers saw of the job's own tasks: the killed one, and the others' 0
+    launchers = "\n".join(p.read_text() for p in sorted(job.directory.parent.glob("srun-*.log")))
+    assert f"(job {job.job_id} rank 2) exited with -9" in launchers, launchers[-3000:]  # it prints only failures
+    for rank in (0, 1, 3):
+        assert f"(job {job.job_id} rank {rank}) exited with" not in launchers, launchers[-3000:]
 
 
 # -- the tool itself

@@ -73,3 +73,10 @@ def test_a_slow_rank_neither_hangs_nor_breaks_consensus(tmp_path):
     expected = sum(range(world)) / world
     for r in results:
         assert r["final"] == pytest.approx([expected] * 5, abs=1e-5)
+
+
+def test_the_supervisors_log_stays_in_the_folder_the_user_names(tmp_path):
+    logs = tmp_path / "logs"
+    run_core_ranks(tmp_path, 2, "random", "2", "4", LIGHTNING_PRAGUE_LOG_DIR=str(logs))
+    kept = list(logs.glob("supervisor-*.log"))
+    assert len(kept) == 1 and oct(kept[0].stat().st_mode & 0o777) == "0o600", kept

@@ -108,3 +108,36 @@ def test_a_worker_that_hears_nothing_from_the_control_plane_beyond_its_bound_fen
     assert exited.value.args == (partition.FENCED_EXIT_STATUS,)
     err = capsys.readouterr().err
     assert "rank 2" in err and "cut off from the control plane at node1:4242" in err and "exit status 75" in err
+
+
+@pytest.mark.parametrize(("setting", "status"), [(None, 0), ("75", 75), ("3", 3), ("not a number", 75), ("300", 75)])
+def test_a_rank_the_control_plane_excludes_exits_with_the_excluded_status(monkeypatch, caplog, setting, status):
+    """0 by default: the job goes on without it, and a launcher that sees another status would end or
+    fail the whole job; the agent of `max_restarts` sets 75 to tell an excluded rank from a finished one."""
+
+    def exit_(code: int) -> None:
+        raise Exited(code)
+
+    monkeypatch.setattr("lightning_prague.core.client.control.os._exit", exit_)
+    if setting is None:
+        monkeypatch.delenv(partition.EXCLUDED_EXIT_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(partition.EXCLUDED_EXIT_VARIABLE, setting)
+    session = Session(FakeClient(0.0), 1, 4, Beacon(HangRule()), long_bound=300.0)  # type: ignore[arg-type]
+    with pytest.raises(Exited) as exited:
+        session.deliver({"t": "fenced", "reason": "no progress for 60s"})
+    assert exited.value.args == (status,)
+    assert f"the job goes on without it: exiting with status {status}" in caplog.text
+
+
+def test_the_agent_tells_its_ranks_to_report_exclusion_as_a_failure(monkeypatch):
+    import lightning_prague.strategies.launcher as launcher
+
+    monkeypatch.delenv(partition.EXCLUDED_EXIT_VARIABLE, raising=False)
+    seen: list[dict] = []
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda cmd, env: seen.append(env) or "proc")
+    monkeypatch.setattr(launcher, "_basic_subprocess_cmd", lambda: ["python", "train.py"])
+    agent = object.__new__(launcher.RankAgent)
+    agent.spare, agent._spare_due = None, 0.0
+    assert agent._start(1, 1) == "proc"
+    assert seen[0][partition.EXCLUDED_EXIT_VARIABLE] == str(partition.FENCED_EXIT_STATUS)

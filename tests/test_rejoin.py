@@ -8,6 +8,7 @@ fit's state from rank 1 and trains to the end with the others. The rest are mess
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import pickle
@@ -45,6 +46,7 @@ def test_a_killed_rank_0_rejoins_and_two_new_workers_join_the_running_fit(tmp_pa
     command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", "prague", "--devices", "4"]
     command += ["--epochs", "18", "--step-time", "0.1", "--profile", "homogeneous", "--fault", "0:20:kill"]
     command += ["--max-restarts", "1", "--max-workers", "6", "--hang-timeout", "10", "--json", str(out)]
+    command += ["--csv-dir", str(tmp_path / "csv")]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **{LAUNCH_VARIABLE: "scale-up-test"})
     logs = [open(tmp_path / f"log{i}.txt", "w") for i in range(3)]  # noqa: SIM115  (pipes would fill up)
@@ -83,6 +85,14 @@ def test_a_killed_rank_0_rejoins_and_two_new_workers_join_the_running_fit(tmp_pa
     for result in results.values():  # every fit ran to its end, on one consensus model
         assert result["epochs_run"] == 18
         assert result["params_sha256"] == results[1]["params_sha256"]
+    # the leader logged the live workers at its synchronization points: 4, 3 without rank 0, then 6
+    live = set()
+    for metrics in (tmp_path / "csv").rglob("metrics.csv"):
+        rows = list(csv.DictReader(metrics.open()))
+        live |= {float(row["workers/live"]) for row in rows if row.get("workers/live")}
+    assert {4.0, 3.0, 6.0} <= live, live
+    # the supervisor's log stays next to the trainer's (its default_root_dir is the working directory)
+    assert list((tmp_path / "lightning_prague_logs").glob("supervisor-*.log")), stderr[-2000:]
 
 
 def free_port() -> int:

@@ -462,6 +462,7 @@ def init_job(
     control_port: Optional[int] = None,
     rejoin: Optional[bool] = None,
     launched: Optional[int] = None,
+    log_dir: Optional[str] = None,
 ) -> Job:
     """Join the job (see the module docstring); returns this process's `Job` (the same one when called again).
 
@@ -474,6 +475,9 @@ def init_job(
     `launched`: the ranks `0..launched-1` that start the job (torch's world; default: `world_size`).
     The job can grow to `world_size` workers: a process with a rank from `launched` on joins the
     running fit as a rejoining one does, in a free place (`max_workers`).
+
+    `log_dir`: where global rank 0's supervisor writes its log, kept after the job (unset:
+    `LIGHTNING_PRAGUE_LOG_DIR`, else a temporary file deleted at its clean exit).
 
     `control_port`: where global rank 0's supervisor serves the control plane (unset:
     `LIGHTNING_PRAGUE_CONTROL_PORT`, else a free port; see `supervisor.resolve_control_port`).
@@ -513,6 +517,7 @@ def init_job(
         log.warning("rank %d: a new process for this rank; it rejoins the running job", rank)
         return _JOB
     start = dict(
+        log_dir=log_dir,
         secret=secret or generated_secret().encode(),
         launch_id=launch_id or new_launch_id(),
         publish_secret=secret is None,

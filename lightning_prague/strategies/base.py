@@ -67,6 +67,7 @@ from lightning_prague.core.exchange.training import SessionPlan, TrainingSession
 from lightning_prague.core.exchange.worker import GroupWorker
 from lightning_prague.core.grouping.policies import GroupingPolicy
 from lightning_prague.core.job import Job, init_job
+from lightning_prague.core.plane.launch import LOG_DIR_VARIABLE
 from lightning_prague.core.protocol import HangRule
 from lightning_prague.strategies import _patches
 from lightning_prague.strategies._checks import check_layer_sync, check_lightning_internals, check_trainer
@@ -376,10 +377,21 @@ class DecentralizedStrategy(DDPStrategy):
             pg_timeout=self._timeout,
             control_port=self.coordinator_port,
             launched=self.world_size,
+            log_dir=self._supervisor_log_dir(),
         )
         supervisor = self.job.supervisor
         if supervisor is not None:
             rank_zero_info(f"lightning-prague: the supervisor (pid {supervisor.pid}) logs to {supervisor.log_file}")
+
+    def _supervisor_log_dir(self) -> Optional[str]:
+        """Where the supervisor's log stays: `LIGHTNING_PRAGUE_LOG_DIR`, else `lightning_prague_logs/` in the
+        trainer's `default_root_dir`, next to Lightning's own logs (it outlives a job whose `$TMPDIR`
+        the cluster wipes)."""
+        if os.environ.get(LOG_DIR_VARIABLE):
+            return os.environ[LOG_DIR_VARIABLE]
+        trainer = getattr(self._lightning_module, "_trainer", None) if self._lightning_module is not None else None
+        root = getattr(trainer, "default_root_dir", None)
+        return os.path.join(root, "lightning_prague_logs") if root else None
 
     @override
     def _configure_launcher(self) -> None:

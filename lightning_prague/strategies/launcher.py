@@ -52,6 +52,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
 from lightning_prague.core.auth import LAUNCH_VARIABLE, known_launch_id, new_launch_id
+from lightning_prague.core.client.partition import EXCLUDED_EXIT_VARIABLE, FENCED_EXIT_STATUS
 from lightning_prague.core.job import RESTARTS_VARIABLE, rejoining
 from lightning_prague.strategies.rejoin import PEER_CHECKPOINT
 from lightning_prague.strategies.spare import spare_environment
@@ -178,6 +179,7 @@ class RankAgent:
         env = os.environ.copy()
         env["LOCAL_RANK"] = str(local_rank)
         env[RESTARTS_VARIABLE] = str(restarts)
+        env.setdefault(EXCLUDED_EXIT_VARIABLE, str(FENCED_EXIT_STATUS))  # an excluded rank is a lost one: restart it
         if restarts == 0:
             env.pop(RESTARTS_VARIABLE)
             return subprocess.Popen(_basic_subprocess_cmd(), env=env)

@@ -48,6 +48,22 @@ class Survivors:
             rank_zero_only.rank = duty
         return True
 
+    def log_membership(self) -> None:
+        """At a synchronization point, on the leader: the number of live workers (`workers/live`) and
+        of the losses so far (`workers/lost`, a rank that came back included) to the trainer's
+        loggers, at the global step, so that a dashboard plots them over the fit."""
+        strategy = self.strategy
+        trainer, job, session = strategy._trainer, strategy.job, strategy.session
+        if trainer is None or job is None or session is None or not strategy.is_global_zero:
+            return
+        if trainer.sanity_checking or not trainer.loggers:
+            return
+        lost = len(set(session.departed) | set(session.rejoined))
+        metrics = {"workers/live": float(len(job.members)), "workers/lost": float(lost)}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        log.debug("rank %d: logged %s at step %d", strategy.global_rank, metrics, trainer.global_step)
+
     def report_losses(self) -> None:
         """At the teardown of a fit that did not fail: record who was lost (`lost_workers`) and, on
         the lowest live rank, warn naming them."""

@@ -157,6 +157,7 @@ class Synchronizer:
         if loader is not None:
             loader.set_members(list(worker.members))
         strategy.regrouped = strategy.survivors.follow_membership()
+        strategy.survivors.log_membership()
         if loader is not None and strategy.is_global_zero:
             loader.forget_finished_epochs()
         if sampler is not None and "speeds" in release:

@@ -47,7 +47,14 @@ from typing import Any
 from lightning_prague.core.auth import Credentials
 from lightning_prague.core.client.beacon import Beacon
 from lightning_prague.core.client.link import MessageLink
-from lightning_prague.core.client.partition import FENCED_EXIT_STATUS, MARGIN_SECONDS, drop_connections, own_addresses
+from lightning_prague.core.client.partition import (
+    EXCLUDED_EXIT_VARIABLE,
+    FENCED_EXIT_STATUS,
+    MARGIN_SECONDS,
+    drop_connections,
+    excluded_exit_status,
+    own_addresses,
+)
 from lightning_prague.core.errors import (
     CONTROL_PLANE,
     ControlPlaneError,
@@ -291,8 +298,12 @@ class Session:
             self.members = [int(r) for r in item.get("members", self.members)]
             log.warning("rank %d: ranks %s rejoined the job; members %s", self.rank, item["joined"], self.members)
         elif kind == "fenced":  # declared hung: end this process, as a local one would be SIGKILLed
-            log.error("rank %d: the control plane fenced this rank (%s); exiting", self.rank, item.get("reason"))
-            os._exit(FENCED_EXIT_STATUS)
+            status = excluded_exit_status()
+            log.error(
+                "rank %d: the control plane fenced this rank (%s); the job goes on without it: exiting with status %d "
+                "(%s)", self.rank, item.get("reason"), status, EXCLUDED_EXIT_VARIABLE,
+            )  # fmt: skip
+            os._exit(status)
         elif kind == "stop" and (self.stop_reason is None or item.get("reason") == "requeue"):
             self.stop_reason = str(item.get("reason", "sigterm"))
             log.debug("rank %d: the job is stopping (%s)", self.rank, self.stop_reason)

@@ -37,8 +37,32 @@ log = logging.getLogger(__name__)
 #: seconds a worker waits beyond its hang bound before it fences itself (the control plane declares
 #: it lost at its bound; the worker ends a little later, so it never ends before it is counted out)
 MARGIN_SECONDS = 2.0
-#: exit status of a fenced process (EX_TEMPFAIL), whether the control plane told it or it found out itself
+#: exit status of a process that ends itself because it is cut off from the control plane (EX_TEMPFAIL):
+#: it cannot tell whether the job goes on, so it does not report success
 FENCED_EXIT_STATUS = 75
+#: environment variable: the exit status of a rank the control plane excluded from a job that goes on
+#: (declared hung and told so); default `EXCLUDED_EXIT_DEFAULT`
+EXCLUDED_EXIT_VARIABLE = "LIGHTNING_PRAGUE_EXCLUDED_EXIT_STATUS"
+#: 0: the job goes on without the rank, and a launcher that sees any other status ends or marks the
+#: whole job failed (torchrun stops every worker, SLURM's `KillOnBadExit` kills the step, `afterok` fails)
+EXCLUDED_EXIT_DEFAULT = 0
+
+
+def excluded_exit_status() -> int:
+    """The exit status of a rank the control plane excluded (`EXCLUDED_EXIT_VARIABLE`, 0-255)."""
+    value = os.environ.get(EXCLUDED_EXIT_VARIABLE, "").strip()
+    if not value:
+        return EXCLUDED_EXIT_DEFAULT
+    try:
+        status = int(value)
+    except ValueError:
+        status = -1
+    if not 0 <= status <= 255:
+        log.error("%s=%r is not an exit status (0-255): using %d", EXCLUDED_EXIT_VARIABLE, value, FENCED_EXIT_STATUS)
+        return FENCED_EXIT_STATUS
+    return status
+
+
 _SIOCGIFADDR = 0x8915
 #: environment variables naming the interfaces the backends use between nodes
 _INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")

@@ -36,6 +36,11 @@ from lightning_prague.core.protocol import resolve_control_port
 
 log = logging.getLogger(__name__)
 
+#: environment variable: the folder the supervisor's log goes to and stays in (on the first node);
+#: unset: the strategies' `<default_root_dir>/lightning_prague_logs`, or for `init_job` alone a temporary
+#: file that is deleted when the supervisor exits cleanly
+LOG_DIR_VARIABLE = "LIGHTNING_PRAGUE_LOG_DIR"
+
 # Run as `python -c BOOTSTRAP`: the package's __init__ (which imports Lightning to register the
 # strategies) is skipped; only the core is imported.
 BOOTSTRAP = (
@@ -87,21 +92,32 @@ def launch(
     launch_id: str,
     publish_secret: bool = False,
     wait: float | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
 ) -> Supervisor:
     """Start the supervisor for a job of `world_size` ranks whose store is (to be) at `host:port`.
 
     It serves the control plane on `control_port` (see `resolve_control_port`; unset: a free port)
     to the ranks of launch `launch_id` that prove they hold `secret` (`lightning_prague.core.auth`),
     and publishes `secret` in the store if `publish_secret` (one rank 0 generated). `wait`: how long
-    it waits for the first rank (the rendezvous' bound; default `timeout`).
+    it waits for the first rank (the rendezvous' bound; default `timeout`). `log_dir`: where its log
+    goes and stays (default: `LOG_DIR_VARIABLE`, else a temporary file deleted at a clean exit).
     """
     control_port = resolve_control_port(control_port)
     # a file of our own, new for this launch, that nobody else can have made or read (mode 0600)
-    fd, name = tempfile.mkstemp(prefix=f"lightning_prague-supervisor-{port}-", suffix=".log")
+    log_dir = log_dir if log_dir is not None else (os.environ.get(LOG_DIR_VARIABLE) or None)
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    fd, name = tempfile.mkstemp(
+        prefix=f"lightning_prague-supervisor-{port}-" if log_dir is None else f"supervisor-{stamp}-{port}-",
+        suffix=".log",
+        dir=log_dir,
+    )
     os.close(fd)
     log_file = Path(name)
     argv = ["--host", host, "--port", str(port), "--world-size", str(world_size), "--timeout", str(timeout)]
     argv += ["--log", str(log_file)] + (["--host-store"] if host_store else [])
+    argv += ["--keep-log"] if log_dir is not None else []  # a folder of the user's: the log outlives the job
     argv += ["--control-port", str(control_port or 0), "--launch", launch_id, "--parent", str(os.getpid())]
     argv += ["--wait", str(timeout if wait is None else wait)] + (["--publish-secret"] if publish_secret else [])
     if hasattr(os, "fork") and not _cuda_initialized():

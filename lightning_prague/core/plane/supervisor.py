@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--control-port", type=int, help=f"the control plane's port (0: a free one; unset: {PORT_VARIABLE} or 0)"
     )
-    parser.add_argument("--log", help="this process's log file, deleted at a clean exit")
+    parser.add_argument("--log", help="this process's log file, deleted at a clean exit unless --keep-log")
+    parser.add_argument("--keep-log", action="store_true", help="keep the log file (a folder the user chose)")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("LIGHTNING_PRAGUE_SUPERVISOR_LOG", "WARNING"),
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
             break
     server.close()
     log.info("exiting: %d of %d ranks came and all are gone", len(server.ever_connected), args.world_size)
-    if args.log and server.error is None:
+    if args.log and server.error is None and not args.keep_log:
         try:
             os.unlink(args.log)
         except OSError:
