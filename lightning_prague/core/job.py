@@ -205,6 +205,8 @@ class Job:
     sessions: int = field(default=0)
     #: the ranks in `group`, sorted (every rank until some left the job)
     members: tuple[int, ...] = ()
+    #: the leader the control plane last named (`follow_leader`); `None`: the lowest member
+    named_leader: Optional[int] = None
     pg_timeout: Optional[timedelta] = None
     #: attempts to rebuild `group` so far, the same number on every member (each one's store prefix)
     rebuilds: int = 0
@@ -223,8 +225,17 @@ class Job:
 
     @property
     def leader(self) -> int:
-        """The lowest live rank: it takes over global rank 0's duties (checkpoints, logging)."""
-        return self.members[0]
+        """The rank that does global rank 0's duties (checkpoints, logging): the one the control plane
+        names (`follow_leader`), while it is a member; else the lowest live rank."""
+        named = self.named_leader
+        return named if named is not None and named in self.members else self.members[0]
+
+    def follow_leader(self, release: dict[str, Any]) -> None:
+        """Take the leader a release names (the control plane keeps it until it is lost, so a rank
+        that rejoins below it does not take the duties back)."""
+        named = release.get("leader")
+        if isinstance(named, int) and not isinstance(named, bool) and 0 <= named < self.world_size:
+            self.named_leader = named
 
     def regroup(
         self,
@@ -404,6 +415,7 @@ class Job:
             session.close()
             raise
         self.joining, self.rejoined = False, True
+        self.follow_leader(release)
         done = time.monotonic()
         log.warning(
             "rank %d: rejoined the job at %r after %.1fs; received the fit's state from rank %d (%.1f MB in %.2fs)",

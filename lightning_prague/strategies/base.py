@@ -316,6 +316,7 @@ class DecentralizedStrategy(DDPStrategy):
             if self.training.admission is not None:  # rejoined: the others train on, unaligned with it
                 self.controller.batch_starts()
                 trainer.num_sanity_val_steps = 0  # the fit is under way: no sanity check (and no collectives)
+                self.survivors.assign_rank_zero()  # the leader stays whoever leads now
             replacements = {**self.stops.replacements(), **self.loaders.replacements(trainer)}
             if self.shards_by_work_queue:
                 self.progress = GlobalProgress(trainer, self.capacity, self.controller, self.synchronize)

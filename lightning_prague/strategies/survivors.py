@@ -5,9 +5,12 @@ the survivors finish the fit without it. The control plane tells every rank who 
 release of a synchronization point; from there (`Survivors.follow_membership`) the data that
 Lightning shards by rank goes to the survivors (`StrategyLoaders.reshard`), and if global rank 0
 was lost, the lowest live rank takes over its duties (checkpoints, logging: Lightning's
-`rank_zero_only`). When the fit ends, the lowest live rank warns once, naming every rank that was
-lost, when and why, and whether `min_workers` stopped the job (`report_losses`); the strategy's
-`lost_workers` keeps the same on every rank.
+`rank_zero_only`) and keeps them until it is lost itself (`Job.leader`, named by the control plane:
+a rank 0 that rejoins does not take them back, so one process logs at a time). At every
+synchronization point the leader logs the live and lost workers as metrics (`log_membership`).
+When the fit ends, the leader warns once, naming every rank that was lost, when and why, and
+whether `min_workers` stopped the job (`report_losses`); the strategy's `lost_workers` keeps the
+same on every rank.
 """
 
 from __future__ import annotations
@@ -37,16 +40,23 @@ class Survivors:
         Returns whether the membership changed at this release."""
         strategy = self.strategy
         job = strategy.job
-        if job is None or not strategy.loaders.reshard(job.members):
-            return False
-        duty = 0 if strategy.is_global_zero else strategy.global_rank  # the leader logs as rank zero, and only it
+        self.assign_rank_zero()
+        return job is not None and strategy.loaders.reshard(job.members)
+
+    def assign_rank_zero(self) -> None:
+        """Lightning's `rank_zero_only` follows the leader (`Job.leader`): it alone logs and writes
+        checkpoints, and a new process for global rank 0 that rejoined does not while another leads."""
+        strategy = self.strategy
+        job = strategy.job
+        if job is None:
+            return
+        duty = 0 if strategy.is_global_zero else (strategy.global_rank or -1)  # -1: rank 0, not leading
         if duty != rank_zero_only.rank:
             if duty == 0:
                 log.warning("rank %d: takes over global rank 0's duties (checkpoints, logging)", strategy.global_rank)
             else:
-                log.warning("rank %d: hands global rank 0's duties back to rank %d", strategy.global_rank, job.leader)
+                log.warning("rank %d: rank %d does global rank 0's duties", strategy.global_rank, job.leader)
             rank_zero_only.rank = duty
-        return True
 
     def log_membership(self) -> None:
         """At a synchronization point, on the leader: the number of live workers (`workers/live`) and

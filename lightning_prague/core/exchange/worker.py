@@ -353,6 +353,8 @@ class GroupWorker:
         if exchanger is not None:
             exchanger.finish(self.release)  # the phase's last rounds, among the phase's members
         self.change_members((self.release or {}).get("members"))
+        if self.job is not None:
+            self.job.follow_leader(self.release or {})
         self.fresh = set()  # every member, joiners included, is at this meeting: aligned
         self.stats.syncs += 1
         self.stats.sync_seconds += time.monotonic() - start

@@ -153,6 +153,10 @@ class GroupGenerator:
         #: ranks that shut down after an error or departed, and free places no worker took yet (`launched`)
         self.left: set[int] = set(range(starting, world_size))
         self.live: list[int] = list(range(starting))  # the others, sorted
+        #: the rank that does global rank 0's duties (checkpoints, logging): the lowest live rank, and
+        #: it stays the leader until it is lost (a rank that rejoins below it does not take them back,
+        #: so that one process writes the logs at a time); every release names it
+        self.leader: int | None = 0 if starting else None
         self._speeds: list[float] = [0.0] * world_size  # seconds per batch, as reported with `arrive`
         self._untrained: dict[int, list[int]] = {}
         self._rounds: dict[int, int] = {}  # gossip rounds reported with `arrive`, this meeting
@@ -439,6 +443,7 @@ class GroupGenerator:
                 "speeds": list(self._speeds),
                 "pending": sorted(c for chunks in self._untrained.values() for c in chunks),
                 "members": list(self.live),
+                "leader": self.leader,
                 # every live rank completed the collective this meeting decides on (`GroupWorker.global_average`)
                 "complete": not self._incomplete,
             }
@@ -536,6 +541,8 @@ class GroupGenerator:
             return
         self.left.add(rank)
         self.live.remove(rank)
+        if rank == self.leader:
+            self.leader = self.live[0] if self.live else None
         self.busy.discard(rank)
         self._waiting.pop(rank, None)
         self._ready = deque(entry for entry in self._ready if entry[0] != rank)
