@@ -103,6 +103,7 @@ def test_stop_releases_everyone_only_after_all_arrive_at_the_stop_point():
         "speeds": [0.0] * 3,
         "pending": [],
         "members": [0, 1, 2],
+        "leader": 0,
         "complete": True,
     }
     assert all(out[r] == [release] for r in range(3))

@@ -44,7 +44,7 @@ def test_a_killed_rank_0_rejoins_and_two_new_workers_join_the_running_fit(tmp_pa
     are started by hand once the four are training, as a user adds workers to a running job."""
     out = tmp_path / "result.json"
     command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", "prague", "--devices", "4"]
-    command += ["--epochs", "18", "--step-time", "0.1", "--profile", "homogeneous", "--fault", "0:20:kill"]
+    command += ["--epochs", "15", "--step-time", "0.1", "--profile", "homogeneous", "--fault", "0:20:kill"]
     command += ["--max-restarts", "1", "--max-workers", "6", "--hang-timeout", "10", "--json", str(out)]
     command += ["--csv-dir", str(tmp_path / "csv")]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
@@ -82,14 +82,16 @@ def test_a_killed_rank_0_rejoins_and_two_new_workers_join_the_running_fit(tmp_pa
         assert results[rank]["batches_this_process"] > 0, rank
     assert "rejoined the job at 'epoch_end@" in stderr
     for result in results.values():  # every fit ran to its end, on one consensus model
-        assert result["epochs_run"] == 18
+        assert result["epochs_run"] == 15
         assert result["params_sha256"] == results[1]["params_sha256"]
-    # the leader logged the live workers at its synchronization points: 4, 3 without rank 0, then 6
+    # the leader logged the live workers at its synchronization points: 3 without rank 0, then 6 (rank 0
+    # rejoins with ranks 4 and 5, or before them: 4 then); the original rank 0's rows are the successor's
+    # logger's to rewrite (a fixed-version CSVLogger)
     live = set()
     for metrics in (tmp_path / "csv").rglob("metrics.csv"):
         rows = list(csv.DictReader(metrics.open()))
         live |= {float(row["workers/live"]) for row in rows if row.get("workers/live")}
-    assert {4.0, 3.0, 6.0} <= live, live
+    assert {3.0, 6.0} <= live <= {3.0, 4.0, 6.0}, live
     # the supervisor's log stays next to the trainer's (its default_root_dir is the working directory)
     assert list((tmp_path / "lightning_prague_logs").glob("supervisor-*.log")), stderr[-2000:]
 

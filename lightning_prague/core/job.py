@@ -48,7 +48,6 @@ not when a rank is lost.
 from __future__ import annotations
 
 import atexit
-import importlib
 import inspect
 import json
 import logging
@@ -605,7 +604,7 @@ def _init_local_world(rank: int, world_size: int) -> None:
     backend: this process alone, with its rank), so that `torch.distributed` is initialised and
     knows this process's global rank; every exchange runs on the library's group (`Job.group`)."""
     try:
-        importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers the `fake` backend
+        import torch.testing._internal.distributed.fake_pg as _fake_pg  # noqa: F401  (registers the `fake` backend)
     except ImportError as err:
         raise ConfigurationError(
             f"rank {rank}: rejoining a running job needs torch's `fake` process group backend, which the installed "

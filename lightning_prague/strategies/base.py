@@ -390,7 +390,10 @@ class DecentralizedStrategy(DDPStrategy):
         the cluster wipes)."""
         if os.environ.get(LOG_DIR_VARIABLE):
             return os.environ[LOG_DIR_VARIABLE]
-        trainer = getattr(self._lightning_module, "_trainer", None) if self._lightning_module is not None else None
+        try:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        except RuntimeError:  # not attached to a trainer (`LightningModule.trainer` says so)
+            trainer = None
         root = getattr(trainer, "default_root_dir", None)
         return os.path.join(root, "lightning_prague_logs") if root else None
 
