@@ -491,9 +491,14 @@ class GroupWorker:
         receivers = [j for j in joined if j in self.members]
         if donor == self.rank and receivers:
             self.end_transfer()
-            transfer = BackgroundTransfer(self.comm, receivers, snapshot(), "the fit's state", self.timeout)
-            self.comm.before_exchange = transfer.guard
-            self.transfer = transfer.start()
+            try:
+                encode = snapshot()
+            except Exception as err:  # the joiners' receives fail and they leave; the donor's fit goes on
+                log.warning("rank %d: could not take the fit's state for ranks %s: %s", self.rank, receivers, err)
+            else:
+                transfer = BackgroundTransfer(self.comm, receivers, encode, "the fit's state", self.timeout)
+                self.comm.before_exchange = transfer.guard
+                self.transfer = transfer.start()
         self.release = {**first, "members": list(self.members)}
         self.released_version = version
         return joined
