@@ -181,7 +181,7 @@ class GroupComm:
         self.waiting: Callable[[], AbstractContextManager[None]] = nullcontext
         #: called with the peers of every exchange before it starts (a background transfer to one of
         #: them ends first: `lightning_prague.core.comm.transfer.BackgroundTransfer`)
-        self.before_exchange: Callable[[set[int]], None] = lambda peers: None
+        self.before_exchange: Callable[[set[int]], None] | None = None
         # NCCL's wait only orders the stream; the host learns of the end (and of a hang) by polling
         self._host_waits = self.device.type == "cpu"
 
@@ -408,7 +408,8 @@ class GroupComm:
 
     def _post(self, ops: list[dist.P2POp]) -> list[tuple[dist.P2POp | None, dist.Work | None]]:
         """Start `ops` (see `_exchange`); an operation that fails to start has failed its peer."""
-        self.before_exchange({op.peer for op in ops})
+        if self.before_exchange is not None:  # (only while a transfer is out: nothing on the common path)
+            self.before_exchange({op.peer for op in ops})
         if self.device.type != "cpu":
             return [(None, work) for work in _communicate(dist.batch_isend_irecv, ops)]
         posted: list[tuple[dist.P2POp | None, dist.Work | None]] = []

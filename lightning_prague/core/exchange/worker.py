@@ -585,7 +585,7 @@ class GroupWorker:
         transfer, self.transfer = self.transfer, None
         if transfer is not None:
             transfer.wait()
-            self.comm.before_exchange = lambda peers: None
+            self.comm.before_exchange = None
 
     def close(self) -> None:
         """This rank is done with its session (teardown; the worker is not used afterwards)."""
