@@ -1,29 +1,37 @@
-"""Several nodes for real: the strategies on an emulated cluster of 2 nodes x 2 workers.
+"""Several nodes for real: the job scripts of `examples/cluster` and the strategies' faults on an
+emulated cluster of 2 nodes x 2 workers.
 
 The cluster (`lightning_prague.tools.cluster`) makes each node a network namespace with its own host name and a
 Debian-style ``/etc/hosts`` (the node's own name on 127.0.1.1, the other node at its bridge
 address), joined by 1 Gbit/s links shaped with ``tc``; gloo is told each node's interface
 (``GLOO_SOCKET_IFNAME``), as on any machine with more than one. Each node's processes are started
 inside it and both nodes' at the same time; every rank of a job must end its fit with the same
-model (one ``params_sha256``).
+model.
 
-What runs (about 45 s on two cores; each job's ranks start and train concurrently with the others):
+What runs (about a minute on two cores):
 
-- **torchrun** (``--rdzv-backend c10d --rdzv-endpoint node1:PORT``, one agent per node, fresh
-  interpreters: 6 imports of Lightning per job, the costliest launch here): ``prague``.
-- **srun-style** (``lightning_prague.tools.cluster.srun``: per rank the variables ``srun`` sets, ``MASTER_ADDR``
-  node1, ``MASTER_PORT`` from the job id as Lightning's ``SLURMEnvironment`` derives it):
-  ``partial_reduce``, ``adpsgd`` and ``decent_adam``, so that every strategy runs once on several
-  nodes within the suite's time. The ranks are forked from one process per node that imported
-  Lightning once (``--preload``): fresh interpreters would cost 4 x 7 s of imports per job here.
+- **The example job scripts** (`examples/cluster`), each as its launcher runs it, the same
+  ``train.py`` for 2 epochs, at once:
+  - ``slurm.sbatch`` (``partial_reduce``), run on each node as ``sbatch`` would with SLURM's batch
+    variables and an emulated ``srun`` on its ``PATH`` (`lightning_prague.tools.cluster.batch`)
+    that starts the node's 2 tasks, forked from one import of Lightning (``--preload``);
+  - ``torchrun.sh`` (``adpsgd``), one torchrun agent per node, rendezvous at node1 (c10d),
+    one worker per node (fresh interpreters: the costliest start here);
+  - ``kubernetes.yaml`` (``decent_adam``), one pod per node: each pod's container command with the
+    environment its manifest gives it, the completion index as ``NODE_RANK`` and the cluster's own
+    names and sizes where a real cluster's differ (`pod_environment`).
+  Every launcher exits 0, every rank reports the end of the fit with one model, and the job's root
+  directory holds the last checkpoint, the ``workers/live`` metric and the supervisor's log.
+- **srun-style jobs of the demo** (``lightning_prague.tools.cluster.srun``, forked from one import):
+  - ``prague`` with ``max_workers=6``: rank 2 kills itself, a new process with its old SLURM
+    variables and ``LIGHTNING_PRAGUE_REJOIN=1`` rejoins, and ranks 4 and 5 join (from the start,
+    with the examples). The cut below is short for it (a 15 s bound): every rank finishes;
+  - ``decent_adam`` **cut off**: once the examples are over, its ranks start, and node2's link is
+    cut for ``CUT_SECONDS`` (10 s), beyond its 3 s detection bound: node2's ranks are counted lost,
+    node1's finish with one model, and node2's fence themselves (exit status 75, a message that
+    says they were cut off). It starts after the examples, so that the cut touches none of them.
 
-**A partition** shares those jobs: once every srun-style rank has set up, node2's link is cut for
-``CUT_SECONDS`` (10 s). ``decent_adam``'s job has a 3 s detection bound: node2's ranks are counted
-lost, node1's finish with one model, and node2's fence themselves (exit status 75, a message that
-says they were cut off). The other jobs have a 30 s bound: the cut is short for them, and every rank
-finishes as without it. (The torchrun job may be cut too, in its set-up or its training: a short cut.)
-
-``LPC_CLUSTER_ALL=1`` runs every strategy both ways (about twice as long).
+``LPC_CLUSTER_ALL=1`` also runs every strategy's demo both ways, torchrun and srun-style.
 
 Plus checks of the tool itself: hosts and host names, shaping, cut and heal, the tear-down.
 Skipped with the reason when this machine cannot create network namespaces (not root, no ``ip``).
@@ -31,8 +39,10 @@ Skipped with the reason when this machine cannot create network namespaces (not 
 
 from __future__ import annotations
 
+import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,23 +51,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lightning_prague.tools.cluster import Cluster, ClusterUnavailable, clean_environment
+from lightning_prague.tools.cluster.batch import batch_environment, write_srun
 from lightning_prague.tools.cluster.emulate import cluster_ids, namespaces
 from lightning_prague.tools.cluster.srun import Layout, task_environment
 
 ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "cluster"
 
 pytestmark = pytest.mark.timeout(240)
 
 STRATEGIES = ("prague", "partial_reduce", "adpsgd", "decent_adam")
-EVERY_WAY = bool(os.environ.get("LPC_CLUSTER_ALL"))  # every strategy on both launch paths (about twice as long)
-TORCHRUN = STRATEGIES if EVERY_WAY else ("prague",)
+EVERY_WAY = bool(os.environ.get("LPC_CLUSTER_ALL"))  # every strategy's demo on both launch paths too
+TORCHRUN = STRATEGIES if EVERY_WAY else ()
 #: the srun-style job whose ranks on node2 are cut off for longer than its detection bound
 PARTITIONED = "decent_adam"
-SRUN = STRATEGIES if EVERY_WAY else ("partial_reduce", "adpsgd", PARTITIONED)
-#: node2's link is down this long once every srun-style rank has set up: longer than the partitioned
-#: job's detection bound (`PARTITION_HANG` s, or 5 times its longest recent step if longer, as a loaded
+SRUN = STRATEGIES if EVERY_WAY else (PARTITIONED,)
+#: node2's link is down this long once the partitioned job's ranks have set up: longer than its
+#: detection bound (`PARTITION_HANG` s, or 5 times its longest recent step if longer, as a loaded
 #: machine may stretch them), well under every other job's (`HANG` s), whose cut is short
 CUT_SECONDS = 10.0
 PARTITION_HANG, HANG = 3.0, 30.0
@@ -68,7 +81,11 @@ PREFIX = "lpcltest-"
 JOB_TIMEOUT = 150
 #: the srun-style job whose rank 2 is killed (SIGKILL at its 20th batch) and started again with its
 #: old environment, and which two more workers join as ranks 4 and 5 (`max_workers=6`)
-REJOIN, REJOIN_EPOCHS = "prague", 25
+REJOIN, REJOIN_EPOCHS = "prague", 12
+#: each example's launcher and strategy: with the rejoin job's prague every strategy finishes a fit
+#: on several nodes (2 workers, one per node, are too few for partial_reduce's default group size)
+EXAMPLE_STRATEGIES = {"slurm": "partial_reduce", "torchrun": "adpsgd", "kubernetes": "decent_adam"}
+EXAMPLE_EPOCHS = 2
 
 
 @pytest.fixture(scope="module")
@@ -83,19 +100,15 @@ def cluster():
 
 
 def demo_args(strategy: str, out: Path, partitioned: bool = False, rejoin: bool = False) -> list[str]:
-    """The demo's options for one short job of ``strategy`` on the cluster; the srun-style jobs train
-    through node2's cut (`CUT_SECONDS`), the partitioned one with a detection bound under it; the
-    rejoin job long enough for a killed rank and two new workers to join it (`REJOIN_EPOCHS`)."""
+    """The demo's options for one short job of ``strategy`` on the cluster; the partitioned one with a
+    detection bound under the cut; the rejoin job long enough for a killed rank and two new workers
+    to join it (`REJOIN_EPOCHS`)."""
     timing = ["--epochs", "1", "--step-time", "0.02", "--hang-timeout", str(HANG)]
-    if rejoin:  # silent bound max(10 s, 150 x 0.1 s): above the cut
+    if rejoin:  # silent bound max(10 s, 150 x 0.1 s)
         timing = ["--epochs", str(REJOIN_EPOCHS), "--step-time", "0.1", "--hang-timeout", str(HANG)]
         timing += ["--hang-factor", "150", "--profile", "homogeneous", "--fault", "2:20:kill", "--max-workers", "6"]
     elif partitioned:
         timing = ["--epochs", "6", "--step-time", "0.05", "--hang-timeout", str(PARTITION_HANG), "--hang-factor", "5"]
-        timing += ["--profile", "homogeneous"]
-    elif out.parent.parent.name == "srun":
-        # the silent bound (a cut link) is max(min(10 s, HANG), hang_factor x step): 15 s, above the cut
-        timing = ["--epochs", "1", "--step-time", "0.3", "--hang-timeout", str(HANG), "--hang-factor", "50"]
         timing += ["--profile", "homogeneous"]
     return [
         "--strategy", strategy, "--devices", str(WORKERS), "--num-nodes", str(NODES), *timing,
@@ -103,15 +116,150 @@ def demo_args(strategy: str, out: Path, partitioned: bool = False, rejoin: bool 
     ]  # fmt: skip
 
 
-def node_env(node, directory: Path) -> dict[str, str]:
-    """A node's environment: its interface for gloo, one thread, and ``TMPDIR`` in the job's directory
-    (where the supervisor writes its log)."""
-    return clean_environment({"GLOO_SOCKET_IFNAME": node.ifname, "OMP_NUM_THREADS": "1", "TMPDIR": str(directory)})
+def node_env(node, directory: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A node's environment: its interface for gloo (and NCCL), one thread, ``TMPDIR`` in the job's
+    directory, and this interpreter's ``bin`` first on ``PATH`` (``python``, ``torchrun``)."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', os.defpath)}"
+    env = {"GLOO_SOCKET_IFNAME": node.ifname, "NCCL_SOCKET_IFNAME": node.ifname, "OMP_NUM_THREADS": "1"}
+    return clean_environment({**env, "TMPDIR": str(directory), "PATH": path, **(extra or {})})
+
+
+def wait(procs: list[subprocess.Popen], deadline: float) -> list[int | None]:
+    """Exit codes (``None``: still running at the deadline, then killed with its session)."""
+    codes: list[int | None] = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            codes.append(None)
+    return codes
+
+
+def tail(paths: list[Path], chars: int = 2500) -> str:
+    """The end of every file of ``paths``, for a failure's message."""
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}" for p in paths if p.is_file())
+
+
+# -- the example job scripts
+
+
+@dataclass
+class Example:
+    """One example job script's job: where it writes, its processes (launchers, agents or pods)."""
+
+    launcher: str
+    directory: Path
+    world: int = NODES * WORKERS
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    codes: list[int | None] = field(default_factory=list)
+
+    @property
+    def strategy(self) -> str:
+        return EXAMPLE_STRATEGIES[self.launcher]
+
+    @property
+    def root_dir(self) -> Path:
+        """``--root-dir`` of train.py: checkpoints, metrics, the supervisor's log."""
+        return self.directory / "runs"
+
+    def log(self, name: str) -> Path:
+        return self.directory / f"{self.launcher}-{name}.log"
+
+    def logs(self) -> list[Path]:
+        return sorted(self.directory.glob("*.log")) + sorted(self.root_dir.glob("lightning_prague_logs/*"))
+
+    def output(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in sorted(self.directory.glob("*.log")))
+
+    def start(self, cluster: Cluster, node, argv: list[str], env: dict[str, str]) -> None:
+        with open(self.log(node.name), "w") as log:  # the process keeps its own copy
+            self.procs.append(cluster.run(node, argv, env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+
+
+def train_args(example: Example) -> list[str]:
+    """What the test adds to each example's train.py command line: its strategy, a short fit, the CPU."""
+    return ["--strategy", example.strategy, "--max-epochs", str(EXAMPLE_EPOCHS), "--accelerator", "cpu"]
+
+
+def start_slurm(cluster: Cluster, example: Example) -> None:
+    """``slurm.sbatch`` on every node with SLURM's batch variables and an ``srun`` that starts the
+    node's tasks (forked from one import), as ``sbatch`` runs it on the job's first node."""
+    for node in cluster.nodes:
+        layout = Layout(NODES, node.index, WORKERS, f"node[1-{NODES}]", job_name="prague-digits")
+        srun_dir = example.directory / f"bin-{node.name}"
+        write_srun(srun_dir, preload=True, log_dir=example.directory, timeout=JOB_TIMEOUT)
+        base = node_env(node, example.directory, {"LIGHTNING_PRAGUE_CONTROL_PORT": "29611"})
+        env = batch_environment(base, layout, "25101", ROOT, srun_dir)
+        env["ROOT_DIR"] = str(example.root_dir)
+        example.start(cluster, node, ["bash", str(EXAMPLES / "slurm.sbatch"), *train_args(example)], env)
+
+
+def start_torchrun(cluster: Cluster, example: Example) -> None:
+    """``torchrun.sh`` on every node, the rendezvous at node1."""
+    for node in cluster.nodes:
+        env = node_env(node, example.directory)
+        env.update(
+            MASTER_ADDR="node1", MASTER_PORT="29400", NNODES=str(NODES), NPROC_PER_NODE=str(example.world // NODES),
+            JOB_ID="example-torchrun", ROOT_DIR=str(example.root_dir), LIGHTNING_PRAGUE_CONTROL_PORT="29621",
+        )  # fmt: skip
+        example.start(cluster, node, ["bash", str(EXAMPLES / "torchrun.sh"), *train_args(example)], env)
+
+
+def manifest_job() -> dict:
+    """The Job of ``kubernetes.yaml``."""
+    documents = list(yaml.safe_load_all((EXAMPLES / "kubernetes.yaml").read_text()))
+    return next(d for d in documents if d["kind"] == "Job")
+
+
+def pod_environment(container: dict, index: int, cluster_values: dict[str, str]) -> dict[str, str]:
+    """A pod's variables from its container's ``env``: literal values, the completion index where a
+    variable takes it from the pod's annotation (as Kubernetes fills it in), and ``cluster_values``
+    where this cluster's differ from the manifest's (host names, sizes, interfaces, paths)."""
+    env: dict[str, str] = {}
+    for variable in container["env"]:
+        if "value" in variable:
+            env[variable["name"]] = str(variable["value"])
+        else:
+            field_path = variable["valueFrom"]["fieldRef"]["fieldPath"]
+            assert field_path == "metadata.annotations['batch.kubernetes.io/job-completion-index']", field_path
+            env[variable["name"]] = str(index)
+    unknown = set(cluster_values) - set(env)
+    assert not unknown, f"the manifest sets none of {unknown}"
+    return {**env, **cluster_values}
+
+
+def start_kubernetes(cluster: Cluster, example: Example) -> None:
+    """One pod per node: its container's command, in the working directory the image has the
+    repository in, with the manifest's environment."""
+    job = manifest_job()
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    command = [*container["command"], *container["args"]]
+    for index, node in enumerate(cluster.nodes):
+        state = example.directory / f"state-{index}"  # the pod's emptyDir
+        state.mkdir()
+        cluster_values = {
+            "WORLD_SIZE": str(example.world), "MASTER_ADDR": "node1", "MASTER_PORT": "29410",
+            "LIGHTNING_PRAGUE_CONTROL_PORT": "29631", "NCCL_SOCKET_IFNAME": node.ifname,
+            "GLOO_SOCKET_IFNAME": node.ifname, "ROOT_DIR": str(example.root_dir), "STATE_DIR": str(state),
+            "TRAIN_ARGS": " ".join(train_args(example)),
+        }  # fmt: skip
+        env = node_env(node, example.directory)
+        env.update(pod_environment(container, index, cluster_values))
+        example.start(cluster, node, command, env)
+
+
+#: what train.py prints at the end of each rank's fit
+FINISHED = re.compile(r"train\.py: rank (\d+) finished the fit at epoch (\d+), step \d+, .*parameters (\w+)")
+
+
+# -- the demo's srun-style jobs
 
 
 @dataclass
 class Job:
-    """One strategy's job on one launch path: where it writes, and its processes once started."""
+    """One strategy's demo job on one launch path: where it writes, and its processes once started."""
 
     path: str
     strategy: str
@@ -145,11 +293,10 @@ class Job:
 
     def logs(self, chars: int = 2500) -> str:
         """The end of every log of the job, for a failure's message."""
-        paths = [path for path in self.log_paths() if path.is_file()]
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}" for p in paths)
+        return tail(self.log_paths(), chars)
 
 
-def start_torchrun(cluster: Cluster, job: Job, port: int) -> None:
+def start_demo_torchrun(cluster: Cluster, job: Job, port: int) -> None:
     """One torchrun agent per node, rendezvous at node1 (c10d); each agent starts 2 workers."""
     for node in cluster.nodes:
         argv = [
@@ -163,18 +310,16 @@ def start_torchrun(cluster: Cluster, job: Job, port: int) -> None:
             )
 
 
-def start_srun(cluster: Cluster, jobs: list[Job], directory: Path) -> list[subprocess.Popen]:
+def start_srun(cluster: Cluster, jobs: list[Job], directory: Path, gate: Path) -> list[subprocess.Popen]:
     """One srun-style launcher per node for all ``jobs`` (job ids 25001, ...): each forks its node's
-    ranks of every job from one import of Lightning."""
+    ranks of every job from one import of Lightning; the partitioned job's once ``gate`` exists."""
     for i, job in enumerate(jobs):
         job.job_id = str(25001 + i)
-    steps = [
-        {
-            "job_id": job.job_id,
-            "argv": demo_args(job.strategy, job.out, job.strategy == PARTITIONED and not job.rejoin, job.rejoin),
-        }
-        for job in jobs
-    ]
+    steps = []
+    for job in jobs:
+        partitioned = job.strategy == PARTITIONED and not job.rejoin
+        step = {"job_id": job.job_id, "argv": demo_args(job.strategy, job.out, partitioned, job.rejoin)}
+        steps.append({**step, "gate": str(gate)} if partitioned else step)
     (directory / "steps.json").write_text(json.dumps(steps))
     procs = []
     for node in cluster.nodes:
@@ -183,7 +328,7 @@ def start_srun(cluster: Cluster, jobs: list[Job], directory: Path) -> list[subpr
             "--node-id", str(node.index),
             "--ntasks-per-node", str(WORKERS), "--nodelist", f"node[1-{NODES}]", "--master-addr", "node1",
             "--preload", "--steps", str(directory / "steps.json"), "--log-dir", str(directory),
-            "--timeout", str(JOB_TIMEOUT), "-m", "lightning_prague.demo.run",
+            "--timeout", str(2 * JOB_TIMEOUT), "-m", "lightning_prague.demo.run",
         ]  # fmt: skip
         with open(directory / f"srun-{node.name}.log", "w") as log:
             procs.append(
@@ -192,26 +337,13 @@ def start_srun(cluster: Cluster, jobs: list[Job], directory: Path) -> list[subpr
     return procs
 
 
-def wait(procs: list[subprocess.Popen], deadline: float) -> list[int | None]:
-    """Exit codes (``None``: still running at the deadline, then killed with its session)."""
-    codes: list[int | None] = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            codes.append(None)
-    return codes
-
-
 #: what Lightning prints in each rank's set-up under SLURM: the rank is about to train
 READY = "SLURM auto-requeueing"
 
 
-def cut_node2(cluster: Cluster, jobs: list[Job], procs: list[subprocess.Popen], deadline: float) -> None:
-    """Once every rank of the srun-style ``jobs`` has set up: node2's link down for `CUT_SECONDS`."""
-    logs = [job.directory.parent / f"job{job.job_id}.rank{rank}.log" for job in jobs for rank in range(NODES * WORKERS)]
+def cut_node2(cluster: Cluster, job: Job, procs: list[subprocess.Popen], deadline: float) -> None:
+    """Once every rank of the partitioned ``job`` has set up: node2's link down for `CUT_SECONDS`."""
+    logs = [job.directory.parent / f"job{job.job_id}.rank{rank}.log" for rank in range(NODES * WORKERS)]
     while not all(log.exists() and READY in log.read_text(errors="replace") for log in logs):
         if time.monotonic() > deadline or any(proc.poll() is not None for proc in procs):
             return  # the jobs' own checks report what went wrong
@@ -224,78 +356,143 @@ def cut_node2(cluster: Cluster, jobs: list[Job], procs: list[subprocess.Popen], 
         cluster.heal("node2")
 
 
-def rejoin_and_grow(cluster: Cluster, job: Job, deadline: float) -> None:
-    """Once the rejoin job's rank 2 killed itself: a new process for it on node2 with the variables
-    srun gave it and `LIGHTNING_PRAGUE_REJOIN=1` (a requeued task), and two new workers, ranks 4 and 5
-    (`SLURM_PROCID`; the job keeps its `SLURM_NTASKS`), one per node; waits for the three."""
-    while not (job.directory / "fault.2.json").exists():
-        if time.monotonic() > deadline:
-            return  # the test reports the missing ranks
-        time.sleep(0.2)
+#: a process that imports the demo, waits for a file, then runs the demo (`sys.argv[2:]`): a new
+#: process that starts when the fault strikes, without the imports' seconds on the path to its fit
+GATED_DEMO = """
+import pathlib, runpy, sys, time
+import lightning_prague.demo.run
+gate = pathlib.Path(sys.argv[1])
+while not gate.exists():
+    time.sleep(0.05)
+sys.argv = ["lightning_prague.demo.run", *sys.argv[2:]]
+sys.modules.pop("lightning_prague.demo.run")  # its dependencies stay imported; runpy warns of a module run twice
+runpy.run_module("lightning_prague.demo.run", run_name="__main__", alter_sys=True)
+"""
+
+
+def rejoin_and_grow(cluster: Cluster, job: Job) -> None:
+    """Processes that start once the rejoin job's rank 2 killed itself (`GATED_DEMO`): a new one for
+    it on node2 with the variables srun gave it and `LIGHTNING_PRAGUE_REJOIN=1` (a requeued task), and
+    two new workers, ranks 4 and 5 (`SLURM_PROCID`; the job keeps its `SLURM_NTASKS`), one per node
+    (``job.procs``)."""
     port = str(15000 + int(job.job_id[-4:]))  # Lightning's MASTER_PORT under SLURM
     starts = [(cluster.nodes[1], 1, 0), (cluster.nodes[0], 2, 0), (cluster.nodes[1], 2, 1)]  # node, node id, local id
     for node, node_id, local in starts:
         layout = Layout(NODES, node_id, WORKERS, f"node[1-{NODES}]")
         env = task_environment(node_env(node, job.directory.parent), layout, job.job_id, local)
         env.update(MASTER_ADDR="node1", MASTER_PORT=port, LIGHTNING_PRAGUE_REJOIN="1")
-        argv = [sys.executable, "-m", "lightning_prague.demo.run", *demo_args(job.strategy, job.out, rejoin=True)]
+        gate = str(job.directory / "fault.2.json")
+        argv = [sys.executable, "-c", GATED_DEMO, gate, *demo_args(job.strategy, job.out, rejoin=True)]
         log_path = job.directory.parent / f"job{job.job_id}.rank{layout.rank(local)}.rejoin.log"
         with open(log_path, "w") as log:
             job.procs.append(cluster.run(node, argv, env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-    job.codes = wait(job.procs, deadline)
+
+
+@dataclass
+class Jobs:
+    """Everything the fixture ran: the examples by launcher, the demo's jobs by (path, strategy)."""
+
+    examples: dict[str, Example]
+    demo: dict[tuple[str, str], Job]
 
 
 @pytest.fixture(scope="module")
-def jobs(cluster, tmp_path_factory) -> dict[tuple[str, str], Job]:
-    """Every job of both launch paths, all started at once, waited for."""
+def jobs(cluster, tmp_path_factory) -> Jobs:
+    """The examples and the demo's jobs, started at once, but the partitioned job, which starts (and
+    is cut) once the examples are over (the rejoin job runs on through the cut); waited for."""
     root = tmp_path_factory.mktemp("cluster")
+    examples = {launcher: Example(launcher, root / "examples" / launcher) for launcher in EXAMPLE_STRATEGIES}
+    examples["kubernetes"].world = NODES  # one pod per node
+    examples["torchrun"].world = NODES  # one worker per node: fresh interpreters cost the most here
+    for example in examples.values():
+        example.directory.mkdir(parents=True)
+    start_slurm(cluster, examples["slurm"])
+    start_torchrun(cluster, examples["torchrun"])
+    start_kubernetes(cluster, examples["kubernetes"])
     made: dict[tuple[str, str], Job] = {}
     for path, strategies in (("torchrun", TORCHRUN), ("srun", SRUN)):
         for strategy in strategies:
             made[path, strategy] = Job(path, strategy, root / path / strategy)
             made[path, strategy].directory.mkdir(parents=True)
     for i, strategy in enumerate(TORCHRUN):
-        start_torchrun(cluster, made["torchrun", strategy], 29400 + i)
+        start_demo_torchrun(cluster, made["torchrun", strategy], 29500 + i)
     made["srun-rejoin", REJOIN] = Job("srun", REJOIN, root / "srun" / f"{REJOIN}-rejoin", rejoin=True)
     made["srun-rejoin", REJOIN].directory.mkdir(parents=True)
     srun_jobs = [made["srun", strategy] for strategy in SRUN] + [made["srun-rejoin", REJOIN]]
-    srun_procs = start_srun(cluster, srun_jobs, root / "srun")
-    deadline = time.monotonic() + JOB_TIMEOUT + 10
-    cut_node2(cluster, srun_jobs, srun_procs, deadline)
-    rejoin_and_grow(cluster, made["srun-rejoin", REJOIN], deadline)
+    gate = root / "srun" / "partition.gate"
+    srun_procs = start_srun(cluster, srun_jobs, root / "srun", gate)
+    deadline = time.monotonic() + JOB_TIMEOUT
+    rejoin_and_grow(cluster, made["srun-rejoin", REJOIN])
+    for example in examples.values():
+        example.codes = wait(example.procs, deadline)
     for strategy in TORCHRUN:
-        job = made["torchrun", strategy]
-        job.codes = wait(job.procs, deadline)
+        made["torchrun", strategy].codes = wait(made["torchrun", strategy].procs, deadline)
+    gate.touch()  # the examples are over: the partitioned job starts, and the cut touches none of them
+    deadline = time.monotonic() + JOB_TIMEOUT
+    cut_node2(cluster, made["srun", PARTITIONED], srun_procs, deadline)
+    made["srun-rejoin", REJOIN].codes = wait(made["srun-rejoin", REJOIN].procs, deadline)
     srun_codes = wait(srun_procs, deadline)
     for job in srun_jobs:
         if not job.rejoin:
             job.codes = srun_codes  # the launchers' worst task of all jobs; each job is judged by its results
-    return made
+    return Jobs(examples, made)
+
+
+@pytest.mark.parametrize("launcher", list(EXAMPLE_STRATEGIES))
+def test_each_example_job_script_trains_to_the_end_of_the_fit(jobs, launcher):
+    """The launcher's processes exit 0; every rank prints the end of the fit at the last epoch with
+    the same parameters; the root directory holds the last checkpoint, the `workers/live` metric (the
+    whole world at every synchronization point) and the supervisor's log, whose path rank 0 printed."""
+    example = jobs.examples[launcher]
+    logs = tail(example.logs())
+    assert example.codes == [0] * NODES, f"{launcher}'s processes exited with {example.codes}\n{logs}"
+    finished = {int(rank): (int(epoch), digest) for rank, epoch, digest in FINISHED.findall(example.output())}
+    assert sorted(finished) == list(range(example.world)), f"ranks that finished: {sorted(finished)}\n{logs}"
+    assert {epoch for epoch, _ in finished.values()} == {EXAMPLE_EPOCHS}, finished
+    assert len({digest for _, digest in finished.values()}) == 1, f"the ranks' models differ: {finished}"
+    assert (example.root_dir / "checkpoints" / "last.ckpt").is_file(), sorted(example.root_dir.rglob("*"))
+    (metrics,) = example.root_dir.glob("metrics/version_*/metrics.csv")
+    live = [row["workers/live"] for row in csv.DictReader(metrics.open()) if row.get("workers/live")]
+    assert live and {float(v) for v in live} == {example.world}, live
+    (supervisor_log,) = (example.root_dir / "lightning_prague_logs").glob("supervisor-*.log")
+    assert f"logs to {supervisor_log}" in example.output(), logs
+
+
+def test_the_kubernetes_manifest_runs_as_many_pods_as_its_world_size():
+    job = manifest_job()
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    env = pod_environment(pod["containers"][0], 0, {})
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == int(env["WORLD_SIZE"])
+    # pod 0's name in the headless Service: <job>-0.<subdomain>
+    assert env["MASTER_ADDR"] == f"{job['metadata']['name']}-0.{pod['subdomain']}", env["MASTER_ADDR"]
 
 
 CASES = [("torchrun", s) for s in TORCHRUN] + [("srun", s) for s in SRUN if s != PARTITIONED]
 
 
-@pytest.mark.parametrize("path,strategy", CASES, ids=[f"{path}-{strategy}" for path, strategy in CASES])
-def test_every_rank_ends_the_fit_with_one_model(jobs, path, strategy):
-    job = jobs[path, strategy]
-    results = job.results()
-    if path == "torchrun":
-        assert job.codes == [0] * NODES, f"torchrun agents' exit codes {job.codes}\n{job.logs()}"
-    assert sorted(results) == list(range(NODES * WORKERS)), f"results of ranks {sorted(results)}\n{job.logs()}"
-    digests = {rank: r["params_sha256"] for rank, r in results.items()}
-    assert len(set(digests.values())) == 1, f"the ranks' models differ: {digests}\n{job.logs()}"
-    for rank, result in results.items():
-        assert result["epochs_run"] == 1 and result["global_step"] > 0, (rank, result["epochs_run"], job.logs())
-        assert result["lost_workers"] == {}, (rank, result["lost_workers"], job.logs())
-    assert sum(results[0]["batches_per_worker"]) > 0
+if CASES:  # LPC_CLUSTER_ALL=1: every strategy's demo through torchrun and srun-style, one fit each
+
+    @pytest.mark.parametrize("path,strategy", CASES, ids=[f"{path}-{strategy}" for path, strategy in CASES])
+    def test_every_rank_ends_the_fit_with_one_model(jobs, path, strategy):
+        job = jobs.demo[path, strategy]
+        results = job.results()
+        if path == "torchrun":
+            assert job.codes == [0] * NODES, f"torchrun agents' exit codes {job.codes}\n{job.logs()}"
+        assert sorted(results) == list(range(NODES * WORKERS)), f"results of ranks {sorted(results)}\n{job.logs()}"
+        digests = {rank: r["params_sha256"] for rank, r in results.items()}
+        assert len(set(digests.values())) == 1, f"the ranks' models differ: {digests}\n{job.logs()}"
+        for rank, result in results.items():
+            assert result["epochs_run"] == 1 and result["global_step"] > 0, (rank, result["epochs_run"], job.logs())
+            assert result["lost_workers"] == {}, (rank, result["lost_workers"], job.logs())
+        assert sum(results[0]["batches_per_worker"]) > 0
 
 
 def test_a_node_cut_off_beyond_the_bound_fences_itself_and_the_other_finishes(jobs):
     """Node2's ranks of the partitioned job are silent beyond its bound: the control plane counts them
     lost, node1's ranks finish with one model, and node2's end themselves with exit status 75, or fail
     their fit with `ControlPlaneLost`, with a message that says why (they never finish a fit of their own)."""
-    job = jobs["srun", PARTITIONED]
+    job = jobs.demo["srun", PARTITIONED]
     results = job.results()
     survivors, cut = list(range(WORKERS)), list(range(WORKERS, NODES * WORKERS))
     assert sorted(results) == survivors, f"results of ranks {sorted(results)}\n{job.logs()}"
@@ -319,7 +516,7 @@ def test_a_rank_started_again_rejoins_and_two_new_workers_join_on_the_cluster(jo
     """SLURM-style: rank 2 (node2) is killed; a new process with its old variables and
     `LIGHTNING_PRAGUE_REJOIN=1` rejoins, and ranks 4 and 5 join the 4-worker job; every fit returns,
     with one model, and each of the three trained after it joined."""
-    job = jobs["srun-rejoin", REJOIN]
+    job = jobs.demo["srun-rejoin", REJOIN]
     results = job.results()
     assert job.codes == [0, 0, 0], f"the three new processes' exit codes {job.codes}\n{job.logs()}"
     assert sorted(results) == list(range(6)), f"results of ranks {sorted(results)}\n{job.logs()}"

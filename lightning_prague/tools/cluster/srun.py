@@ -17,6 +17,11 @@ and Lightning. With ``--preload`` this launcher imports the module once and fork
 itself (each then runs the module's ``__main__`` with its own environment and ``sys.argv``), instead
 of starting a fresh interpreter per task as ``srun`` does. Several job steps (``--steps FILE``: a
 JSON list of ``{"job_id", "argv"}``) can share that one import; they run at the same time.
+
+A task runs a module (``-m MODULE``, as above) or a command (``python train.py ...``; with
+``--preload`` a ``python SCRIPT`` command is forked from this launcher, which imported torch,
+Lightning and this package once, and runs the script as ``__main__``): see `Program`.
+``lightning_prague.tools.cluster.batch`` runs a SLURM batch script whose ``srun`` lines land here.
 """
 
 from __future__ import annotations
@@ -35,12 +40,55 @@ from pathlib import Path
 
 
 @dataclass(frozen=True)
+class Program:
+    """What every task runs: a module as ``__main__`` (``module``, each step's ``argv`` its arguments),
+    or a command (``command``, e.g. ``python train.py --epochs 2``, each step's ``argv`` appended)."""
+
+    module: str | None = None
+    command: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.module is None) == (not self.command):
+            raise ValueError("a task runs a module or a command, exactly one of them")
+
+    @property
+    def script(self) -> str | None:
+        """The script a ``python SCRIPT ...`` command runs (what ``--preload`` can fork), else ``None``."""
+        python = len(self.command) >= 2 and Path(self.command[0]).name.startswith("python")
+        return self.command[1] if python and self.command[1].endswith(".py") else None
+
+    def fresh_argv(self, argv: Sequence[str]) -> list[str]:
+        """The command line of a task in a fresh interpreter."""
+        if self.module is not None:
+            return [sys.executable, "-m", self.module, *argv]
+        return [*self.command, *argv]
+
+    def preload(self) -> None:
+        """Import what the forked tasks will need: the module, or torch, Lightning and this package."""
+        importlib.import_module(self.module if self.module is not None else "lightning_prague")
+
+    def run_forked(self, argv: Sequence[str]) -> None:
+        """Run the module or the script as ``__main__`` in this (forked) process, as Python would."""
+        if self.module is not None:
+            sys.argv = [self.module, *argv]
+            sys.modules.pop(self.module, None)  # its dependencies stay imported; runpy warns of a module run twice
+            runpy.run_module(self.module, run_name="__main__", alter_sys=True)
+            return
+        script = str(self.script)
+        sys.argv = [script, *self.command[2:], *argv]
+        sys.path.insert(0, str(Path(script).resolve().parent))  # what `python SCRIPT` puts first
+        runpy.run_path(script, run_name="__main__")
+
+
+@dataclass(frozen=True)
 class Step:
-    """One job step: its job id (a distinct id gives a distinct default ``MASTER_PORT``) and the
-    module's arguments."""
+    """One job step: its job id (a distinct id gives a distinct default ``MASTER_PORT``), the
+    program's arguments, and a file whose appearance starts its tasks (``gate``; ``None``: at once),
+    so that a test can start one step of a shared launcher when something else has happened."""
 
     job_id: str
     argv: list[str]
+    gate: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,8 +127,8 @@ def task_environment(base: Mapping[str, str], layout: Layout, job_id: str, local
     return env
 
 
-def _run_forked(module: str, argv: Sequence[str], env: Mapping[str, str], log: Path | None) -> None:
-    """Body of a forked task: the module's ``__main__`` with its own environment, argv and log
+def _run_forked(program: Program, argv: Sequence[str], env: Mapping[str, str], log: Path | None) -> None:
+    """Body of a forked task: the program as ``__main__`` with its own environment, argv and log
     (``None``: this launcher's output, as ``srun`` relays its tasks' output)."""
     code = 1
     try:
@@ -90,9 +138,7 @@ def _run_forked(module: str, argv: Sequence[str], env: Mapping[str, str], log: P
                 os.dup2(out.fileno(), 2)
         os.environ.clear()
         os.environ.update(env)
-        sys.argv = [module, *argv]
-        sys.modules.pop(module, None)  # its dependencies stay imported; runpy warns of a module run twice
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        program.run_forked(argv)
         code = 0
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
@@ -110,10 +156,11 @@ def _run_forked(module: str, argv: Sequence[str], env: Mapping[str, str], log: P
 _children: list[subprocess.Popen] = []
 
 
-def start_task(module: str, argv: Sequence[str], env: Mapping[str, str], log: Path | None, preload: bool) -> int:
-    """Start one task; its pid. Forked from this process with ``preload``, else a fresh interpreter."""
-    if not preload:
-        command = [sys.executable, "-m", module, *argv]
+def start_task(program: Program, argv: Sequence[str], env: Mapping[str, str], log: Path | None, preload: bool) -> int:
+    """Start one task; its pid. Forked from this process with ``preload`` (where the program can be:
+    a module or a ``python SCRIPT`` command), else a fresh interpreter."""
+    if not (preload and (program.module is not None or program.script is not None)):
+        command = program.fresh_argv(argv)
         if log is None:
             proc = subprocess.Popen(command, env=dict(env))
         else:
@@ -125,14 +172,18 @@ def start_task(module: str, argv: Sequence[str], env: Mapping[str, str], log: Pa
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        _run_forked(module, argv, env, log)
+        _run_forked(program, argv, env, log)
     return pid
 
 
-def wait_all(pids: Sequence[int], timeout: float | None) -> dict[int, int]:
-    """Exit status of each pid (negative: killed by that signal; 124: killed at the timeout)."""
+def wait_all(pids: Sequence[int], timeout: float | None, kill_on_bad_exit: bool = False) -> dict[int, int]:
+    """Exit status of each pid (negative: killed by that signal; 124: killed at the timeout). With
+    ``kill_on_bad_exit`` (``srun --kill-on-bad-exit=1``) the first task that fails ends the others
+    with SIGKILL, as SLURM ends the step (here: this node's tasks), and theirs count as 0: the step's
+    status is the failed task's."""
     deadline = None if timeout is None else time.monotonic() + timeout
     codes: dict[int, int] = {}
+    ended: set[int] = set()  # the tasks ended for another's failure: their status is not the step's
     while len(codes) < len(pids):
         for pid in pids:
             if pid in codes:
@@ -140,6 +191,12 @@ def wait_all(pids: Sequence[int], timeout: float | None) -> dict[int, int]:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 codes[pid] = os.waitstatus_to_exitcode(status)
+                if pid in ended:
+                    codes[pid] = 0
+        if kill_on_bad_exit and any(codes.values()):
+            for pid in set(pids) - set(codes) - ended:
+                os.kill(pid, 9)
+                ended.add(pid)
         if deadline is not None and time.monotonic() > deadline:
             for pid in set(pids) - set(codes):
                 os.kill(pid, 9)
@@ -151,33 +208,46 @@ def wait_all(pids: Sequence[int], timeout: float | None) -> dict[int, int]:
 
 def srun_node(
     layout: Layout,
-    module: str,
+    program: Program | str,
     steps: Sequence[Step],
     log_dir: Path | None = None,
     *,
     preload: bool = False,
     extra_env: Mapping[str, str] | None = None,
     timeout: float | None = None,
+    kill_on_bad_exit: bool = False,
 ) -> int:
     """Run this node's tasks of every step at once; the worst exit status (0 when all succeed).
 
-    Task ``local_id`` of step ``job_id`` logs to ``log_dir/job<job_id>.rank<global rank>.log``, or
-    to this process's output without ``log_dir``.
+    ``program``: a `Program`, or a module's name. Task ``local_id`` of step ``job_id`` logs to
+    ``log_dir/job<job_id>.rank<global rank>.log``, or to this process's output without ``log_dir``.
     """
+    program = Program(module=program) if isinstance(program, str) else program
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     if preload:
-        importlib.import_module(module)
+        program.preload()
     base = {**os.environ, **(extra_env or {})}
+    deadline = None if timeout is None else time.monotonic() + timeout
     pids = []
     tasks: dict[int, str] = {}
-    for step in steps:
-        for local_id in range(layout.ntasks_per_node):
-            env = task_environment(base, layout, step.job_id, local_id)
-            log = None if log_dir is None else log_dir / f"job{step.job_id}.rank{layout.rank(local_id)}.log"
-            pids.append(start_task(module, step.argv, env, log, preload))
-            tasks[pids[-1]] = f"job {step.job_id} rank {layout.rank(local_id)}"
-    codes = wait_all(pids, timeout)
+    waiting = list(steps)
+    while waiting:
+        for step in [s for s in waiting if s.gate is None or Path(s.gate).exists()]:
+            waiting.remove(step)
+            for local_id in range(layout.ntasks_per_node):
+                env = task_environment(base, layout, step.job_id, local_id)
+                log = None if log_dir is None else log_dir / f"job{step.job_id}.rank{layout.rank(local_id)}.log"
+                pids.append(start_task(program, step.argv, env, log, preload))
+                tasks[pids[-1]] = f"job {step.job_id} rank {layout.rank(local_id)}"
+        if waiting and deadline is not None and time.monotonic() > deadline:
+            for step in waiting:
+                print(f"srun: job {step.job_id} never started: no {step.gate}", file=sys.stderr, flush=True)
+            return 124
+        if waiting:
+            time.sleep(0.1)
+    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+    codes = wait_all(pids, remaining, kill_on_bad_exit)
     worst = max(codes.values(), key=abs)
     for pid, code in codes.items():
         if code:
@@ -198,27 +268,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--master-addr", help="MASTER_ADDR (default: Lightning's, the node list's first)")
     parser.add_argument("--master-port", help="MASTER_PORT (default: Lightning's, from the job id)")
     parser.add_argument("--preload", action="store_true", help="import the module once, fork the tasks")
-    parser.add_argument("--steps", type=Path, help='JSON list of {"job_id": ..., "argv": [...]}, run at once')
+    parser.add_argument(
+        "--steps", type=Path, help='JSON list of {"job_id": ..., "argv": [...], "gate": FILE or absent}, run at once'
+    )
     parser.add_argument("--log-dir", type=Path, help="a log file per task here (default: this output)")
     parser.add_argument("--timeout", type=float, help="kill the tasks after this many seconds")
-    parser.add_argument("-m", dest="module", required=True, help="the module each task runs as __main__")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then the module's arguments (a single step)")
+    parser.add_argument("-m", dest="module", help="the module each task runs as __main__ (else: a command)")
+    parser.add_argument(
+        "args", nargs=argparse.REMAINDER, help="-- then the module's arguments (a single step), or the command"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     layout = Layout(args.nnodes, args.node_id, args.ntasks_per_node, args.nodelist, args.job_name)
+    rest = args.args[1:] if args.args[:1] == ["--"] else args.args
+    if args.module is None and (args.steps or not rest):
+        raise SystemExit("srun: give -m MODULE (with --steps or its arguments), or a command to run")
+    program = Program(module=args.module) if args.module is not None else Program(command=tuple(rest))
     if args.steps:
-        steps = [Step(str(s["job_id"]), [str(a) for a in s["argv"]]) for s in json.loads(args.steps.read_text())]
+        steps = [
+            Step(str(s["job_id"]), [str(a) for a in s["argv"]], s.get("gate"))
+            for s in json.loads(args.steps.read_text())
+        ]
     else:
-        steps = [Step(args.job_id, args.args[1:] if args.args[:1] == ["--"] else args.args)]
+        steps = [Step(args.job_id, rest if args.module is not None else [])]
     extra = {"MASTER_ADDR": args.master_addr} if args.master_addr else {}
     if args.master_port:
         extra["MASTER_PORT"] = args.master_port
-    return srun_node(
-        layout, args.module, steps, args.log_dir, preload=args.preload, extra_env=extra, timeout=args.timeout
-    )
+    return srun_node(layout, program, steps, args.log_dir, preload=args.preload, extra_env=extra, timeout=args.timeout)
 
 
 if __name__ == "__main__":

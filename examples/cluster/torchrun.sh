@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# torchrun: run this on every node of the job (4 nodes x 8 GPUs by default), each with the same
+# MASTER_ADDR, the host of the rendezvous (the first node, say).
+#
+#   MASTER_ADDR=node0.example.org bash examples/cluster/torchrun.sh            # on each node
+#   MASTER_ADDR=node0.example.org NNODES=2 NPROC_PER_NODE=4 bash examples/cluster/torchrun.sh --strategy adpsgd
+#
+# Lightning's TorchElasticEnvironment takes the ranks from torchrun. The workers use the store of
+# the rendezvous host's agent; the control plane runs on the node of global rank 0.
+set -euo pipefail
+: "${MASTER_ADDR:?set MASTER_ADDR to the rendezvous host, the same on every node}"
+MASTER_PORT=${MASTER_PORT:-29500}
+NNODES=${NNODES:-4}
+NPROC_PER_NODE=${NPROC_PER_NODE:-8}
+JOB_ID=${JOB_ID:-prague-digits}
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT_DIR=${ROOT_DIR:-$PWD/runs/$JOB_ID}
+
+# The interface the nodes reach each other on, for gloo's and NCCL's own connections.
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-eth0}
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}
+# A fixed port for the control plane (on the node of global rank 0), to open in a firewall.
+export LIGHTNING_PRAGUE_CONTROL_PORT=${LIGHTNING_PRAGUE_CONTROL_PORT:-29501}
+
+# --max-restarts 0: a worker that fails makes its agent stop that node's workers (torchrun's rule);
+# the other nodes finish the fit without them. With --max-restarts N torchrun restarts every
+# worker instead, and train.py resumes from the last checkpoint. A rank the control plane
+# excludes, because it hung, exits 0, so its agent keeps the node's other workers and the job
+# SUCCEEDED when the others finished the fit.
+exec torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
+    --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$JOB_ID" --max-restarts 0 \
+    "$HERE/train.py" --num-nodes "$NNODES" --devices "$NPROC_PER_NODE" --root-dir "$ROOT_DIR" "$@"
