@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .srun import Layout, Program, Step, srun_node
+from .srun import Layout, Program, Step, shell_status, srun_node
 
 
 def batch_environment(
@@ -130,7 +130,7 @@ def srun_main(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
         timeout=args.timeout,
         kill_on_bad_exit=kill,
     )
-    return worst if worst >= 0 else 128 - worst  # a task killed by signal N: 128 + N, as a shell reports it
+    return shell_status(worst)
 
 
 def run_batch(

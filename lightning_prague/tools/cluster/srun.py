@@ -255,6 +255,11 @@ def srun_node(
     return worst
 
 
+def shell_status(code: int) -> int:
+    """An exit status as a shell (and ``srun``) reports it: a task killed by signal N is 128 + N."""
+    return code if code >= 0 else 128 - code
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_prague.tools.cluster.srun", description=__doc__.splitlines()[0]
@@ -297,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = {"MASTER_ADDR": args.master_addr} if args.master_addr else {}
     if args.master_port:
         extra["MASTER_PORT"] = args.master_port
-    return srun_node(layout, program, steps, args.log_dir, preload=args.preload, extra_env=extra, timeout=args.timeout)
+    worst = srun_node(layout, program, steps, args.log_dir, preload=args.preload, extra_env=extra, timeout=args.timeout)
+    return shell_status(worst)
 
 
 if __name__ == "__main__":
