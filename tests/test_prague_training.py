@@ -198,6 +198,9 @@ def test_torchrun_restarts_after_a_kill_and_resumes_from_the_last_checkpoint(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "fault.2.json").exists(), "the fault struck in the first attempt"
     assert "resuming the fit from the last checkpoint" in proc.stderr, proc.stderr[-3000:]
+    # the agent's SIGTERM to the other workers is no stop of the job: each leaves (docs: Exit statuses)
+    assert "SIGTERM from its torchrun agent, which stops this node's workers" in proc.stderr, proc.stderr[-3000:]
+    assert "stopping on SIGTERM" not in proc.stderr, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["epochs_run"] == 4 and result["val_acc"] > 0.85
     # the restarted fit trained only the epochs after the checkpoint (at least the last one)

@@ -22,11 +22,11 @@ export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}
 # A fixed port for the control plane (on the node of global rank 0), to open in a firewall.
 export LIGHTNING_PRAGUE_CONTROL_PORT=${LIGHTNING_PRAGUE_CONTROL_PORT:-29501}
 
-# --max-restarts 0: a worker that fails makes its agent stop that node's workers (torchrun's rule);
-# the other nodes finish the fit without them. With --max-restarts N torchrun restarts every
-# worker instead, and train.py resumes from the last checkpoint. A rank the control plane
-# excludes, because it hung, exits 0, so its agent keeps the node's other workers and the job
-# SUCCEEDED when the others finished the fit.
+# --max-restarts 0: a worker that fails makes its agent stop that node's other workers (torchrun's
+# rule; they leave the job) and the other nodes' workers finish the fit; rerun the job to resume
+# from the last checkpoint. Restarts across nodes do not work yet (docs/multi_node.md, Exit
+# statuses and the job's status). A rank the control plane excludes, because it hung, exits 0, so
+# its agent keeps the node's other workers and the job SUCCEEDED when the others finished the fit.
 exec torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$JOB_ID" --max-restarts 0 \
     "$HERE/train.py" --num-nodes "$NNODES" --devices "$NPROC_PER_NODE" --root-dir "$ROOT_DIR" "$@"

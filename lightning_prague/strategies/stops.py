@@ -15,11 +15,19 @@ for the handlers, installed by the strategy's setup through `_patches`):
   of the job: every rank ends its epoch after its current batch and stops at the same
   synchronization point;
 * a member lost during training ends the fit with an error naming it (`check_stop`).
+
+Under torchrun a worker's SIGTERM comes from its agent, which stops every worker of its node
+whenever one of them fails (and to restart them, or to end the job): there it is no stop of the
+job but this rank's departure (`leave`). The rank leaves at its next batch, the control plane
+counts it lost, and the other nodes' ranks train on. A job-wide stop there would end every node's
+fit early for one failed worker, with status 0, and their agents would never join the failed
+node's new rendezvous of a restart.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
@@ -34,6 +42,11 @@ if TYPE_CHECKING:
     from lightning_prague.strategies.base import DecentralizedStrategy
 
 log = logging.getLogger(__name__)
+
+
+def sigterm_is_the_agents() -> bool:
+    """Whether a SIGTERM of this process is its torchrun agent stopping its node's workers."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID"))
 
 
 def requeue_signal(environment: Optional[ClusterEnvironment]) -> int:
@@ -75,8 +88,11 @@ class Stops:
         """A signal reached this process: ask every rank to stop (for the requeue signal, to write
         the requeue checkpoint as well)."""
         strategy = self.strategy
-        if strategy.worker is not None and strategy.controller.sigterm:
-            strategy.worker.request_stop(REQUEUE if strategy.controller.requeue_signal is not None else SIGTERM)
+        controller = strategy.controller
+        if controller.requeue_signal is None and sigterm_is_the_agents():
+            return  # this rank leaves at its next batch (`leave`): the job goes on
+        if strategy.worker is not None and controller.sigterm:
+            strategy.worker.request_stop(REQUEUE if controller.requeue_signal is not None else SIGTERM)
 
     def check_stop(self) -> None:
         """Before every training batch (where Lightning would broadcast its SIGTERM flag): local checks
@@ -98,12 +114,24 @@ class Stops:
                 log.debug("rank %d: the job is stopping; ending this epoch", strategy.global_rank)
                 trainer.should_stop = True
         self.request_signal_stop()
+        if strategy.controller.sigterm and strategy.controller.requeue_signal is None and sigterm_is_the_agents():
+            self.leave()
         if session.stop_reason in (SIGTERM, REQUEUE):  # announced: stop at this batch, whatever reads the inbox
             worker.stop_seen = True
         if worker.stop_seen:
             strategy.drain()
             worker.drain_for_stop(strategy.exchanger)
             self.raise_stop()
+
+    def leave(self) -> None:
+        """Under torchrun: the agent is stopping this node's workers; this rank leaves the job now
+        (its teardown leaves the session mid-phase, as a lost rank's would) and the others go on."""
+        log.warning(
+            "rank %d: SIGTERM from its torchrun agent, which stops this node's workers (one of them "
+            "failed, or the job restarts or ends): this rank leaves the job; the others go on",
+            self.strategy.global_rank,
+        )
+        raise SIGTERMException()
 
     def raise_stop(self) -> None:
         """Every rank met at the stop point: make the replicas one model (so any checkpoint written
