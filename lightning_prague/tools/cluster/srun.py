@@ -76,7 +76,9 @@ class Program:
             return
         script = str(self.script)
         sys.argv = [script, *self.command[2:], *argv]
-        sys.path.insert(0, str(Path(script).resolve().parent))  # what `python SCRIPT` puts first
+        # `python SCRIPT` starts with the script's folder as sys.path[0], where `python -m` has the
+        # working directory: the forked task gets the interpreter's own first entry, not an extra one
+        sys.path[0] = str(Path(script).resolve().parent)
         runpy.run_path(script, run_name="__main__")
 
 
