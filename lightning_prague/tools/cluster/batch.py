@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .srun import Layout, Program, Step, shell_status, srun_node
+from .srun import Layout, Program, Step, add_layout_arguments, layout_from_arguments, shell_status, srun_node
 
 
 def batch_environment(
@@ -158,19 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_prague.tools.cluster.batch", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--nnodes", type=int, required=True)
-    parser.add_argument("--node-id", type=int, required=True, help="this node's index, 0-based")
-    parser.add_argument("--ntasks-per-node", type=int, required=True)
-    parser.add_argument("--nodelist", required=True, help="SLURM_JOB_NODELIST, e.g. 'node[1-2]'")
-    parser.add_argument("--job-id", default="4242", help="SLURM_JOB_ID")
-    parser.add_argument("--job-name", default="lpcluster", help="SLURM_JOB_NAME (not bash or interactive)")
+    add_layout_arguments(parser)
     parser.add_argument("--preload", action="store_true", help="srun forks python SCRIPT tasks from one import")
     parser.add_argument("--log-dir", type=Path, help="srun writes a log file per task here")
     parser.add_argument("--timeout", type=float, help="srun kills its tasks after this many seconds")
     parser.add_argument("script", type=Path, help="the batch script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then the script's arguments")
     args = parser.parse_args(argv)
-    layout = Layout(args.nnodes, args.node_id, args.ntasks_per_node, args.nodelist, args.job_name)
+    layout = layout_from_arguments(args)
     script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
     return run_batch(
         args.script, script_args, layout, args.job_id, preload=args.preload, log_dir=args.log_dir, timeout=args.timeout

@@ -262,16 +262,25 @@ def shell_status(code: int) -> int:
     return code if code >= 0 else 128 - code
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_prague.tools.cluster.srun", description=__doc__.splitlines()[0]
-    )
+def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that place this node in the job (`layout_from_arguments`), and the job's id."""
     parser.add_argument("--nnodes", type=int, required=True)
     parser.add_argument("--node-id", type=int, required=True, help="this node's index, 0-based")
     parser.add_argument("--ntasks-per-node", type=int, required=True)
     parser.add_argument("--nodelist", required=True, help="SLURM_NODELIST, e.g. 'node[1-2]'")
-    parser.add_argument("--job-id", default="4242", help="SLURM_JOB_ID of a single step")
+    parser.add_argument("--job-id", default="4242", help="SLURM_JOB_ID")
     parser.add_argument("--job-name", default="lpcluster", help="SLURM_JOB_NAME (not bash or interactive)")
+
+
+def layout_from_arguments(args: argparse.Namespace) -> Layout:
+    return Layout(args.nnodes, args.node_id, args.ntasks_per_node, args.nodelist, args.job_name)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_prague.tools.cluster.srun", description=__doc__.splitlines()[0]
+    )
+    add_layout_arguments(parser)
     parser.add_argument("--master-addr", help="MASTER_ADDR (default: Lightning's, the node list's first)")
     parser.add_argument("--master-port", help="MASTER_PORT (default: Lightning's, from the job id)")
     parser.add_argument("--preload", action="store_true", help="import the module once, fork the tasks")
@@ -289,7 +298,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    layout = Layout(args.nnodes, args.node_id, args.ntasks_per_node, args.nodelist, args.job_name)
+    layout = layout_from_arguments(args)
     rest = args.args[1:] if args.args[:1] == ["--"] else args.args
     if args.module is None and (args.steps or not rest):
         raise SystemExit("srun: give -m MODULE (with --steps or its arguments), or a command to run")
