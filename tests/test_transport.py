@@ -145,7 +145,10 @@ def test_a_rank_that_leaves_after_an_error_is_named_and_a_closed_session_reports
     _, server = plane
     clients = _clients(server, 2)
     first = [c.open_session(1, _config(2)) for c in clients]
+    for s in first:  # a fit that ended: its members met at its end (a close before it is a departure)
+        s.send("arrive", sync="fit_end")
     for s in first:
+        assert s.receive(timeout=5)["t"] == "release"
         s.close()
     second = [c.open_session(2, _config(2)) for c in clients]
     clients[0].close()  # gone after the first session ended: only the second one hears of it

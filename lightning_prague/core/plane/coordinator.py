@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 Out = dict[int, list[Item]]
 
 
+#: the messages served to current members of a session only: a departed rank's late claim, report or
+#: verdict takes no work and changes nothing (a joiner sends none of them before its admission)
+MEMBERS_ONLY = frozenset({"kv", "work", "summed"})
+
 #: why a rank from a session's `launched` on is not a member: no worker has joined in its place yet
 FREE_PLACE = "a free place: no worker has joined the fit as this rank yet"
 
@@ -342,11 +346,16 @@ class ControlPlane:
         out.setdefault(rank, []).append({"t": "fenced", "reason": reason})
 
     def on_disconnect(self, rank: int) -> Out:
-        """A rank's process closed its connection: it departs from every session it is in."""
+        """A rank's process closed its connection: it departs from every session it is in, and a
+        joiner not admitted yet is withdrawn (nobody waits for it at an admission)."""
         out: Out = {}
         for session in list(self.sessions.values()):
             if rank in session.members:
                 session.depart(rank, "its process ended: its connection to the control plane closed", out)
+                self._tag(session, out)
+            elif session.generator.is_joiner(rank):
+                log.warning("session %d: rank %d's new process ended before its admission", session.number, rank)
+                session.generator.withdraw(rank, out)
                 self._tag(session, out)
             self._maybe_delete(session, out)
         return out
@@ -391,6 +400,10 @@ class ControlPlane:
             if op in ("close", "beat"):
                 return
             raise ValueError(f"rank {rank} sent {op!r} for session {number}, which is not open")
+        if op in MEMBERS_ONLY and rank not in session.members:
+            # a departed rank's late message (a claim in flight when it was declared lost) takes no work
+            why = session.departed.get(rank, "it closed the session" if rank in session.closed else "it never joined")
+            raise ValueError(f"rank {rank} is not a member of fit {number} ({why}): {op!r} refused")
         session.hangs.heard(rank)
         if op == "beat":
             session.hangs.beat(
@@ -415,8 +428,15 @@ class ControlPlane:
             for member, item in session.verdicts.report(rank, message["key"], members, message["ok"], session.departed):
                 out.setdefault(member, []).append(item)
         elif op == "close":
+            if session.generator.is_joiner(rank):  # it gave up waiting for its admission
+                session.generator.withdraw(rank, out)
+            elif rank in session.members and rank in session.generator.live and not session.generator.ended:
+                # closed before the fit's end (a joiner whose state transfer failed, a fit that failed
+                # before it could leave): a departure, so that nobody waits for it
+                session.depart(rank, "it closed its session before the fit ended", out)
             session.members.discard(rank)
-            session.closed.add(rank)
+            if rank not in session.departed:
+                session.closed.add(rank)
             session.ends.depart(rank)
             session.settle_queues(out)
             self._maybe_delete(session, out)
@@ -469,6 +489,7 @@ class ControlPlane:
         """Ranks the generator admitted are members again (see `GroupGenerator`'s `Rejoining`)."""
         for rank in session.generator.take_joined():
             session.departed.pop(rank, None)
+            session.closed.discard(rank)  # an earlier process of it may have closed: this one departs when lost
             session.members.add(rank)
             session.hangs.joined(rank)
             log.warning("session %d: rank %d rejoined the fit", session.number, rank)

@@ -182,6 +182,8 @@ class GroupGenerator:
         self._admit_parked: set[int] = set()
         #: ranks admitted by the latest release, until the control plane takes them (`take_joined`)
         self._joined: list[int] = []
+        #: the fit's end (`fit_end`) or a stop was released: the members close their sessions from here
+        self.ended = False
 
     def request_join(self, rank: int) -> None:
         """`rank`, which left the job, has a new process that asks to rejoin (see the module docstring)."""
@@ -189,6 +191,21 @@ class GroupGenerator:
             raise ValueError(f"rank {rank} cannot rejoin: it is a live member of the fit")
         if rank not in self.joining and rank not in self._admitting:
             self.joining.append(rank)
+
+    def is_joiner(self, rank: int) -> bool:
+        """`rank` asked to rejoin and is not admitted yet (it waits, or it is on its way to its admission)."""
+        return rank in self.joining or rank in self._admitting
+
+    def withdraw(self, rank: int, out: dict[int, list[Item]]) -> None:
+        """A joiner not admitted yet is gone (its process ended, or it gave up): forgotten, and an
+        admission meeting that waited for it goes on without it."""
+        if rank in self.joining:
+            self.joining.remove(rank)
+        if rank in self._admitting:
+            self._admitting.discard(rank)
+            self._admit_parked.discard(rank)
+            if self.parked:
+                self._maybe_release(next(iter(self.parked.values())), out)
 
     def take_joined(self) -> list[int]:
         """The ranks admitted since the last call (the control plane counts them as members again)."""
@@ -464,6 +481,8 @@ class GroupGenerator:
                     release["settle"] = True
             for r in self.live:
                 self._push(out, r, release)
+            if sync == "fit_end" or release["stop"]:
+                self.ended = True
         else:
             by_name: dict[str, list[int]] = {}
             for r, name in sorted(self.parked.items()):
@@ -530,13 +549,7 @@ class GroupGenerator:
 
     def depart(self, rank: int, out: dict[int, list[Item]]) -> None:
         """`rank` is out of the job (see `Membership` in the module docstring); nothing is sent to it."""
-        if rank in self.joining:  # a joiner gone before its admission: forgotten
-            self.joining.remove(rank)
-        if rank in self._admitting:
-            self._admitting.discard(rank)
-            self._admit_parked.discard(rank)
-            if self.parked:
-                self._maybe_release(next(iter(self.parked.values())), out)
+        self.withdraw(rank, out)  # a joiner gone before its admission: forgotten
         if rank in self.left:
             return
         self.left.add(rank)

@@ -133,6 +133,8 @@ class MessageServer:
         #: ranks with an open connection now, and every rank that ever connected
         self.connected: set[int] = set()
         self.ever_connected: set[int] = set()
+        #: items dropped because their rank's process was gone (or never came, past the queue's bound)
+        self.messages_dropped = 0
         self.messages_in = 0
         self.messages_out = 0
         #: connections dropped for breaking the protocol (`_refuse`)
@@ -436,7 +438,16 @@ class MessageServer:
         encoded: dict[int, bytes] = {}  # a group item is one object shared by its members: encode it once
         for rank, items in out.items():
             buffer = self._by_rank.get(rank)
+            if buffer is None and rank in self.ever_connected:
+                # its process is gone: what was meant for it is not for the next process of that rank
+                # (a new process opens its sessions afresh), so it is dropped, not queued
+                self.messages_dropped += len(items)
+                log.debug("%s: dropped %d items for rank %d, which is not connected", self.name, len(items), rank)
+                continue
             target = buffer.outbuf if buffer is not None else self._waiting.setdefault(rank, bytearray())
+            if buffer is None and len(target) > MAX_PENDING_BYTES:  # a rank that never connects
+                self.messages_dropped += len(items)
+                continue
             for item in items:
                 line = encoded.get(id(item))
                 if line is None:

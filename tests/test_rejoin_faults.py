@@ -1,0 +1,199 @@
+"""The rejoin path's own faults never cost the job: each case sent to the real `ControlPlane`.
+
+A joiner (a new process for a lost rank) may die or give up before its admission, after it, or
+while the donor sends it the fit's state; an earlier process of its rank may have closed its
+session; a departed rank's late claims may still be in flight. In every case the members must not
+wait for it, the next process of that rank must be able to rejoin, and a departed rank's messages
+must take no work. One process-level case checks that a rank's new process gets nothing that was
+meant for its predecessor.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from helpers import CREDENTIALS
+
+from lightning_prague.core import ControlPlane, SessionConfig, make_policy
+from lightning_prague.core.client.link import MessageLink
+from lightning_prague.core.plane.server import MessageServer
+from lightning_prague.core.protocol import REQUEUED
+
+pytestmark = pytest.mark.timeout(60)
+
+WORLD = 4
+
+
+def config_wire(seed: int = 1) -> dict:
+    return SessionConfig(WORLD, make_policy("random", WORLD, 2, seed=seed).spec()).to_wire()
+
+
+def send(plane: ControlPlane, rank: int, op: str, **fields) -> dict:
+    return plane.handle({"op": op, "s": 1, "rank": rank, **fields})
+
+
+def join(plane: ControlPlane, rank: int, rejoin: bool = False) -> dict:
+    extra = {"rejoin": True} if rejoin else {}
+    return send(plane, rank, "join", config=config_wire(), pid=1000 + rank, host="elsewhere", **extra)
+
+
+def arrive(plane: ControlPlane, ranks, sync: str) -> dict:
+    out: dict = {}
+    for rank in ranks:
+        for r, items in send(plane, rank, "arrive", sync=sync).items():
+            out.setdefault(r, []).extend(items)
+    return out
+
+
+def releases(out: dict, rank: int, sync: str) -> list[dict]:
+    return [i for i in out.get(rank, []) if i["t"] == "release" and i["sync"] == sync]
+
+
+@pytest.fixture
+def plane_without_2() -> ControlPlane:
+    """A fit of 4 ranks whose rank 2 was lost (its connection closed)."""
+    plane = ControlPlane()
+    for rank in range(WORLD):
+        join(plane, rank)
+    plane.on_disconnect(2)
+    assert 2 in plane.sessions[1].departed
+    return plane
+
+
+@pytest.mark.parametrize("how", ["its process ends", "it gives up"])
+def test_a_joiner_gone_before_its_admission_holds_no_meeting(plane_without_2, how):
+    plane = plane_without_2
+    assert join(plane, 2, rejoin=True) == {}
+    if how == "its process ends":
+        plane.on_disconnect(2)
+    else:
+        send(plane, 2, "close")
+    # the members' next epoch end admits nobody and needs no admission meeting
+    out = arrive(plane, [0, 1, 3], "epoch_end@epoch0")
+    release = releases(out, 0, "epoch_end@epoch0")[-1]
+    assert "admit" not in release and 2 not in out
+    # and a later process of rank 2 may still rejoin
+    assert join(plane, 2, rejoin=True) == {}
+    assert plane.sessions[1].generator.joining == [2]
+
+
+def test_a_joiner_gone_on_its_way_to_the_admission_meeting_holds_nobody(plane_without_2):
+    plane = plane_without_2
+    join(plane, 2, rejoin=True)
+    out = arrive(plane, [0, 1, 3], "epoch_end@epoch0")
+    assert out[2][0]["t"] == "admit"
+    assert arrive(plane, [0, 1, 3], "epoch_end@epoch0/admit") == {}  # they wait for the joiner
+    out = send(plane, 2, "close")  # its wait for the admission expired: it gives up
+    release = releases(out, 0, "epoch_end@epoch0/admit")[-1]
+    assert release["joined"] == [] and release["members"] == [0, 1, 3]
+
+
+@pytest.mark.parametrize("how", ["its process ends", "its state transfer fails"])
+def test_a_joiner_that_fails_after_its_admission_departs_and_may_come_back(plane_without_2, how):
+    plane = plane_without_2
+    join(plane, 2, rejoin=True)
+    arrive(plane, [0, 1, 3], "epoch_end@epoch0")
+    arrive(plane, [0, 1, 3], "epoch_end@epoch0/admit")
+    admitted = arrive(plane, [2], "epoch_end@epoch0/admit")
+    assert releases(admitted, 0, "epoch_end@epoch0/admit")[-1]["joined"] == [2]
+    session = plane.sessions[1]
+    assert 2 in session.members and 2 in session.generator.live
+    # the joiner fails: its process ends, or its rejoin fails (the donor died mid-transfer) and it closes
+    out = plane.on_disconnect(2) if how == "its process ends" else send(plane, 2, "close")
+    notices = [i for i in out[0] if i["t"] == "departed"]
+    assert notices and notices[0]["rank"] == 2
+    assert 2 not in session.generator.live and 2 in session.departed
+    # no group is issued with it, the next meeting releases without it
+    for rank in (0, 1, 3):
+        for _ in range(5):
+            for item in send(plane, rank, "ready", req=1).get(rank, []):
+                assert item["t"] != "group" or 2 not in item["members"]
+    assert releases(arrive(plane, [0, 1, 3], "epoch_end@epoch1"), 0, "epoch_end@epoch1")
+    # a new process for rank 2 is not refused as a live member
+    assert join(plane, 2, rejoin=True) == {}
+
+
+def test_a_rank_readmitted_after_an_earlier_process_closed_departs_when_it_crashes(plane_without_2):
+    plane = plane_without_2
+    session = plane.sessions[1]
+    session.closed.add(2)  # an earlier process of rank 2 had closed its session before it was lost
+    join(plane, 2, rejoin=True)
+    arrive(plane, [0, 1, 3], "epoch_end@epoch0")
+    arrive(plane, [0, 1, 3], "epoch_end@epoch0/admit")
+    arrive(plane, [2], "epoch_end@epoch0/admit")
+    assert 2 in session.members and 2 not in session.closed
+    out = plane.on_disconnect(2)
+    assert any(i["t"] == "departed" and i["rank"] == 2 for i in out[0])
+
+
+def test_a_normal_close_at_the_fit_end_is_no_departure():
+    plane = ControlPlane()
+    for rank in range(WORLD):
+        join(plane, rank)
+    arrive(plane, range(WORLD), "fit_end")
+    out = send(plane, 0, "close")
+    assert not any(i["t"] == "departed" for items in out.values() for i in items)
+    assert plane.sessions[1].departed == {}
+
+
+def claim(plane: ControlPlane, rank: int, req: int, key: str = "queue@0", park: bool = False) -> dict:
+    return send(plane, rank, "kv", req=req, do="claim", key=key, first=0, num=8, park=park)
+
+
+def test_a_departed_ranks_late_claim_takes_no_chunk_and_its_chunks_go_back_once():
+    plane = ControlPlane()
+    for rank in range(WORLD):
+        join(plane, rank)
+    session = plane.sessions[1]
+    assert claim(plane, 1, 1)[1][0]["value"][0] == 0  # rank 1 holds chunk 0
+    plane.on_disconnect(1)  # lost: chunk 0 goes back to the queue
+    assert session.values["queue@0" + REQUEUED] == [[0, None]]
+    late = claim(plane, 1, 2)  # its claim in flight when it was declared lost
+    assert "error" in late[1][0] and "not a member" in late[1][0]["error"]
+    assert session.values["queue@0" + REQUEUED] == [[0, None]]  # the requeued chunk is still there
+    assert claim(plane, 3, 3)[3][0]["value"][0] == 0  # a member gets it
+    # nor may a departed rank report work, park a claim or decide a verdict
+    for op, fields in [("work", {"key": "queue@0", "done": [0]}), ("summed", {"key": "g1", "members": [1, 3], "ok": True})]:
+        answer = send(plane, 1, op, **fields)
+        assert "not a member" in answer[1][0]["message"]
+    assert "not a member" in claim(plane, 1, 4, park=True)[1][0]["error"]
+    assert session.ends.parked("queue@0") == []
+    assert 1 not in session.work.holders("queue@0")
+
+
+def test_a_new_process_gets_nothing_meant_for_its_lost_predecessor():
+    """Items routed to a rank whose connection closed are dropped, not queued for the next process
+    that proves that rank (which would find them before it opened its session, and drop them)."""
+
+    def handler(message: dict) -> dict:  # every message of rank 0 also sends rank 2 an admission
+        return {2: [{"t": "admit", "sync": "epoch_end@epoch0/admit", "s": 1}], 0: [{"t": "reply", "req": message["req"]}]}
+
+    server = MessageServer(handler, "127.0.0.1", CREDENTIALS)
+    server.start()
+    try:
+        first = MessageLink(*server.address, 2, timeout=10, credentials=CREDENTIALS)
+        first.send({"op": "echo", "rank": 2, "item": {"t": "first"}})
+        assert first.receive(timeout=10) == {"t": "first"}
+        first.close()
+        assert _wait(lambda: 2 not in server.connected)
+        other = MessageLink(*server.address, 0, timeout=10, credentials=CREDENTIALS)
+        other.send({"op": "kv", "s": 1, "rank": 0, "req": 1, "do": "get", "key": "k"})
+        assert other.receive(timeout=10) == {"t": "reply", "req": 1}
+        assert server.messages_dropped == 1
+        second = MessageLink(*server.address, 2, timeout=10, credentials=CREDENTIALS)
+        second.send({"op": "echo", "rank": 2, "item": {"t": "second"}})
+        assert second.receive(timeout=10) == {"t": "second"}  # nothing of the first's came before it
+        for link in (second, other):
+            link.close()
+    finally:
+        server.close()
+
+
+def _wait(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
