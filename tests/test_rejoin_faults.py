@@ -154,7 +154,8 @@ def test_a_departed_ranks_late_claim_takes_no_chunk_and_its_chunks_go_back_once(
     assert session.values["queue@0" + REQUEUED] == [[0, None]]  # the requeued chunk is still there
     assert claim(plane, 3, 3)[3][0]["value"][0] == 0  # a member gets it
     # nor may a departed rank report work, park a claim or decide a verdict
-    for op, fields in [("work", {"key": "queue@0", "done": [0]}), ("summed", {"key": "g1", "members": [1, 3], "ok": True})]:
+    late_messages = [("work", {"key": "queue@0", "done": [0]}), ("summed", {"key": "g1", "members": [1, 3], "ok": True})]
+    for op, fields in late_messages:
         answer = send(plane, 1, op, **fields)
         assert "not a member" in answer[1][0]["message"]
     assert "not a member" in claim(plane, 1, 4, park=True)[1][0]["error"]
@@ -167,7 +168,8 @@ def test_a_new_process_gets_nothing_meant_for_its_lost_predecessor():
     that proves that rank (which would find them before it opened its session, and drop them)."""
 
     def handler(message: dict) -> dict:  # every message of rank 0 also sends rank 2 an admission
-        return {2: [{"t": "admit", "sync": "epoch_end@epoch0/admit", "s": 1}], 0: [{"t": "reply", "req": message["req"]}]}
+        admission = {"t": "admit", "sync": "epoch_end@epoch0/admit", "s": 1}
+        return {2: [admission], 0: [{"t": "reply", "req": message["req"]}]}
 
     server = MessageServer(handler, "127.0.0.1", CREDENTIALS)
     server.start()
