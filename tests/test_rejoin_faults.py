@@ -154,7 +154,7 @@ def test_a_departed_ranks_late_claim_takes_no_chunk_and_its_chunks_go_back_once(
     assert session.values["queue@0" + REQUEUED] == [[0, None]]  # the requeued chunk is still there
     assert claim(plane, 3, 3)[3][0]["value"][0] == 0  # a member gets it
     # nor may a departed rank report work, park a claim or decide a verdict
-    late_messages = [("work", {"key": "queue@0", "done": [0]}), ("summed", {"key": "g1", "members": [1, 3], "ok": True})]
+    late_messages = [("work", {"key": "queue@0", "done": [0]}), ("summed", {"key": "g", "members": [1, 3], "ok": 1})]
     for op, fields in late_messages:
         answer = send(plane, 1, op, **fields)
         assert "not a member" in answer[1][0]["message"]
