@@ -272,3 +272,59 @@ def test_the_readme_names_every_shared_option():
     )
     missing = [name for name in _shared_options() if f"`{name}`" not in line]
     assert not missing, f"README.md's list of the shared options misses {missing}"
+
+
+def test_the_pages_quote_the_control_plane_connection_error_as_the_code_words_it():
+    """A rank that cannot reach the control plane fails with `ControlClient`'s message, which names
+    the address twice (its link's peer is "the control plane at HOST:PORT"): the pages quote it so."""
+    import socket
+
+    from lightning_prague.core import ControlClient
+    from lightning_prague.core.auth import Credentials
+    from lightning_prague.core.errors import CoordinationTimeout
+
+    with socket.socket() as probe:  # a port that nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(CoordinationTimeout) as caught:
+        ControlClient("127.0.0.1", port, 7, timeout=2.0, credentials=Credentials.derive(b"secret", "launch"))
+    message = str(caught.value).replace(f"127.0.0.1:{port}", "HOST:PORT").replace("rank 7", "rank R")
+    quoted = re.sub(r" \([^()]*\)$", " (...)", message)  # the OS's reason, abridged
+    assert quoted.startswith("rank R: cannot connect to the control plane at HOST:PORT"), message
+    for page in ("troubleshooting.md", "multi_node.md"):
+        assert quoted in " ".join((DOCS / page).read_text().split()), f"docs/{page} does not quote {quoted!r}"
+
+
+def test_every_snippet_line_of_the_docs_is_one_that_the_snippets_extension_includes():
+    """pymdownx.snippets' `check_paths` fails the build for a marker whose file is missing, but a line
+    it does not recognise as a marker is rendered as text, and the strict build passes. So every line
+    that looks like a marker (`--8<--`, however spaced) must be one it recognises, naming a file that
+    exists. In a Python fence the marker line is also valid Python, which `ruff format` rewrites
+    (`--8 < --"..."`): such a fence must sit between `<!-- fmt: off -->` and `<!-- fmt: on -->`."""
+    from pymdownx.snippets import SnippetPreprocessor
+
+    looks_like = re.compile(r"^\s*-+\s*8\s*<\s*-+")
+    bad = []
+    for page in PAGES:
+        guarded = False
+        fence = None
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            where = f"{page.relative_to(ROOT)}:{number}"
+            stripped = line.strip()
+            if stripped in ("<!-- fmt: off -->", "<!-- fmt: on -->"):
+                guarded = stripped == "<!-- fmt: off -->"
+            elif stripped.startswith("```"):
+                fence = None if fence is not None else stripped[3:].strip().lower()
+            if not looks_like.match(line):
+                continue
+            marker = SnippetPreprocessor.RE_ALL_SNIPPETS.match(line)
+            if marker is None:
+                bad.append(f"{where}: not a snippet marker: {stripped!r}")
+                continue
+            if marker.group("snippet"):
+                path = marker.group("snippet")[1:-1]
+                if not (ROOT / path).is_file():
+                    bad.append(f"{where}: {path} does not exist")
+            if fence in ("python", "py", "python3") and not guarded:
+                bad.append(f"{where}: a marker in a Python fence without <!-- fmt: off --> (ruff format rewrites it)")
+    assert not bad, "snippet lines the docs build would not include:\n" + "\n".join(bad)

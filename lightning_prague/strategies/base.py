@@ -162,7 +162,7 @@ class DecentralizedStrategy(DDPStrategy):
                 which a worker is declared hung and fenced (`lightning_prague.core.plane.liveness`):
                 60 s, as torchft's collectives. A worker that computes is slow, not hung: only
                 `sync_timeout` bounds it. A silent worker (a frozen process, a lost node) is declared
-                after `min(10 s, hang_timeout)` or `hang_factor` x its step.
+                after `max(min(10 s, hang_timeout), hang_factor x` its step`)`.
             hang_factor: a worker is declared hung after `max(hang_timeout, hang_factor x` its
                 longest recent step`)` without progress or sign of life (steps timed on that worker).
             sync_timeout: seconds the ranks may take to all reach a synchronization point (its
@@ -171,11 +171,17 @@ class DecentralizedStrategy(DDPStrategy):
                 checkpoint) before it is declared hung. Unset: 1800 s, Lightning's DDP timeout, or
                 `timeout` if that is longer; it must not be shorter than `timeout`.
             coordinator_port: the port (1-65535) on which the supervisor started by global rank 0
-                serves the control plane (on every interface of the first node), for a firewall
-                that only opens known ports; unset: the `LIGHTNING_PRAGUE_CONTROL_PORT`
-                environment variable, else a free port. Setting both to different ports is an error.
+                serves the control plane, for a firewall that only opens known ports; unset: the
+                `LIGHTNING_PRAGUE_CONTROL_PORT` environment variable, else a free port. Setting both
+                to different ports is an error. It listens on rank 0's node at `MASTER_ADDR`'s
+                address, or at the one `LIGHTNING_PRAGUE_CONTROL_HOST` names; on every interface only
+                if that variable says so (`0.0.0.0`), or if `MASTER_ADDR` is a host name that resolves
+                to a loopback address there or is not an address of that node at all.
             max_restarts: how many times the strategy's launcher (`start_method="popen"`, one node)
-                starts the process of a lost rank again, for each rank, rank 0 included; the new
+                starts the process of a lost rank again, for each rank, rank 0 included. It acts only
+                where Lightning's own launcher starts the ranks: under srun, torchrun, a container
+                per rank, or on several nodes, it does nothing (restart the rank yourself with
+                `LIGHTNING_PRAGUE_REJOIN=1`). The new
                 process rejoins the running fit at its next epoch's end with the state of a live
                 worker (`lightning_prague.strategies.rejoin`). With it above 0 the process you start
                 trains nothing itself: it starts every rank and restarts the lost ones. 0: a lost
