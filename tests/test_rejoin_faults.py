@@ -64,17 +64,19 @@ def plane_without_2() -> ControlPlane:
 @pytest.mark.parametrize("how", ["its process ends", "it gives up"])
 def test_a_joiner_gone_before_its_admission_holds_no_meeting(plane_without_2, how):
     plane = plane_without_2
-    assert join(plane, 2, rejoin=True) == {}
+    assert 2 not in join(plane, 2, rejoin=True)  # the members are called to admit it
     if how == "its process ends":
         plane.on_disconnect(2)
     else:
         send(plane, 2, "close")
-    # the members' next epoch end admits nobody and needs no admission meeting
+    # the members' call, and their next epoch end, admit nobody
+    out = arrive(plane, [0, 1, 3], "admission@1")
+    assert "admit" not in releases(out, 0, "admission@1")[-1] and 2 not in out
     out = arrive(plane, [0, 1, 3], "epoch_end@epoch0")
     release = releases(out, 0, "epoch_end@epoch0")[-1]
     assert "admit" not in release and 2 not in out
     # and a later process of rank 2 may still rejoin
-    assert join(plane, 2, rejoin=True) == {}
+    assert join(plane, 2, rejoin=True)[0][0]["t"] == "join"
     assert plane.sessions[1].generator.joining == [2]
 
 
@@ -111,7 +113,7 @@ def test_a_joiner_that_fails_after_its_admission_departs_and_may_come_back(plane
                 assert item["t"] != "group" or 2 not in item["members"]
     assert releases(arrive(plane, [0, 1, 3], "epoch_end@epoch1"), 0, "epoch_end@epoch1")
     # a new process for rank 2 is not refused as a live member
-    assert join(plane, 2, rejoin=True) == {}
+    assert join(plane, 2, rejoin=True)[0][0]["t"] == "join"
 
 
 def test_a_rank_readmitted_after_an_earlier_process_closed_departs_when_it_crashes(plane_without_2):
@@ -199,3 +201,44 @@ def _wait(condition, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+# -- the admission call: joiners are admitted at the members' next batch boundary ------------------
+def test_a_joiner_is_admitted_at_the_call_between_synchronization_points(plane_without_2):
+    plane = plane_without_2
+    called = join(plane, 2, rejoin=True)
+    assert {r: items[0]["sync"] for r, items in called.items()} == {
+        0: "admission@1",
+        1: "admission@1",
+        3: "admission@1",
+    }
+    assert arrive(plane, [0, 1], "admission@1") == {}  # the call waits for every member, not for an epoch end
+    out = arrive(plane, [3], "admission@1")
+    release = releases(out, 0, "admission@1")[-1]
+    assert release["admit"] == [2] and out[2] == [{"t": "admit", "sync": "admission@1/admit", "s": 1}]
+    arrive(plane, [0, 1, 3], "admission@1/admit")
+    admitted = arrive(plane, [2], "admission@1/admit")
+    assert releases(admitted, 2, "admission@1/admit")[-1]["members"] == [0, 1, 2, 3]
+    assert 2 in plane.sessions[1].members
+
+
+@pytest.mark.parametrize("elsewhere", ["epoch_end@epoch0", "progress@40", "fit_end"])
+def test_a_call_the_members_meet_elsewhere_first_is_called_off_without_an_error(plane_without_2, elsewhere):
+    """A member may reach the epoch's end (or a boundary) before its next batch boundary: the call is off,
+    those at it train on, and the joiner is admitted at that epoch's end or called again after it."""
+    plane = plane_without_2
+    join(plane, 2, rejoin=True)
+    assert arrive(plane, [0], "admission@1") == {}
+    out = arrive(plane, [1], elsewhere)
+    assert out[0] == [{"t": "release", "sync": "admission@1", "cancel": True, "members": [0, 1, 3], "s": 1}]
+    late = arrive(plane, [3], "admission@1")  # it saw the call before the others met elsewhere
+    assert late[3][0]["cancel"] is True
+    out = arrive(plane, [0, 3], elsewhere)
+    assert not any(i["t"] == "error" for r in (0, 1, 3) for i in out.get(r, []))  # no mismatch for the members
+    release = releases(out, 0, elsewhere)[-1]
+    if elsewhere.startswith("epoch_end"):
+        assert release["admit"] == [2]
+    elif elsewhere == "fit_end":
+        assert out[2][0]["t"] == "error" and "fit ended" in out[2][0]["message"]
+    else:  # validation inside the epoch admits nobody: the members are called again
+        assert [i["sync"] for i in out[0] if i["t"] == "join"] == ["admission@2"]

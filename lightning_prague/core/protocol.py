@@ -226,6 +226,9 @@ COMMIT = "/commit"
 ADMIT = "/admit"
 #: the prefix of the meetings at which joiners are admitted (every epoch's end)
 ADMITTING_AT = "epoch_end@"
+#: the prefix of the meetings the control plane calls, between synchronization points, to admit joiners
+#: at the members' next batch boundary (`admission@<n>`; `GroupGenerator`'s `Rejoining`)
+ADMISSION_CALL = "admission@"
 
 
 def rebuild_meeting(sync: str, attempt: int) -> str:

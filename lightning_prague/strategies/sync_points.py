@@ -72,6 +72,7 @@ class SyncPoints(Callback):
     ) -> None:
         if self.strategy.progress is not None:
             self.strategy.progress.after_batch()  # a boundary: meet before step-based callbacks run
+        self.strategy.synchronizer.answer_admission_call()  # joiners wait: meet the others to admit them
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.outside_steps()  # until its first batch: a meeting, loaders built
@@ -120,16 +121,27 @@ class Synchronizer:
     def __init__(self, strategy: DecentralizedStrategy) -> None:
         self.strategy = strategy
 
-    def synchronize(self, name: str, progress: Optional[int], inside_epoch: bool, validate: bool) -> None:
-        """Drain, meet every rank, then average (see `DecentralizedStrategy.synchronize`)."""
+    def answer_admission_call(self) -> None:
+        """At a batch boundary: if the control plane called the members to admit joiners
+        (`admission@<n>`), meet there, inside the epoch, and admit them (no global average). If the
+        others meet elsewhere first (an epoch's end, validation) the call is off and this rank trains
+        on; the joiners are admitted there or at a later call."""
+        worker = self.strategy.worker
+        if worker is None or not self.strategy.controller.must_meet:
+            return
+        name = worker.session.take_admission_call()
+        if name is None:
+            return
+        log.debug("rank %d: answering the call to %r", worker.rank, name)
+        if self._meet(name) is None:
+            return  # called off
+        self._after_meeting(progress=None, inside_epoch=True, validate=False, admission_call=True)
+
+    def _meet(self, name: str) -> Optional[dict[str, Any]]:
+        """Drain, meet every rank at `name`; the release, or `None` if the meeting was called off."""
         strategy = self.strategy
         worker = strategy.worker
-        if worker is None:
-            return
-        # ranks wait to rejoin (the last release said so): every member meets at this epoch's end to admit them
-        admitting = name.startswith(ADMITTING_AT) and bool((worker.release or {}).get("joining"))
-        if not strategy.controller.must_meet and not admitting:
-            return
+        assert worker is not None
         strategy.drain()
         loader = strategy.progress.loader if strategy.progress is not None else None
         sampler = loader.sampler if loader is not None else None
@@ -144,11 +156,39 @@ class Synchronizer:
         if worker.synchronize(name, strategy.exchanger, **report):
             strategy.stops.raise_stop()
         release = worker.release or {}
+        return None if release.get("cancel") else release
+
+    def synchronize(self, name: str, progress: Optional[int], inside_epoch: bool, validate: bool) -> None:
+        """Drain, meet every rank, then average (see `DecentralizedStrategy.synchronize`)."""
+        strategy = self.strategy
+        worker = strategy.worker
+        if worker is None:
+            return
+        # ranks wait to rejoin (the last release said so): every member meets at this epoch's end to admit them
+        admitting = name.startswith(ADMITTING_AT) and bool((worker.release or {}).get("joining"))
+        if not strategy.controller.must_meet and not admitting:
+            return
+        worker.session.take_admission_call()  # a call answered by this meeting (the plane calls again if need be)
+        self._meet(name)
+        self._after_meeting(progress, inside_epoch, validate)
+
+    def _after_meeting(
+        self, progress: Optional[int], inside_epoch: bool, validate: bool, admission_call: bool = False
+    ) -> None:
+        """What every rank does after a meeting's release: stop, average, admit, follow the membership."""
+        strategy = self.strategy
+        worker = strategy.worker
+        assert worker is not None and strategy._trainer is not None
+        trainer = strategy._trainer
+        name = (worker.release or {}).get("sync", "")
+        loader = strategy.progress.loader if strategy.progress is not None else None
+        sampler = loader.sampler if loader is not None else None
+        release = worker.release or {}
         if release.get("stop"):  # some rank decided to stop: every rank stops here, together
             trainer.should_stop = True
-        if strategy.measure_consensus:
+        if strategy.measure_consensus and not admission_call:
             strategy.consensus_error = worker.consensus_error()
-        if strategy.average_at_sync:
+        if strategy.average_at_sync and not admission_call:
             follow_module(strategy)
             average_replicas(worker, name)
         if release.get("admit"):  # ranks rejoin here: meet them, regroup, the donor sends them its state
@@ -164,7 +204,7 @@ class Synchronizer:
             # every rank's time per batch, for the work queue's tail decisions
             sampler.set_speeds(release["speeds"])
         strategy.controller.met(inside_epoch, validate)
-        if loader is not None:
+        if loader is not None and not admission_call:
             loader.pending = list(release.get("pending", []))
             if strategy.progress is not None and strategy.progress.schedule is not None:
                 reached = loader.synchronized(progress)

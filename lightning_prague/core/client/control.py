@@ -259,6 +259,8 @@ class Session:
         self._verdicts: dict[str, bool] = {}
         self._verdict_ready = threading.Condition()
         self._rejected: str | None = None  # the control plane rejected one of this rank's messages
+        #: the admission meeting the control plane called this member to (`take_admission_call`), if any
+        self.admission_call: str | None = None
 
     def deliver(self, item: Message) -> None:
         """Called by the reader thread for every item of this session."""
@@ -289,7 +291,9 @@ class Session:
                 node = item.get("node", "its node")
                 drop_connections(item["unreachable"], self.rank, f"every rank of {node} left the job")
             self._departure.set()
-        elif kind == "release" and item.get("joined"):  # ranks that rejoined are members again
+        if kind == "release" and "/" not in str(item.get("sync")) and item.get("sync") != self.admission_call:
+            self.admission_call = None  # the members met elsewhere: that call is off (a new one may follow)
+        if kind == "release" and item.get("joined"):  # ranks that rejoined are members again
             for rank in item["joined"]:
                 why = self.departed.pop(int(rank), None)
                 when = self.departed_at.pop(int(rank), None)
@@ -297,6 +301,9 @@ class Session:
                     self.rejoined[int(rank)] = (when or 0.0, why)
             self.members = [int(r) for r in item.get("members", self.members)]
             log.warning("rank %d: ranks %s rejoined the job; members %s", self.rank, item["joined"], self.members)
+        elif kind == "join":  # the members are called to admit joiners at their next batch boundary
+            self.admission_call = str(item["sync"])
+            log.debug("rank %d: called to %r to admit ranks %s", self.rank, self.admission_call, item.get("joining"))
         elif kind == "fenced":  # declared hung: end this process, as a local one would be SIGKILLed
             status = excluded_exit_status()
             log.error(
@@ -495,6 +502,12 @@ class Session:
             applied = self._verdicts.pop(key)
         log.debug("rank %d: %s (%s): complete here %s, verdict %s", self.rank, operation, key, complete, applied)
         return applied
+
+    def take_admission_call(self) -> str | None:
+        """The admission meeting this member is called to, once (the training thread meets there at
+        its next batch boundary: `GroupWorker.synchronize`)."""
+        call, self.admission_call = self.admission_call, None
+        return call
 
     def await_admission(self, timeout: float) -> str:
         """A rejoining rank: wait (at most `timeout` s) until the members reach an epoch's end, and

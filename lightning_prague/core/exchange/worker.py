@@ -352,6 +352,10 @@ class GroupWorker:
             target = self._meet(target, start, exchanger, report)
         if exchanger is not None:
             exchanger.finish(self.release)  # the phase's last rounds, among the phase's members
+        if (self.release or {}).get("cancel"):  # an admission call the others met elsewhere: nobody met here
+            self.stats.sync_seconds += time.monotonic() - start
+            log.debug("rank %d: the call to %r was called off; training on", self.rank, target)
+            return False
         self.change_members((self.release or {}).get("members"))
         if self.job is not None:
             self.job.follow_leader(self.release or {})

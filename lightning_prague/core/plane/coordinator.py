@@ -366,7 +366,9 @@ class ControlPlane:
         number = message["s"]
         session = self.sessions.get(number)
         if op == "join" and message.get("rejoin"):
-            self._rejoin(session, number, rank, message)
+            self._rejoin(session, number, rank, message, out)
+            if session is not None:
+                self._tag(session, out)
             return
         if op == "join":
             config = SessionConfig.from_wire(message["config"])
@@ -461,7 +463,7 @@ class ControlPlane:
         self._tag(session, out)
 
     @staticmethod
-    def _rejoin(session: CoordinatorSession | None, number: int, rank: int, message: dict[str, Any]) -> None:
+    def _rejoin(session: CoordinatorSession | None, number: int, rank: int, message: dict[str, Any], out: Out) -> None:
         """A new process for `rank`, which left the fit, asks to be admitted at the next epoch's end
         (`GroupGenerator.request_join`); refused, to it alone, where that cannot be."""
         if session is None:
@@ -481,7 +483,7 @@ class ControlPlane:
             raise ValueError(f"rank {rank} cannot rejoin fit {number}: the fit is stopping")
         session.processes[rank] = (message["pid"], message["host"])
         session.addresses[rank] = list(message.get("addresses", ()))
-        generator.request_join(rank)
+        generator.request_join(rank, out)
         log.warning("session %d: a new process for rank %d asks to rejoin (pid %d)", number, rank, message["pid"])
 
     @staticmethod

@@ -92,7 +92,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from lightning_prague.core.grouping.policies import Group, GroupingPolicy
-from lightning_prague.core.protocol import ADMIT, ADMITTING_AT, COMMIT, REQUEUE, SIGTERM, STOP_SYNC
+from lightning_prague.core.protocol import ADMISSION_CALL, ADMIT, ADMITTING_AT, COMMIT, REQUEUE, SIGTERM, STOP_SYNC
 
 Item = dict[str, Any]
 
@@ -184,13 +184,43 @@ class GroupGenerator:
         self._joined: list[int] = []
         #: the fit's end (`fit_end`) or a stop was released: the members close their sessions from here
         self.ended = False
+        #: the admission meeting the members are called to now (`admission@<n>`), if any, and the calls so far
+        self.calling: str | None = None
+        self._calls = 0
 
-    def request_join(self, rank: int) -> None:
-        """`rank`, which left the job, has a new process that asks to rejoin (see the module docstring)."""
+    def request_join(self, rank: int, out: dict[int, list[Item]] | None = None) -> None:
+        """`rank`, which left the job, has a new process that asks to rejoin (see the module docstring):
+        the members are called to an admission meeting at their next batch boundary (`out`)."""
         if rank not in self.left:
             raise ValueError(f"rank {rank} cannot rejoin: it is a live member of the fit")
         if rank not in self.joining and rank not in self._admitting:
             self.joining.append(rank)
+        if out is not None:
+            self._call_admission(out)
+
+    def _call_admission(self, out: dict[int, list[Item]]) -> None:
+        """Call every member to `admission@<n>` at its next batch boundary, unless a call is out, the
+        members meet now (their release calls again), or the fit is stopping."""
+        if not self.joining or self.calling is not None or self.parked or self.stopping or self.stop_requested:
+            return
+        if self.ended or not self.live:
+            return
+        self._calls += 1
+        self.calling = f"{ADMISSION_CALL}{self._calls}"
+        for r in self.live:
+            self._push(out, r, {"t": "join", "sync": self.calling, "joining": sorted(self.joining)})
+
+    def _cancel_call(self, out: dict[int, list[Item]]) -> None:
+        """The members meet elsewhere (an epoch's end, validation, the fit's end) before all answered
+        the call: those waiting at it go on (a release that says `cancel`), and the others are told
+        so when they come (`_arrive`). The joiners wait for the other meeting's release."""
+        name, self.calling = self.calling, None
+        waiting = sorted(r for r, sync in self.parked.items() if sync == name)
+        for r in waiting:
+            del self.parked[r]
+            self._push(out, r, {"t": "release", "sync": name, "cancel": True, "members": list(self.live)})
+        if waiting:
+            self._changed()
 
     def is_joiner(self, rank: int) -> bool:
         """`rank` asked to rejoin and is not admitted yet (it waits, or it is on its way to its admission)."""
@@ -433,6 +463,14 @@ class GroupGenerator:
             self._ready = deque(entry for entry in self._ready if entry[0] not in group)
 
     def _arrive(self, rank: int, sync: str, out: dict[int, list[Item]]) -> None:
+        if sync.startswith(ADMISSION_CALL) and "/" not in sync:
+            if sync != self.calling or any(name != sync for name in self.parked.values()):
+                if sync == self.calling:  # the others meet elsewhere: the call is off
+                    self._cancel_call(out)
+                self._push(out, rank, {"t": "release", "sync": sync, "cancel": True, "members": list(self.live)})
+                return
+        elif self.calling is not None and self.calling in self.parked.values() and "/" not in sync:
+            self._cancel_call(out)  # this rank meets elsewhere first: the call is off
         self.parked[rank] = sync
         self._changed()
         self._form_ready_groups(out)  # the pool without it may form groups now
@@ -483,6 +521,8 @@ class GroupGenerator:
                 self._push(out, r, release)
             if sync == "fit_end" or release["stop"]:
                 self.ended = True
+            if "/" not in sync:  # the members met (at the call or elsewhere): a call still out is off
+                self.calling = None
         else:
             by_name: dict[str, list[int]] = {}
             for r, name in sorted(self.parked.items()):
@@ -502,17 +542,21 @@ class GroupGenerator:
         self._idle = False
         self.rounds = [0] * self.world_size
         self._per_round.clear()
-        self.policy.restart(mixed=released and self.sync_averages)  # a global average follows a release
+        # a global average follows a release (not an admission call's: the members only admit there)
+        self.policy.restart(mixed=released and self.sync_averages and not sync.startswith(ADMISSION_CALL))
         self._lagging = set()
         self.busy.clear()  # every worker ran everything issued to it before the release
         self._waiting.clear()
         self._changed()
+        if released:
+            self._call_admission(out)  # joiners that still wait: at the members' next batch boundary
 
     def _offer_admission(self, sync: str, release: Item, out: dict[int, list[Item]]) -> None:
         """At an epoch's end that does not stop the fit the joiners are told to meet the members at
         `<sync>/admit`; at the end of the fit (or a stop) they are told that it ends without them."""
         stopping = release["stop"] or sync == STOP_SYNC or sync.startswith(f"{STOP_SYNC}/")
-        if sync.startswith(ADMITTING_AT) and "/" not in sync and not stopping:
+        admitting = sync.startswith(ADMITTING_AT) or sync.startswith(ADMISSION_CALL)
+        if admitting and "/" not in sync and not stopping:
             release["admit"] = sorted(self.joining)
             self._admitting = set(self.joining)
             for r in self.joining:
