@@ -387,7 +387,8 @@ class Job:
         session = self.control.open_session(self.sessions, config, rejoin=True)
         start = time.monotonic()
         try:
-            name = session.await_admission(wait)
+            admit = session.await_admission(wait)
+            name = str(admit["sync"])
             release = session.meet(name, wait)
             joined = [int(r) for r in release.get("joined", [])]
             if self.rank not in joined:
@@ -420,7 +421,10 @@ class Job:
             "rank %d: rejoined the job at %r after %.1fs; received the fit's state from rank %d (%.1f MB in %.2fs)",
             self.rank, name, admitted - start, donor, len(payload) / 1e6, done - admitted,
         )  # fmt: skip
-        return Admission(session, donor, payload, admitted - start, done - admitted, release)
+        position = admit.get("position")
+        return Admission(
+            session, donor, payload, admitted - start, done - admitted, release, position if isinstance(position, dict) else None
+        )
 
     def open_session(self, config: SessionConfig) -> Session:
         """A new session (one fit). Every rank opens its sessions in the same order, so they agree on
@@ -432,8 +436,9 @@ class Job:
 @dataclass(frozen=True)
 class Admission:
     """What a rank that rejoined got: its session, the donor and the fit's state (bytes) it sent,
-    the seconds it waited for its admission and those the state took to arrive, and the admission's
-    release (the members' counters it takes up: `Exchanger.take_up`)."""
+    the seconds it waited for its admission and those the state took to arrive, the admission's
+    release (the members' counters it takes up: `Exchanger.take_up`) and where its rank stood in its
+    shard."""
 
     session: Session
     donor: int
@@ -441,6 +446,9 @@ class Admission:
     waited: float
     received: float
     release: dict[str, Any]
+    #: where this rank stood in its own shard of the epoch when it was lost (lock-step shards:
+    #: `epoch`, `batches`, `shard`, `of`), as the control plane last heard it; `None` if never reported
+    position: Optional[dict[str, int]] = None
 
 
 _JOB: Optional[Job] = None

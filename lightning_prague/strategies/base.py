@@ -77,7 +77,7 @@ from lightning_prague.strategies.global_progress import GlobalProgress
 from lightning_prague.strategies.launcher import SurvivingScriptLauncher
 from lightning_prague.strategies.loaders import StrategyLoaders
 from lightning_prague.strategies.options import DDP_TIMEOUT, Option, StrategyOptions, watchdog_margin
-from lightning_prague.strategies.rejoin import PEER_CHECKPOINT, PeerState
+from lightning_prague.strategies.rejoin import PEER_CHECKPOINT, PeerState, resume_epoch_progress
 from lightning_prague.strategies.stops import Stops
 from lightning_prague.strategies.survivors import Survivors
 from lightning_prague.strategies.sync_points import Synchronizer, SyncPoints
@@ -575,7 +575,13 @@ class DecentralizedStrategy(DDPStrategy):
                     f"ckpt_path={PEER_CHECKPOINT!r} is the state of a rank that rejoins a running fit; this "
                     "process did not rejoin one"
                 )
-            return self.peer_state.checkpoint(admission.payload)
+            checkpoint = self.peer_state.checkpoint(admission.payload)
+            if not self.shards_by_work_queue:  # lock-step shards: go on where the lost rank stood in its own
+                resumed = self.loaders.resume_shard(admission.position, int(checkpoint.get("epoch", 0)))
+                if resumed is not None:
+                    accumulate = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
+                    resume_epoch_progress(checkpoint, resumed, accumulate)
+            return checkpoint
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override

@@ -13,6 +13,16 @@ Two kinds of sharding meet in an asynchronous fit (`StrategyLoaders`):
   lost they are cut among the survivors (`sampler_kwargs`); `reshard` drops the loaders Lightning
   built for the old membership so that their next pass is rebuilt, and `reshard_validation`
   rebuilds a validation that starts at the very meeting that lost the rank.
+
+**Lock-step shards through a loss** (training without the work queue: `decent_adam`, `grouping="static"`).
+Each rank tells the control plane, after every batch, where it stands in its own shard of the epoch
+(`report_position`: the epoch, the batches it trained, its shard and the number of shards; one small
+message, no reply). A new process for a lost rank gets that position with its admission
+(`resume_shard`) and goes on from there: its loop's batch count is the lost rank's (`resumed_progress`)
+and its training loader reads the same shard from the next batch on (`ResumedShardSampler`), so the
+rest of the lost rank's shard is trained once, by its successor, instead of being skipped. A batch the
+lost rank trained but had not reported yet (it died between its optimizer step and the message) is
+trained again; one whose report went out is not.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from lightning_prague.core.data.progress import ProgressCounter
 from lightning_prague.core.data.progress_loader import ProgressLoader
@@ -46,6 +56,10 @@ class StrategyLoaders:
         #: the training loader's work-queue sampler (map-style data under the work queue)
         self.sampler: WorkQueueSampler | None = None
         self.sharded_members: tuple[int, ...] = ()  # the members Lightning's shards were last built for
+        #: the shard the training loader reads (lock-step shards): (shard, number of shards)
+        self.shard_layout: Optional[tuple[int, int]] = None
+        #: where a lost rank stood in its shard, for this rank that took its place (`resume_shard`)
+        self._resume: Optional[dict[str, int]] = None
 
     # -- the training loader from the work queue -------------------------------------------------
     def replacements(self, trainer: Trainer) -> dict[str, Callable[..., Any]]:
@@ -59,6 +73,8 @@ class StrategyLoaders:
         def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
             progress = strategy.progress
             sharded = strategy.shards_by_work_queue and strategy.session is not None and progress is not None
+            if mode == RunningStage.TRAINING and not strategy.shards_by_work_queue:
+                return self.lockstep(original(dataloader, shuffle, mode))
             if mode != RunningStage.TRAINING or not sharded:
                 return original(dataloader, shuffle, mode)
             assert progress is not None
@@ -123,6 +139,51 @@ class StrategyLoaders:
         )
         return _update_dataloader(dataloader, self.sampler, mode=RunningStage.TRAINING)
 
+    # -- lock-step shards through a loss (see the module docstring) ---------------------------------
+    def lockstep(self, loader: object) -> object:
+        """The training loader Lightning built with its shard: noted, and, for a rank that took a lost
+        one's place, reading the lost rank's shard from where it stood."""
+        if not isinstance(loader, DataLoader) or not isinstance(loader.sampler, DistributedSampler):
+            self.shard_layout = None
+            return loader
+        sampler = loader.sampler
+        resume, self._resume = self._resume, None
+        if resume is None:
+            self.shard_layout = (sampler.rank, sampler.num_replicas)
+            return loader
+        shard = DistributedSampler(
+            sampler.dataset,
+            num_replicas=resume["of"],
+            rank=resume["shard"],
+            shuffle=sampler.shuffle,
+            seed=sampler.seed,
+            drop_last=sampler.drop_last,
+        )
+        self.shard_layout = (resume["shard"], resume["of"])
+        assert loader.batch_size is not None
+        resumed = ResumedShardSampler(shard, resume["epoch"], resume["batches"] * loader.batch_size)
+        return _update_dataloader(loader, resumed, mode=RunningStage.TRAINING)
+
+    def resume_shard(self, position: Optional[dict[str, int]], epoch: int) -> Optional[int]:
+        """This rank takes a lost rank's place in `epoch` (a rejoin): its training loader goes on from
+        where that rank stood (`position`, as the control plane last heard it). Returns the batches
+        of the epoch already trained in that shard (the loop's count to resume from), or `None` where
+        there is nothing to resume (the rank was lost in an earlier epoch: the others' shards cover
+        this one without it, and this rank reads nothing more of it)."""
+        if position is None or position.get("epoch") != epoch:
+            self._resume = {"epoch": epoch, "batches": 1 << 40, "shard": 0, "of": 1}  # nothing left this epoch
+            return None
+        self._resume = dict(position)
+        return int(position["batches"])
+
+    def report_position(self, epoch: int, batches: int) -> None:
+        """After a batch (lock-step shards): tell the control plane where this rank stands in its shard."""
+        session = self.strategy.session
+        if self.shard_layout is None or session is None or self.strategy.shards_by_work_queue:
+            return
+        shard, of = self.shard_layout
+        session.send("trained", epoch=epoch, batches=batches, shard=shard, of=of)
+
     # -- Lightning's shards among the live ranks -------------------------------------------------
     def sampler_kwargs(self) -> Optional[dict[str, Any]]:
         """Lightning's shards among the members (the launched ranks, less those lost, plus those that
@@ -157,3 +218,27 @@ class StrategyLoaders:
         loop._combined_loader = None
         loop.setup_data()
         loop.reset()
+
+
+class ResumedShardSampler(Sampler[int]):
+    """A shard (`DistributedSampler`) that leaves out its first `skip` indices in `epoch`, the epoch a
+    lost rank was lost in (its successor goes on from where it stood); every other epoch whole."""
+
+    def __init__(self, shard: DistributedSampler, epoch: int, skip: int) -> None:
+        self.shard = shard
+        self.resumed_epoch = epoch
+        self.skip = skip
+        self.epoch = epoch
+        shard.set_epoch(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.shard.set_epoch(epoch)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        indices = list(self.shard)
+        return iter(indices[self.skip :] if self.epoch == self.resumed_epoch else indices)
+
+    def __len__(self) -> int:
+        # the whole shard: the loop's batch count goes on from where the lost rank stood, up to its end
+        return len(self.shard)

@@ -90,11 +90,17 @@ class PeerState:
         returns what encodes it as bytes (run in the background: `BackgroundTransfer`)."""
         trainer = self.strategy._trainer
         assert trainer is not None
+        progress = self.strategy.progress
+        loader = progress.loader if progress is not None else None
         self.dumping = True
+        if loader is not None:  # the joiner claims from the epoch under way, with none of this rank's chunks
+            loader.for_joiner = True
         try:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         finally:
             self.dumping = False
+            if loader is not None:
+                loader.for_joiner = False
         kept = self._readable(checkpoint)
         copied = _copied(kept)
         return lambda: _saved(copied)
@@ -139,6 +145,40 @@ class PeerState:
                 f"({'; '.join(differences[:8])}{'; ...' if len(differences) > 8 else ''})"
             )
         return checkpoint
+
+
+def resume_epoch_progress(checkpoint: dict[str, Any], batches: int, accumulate: int = 1) -> None:
+    """Make `checkpoint` (a donor's, taken inside an epoch) resume its epoch's loop at `batches`: where
+    the lost rank this process replaces stood in its own shard, not where the donor stands. Its step
+    counts (the global step, what LR schedules follow) move back or on by as many steps."""
+    loops = checkpoint.get("loops")
+    fit_loop = loops.get("fit_loop") if isinstance(loops, dict) else None
+    progress = fit_loop.get("epoch_loop.batch_progress") if isinstance(fit_loop, dict) else None
+    current = progress.get("current") if isinstance(progress, dict) else None
+    if not isinstance(fit_loop, dict) or not isinstance(current, dict) or not isinstance(current.get("ready"), int):
+        raise ConfigurationError("the state a live member sent holds no training loop progress to resume from")
+    shift = batches - int(current["ready"])  # batches; steps: `shift // accumulate`
+    _shift_counters(progress, shift)
+    progress["is_last_batch"] = False
+    steps = shift // max(1, accumulate)
+    _shift_counters(fit_loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer"), steps)
+    _shift_counters(fit_loop.get("epoch_loop.manual_optimization.optim_step_progress"), steps)
+    state = fit_loop.get("epoch_loop.state_dict")
+    if isinstance(state, dict) and isinstance(state.get("_batches_that_stepped"), int):
+        state["_batches_that_stepped"] = max(0, state["_batches_that_stepped"] + steps)
+    if isinstance(checkpoint.get("global_step"), int):
+        checkpoint["global_step"] = max(0, checkpoint["global_step"] + steps)
+
+
+def _shift_counters(tree: Any, shift: int) -> None:
+    """Add `shift` to every loop counter (`ready`, `started`, `processed`, `completed`) under `tree`."""
+    if not isinstance(tree, dict):
+        return
+    for key, value in tree.items():
+        if key in ("ready", "started", "processed", "completed") and isinstance(value, int):
+            tree[key] = max(0, value + shift)
+        else:
+            _shift_counters(value, shift)
 
 
 def _copied(value: Any) -> Any:

@@ -72,6 +72,7 @@ class SyncPoints(Callback):
     ) -> None:
         if self.strategy.progress is not None:
             self.strategy.progress.after_batch()  # a boundary: meet before step-based callbacks run
+        self.strategy.loaders.report_position(trainer.current_epoch, batch_idx + 1)  # lock-step shards
         self.strategy.synchronizer.answer_admission_call()  # joiners wait: meet the others to admit them
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -509,17 +509,19 @@ class Session:
         call, self.admission_call = self.admission_call, None
         return call
 
-    def await_admission(self, timeout: float) -> str:
-        """A rejoining rank: wait (at most `timeout` s) until the members reach an epoch's end, and
-        return the name of the meeting where they admit it (`<epoch end>/admit`). Raises
-        `ControlPlaneError` with the control plane's reason if it cannot rejoin (the fit ended, is
-        stopping, runs another configuration) and `CoordinationTimeout` if no epoch ended in time."""
-        item = self._next(f"the next epoch's end of the fit it rejoins (up to {timeout:.0f}s)", timeout)
+    def await_admission(self, timeout: float) -> Message:
+        """A rejoining rank: wait (at most `timeout` s) until the members meet to admit it (at their
+        next batch boundary, or an epoch's end), and return the admission item: `sync`, the meeting
+        where they admit it (`<meeting>/admit`), and `position`, where its rank stood in its shard of
+        the epoch if it reported it. Raises `ControlPlaneError` with the control plane's reason if it
+        cannot rejoin (the fit ended, is stopping, runs another configuration) and
+        `CoordinationTimeout` if the members did not meet in time."""
+        item = self._next(f"the members' admission meeting of the fit it rejoins (up to {timeout:.0f}s)", timeout)
         while item["t"] != "admit":
             if item["t"] == "error":
                 raise ControlPlaneError(f"rank {self.rank}: {item.get('message')}")
             item = self._next("its admission to the fit", timeout)
-        return str(item["sync"])
+        return item
 
     def meet(self, name: str, timeout: float, **report: Any) -> Message:
         """Arrive at meeting `name` and return its release (for a rank that runs no groups yet: a

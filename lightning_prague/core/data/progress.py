@@ -215,6 +215,14 @@ class ProgressCounter:
         if self._members is not None:
             self.world_size, self._index = len(self._members), self._members.index(self.rank)
 
+    def join_epoch(self, epoch: int, epoch_base: int, offset: int, world_size: int) -> None:
+        """Join `epoch` under way (a rank that rejoined): the members' origin and number of tickets set
+        aside (`world_size`, the members at the epoch's start); no ticket is set aside for this rank,
+        it claims every one."""
+        self.begin_epoch(epoch, epoch_base, offset)
+        self.world_size = world_size
+        self._first_taken = True
+
     def padded(self, end: int) -> int:
         """`end` rounded up to whole global steps from the epoch's start (then capped by the budget)."""
         steps = -(-(end - self.epoch_base) // self.batches_per_step)

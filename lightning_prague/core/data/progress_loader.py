@@ -58,6 +58,8 @@ class ProgressLoader:
         self.leader = 0
         #: the chunk of the batch in flight, once reported trained (`report_trained`)
         self._reported: Optional[int] = None
+        #: `state_dict` is for a rank that joins the epoch under way (its state from a live member)
+        self.for_joiner = False
         if sampler is not None and batches_per_epoch is not None and not (getattr(loader, "num_workers", 0) or 0):
             # the loader runs in this process: the sampler is asked for a chunk exactly when the batch is
             # built, so the batch's ticket can come in the same message as its chunk (one per batch)
@@ -102,6 +104,21 @@ class ProgressLoader:
         epoch = self.current_epoch()
         offset = 0
         restored, self._restored = self._restored, None
+        join = restored.get("join") if restored is not None else None
+        if restored is not None and isinstance(join, dict) and int(restored["epoch"]) == epoch:
+            # a rank that joins the epoch under way: the members' numbering of it, no chunk or ticket set aside
+            self.progress = int(restored["progress"])
+            self.epoch_base = int(restored["epoch_base"])
+            self.epoch = epoch
+            if self._first_epoch is None:
+                self._first_epoch = epoch
+            if self.sampler is not None:
+                self.sampler.set_epoch(epoch)
+                self.sampler.join_epoch(epoch, int(join["first_claimed"]))
+            self.counter.join_epoch(epoch, self.epoch_base, int(join["offset"]), int(join["world_size"]))
+            self.tickets.clear()
+            self._reported = None
+            return
         if restored is not None:
             self.progress = int(restored["progress"])
             if int(restored["epoch"]) == epoch:  # resuming inside the epoch the checkpoint was taken in
@@ -244,8 +261,16 @@ class ProgressLoader:
         ]
 
     def state_dict(self) -> dict[str, Any]:
-        """Where training stands; complete on rank 0 (which writes checkpoints) at a synchronization point."""
+        """Where training stands; complete on rank 0 (which writes checkpoints) at a synchronization point.
+        For a rank that joins the epoch under way (`for_joiner`): the epoch's numbering, which every
+        member shares (`join`), and none of this rank's own chunks or tickets."""
         state: dict[str, Any] = {"epoch": self.epoch, "epoch_base": self.epoch_base, "progress": self.progress}
+        if self.for_joiner:
+            join = {"offset": self.counter.offset, "world_size": self.counter.world_size}
+            if self.sampler is not None:
+                join["first_claimed"] = self.sampler.first_claimed
+            state["join"] = join
+            return state
         if self.sampler is not None and self.rank == self.leader:
             try:
                 cursor = self.sampler.cursor()
@@ -260,4 +285,5 @@ class ProgressLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state at the start of the next epoch iteration."""
         self._restored = dict(state)
-        self._resumed_progress = int(state["progress"])
+        # (a rank that joins an epoch under way resumes no checkpoint: its steps are the members')
+        self._resumed_progress = None if "join" in state else int(state["progress"])

@@ -90,6 +90,7 @@ class WorkQueueSampler(Sampler[int]):
         #: the ticket counter values claimed with the chunks handed out this epoch, in order (`None`: none)
         self.ticket_values: deque[Optional[int]] = deque()
         self._resume: Optional[tuple[int, int, list[int]]] = None  # (epoch, cursor, chunks to hand out first)
+        self._join: Optional[tuple[int, int]] = None  # (epoch, its first claimed chunk): joined under way
         #: (members, the chunk each starts the epoch with): sent with this rank's first claim of an epoch
         self._set_aside: Optional[tuple[list[int], list[int]]] = None
         self._first_claimed = world_size  # chunk number of this epoch's first claim
@@ -170,6 +171,17 @@ class WorkQueueSampler(Sampler[int]):
         """The next chunk the queue will hand out in the current epoch."""
         return self._first_claimed + read(self._connect(), self._cursor_key)
 
+    @property
+    def first_claimed(self) -> int:
+        """The first chunk of the current epoch that the queue hands out by claim (the ones before it
+        were set aside, one per member at the epoch's start, or handed out by a resumed checkpoint)."""
+        return self._first_claimed
+
+    def join_epoch(self, epoch: int, first_claimed: int) -> None:
+        """Join `epoch` under way (a rank that rejoined): claim from the members' queue, numbered as
+        theirs (`first_claimed`), with no chunk set aside for this rank."""
+        self._join = (epoch, first_claimed)
+
     def resume(self, epoch: int, cursor: int, pending: list[int]) -> None:
         """Continue `epoch` where a checkpoint stopped it: the `pending` chunks (handed out, not
         trained) first, shared round-robin by rank, then the queue from `cursor`."""
@@ -208,6 +220,9 @@ class WorkQueueSampler(Sampler[int]):
             preset = [pending[i] if i < len(pending) else -1 for i in range(len(self.members))]
         self._resume = None
         self._set_aside = (list(self.members), preset)
+        if self._join is not None and self._join[0] == self.epoch:  # the epoch is under way: claims only
+            first, self._first_claimed, self._set_aside = [], self._join[1], None
+        self._join = None
         previous: tuple[float, int] | None = None  # (time, chunk) of this rank's previous claim
         self._epoch_started = self.clock()
         chunk, ticket = (first.pop(0), None) if first else self._claim()

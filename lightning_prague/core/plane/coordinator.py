@@ -61,7 +61,7 @@ Out = dict[int, list[Item]]
 
 #: the messages served to current members of a session only: a departed rank's late claim, report or
 #: verdict takes no work and changes nothing (a joiner sends none of them before its admission)
-MEMBERS_ONLY = frozenset({"kv", "work", "summed"})
+MEMBERS_ONLY = frozenset({"kv", "work", "summed", "trained"})
 
 #: why a rank from a session's `launched` on is not a member: no worker has joined in its place yet
 FREE_PLACE = "a free place: no worker has joined the fit as this rank yet"
@@ -108,6 +108,9 @@ class CoordinatorSession:
         #: the all-or-nothing verdicts of the group collectives in flight
         self.verdicts = GroupVerdicts()
         self._waits: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        #: rank -> where it stands in its own shard of the epoch (lock-step shards: the `trained` message),
+        #: kept after it departs: a new process for it goes on from there (its admission names it)
+        self.positions: dict[int, dict[str, int]] = {}
 
     @property
     def over(self) -> bool:
@@ -423,6 +426,8 @@ class ControlPlane:
         elif op == "work":
             session.report_work(rank, message)
             session.settle_queues(out)
+        elif op == "trained":
+            session.positions[rank] = {k: int(message[k]) for k in ("epoch", "batches", "shard", "of")}
         elif op == "summed":
             members = message["members"]
             if any(m >= session.world_size for m in members):
@@ -498,12 +503,15 @@ class ControlPlane:
 
     @staticmethod
     def _tag(session: CoordinatorSession, out: Out) -> None:
-        """After each message: ranks admitted meanwhile are members again; items carry the session."""
+        """After each message: ranks admitted meanwhile are members again; items carry the session; an
+        admission names where the joiner's rank stood in its shard of the epoch, if it reported it."""
         ControlPlane._take_joined(session)
-        for items in out.values():
+        for rank, items in out.items():
             for item in items:
                 if item["t"] != "reply":
                     item["s"] = session.number
+                if item["t"] == "admit" and rank in session.positions:
+                    item["position"] = dict(session.positions[rank])
 
     def _maybe_delete(self, session: CoordinatorSession, out: Out) -> None:
         if session.over and session.generator.joining:  # nobody is left to admit them
