@@ -68,7 +68,7 @@ def test_a_joiner_gone_before_its_admission_holds_no_meeting(plane_without_2, ho
     if how == "its process ends":
         plane.on_disconnect(2)
     else:
-        send(plane, 2, "close")
+        send(plane, 2, "close", failed=True)
     # the members' call, and their next epoch end, admit nobody
     out = arrive(plane, [0, 1, 3], "admission@1")
     assert "admit" not in releases(out, 0, "admission@1")[-1] and 2 not in out
@@ -86,7 +86,7 @@ def test_a_joiner_gone_on_its_way_to_the_admission_meeting_holds_nobody(plane_wi
     out = arrive(plane, [0, 1, 3], "epoch_end@epoch0")
     assert out[2][0]["t"] == "admit"
     assert arrive(plane, [0, 1, 3], "epoch_end@epoch0/admit") == {}  # they wait for the joiner
-    out = send(plane, 2, "close")  # its wait for the admission expired: it gives up
+    out = send(plane, 2, "close", failed=True)  # its wait for the admission expired: it gives up
     release = releases(out, 0, "epoch_end@epoch0/admit")[-1]
     assert release["joined"] == [] and release["members"] == [0, 1, 3]
 
@@ -102,7 +102,7 @@ def test_a_joiner_that_fails_after_its_admission_departs_and_may_come_back(plane
     session = plane.sessions[1]
     assert 2 in session.members and 2 in session.generator.live
     # the joiner fails: its process ends, or its rejoin fails (the donor died mid-transfer) and it closes
-    out = plane.on_disconnect(2) if how == "its process ends" else send(plane, 2, "close")
+    out = plane.on_disconnect(2) if how == "its process ends" else send(plane, 2, "close", failed=True)
     notices = [i for i in out[0] if i["t"] == "departed"]
     assert notices and notices[0]["rank"] == 2
     assert 2 not in session.generator.live and 2 in session.departed

@@ -412,7 +412,7 @@ class Job:
             admitted = time.monotonic()
             payload = receive_payload(comm, donor, "the fit's state")
         except BaseException:
-            session.close()
+            session.close(failed=True)
             raise
         self.joining, self.rejoined = False, True
         self.follow_leader(release)
@@ -421,10 +421,8 @@ class Job:
             "rank %d: rejoined the job at %r after %.1fs; received the fit's state from rank %d (%.1f MB in %.2fs)",
             self.rank, name, admitted - start, donor, len(payload) / 1e6, done - admitted,
         )  # fmt: skip
-        position = admit.get("position")
-        return Admission(
-            session, donor, payload, admitted - start, done - admitted, release, position if isinstance(position, dict) else None
-        )
+        position = admit.get("position") if isinstance(admit.get("position"), dict) else None
+        return Admission(session, donor, payload, admitted - start, done - admitted, release, position)
 
     def open_session(self, config: SessionConfig) -> Session:
         """A new session (one fit). Every rank opens its sessions in the same order, so they agree on

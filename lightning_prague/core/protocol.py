@@ -343,7 +343,8 @@ RECORDS: dict[str, Record] = {
     "beat": _session_record(
         "beat", {"step": optional(_SECONDS), "active": BOOLEAN}, progress=_COUNT, waiting=BOOLEAN, busy=BOOLEAN
     ),
-    "close": _session_record("close"),
+    # `failed`: it gives up on the fit (a joiner whose admission or state transfer failed): a departure
+    "close": _session_record("close", {"failed": BOOLEAN}),
     "leave": _session_record("leave"),
     "idle": _session_record("idle"),
     "stop": _session_record("stop", {"reason": text(64)}),

@@ -68,7 +68,7 @@ from lightning_prague.core.exchange.worker import GroupWorker
 from lightning_prague.core.grouping.policies import GroupingPolicy
 from lightning_prague.core.job import Job, init_job
 from lightning_prague.core.plane.launch import LOG_DIR_VARIABLE
-from lightning_prague.core.protocol import HangRule
+from lightning_prague.core.protocol import ADMISSION_CALL, HangRule
 from lightning_prague.strategies import _patches
 from lightning_prague.strategies._checks import check_layer_sync, check_lightning_internals, check_trainer
 from lightning_prague.strategies.collectives import RoutedCollectives
@@ -77,7 +77,7 @@ from lightning_prague.strategies.global_progress import GlobalProgress
 from lightning_prague.strategies.launcher import SurvivingScriptLauncher
 from lightning_prague.strategies.loaders import StrategyLoaders
 from lightning_prague.strategies.options import DDP_TIMEOUT, Option, StrategyOptions, watchdog_margin
-from lightning_prague.strategies.rejoin import PEER_CHECKPOINT, PeerState, resume_epoch_progress
+from lightning_prague.strategies.rejoin import PEER_CHECKPOINT, PeerState, epoch_under_way, resume_epoch_progress
 from lightning_prague.strategies.stops import Stops
 from lightning_prague.strategies.survivors import Survivors
 from lightning_prague.strategies.sync_points import Synchronizer, SyncPoints
@@ -576,6 +576,10 @@ class DecentralizedStrategy(DDPStrategy):
                     "process did not rejoin one"
                 )
             checkpoint = self.peer_state.checkpoint(admission.payload)
+            if str(admission.release.get("sync", "")).startswith(ADMISSION_CALL):
+                # taken at a batch boundary inside the epoch, perhaps the donor's last batch: this rank
+                # goes on in that epoch (it ends when its data does), as the members do
+                epoch_under_way(checkpoint)
             if not self.shards_by_work_queue:  # lock-step shards: go on where the lost rank stood in its own
                 resumed = self.loaders.resume_shard(admission.position, int(checkpoint.get("epoch", 0)))
                 if resumed is not None:

@@ -147,6 +147,16 @@ class PeerState:
         return checkpoint
 
 
+def epoch_under_way(checkpoint: dict[str, Any]) -> None:
+    """Make `checkpoint` (a donor's, taken at a batch boundary inside an epoch) resume that epoch, even
+    if the donor had reached its last batch: the joiner's epoch ends when its own data does."""
+    loops = checkpoint.get("loops")
+    fit_loop = loops.get("fit_loop") if isinstance(loops, dict) else None
+    progress = fit_loop.get("epoch_loop.batch_progress") if isinstance(fit_loop, dict) else None
+    if isinstance(progress, dict):
+        progress["is_last_batch"] = False
+
+
 def resume_epoch_progress(checkpoint: dict[str, Any], batches: int, accumulate: int = 1) -> None:
     """Make `checkpoint` (a donor's, taken inside an epoch) resume its epoch's loop at `batches`: where
     the lost rank this process replaces stood in its own shard, not where the donor stands. Its step

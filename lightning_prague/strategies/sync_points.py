@@ -204,7 +204,8 @@ class Synchronizer:
         if sampler is not None and "speeds" in release:
             # every rank's time per batch, for the work queue's tail decisions
             sampler.set_speeds(release["speeds"])
-        strategy.controller.met(inside_epoch, validate)
+        if not admission_call:  # an admission call aligns nobody: a member may be at its epoch's last batch
+            strategy.controller.met(inside_epoch, validate)  # and go on to its epoch's end while others train
         if loader is not None and not admission_call:
             loader.pending = list(release.get("pending", []))
             if strategy.progress is not None and strategy.progress.schedule is not None:

@@ -578,14 +578,15 @@ class Session:
         survivors go on without them)."""
         self.raise_if_cut_off(during)
 
-    def close(self) -> None:
-        """This rank is done with the session (its fit ended normally)."""
+    def close(self, failed: bool = False) -> None:
+        """This rank is done with the session: its fit ended normally, or (`failed`) it gives up on the
+        fit after an error (it departs at once: nobody waits for it)."""
         if self.open:
             self.open = False
             self._watching.set()
             self.beacon.stop()
             try:
-                self.send("close")
+                self.send("close", **({"failed": True} if failed else {}))
             except CoordinationTimeout:
                 pass
             self.client.forget(self)

@@ -100,5 +100,5 @@ class TrainingSession:
         if worker is not None:
             worker.close()
         elif self.session is not None:
-            self.session.close()
+            self.session.close(failed=interrupted)  # it never trained: an error before its first step
         self.session = None

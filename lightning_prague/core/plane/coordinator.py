@@ -437,10 +437,10 @@ class ControlPlane:
         elif op == "close":
             if session.generator.is_joiner(rank):  # it gave up waiting for its admission
                 session.generator.withdraw(rank, out)
-            elif rank in session.members and rank in session.generator.live and not session.generator.ended:
-                # closed before the fit's end (a joiner whose state transfer failed, a fit that failed
-                # before it could leave): a departure, so that nobody waits for it
-                session.depart(rank, "it closed its session before the fit ended", out)
+            elif message.get("failed") and rank in session.members:
+                # it gives up on the fit (a joiner whose state transfer failed, a fit that failed before
+                # it could leave): a departure, so that nobody waits for it
+                session.depart(rank, "it gave up on the fit after an error", out)
             session.members.discard(rank)
             if rank not in session.departed:
                 session.closed.add(rank)

@@ -182,7 +182,7 @@ class GroupGenerator:
         self._admit_parked: set[int] = set()
         #: ranks admitted by the latest release, until the control plane takes them (`take_joined`)
         self._joined: list[int] = []
-        #: the fit's end (`fit_end`) or a stop was released: the members close their sessions from here
+        #: the fit's end (`fit_end`) or a stop was released: no admission is called from here
         self.ended = False
         #: the admission meeting the members are called to now (`admission@<n>`), if any, and the calls so far
         self.calling: str | None = None
