@@ -1,0 +1,80 @@
+"""A lost worker comes back inside one long epoch, and every batch is trained once.
+
+Two real jobs, run side by side (the slow part): four CPU workers under the strategy's launcher with
+`max_restarts=1`, one epoch of 719 batches (the digits in batches of 2), 50 ms steps. In each job one
+rank kills itself with SIGKILL at its 20th batch: rank 2 under `prague` (the work queue), rank 0 (the
+leader) under `decent_adam` (lock-step shards). The agent starts the rank again, and the new process
+is admitted at the members' next batch boundary (an admission call, `admission@<n>`), not at an
+epoch's end that would come too late, gets the fit's state from a live member, and trains the rest
+of the epoch with the others: the work queue's batches, or the rest of the lost rank's own shard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import free_port
+
+#: the digits' training samples and the batch size: one long epoch of 719 batches
+SAMPLES, BATCH = 1438, 2
+KILLED_AT = 20  # the killed process trained the 19 batches before it
+CASES = {"prague": 2, "decent_adam": 0}
+
+
+def _command(strategy: str, rank: int, out: Path) -> list[str]:
+    command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", strategy, "--devices", "4"]
+    command += ["--epochs", "1", "--batch-size", str(BATCH), "--step-time", "0.05", "--profile", "homogeneous"]
+    command += ["--fault", f"{rank}:{KILLED_AT}:kill", "--max-restarts", "1", "--hang-timeout", "10"]
+    return [*command, "--json", str(out / "result.json")]
+
+
+@pytest.fixture(scope="module")
+def long_epoch_jobs(tmp_path_factory) -> dict[str, tuple[int, dict[int, dict], str]]:
+    """Both jobs at once: strategy -> (exit status, each rank's last result, the job's stderr)."""
+    runs = {}
+    for strategy, rank in CASES.items():
+        out = tmp_path_factory.mktemp(strategy)
+        env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        log = open(out / "log.txt", "w")  # noqa: SIM115  (a pipe could fill up)
+        runs[strategy] = (out, log, subprocess.Popen(_command(strategy, rank, out), cwd=out, env=env, stderr=log))
+    results = {}
+    try:
+        for strategy, (out, log, job) in runs.items():
+            job.wait(timeout=240)
+            log.close()
+            ranks = {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("result*.json"))}
+            results[strategy] = (job.returncode, ranks, (out / "log.txt").read_text())
+    finally:
+        for _, log, job in runs.values():
+            job.kill()
+            log.close()
+    return results
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", list(CASES))
+def test_a_killed_rank_rejoins_inside_one_long_epoch_and_every_batch_is_trained_once(long_epoch_jobs, strategy):
+    status, results, stderr = long_epoch_jobs[strategy]
+    killed = CASES[strategy]
+    assert status == 0, stderr[-4000:]  # the agent: every rank's last process exited 0
+    assert sorted(results) == [0, 1, 2, 3], stderr[-4000:]
+    assert "rejoined the job at 'admission@" in stderr  # inside the epoch, at the members' next batch
+    assert results[killed]["restarts"] == 1
+    assert results[killed]["batches_this_process"] >= 100  # the new process trained the epoch on
+    assert all(results[r]["epochs_run"] == 1 for r in results)
+    # every batch trained once: by the survivors, the new process, and the 19 the killed one trained
+    trained = sum(results[r]["batches_this_process"] for r in results) + KILLED_AT - 1
+    if strategy == "decent_adam":  # lock-step shards: each of the 4 padded to the same length
+        batches = 4 * math.ceil(math.ceil(SAMPLES / 4) / BATCH)
+    else:  # the work queue: one pass over the data
+        batches = math.ceil(SAMPLES / BATCH)
+    assert trained == batches, (strategy, {r: results[r]["batches_this_process"] for r in results})
+    # and the fit ended on one consensus model
+    assert len({results[r]["params_sha256"] for r in results}) == 1
