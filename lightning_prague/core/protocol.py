@@ -221,10 +221,11 @@ STOP_SYNC = "__stop__"
 #: the suffix of a commit meeting (`<sync>/commit`): the members' completeness of a collective;
 #: released whenever every live worker arrived, while stopping too
 COMMIT = "/commit"
-#: the suffix of the meeting where ranks that rejoin the fit are admitted, right after an epoch's end
-#: (`<epoch end>/admit`: the members and the joiners meet there; `GroupGenerator`'s `Rejoining`)
+#: the suffix of the meeting where ranks that rejoin the fit are admitted, right after an admission call
+#: or an epoch's end (`<meeting>/admit`: the members and the joiners meet there; `GroupGenerator`'s
+#: `Rejoining`)
 ADMIT = "/admit"
-#: the prefix of the meetings at which joiners are admitted (every epoch's end)
+#: the prefix of the meetings at which joiners waiting since an earlier call are admitted (every epoch's end)
 ADMITTING_AT = "epoch_end@"
 #: the prefix of the meetings the control plane calls, between synchronization points, to admit joiners
 #: at the members' next batch boundary (`admission@<n>`; `GroupGenerator`'s `Rejoining`)
@@ -334,7 +335,8 @@ RECORDS: dict[str, Record] = {
     "echo": Record("'echo'", {"op": one_of("echo"), "rank": _RANK, "item": json_object(16)}),
     "join": _session_record(
         "join",
-        # `rejoin`: a new process for a rank that left the job, asking to be admitted at the next epoch's end
+        # `rejoin`: a new process for a rank that left the job, asking to be admitted (`GroupGenerator`'s
+        # `Rejoining`: at the members' next batch boundary)
         {"addresses": list_of(text(64), 1024), "rejoin": BOOLEAN},
         config=json_object(),
         pid=integer(0, 1 << 31),

@@ -17,6 +17,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.utils.data import TensorDataset
 
 import lightning_prague  # noqa: F401  (registers the strategies)
 from lightning_prague.callbacks import ConsensusMonitor, SlowdownInjector, StragglerMonitor, WorkerSummary
@@ -39,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--hidden", type=int, default=64, help="width of the model's two hidden layers")
     parser.add_argument("--limit-train-batches", type=int, help="training batches per worker and epoch")
+    parser.add_argument(
+        "--epoch-repeats", type=int, default=1, help="repeat the training set this many times in each epoch"
+    )
     parser.add_argument("--step-time", type=float, default=0.05, help="simulated compute time per step (s)")
     parser.add_argument("--profile", default="straggler", choices=list(PROFILES))
     parser.add_argument("--slow-rank", type=int, action="append", dest="slow_ranks", help="rank to slow (repeatable)")
@@ -138,6 +142,20 @@ def build_strategy(args: argparse.Namespace) -> Any:
     return args.strategy
 
 
+class RepeatedDigits(DigitsDataModule):
+    """The digits with the training set repeated `repeats` times in each epoch (`--epoch-repeats`):
+    one long epoch of the same small workload."""
+
+    def __init__(self, repeats: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.repeats = repeats
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        x, y = self.train_set.tensors
+        self.train_set = TensorDataset(x.repeat(self.repeats, 1), y.repeat(self.repeats))
+
+
 class RunReport(L.Callback):
     """Writes each rank's result at the end of fit, inside the rank's own process.
 
@@ -234,7 +252,11 @@ def build(
     """Trainer, model, data, the per-worker summary and the checkpoint callback (or None) for `args`."""
     L.seed_everything(args.seed, workers=True, verbose=False)
     summary = WorkerSummary(verbose=True)
-    data = DigitsDataModule(batch_size=args.batch_size, num_workers=args.num_workers)
+    data = (
+        RepeatedDigits(args.epoch_repeats, batch_size=args.batch_size, num_workers=args.num_workers)
+        if args.epoch_repeats > 1
+        else DigitsDataModule(batch_size=args.batch_size, num_workers=args.num_workers)
+    )
     reporter = RunReport(args, summary, data)
     callbacks: list[L.Callback] = [
         SlowdownInjector(

@@ -182,8 +182,8 @@ class DecentralizedStrategy(DDPStrategy):
                 where Lightning's own launcher starts the ranks: under srun, torchrun, a container
                 per rank, or on several nodes, it does nothing (restart the rank yourself with
                 `LIGHTNING_PRAGUE_REJOIN=1`). The new
-                process rejoins the running fit at its next epoch's end with the state of a live
-                worker (`lightning_prague.strategies.rejoin`). With it above 0 the process you start
+                process rejoins the running fit at the others' next batch boundary with the state of
+                a live worker (`lightning_prague.strategies.rejoin`). With it above 0 the process you start
                 trains nothing itself: it starts every rank and restarts the lost ones. 0: a lost
                 rank stays lost, and the others finish the fit.
             max_workers: the most workers the job may grow to while it runs: a process started

@@ -6,17 +6,19 @@ runs the user's script from its start. Its `fit` is made to resume from `PEER_CH
 launcher sets `ckpt_path`), and its strategy restores that checkpoint after its setup, where it was
 admitted (`lightning_prague.core.job.Job.rejoin`): the checkpoint is the one a live member, the donor, sent it.
 
-The donor's side (`PeerState`): at the release of an epoch's end that admits joiners, after the
-members' global average (the consensus model, where the strategy has one), every member meets the
-joiners at `<epoch end>/admit`, they rebuild the process group together, and the donor (the lowest
-member) takes Lightning's own checkpoint of that moment (`dump_checkpoint`: the model, the
+The donor's side (`PeerState`): the members are called to an admission meeting at their next batch
+boundary (or meet at an epoch's end, after their global average); its release admits the joiners,
+every member meets them at `<meeting>/admit`, they rebuild the process group together, and the donor
+(the lowest member) takes Lightning's own checkpoint of that moment (`dump_checkpoint`: the model, the
 optimizer (this replica's state, not a mean: the other members go on training), the LR schedulers,
 the loops' progress, the callbacks' states), copies its tensors off the live ones, and sends it in
-the background while it trains on (`GroupWorker.admit`, `BackgroundTransfer`). The joiners are not aligned with
-the members until the next synchronization point: until then the members' own collectives (the
-rest of the epoch's end: callbacks, checkpoints) run among themselves (`GroupWorker.fresh`). The
-checkpoint travels as
-bytes that `torch.load(weights_only=True)` reads (`encode_object`): never unpickled. Values a
+the background while it trains on (`GroupWorker.admit`, `BackgroundTransfer`). The work queue's part
+of it is the epoch's numbering, not the donor's chunks (`ProgressLoader.for_joiner`): the joiner
+claims from the epoch under way. A joiner admitted inside an epoch goes on in that epoch
+(`epoch_under_way`); under lock-step shards it reads the lost rank's own shard on from where that
+rank stood (`resume_epoch_progress`, `lightning_prague.strategies.loaders`). The joiners are not
+aligned with the members until the next synchronization point: until then the members' own
+collectives run among themselves (`GroupWorker.fresh`). The checkpoint travels as bytes that `torch.load(weights_only=True)` reads (`encode_object`): never unpickled. Values a
 checkpoint can hold that such a load cannot read (objects of the user's classes in the
 hyperparameters or a callback's state) are left out, each named in a warning. The joiner checks
 that the model it was given has its own model's parameters (names, shapes, dtypes) before

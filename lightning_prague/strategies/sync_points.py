@@ -166,6 +166,7 @@ class Synchronizer:
         if worker is None:
             return
         # ranks wait to rejoin (the last release said so): every member meets at this epoch's end to admit them
+        # (they were called to an admission meeting too, which a member's epoch's end called off)
         admitting = name.startswith(ADMITTING_AT) and bool((worker.release or {}).get("joining"))
         if not strategy.controller.must_meet and not admitting:
             return

@@ -474,8 +474,8 @@ class GroupWorker:
             log.warning("rank %d: ranks %s joined; members now %s", self.rank, came, list(members))
 
     def admit(self, snapshot: Callable[[], Callable[[], bytes]], report: dict[str, Any] | None = None) -> list[int]:
-        """After the release of an epoch's end that admits joiners (its `admit`): meet them at
-        `<sync>/admit`, rebuild the process group with them (`change_members`), and, on the lowest
+        """After the release of an admission call or an epoch's end that admits joiners (its `admit`):
+        meet them at `<sync>/admit`, rebuild the process group with them (`change_members`), and, on the lowest
         member that was there before them (the donor), take `snapshot()` of the fit's state here and send
         each joiner what it encodes in the background (`lightning_prague.core.comm.transfer.BackgroundTransfer`:
         the donor trains on; its exchanges with a joiner wait for the transfer; the next

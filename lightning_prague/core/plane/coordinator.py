@@ -469,8 +469,9 @@ class ControlPlane:
 
     @staticmethod
     def _rejoin(session: CoordinatorSession | None, number: int, rank: int, message: dict[str, Any], out: Out) -> None:
-        """A new process for `rank`, which left the fit, asks to be admitted at the next epoch's end
-        (`GroupGenerator.request_join`); refused, to it alone, where that cannot be."""
+        """A new process for `rank`, which left the fit, asks to be admitted: the members are called to
+        admit it at their next batch boundary (`GroupGenerator.request_join`, the items in `out`);
+        refused, to it alone, where that cannot be."""
         if session is None:
             raise ValueError(
                 f"rank {rank} cannot rejoin fit {number}: no such fit runs (it ended, or every rank left it)"

@@ -65,19 +65,25 @@ the global average of a synchronization point, they report their completeness at
 and all apply it only if the release says `complete`. `min_workers`: when fewer remain, the job is
 asked to stop (the `"request"` stop: every rank ends its epoch, and the next release says stop).
 
-Rejoining: a new process for a rank that left (`request_join`) waits, outside the job, for the next
-release of an epoch's end (`epoch_end@<n>`, `ADMITTING_AT`) that does not stop the fit. Every
-release while it waits names it in `joining`: the members then meet at their next epoch's end even
-where they would skip that meeting (validation met them just before), all alike, since they all saw
-the same release. The epoch's end's release names it in `admit`, and it gets an `{"t": "admit",
-"sync": "<epoch end>/admit"}` item: the members finish that synchronization point and the aligned
-stretch after it among themselves (its global average and their collectives are theirs alone) and
-meet the joiners at `<epoch end>/admit` as they start their next batch
-(`lightning_prague.strategies.rejoin`). Only that meeting waits for the joiners; its release names
-them in `joined` and the members, joiners included, in `members`, and from then on they are live
-workers like any other (their next epoch's groups, rounds and work include them). A joiner that
-departs before its admission is simply forgotten; a fit that ends (`fit_end`, a stop) before
-admitting it sends it an `error` item that says so.
+Rejoining: a new process for a rank that left (`request_join`) waits, outside the job, for its
+admission. Its request *calls* the members to an admission meeting, `admission@<n>`
+(`ADMISSION_CALL`): every live member gets a `{"t": "join", "sync"}` item and meets there at its
+next batch boundary, inside the epoch, wherever the others are (a mid-epoch meeting with no global
+average and no alignment: each goes on training after it). The call's release, like the release of
+an epoch's end (`epoch_end@<n>`, `ADMITTING_AT`) that does not stop the fit, names the joiners in
+`admit`, and each gets an `{"t": "admit", "sync": "<meeting>/admit"}` item: the members meet the
+joiners at `<meeting>/admit` (`lightning_prague.strategies.rejoin`). Only that meeting waits for
+the joiners; its release names them in `joined` and the members, joiners included, in `members`,
+and from then on they are live workers like any other (the next groups, rounds and work include
+them). A call is out at most once at a time (`calling`). If a member meets the others elsewhere
+first (it reached its epoch's end, validation, the fit's end, a stop), the call is off: the members
+waiting at it get a release that says `cancel` (they train on), a member that comes to it later gets
+one at once, and the joiners are admitted at that other meeting if it is an epoch's end, or called
+again after its release. Every release while joiners wait names them in `joining`: the members then
+meet at their next epoch's end even where they would skip that meeting. A joiner that departs, or
+closes its session, before its admission is withdrawn (`withdraw`): nobody waits for it at
+`<meeting>/admit`. A fit that ends (`fit_end`, a stop) before admitting it sends it an `error` item
+that says so.
 
 The cost of a message does not grow with the number of workers: the set of workers that may be
 drawn into a group is kept up to date when it changes (parking, leaving, lagging) rather than
@@ -175,9 +181,9 @@ class GroupGenerator:
         self._lagging_every = max(1, math.ceil(world_size / 8))
         self._pool: Candidates | None = None  # workers that may be drawn into groups, rebuilt on change
         self._available_cache: Candidates | None = None
-        #: ranks that rejoin, waiting for the next epoch's end (see `Rejoining` in the module docstring)
+        #: ranks that rejoin, waiting for their admission (see `Rejoining` in the module docstring)
         self.joining: list[int] = []
-        #: ranks told to meet at `<epoch end>/admit`, and those of them that arrived there
+        #: ranks told to meet at `<meeting>/admit`, and those of them that arrived there
         self._admitting: set[int] = set()
         self._admit_parked: set[int] = set()
         #: ranks admitted by the latest release, until the control plane takes them (`take_joined`)
@@ -552,8 +558,9 @@ class GroupGenerator:
             self._call_admission(out)  # joiners that still wait: at the members' next batch boundary
 
     def _offer_admission(self, sync: str, release: Item, out: dict[int, list[Item]]) -> None:
-        """At an epoch's end that does not stop the fit the joiners are told to meet the members at
-        `<sync>/admit`; at the end of the fit (or a stop) they are told that it ends without them."""
+        """At an admission call or an epoch's end that does not stop the fit the joiners are told to meet
+        the members at `<sync>/admit`; at the end of the fit (or a stop) they are told that it ends
+        without them."""
         stopping = release["stop"] or sync == STOP_SYNC or sync.startswith(f"{STOP_SYNC}/")
         admitting = sync.startswith(ADMITTING_AT) or sync.startswith(ADMISSION_CALL)
         if admitting and "/" not in sync and not stopping:
