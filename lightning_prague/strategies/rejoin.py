@@ -18,11 +18,12 @@ claims from the epoch under way. A joiner admitted inside an epoch goes on in th
 (`epoch_under_way`); under lock-step shards it reads the lost rank's own shard on from where that
 rank stood (`resume_epoch_progress`, `lightning_prague.strategies.loaders`). The joiners are not
 aligned with the members until the next synchronization point: until then the members' own
-collectives run among themselves (`GroupWorker.fresh`). The checkpoint travels as bytes that `torch.load(weights_only=True)` reads (`encode_object`): never unpickled. Values a
-checkpoint can hold that such a load cannot read (objects of the user's classes in the
-hyperparameters or a callback's state) are left out, each named in a warning. The joiner checks
-that the model it was given has its own model's parameters (names, shapes, dtypes) before
-anything is restored; another model is a `ConfigurationError` that names the differences.
+collectives run among themselves (`GroupWorker.fresh`). The checkpoint travels as bytes that
+`torch.load(weights_only=True)` reads (`encode_object`): never unpickled. Values a checkpoint can
+hold that such a load cannot read (objects of the user's classes in the hyperparameters or a
+callback's state) are left out, each named in a warning. The joiner checks that the model it was
+given has its own model's parameters (names, shapes, dtypes) before anything is restored; another
+model is a `ConfigurationError` that names the differences.
 """
 
 from __future__ import annotations

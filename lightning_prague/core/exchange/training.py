@@ -23,7 +23,8 @@ from lightning_prague.core.client.control import Session
 from lightning_prague.core.comm.averaging import BucketedTensors
 from lightning_prague.core.exchange.overlap import Exchanger
 from lightning_prague.core.exchange.worker import GroupWorker
-from lightning_prague.core.job import Admission, Job
+from lightning_prague.core.job import Job
+from lightning_prague.core.membership import Admission
 from lightning_prague.core.protocol import SessionConfig
 
 log = logging.getLogger(__name__)

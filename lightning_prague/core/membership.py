@@ -1,0 +1,443 @@
+"""A process's membership of the running fit: who the members are, the process group among them, and admission.
+
+The library's process group spans the members of the job (`Membership.members`). When ranks leave
+the job, the survivors rebuild that group among themselves (`regroup`, at a synchronization point's
+release, where every survivor is); when a new process for a lost rank is admitted (`rejoin` on its
+side, `GroupWorker.admit` on the members' side, at an admission call or an epoch's end:
+`lightning_prague.core.plane.generator`), the members and the joiner rebuild it together. Each
+rebuild is a new group under its own store prefix, the *membership epoch*, created by its members
+alone, so no communicator that held a lost rank is used again. The old one is aborted on NCCL (its
+operations with the lost rank would never complete) and dropped on gloo. The world group is left
+alone: collectives on it need every rank, so after a change the strategies run Lightning's
+collectives on this group instead.
+
+**A rebuild is bounded and abandonable.** Building a group is a rendezvous in the store (every
+member publishes its address and waits for the others') and then connections between every pair.
+Each attempt has a store prefix of its own (`rebuilds`, counted alike on every member, or named by
+the meeting all of them call it at, so a half-finished rendezvous never mixes with the next); its
+waits for the others' addresses poll (`RendezvousStore`), and give up as soon as a member departs
+(`departed`) or the rebuild's bound passes; the connections are built by a thread of its own,
+which the member abandons as well (gloo's connection attempts to a dead peer end later by
+themselves). Whether every member built the group, and who is still in the job, is then decided at
+one more meeting of the control plane (`agree`): a member can finish its connections with one that
+dies a moment later while another cannot. Every member adopts the group only if every live member
+built it; otherwise they all start again among the live ones, so a second and a third loss during
+a rebuild cost an attempt each, not the process group's timeout. A rebuild that fails although
+nobody left ends with a `CoordinationTimeout` naming the ranks and the operation, on every member
+alike.
+
+**A joiner's side** (`rejoin`): it opens the fit's session asking to rejoin, waits for its
+admission item (the members' admission meeting, with where its rank stood in its shard), meets the
+members there, rebuilds the group with them, and receives the fit's state from the donor
+(`lightning_prague.core.comm.transfer`). Any failure on the way closes its session as failed (a
+departure, or a withdrawal before its admission): nobody waits for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_prague.core.client.control import Session
+from lightning_prague.core.comm.groups import GroupComm
+from lightning_prague.core.comm.transfer import receive_payload
+from lightning_prague.core.errors import ControlPlaneError, CoordinationTimeout, MemberLost
+from lightning_prague.core.protocol import SessionConfig, rebuild_meeting
+
+if TYPE_CHECKING:
+    from lightning_prague.core.client.control import ControlClient
+
+log = logging.getLogger(__name__)
+
+#: the store prefix under which rebuilt groups meet (each under a name of its own)
+GROUPS_PREFIX = "lightning_prague/groups"
+#: seconds a rebuilt group's members may take to connect to each other once every address is in the
+#: store (gloo tries a refused connection a few times: a member that died there costs a few times this)
+CONNECT_SECONDS = 10.0
+#: the longest pause between two looks at the store while waiting for a member's address
+POLL_SECONDS = 0.05
+#: `agree(built)` -> `(the live members, whether every one of them built the group)`; see `Membership.regroup`
+Agreement = Callable[[bool], tuple[Sequence[int], bool]]
+
+
+class Membership:
+    """The membership half of a `Job` (`lightning_prague.core.job`): its fields live there."""
+
+    rank: int
+    world_size: int
+    backend: str
+    control: ControlClient
+    group: Optional[dist.ProcessGroup]
+    sessions: int
+    members: tuple[int, ...]
+    named_leader: Optional[int]
+    pg_timeout: Optional[timedelta]
+    rebuilds: int
+    store: Optional[dist.Store]
+    device_id: Optional[torch.device]
+    joining: bool
+    rejoined: bool
+
+    @property
+    def leader(self) -> int:
+        """The rank that does global rank 0's duties (checkpoints, logging): the one the control plane
+        names (`follow_leader`), while it is a member; else the lowest live rank."""
+        named = self.named_leader
+        return named if named is not None and named in self.members else self.members[0]
+
+    def follow_leader(self, release: dict[str, Any]) -> None:
+        """Take the leader a release names (the control plane keeps it until it is lost, so a rank
+        that rejoins below it does not take the duties back)."""
+        named = release.get("leader")
+        if isinstance(named, int) and not isinstance(named, bool) and 0 <= named < self.world_size:
+            self.named_leader = named
+
+    def regroup(
+        self,
+        members: Sequence[int],
+        departed: Callable[[], Collection[int]] = frozenset,
+        agree: Optional[Agreement] = None,
+        timeout: Optional[float] = None,
+        tag: Optional[str] = None,
+    ) -> dist.ProcessGroup:
+        """The library's process group among `members` (survivors, and ranks that rejoin), built by
+        them alone; every member must call this at the same point (see the module docstring).
+
+        `departed()`: the ranks known to have left the job (polled while waiting on the others; it
+        may raise to end the rebuild, e.g. when the control plane is lost). `agree(built)`: called
+        by every member after each attempt with whether it built the group here; returns the live
+        members and whether every one of them built it (a meeting of the control plane). Without
+        it, one attempt, which fails with `MemberLost` if a member departs. `timeout`: the bound of
+        the whole rebuild (default: the process group's timeout). `members` (then `self.members`)
+        ends up as the members of the group returned. `tag`: names the point where the members
+        call it, alike on every one of them (the session and its meeting), so that a rank that
+        rejoins, which has rebuilt nothing before, finds the others' rendezvous; default: the
+        number of rebuilds so far."""
+        proposal = tuple(sorted(members))
+        if proposal == self.members and self.group is not None:
+            return self.group
+        bound = timeout if timeout is not None else self._pg_seconds()
+        deadline = time.monotonic() + bound
+        attempt = 0
+        while True:
+            attempt += 1
+            self.rebuilds += 1
+            what = f"rebuilding the job's process group among ranks {list(proposal)} (attempt {attempt})"
+            log.debug("rank %d: %s", self.rank, what)
+            group: Optional[dist.ProcessGroup] = None
+            failure: Optional[BaseException] = None
+            try:
+                group = self._build(proposal, what, departed, deadline, bound, f"{tag or 'rebuild'}-{attempt}")
+            except ControlPlaneError:
+                raise
+            except (RuntimeError, TimeoutError) as err:  # a member left, the bound passed, a connection failed
+                failure = err
+                log.debug("rank %d: %s failed here: %s", self.rank, what, err)
+            if agree is None:
+                if group is None:
+                    assert failure is not None
+                    raise failure
+                return self._adopt(group, proposal)
+            live, everyone_built = agree(group is not None)
+            live_ = tuple(sorted(live))
+            if group is not None and everyone_built and live_ == proposal:
+                return self._adopt(group, proposal)
+            if group is not None:
+                _drop(group, self.backend)
+            if self.rank not in live_:
+                raise MemberLost(f"rank {self.rank}: the control plane counted this rank out while {what}")
+            if live_ == proposal and time.monotonic() > deadline:
+                error = failure or "it failed on another member"
+                raise CoordinationTimeout(
+                    f"rank {self.rank}: {what} did not succeed within {bound:.0f}s although no rank left: {error}"
+                ) from failure
+            gone = sorted(set(proposal) - set(live_))
+            log.warning(
+                "rank %d: %s %s; starting again among ranks %s",
+                self.rank,
+                what,
+                f"was abandoned: ranks {gone} left the job meanwhile" if gone else "failed on some member",
+                list(live_),
+            )
+            proposal = live_
+
+    def _pg_seconds(self) -> float:
+        return self.pg_timeout.total_seconds() if self.pg_timeout is not None else 1800.0
+
+    def _build(
+        self,
+        members: tuple[int, ...],
+        what: str,
+        departed: Callable[[], Collection[int]],
+        deadline: float,
+        bound: float,
+        tag: str,
+    ) -> dist.ProcessGroup:
+        """One attempt: a group among `members` under a store prefix of its own, built by a thread
+        of its own while this one watches for departures and the deadline (see the module docstring)."""
+        others = [m for m in members if m != self.rank]
+        name = f"lightning_prague-{tag}-" + "-".join(map(str, members))
+        base = dist.PrefixStore(GROUPS_PREFIX, self.store) if self.store is not None else _default_store()
+        store = RendezvousStore(base, self.rank, members, what, departed, deadline, bound)
+        connect = timedelta(seconds=max(1.0, min(CONNECT_SECONDS, deadline - time.monotonic())))
+        outcome: dict[str, object] = {}
+
+        def build() -> None:
+            try:
+                outcome["group"] = _new_group(members, self.backend, store, name, connect, what, self.device_id)
+            except BaseException as err:  # the waiting thread raises it, or has moved on
+                outcome["error"] = err
+                if store.abandoned:
+                    log.debug("rank %d: an abandoned attempt ended: %s", self.rank, err)
+
+        builder = threading.Thread(target=build, name=f"prague-rebuild-{self.rank}", daemon=True)
+        builder.start()
+        pause = 0.001
+        while builder.is_alive():
+            builder.join(pause)
+            pause = min(POLL_SECONDS, pause * 2)
+            if not builder.is_alive():
+                break
+            try:
+                gone = sorted(r for r in others if r in departed())
+            except BaseException:
+                store.abandoned = True
+                raise
+            if gone:
+                store.abandoned = True
+                raise MemberLost(f"rank {self.rank}: ranks {gone} left the job while {what}")
+            if time.monotonic() > deadline + connect.total_seconds():
+                store.abandoned = True
+                raise CoordinationTimeout(
+                    f"rank {self.rank}: {what} did not finish within {bound:.0f}s: the connections among the "
+                    f"members did not complete"
+                )
+        if "error" in outcome:
+            raise outcome["error"]  # type: ignore[misc]
+        group = outcome["group"]
+        assert isinstance(group, dist.ProcessGroup)
+        store.settle()  # later waits (NCCL connects lazily) are bounded by the group's own timeout
+        if self.pg_timeout is not None:
+            dist.distributed_c10d._set_pg_timeout(self.pg_timeout, group)
+        return group
+
+    def _adopt(self, group: dist.ProcessGroup, members: tuple[int, ...]) -> dist.ProcessGroup:
+        """Switch to `group`, built among `members` on every one of them."""
+        old, self.group, self.members = self.group, group, members
+        if "nccl" in self.backend and old is not None:
+            _abort(old)
+        log.debug("rank %d: rebuilt the job's process group among ranks %s", self.rank, list(members))
+        return group
+
+    def rejoin(self, config: SessionConfig, wait: float, timeout: float) -> Admission:
+        """A new process for a rank that left the job: join the running fit's session, wait (at
+        most `wait` s) for the members' next epoch's end, meet them at its admission, rebuild the
+        process group with them (`regroup`, tagged with that meeting) and receive the fit's state
+        from the donor (`lightning_prague.core.comm.transfer`); `timeout` bounds each operation.
+        Raises `ControlPlaneError` with the reason if the fit cannot take it back."""
+        self.sessions += 1
+        session = self.control.open_session(self.sessions, config, rejoin=True)
+        start = time.monotonic()
+        try:
+            admit = session.await_admission(wait)
+            name = str(admit["sync"])
+            release = session.meet(name, wait)
+            joined = [int(r) for r in release.get("joined", [])]
+            if self.rank not in joined:
+                raise MemberLost(f"rank {self.rank}: the fit admitted ranks {joined} at {name!r}, not this one")
+            donor = min(int(m) for m in release["members"] if int(m) not in joined)
+            rebuilds = 0
+
+            def agree(built: bool) -> tuple[Sequence[int], bool]:
+                nonlocal rebuilds
+                rebuilds += 1
+                report = {} if built else {"incomplete": True}
+                decided = session.meet(rebuild_meeting(name, rebuilds), wait, **report)
+                return [int(r) for r in decided["members"]], bool(decided.get("complete", built))
+
+            departed = lambda: session.departed  # noqa: E731
+            self.regroup(release["members"], departed, agree, timeout=timeout, tag=f"s{session.number}/{name}")
+            if donor not in self.members:
+                raise MemberLost(f"rank {self.rank}: rank {donor}, which was to send the fit's state, left the job")
+            comm = GroupComm(self.rank, self.world_size, timeout, self.group)
+            comm.rebind(self.group, self.members)  # type: ignore[arg-type]
+            admitted = time.monotonic()
+            payload = receive_payload(comm, donor, "the fit's state")
+        except BaseException:
+            session.close(failed=True)
+            raise
+        self.joining, self.rejoined = False, True
+        self.follow_leader(release)
+        done = time.monotonic()
+        log.warning(
+            "rank %d: rejoined the job at %r after %.1fs; received the fit's state from rank %d (%.1f MB in %.2fs)",
+            self.rank, name, admitted - start, donor, len(payload) / 1e6, done - admitted,
+        )  # fmt: skip
+        position = admit.get("position") if isinstance(admit.get("position"), dict) else None
+        return Admission(session, donor, payload, admitted - start, done - admitted, release, position)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a rank that rejoined got: its session, the donor and the fit's state (bytes) it sent,
+    the seconds it waited for its admission and those the state took to arrive, the admission's
+    release (the members' counters it takes up: `Exchanger.take_up`) and where its rank stood in its
+    shard."""
+
+    session: Session
+    donor: int
+    payload: bytes
+    waited: float
+    received: float
+    release: dict[str, Any]
+    #: where this rank stood in its own shard of the epoch when it was lost (lock-step shards:
+    #: `epoch`, `batches`, `shard`, `of`), as the control plane last heard it; `None` if never reported
+    position: Optional[dict[str, int]] = None
+
+
+def _default_store() -> dist.Store:
+    """The store `new_group` would build a group's rendezvous on (the default group's, with its prefix)."""
+    c10d = dist.distributed_c10d
+    return c10d._world.pg_map[c10d._get_default_group()][1]
+
+
+def _new_group(
+    members: tuple[int, ...],
+    backend: str,
+    store: dist.Store,
+    name: str,
+    timeout: timedelta,
+    what: str,
+    device_id: Optional[torch.device] = None,
+) -> dist.ProcessGroup:
+    """`dist.new_group(members, use_local_synchronization=True)` under the group name (its store prefix)
+    `name` and on `store`: torch names a group by its ranks and the number of groups this process
+    made, which two members need not agree on, and a failed attempt would reuse it."""
+    c10d = dist.distributed_c10d
+    default = c10d._get_default_group()
+    group, _ = c10d._new_process_group_helper(
+        len(members),
+        members.index(default.rank()),
+        list(members),
+        backend,
+        store,
+        c10d.GroupName(name),
+        timeout=timeout,
+        device_id=device_id if device_id is not None else default.bound_device_id,
+        group_desc=what[:200],
+    )
+    c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(members)}
+    return group
+
+
+class RendezvousStore(dist.Store):
+    """The store a rebuilt group's rendezvous runs on: the default store, with waits that poll, so
+    that they give up when a member departs (`departed`), when the rebuild is abandoned or when its
+    `deadline` passes, each time with an error that names the operation and the ranks missing."""
+
+    def __init__(
+        self,
+        base: dist.Store,
+        rank: int,
+        members: tuple[int, ...],
+        what: str,
+        departed: Callable[[], Collection[int]],
+        deadline: float,
+        bound: float,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.rank = rank
+        self.members = members
+        self.what = what
+        self.departed = departed
+        self.deadline: Optional[float] = deadline
+        self.bound = bound
+        #: set by the member that gave up on this attempt: every wait of it ends
+        self.abandoned = False
+
+    def settle(self) -> None:
+        """The group is built: later waits are bounded by their own timeouts only."""
+        self.deadline = None
+
+    def _poll(self, keys: list[str], timeout: Optional[timedelta] = None) -> None:
+        limit = self.deadline
+        if limit is None:
+            seconds = timeout.total_seconds() if timeout is not None else self.bound
+            limit = time.monotonic() + seconds
+        pause = 0.002
+        while not self.base.check(keys):
+            others = [m for m in self.members if m != self.rank]
+            gone = sorted(r for r in others if r in self.departed())
+            if gone:
+                raise MemberLost(f"rank {self.rank}: ranks {gone} left the job while {self.what}")
+            if self.abandoned:
+                raise MemberLost(f"rank {self.rank}: {self.what} was abandoned")
+            if time.monotonic() > limit:
+                missing = [k for k in keys if not self.base.check([k])]
+                raise CoordinationTimeout(
+                    f"rank {self.rank}: {self.what} timed out after {self.bound:.0f}s waiting for ranks "
+                    f"{self._ranks(missing)} (store keys {missing})"
+                )
+            time.sleep(pause)
+            pause = min(POLL_SECONDS, pause * 2)
+
+    def _ranks(self, keys: list[str]) -> list[object]:
+        """The members whose keys these are (a rendezvous key ends with the member's index)."""
+        found: list[object] = []
+        for key in keys:
+            tail = key.rsplit("/", 1)[-1]
+            index = int(tail) if tail.isdigit() else -1
+            found.append(self.members[index] if 0 <= index < len(self.members) else key)
+        return found
+
+    def set(self, key: str, value: object) -> None:
+        self.base.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._poll([key])
+        return self.base.get(key)
+
+    def wait(self, keys: list[str], timeout: Optional[timedelta] = None) -> None:
+        self._poll(list(keys), timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.base.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.base.add(key, amount)
+
+    def compare_set(self, key: str, expected: object, desired: object) -> bytes:
+        return self.base.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self.base.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.base.num_keys()
+
+
+def _drop(group: dist.ProcessGroup, backend: str) -> None:
+    """A group built by an attempt the members did not all complete: never used (aborted on NCCL)."""
+    if "nccl" in backend:
+        _abort(group)
+
+
+def _abort(group: dist.ProcessGroup) -> None:
+    """Abort an NCCL communicator that held a lost rank, so nothing waits on it again."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    try:
+        if abort is not None:
+            abort(group)
+        else:
+            group._get_backend(torch.device("cuda")).abort()  # type: ignore[attr-defined]
+    except Exception:  # the communicator is dropped either way
+        log.warning("aborting the process group that held a lost rank failed", exc_info=True)
