@@ -92,14 +92,21 @@ def _warnings_to_stderr() -> None:
     warnings.showwarning = show
 
 
-def _run_script_in_child(script: Path, argv: list[str], environ: dict[str, str], log: Path) -> None:
-    """Body of a forked rank: the script's ``__main__`` with its own argv, environment and log file."""
+def _run_script_in_child(
+    script: Path | str, argv: list[str], environ: dict[str, str], log: Path | None, cwd: Path | None = None
+) -> None:
+    """Body of a forked rank: the script's ``__main__`` with its own argv, environment and log file
+    (``None``: file descriptors 1 and 2 are set already), in ``cwd`` if given. A ``str`` script is a
+    module's name, run as ``python -m`` runs it."""
     import runpy
     import traceback
 
-    with open(log, "w") as out:
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
+    if log is not None:
+        with open(log, "w") as out:
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+    if cwd is not None:
+        os.chdir(cwd)
     _write_to_the_log()
     _warnings_to_stderr()
     faulthandler.enable()  # a crash of a forked rank leaves its stacks in its log
@@ -110,7 +117,11 @@ def _run_script_in_child(script: Path, argv: list[str], environ: dict[str, str],
     sys.argv = [str(script), *argv]
     code = 0
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        if isinstance(script, str):
+            sys.modules.pop(script, None)  # imported here already: runpy would warn of a module run twice
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
     except BaseException:
@@ -219,18 +230,132 @@ NEEDS_POPEN = (
 )
 
 
+def _run_script_on_pipes(
+    script: Path | str, argv: list[str], environ: dict[str, str], pipes: tuple[int, int, int, int], cwd: Path
+) -> None:
+    """Body of a child of `run_forked`: stdout and stderr on the write ends of its two pipes (``pipes``:
+    read and write end of stdout's, then of stderr's), which only file descriptors 1 and 2 hold, and
+    ``sys.path[0]`` as the interpreter would set it (the script's folder; for a module, ``cwd``)."""
+    sys.path.insert(0, str(cwd if isinstance(script, str) else Path(script).resolve().parent))
+    read_out, write_out, read_err, write_err = pipes
+    os.close(read_out)
+    os.close(read_err)
+    os.dup2(write_out, 1)
+    os.dup2(write_err, 2)
+    os.close(write_out)
+    os.close(write_err)
+    _run_script_in_child(script, argv, environ, None, cwd)
+
+
+def _read_until_closed(fds: list[int], deadline: float) -> dict[int, bytes] | None:
+    """Everything written to the pipes ``fds`` until every writer closed them (``None``: not by the deadline)."""
+    import selectors
+
+    chunks: dict[int, list[bytes]] = {fd: [] for fd in fds}
+    with selectors.DefaultSelector() as selector:
+        for fd in fds:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            for key, _ in selector.select(left):
+                data = os.read(key.fd, 1 << 16)
+                if data:
+                    chunks[key.fd].append(data)
+                else:
+                    selector.unregister(key.fd)
+    return {fd: b"".join(parts) for fd, parts in chunks.items()}
+
+
+def _text(data: bytes) -> str:
+    """Output as ``subprocess.run(..., text=True)`` gives it (universal newlines)."""
+    return data.decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _kill(children: list[multiprocessing.process.BaseProcess]) -> None:
+    """SIGKILL ``children`` (those still running) and reap them."""
+    for child in children:
+        if child.is_alive():
+            child.kill()
+        child.join()
+
+
+#: one run of `run_forked_together`: the script (a ``str``: a module's name), its argv, environment and directory
+ForkedRun = tuple[Path | str, list[str], dict[str, str], Path]
+
+
+def run_forked(
+    script: Path | str, argv: list[str], environ: dict[str, str], cwd: Path, timeout: float
+) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGV...`` (a ``str`` script: ``python -m SCRIPT ARGV...``) in ``cwd`` with the
+    environment ``environ``, as ``subprocess.run(..., capture_output=True, text=True, timeout=timeout)``
+    runs it, but forked from this process, which has imported torch and Lightning already: no
+    interpreter start-up and no import (about 4 s of CPU on two cores per launch).
+
+    As with ``subprocess.run``, the output is read until every process that holds the pipes (the
+    child and the ranks it starts or forks) has closed them, and a run past ``timeout`` kills the
+    child and raises `subprocess.TimeoutExpired`. The exit status is the child's (``-N``: killed by
+    signal N; an uncaught `SystemExit` without an integer code is 1, see `_run_script_in_child`)."""
+    return run_forked_together([(script, argv, environ, cwd)], timeout)[0]
+
+
+def run_forked_together(runs: list[ForkedRun], timeout: float) -> list[subprocess.CompletedProcess]:
+    """Several `run_forked` runs at the same time (the nodes of one job, say), their outputs read
+    together (no run waits on a full pipe while another is read); past ``timeout`` every child is
+    killed and `subprocess.TimeoutExpired` raised."""
+    ctx = multiprocessing.get_context("fork")
+    pipes = []
+    children = []
+    for script, argv, environ, cwd in runs:
+        read_out, write_out = os.pipe()
+        read_err, write_err = os.pipe()
+        pipes.append((read_out, read_err))
+        ends = (read_out, write_out, read_err, write_err)
+        children.append(ctx.Process(target=_run_script_on_pipes, args=(script, argv, environ, ends, cwd)))
+        try:
+            _start_forked(children[-1:])
+        finally:
+            os.close(write_out)
+            os.close(write_err)
+    commands = [
+        [sys.executable, *(["-m", script] if isinstance(script, str) else [str(script)]), *argv]
+        for script, argv, _, _ in runs
+    ]
+    read_ends = [fd for pair in pipes for fd in pair]
+    try:
+        output = _read_until_closed(read_ends, time.monotonic() + timeout)
+    except BaseException:  # pytest-timeout's, say: as `subprocess.run` does, the children go too
+        _kill(children)
+        raise
+    finally:
+        for fd in read_ends:
+            os.close(fd)
+    if output is None:
+        _kill(children)
+        raise subprocess.TimeoutExpired(commands[0], timeout)
+    out = []
+    for command, child, (read_out, read_err) in zip(commands, children, pipes):
+        child.join()
+        out.append(
+            subprocess.CompletedProcess(command, child.exitcode, _text(output[read_out]), _text(output[read_err]))
+        )
+    return out
+
+
 def run_training(tmp: Path, *args: str, timeout: float = 240, script: str = "train.py", **extra_env: str):
     """Run a Lightning training script (which launches its own ranks); return (completed process, rank-0 JSON).
 
-    The demo's ranks are forked from the script's process (one import of Lightning instead of one
-    per rank: most of a run's time on two cores) unless an option needs separate processes.
+    The script's process is forked from the test process (`run_forked`: no import of Lightning), and
+    the demo's ranks from the script's process, unless an option needs separate processes (then
+    ranks 1.. are new interpreters, which Lightning's launcher starts).
     """
     out_json = tmp / "result.json"
     fork = script == "train.py" and not any(a in NEEDS_POPEN for a in args)
-    cmd = [sys.executable, str(SCRIPTS / script), "--json", str(out_json), *args]
+    argv = ["--json", str(out_json), *args]
     if fork:
-        cmd += ["--start-method", "fork"]
-    proc = subprocess.run(cmd, env=env(**extra_env), cwd=tmp, capture_output=True, text=True, timeout=timeout)
+        argv += ["--start-method", "fork"]
+    proc = run_forked(SCRIPTS / script, argv, env(**extra_env), tmp, timeout)
     result = json.loads(out_json.read_text()) if out_json.exists() else None
     return proc, result
 
@@ -250,15 +375,15 @@ class TrainingRun:
 
 
 def run_many(root: Path, runs: dict[str, tuple[str, list[str]]], timeout: float = 600) -> dict[str, TrainingRun]:
-    """Run ``name -> (script, args)`` one after the other in one process (``scripts/run_many.py``), each
-    in ``root / name``; a script that launches ranks should fork them (one import of Lightning in all)."""
+    """Run ``name -> (script, args)`` one after the other in one process (``scripts/run_many.py``, forked
+    from this one: `run_forked`), each in ``root / name``; a script that launches ranks should fork
+    them (no import of Lightning at all)."""
     specs = []
     for name, (script, args) in runs.items():
         (root / name).mkdir(parents=True, exist_ok=True)
         specs.append({"script": str(SCRIPTS / script), "dir": str(root / name), "args": args})
     (root / "runs.json").write_text(json.dumps(specs))
-    cmd = [sys.executable, str(SCRIPTS / "run_many.py"), str(root / "runs.json")]
-    proc = subprocess.run(cmd, env=env(), cwd=root, capture_output=True, text=True, timeout=timeout)
+    proc = run_forked(SCRIPTS / "run_many.py", [str(root / "runs.json")], env(), root, timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = {}
     for name in runs:

@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import subprocess
-import sys
 
 import pytest
-from helpers import ROOT, env
+from helpers import ROOT, env, run_forked
 
 from lightning_prague.tools.bench import add_predictions
 from lightning_prague.tools.results import FIELDS
@@ -19,12 +17,12 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_bench_quick_preset_runs_end_to_end_and_writes_valid_outputs(tmp_path):
     out = tmp_path / "out"
-    cmd = [
-        sys.executable, "-m", "lightning_prague.cli", "bench", "--preset", "quick", "--out", str(out),
-        "--devices", "2", "--epochs", "1", "--step-time", "0.005", "--strategies", "prague",
-        "--profiles", "straggler",
+    argv = [
+        "bench", "--preset", "quick", "--out", str(out), "--devices", "2", "--epochs", "1", "--step-time", "0.005",
+        "--strategies", "prague", "--profiles", "straggler",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=280)
+    # `python -m lightning_prague.cli ...`, forked from this process (which has imported Lightning)
+    proc = run_forked("lightning_prague.cli", argv, env(), ROOT, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[1/2] straggler / ddp" in proc.stdout and "samples/s" in proc.stdout, proc.stdout
 

@@ -52,6 +52,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import run_forked
 
 from lightning_prague.tools.cluster import Cluster, ClusterUnavailable, clean_environment
 from lightning_prague.tools.cluster.batch import batch_environment, write_srun
@@ -656,7 +657,8 @@ def test_sigterm_tears_down_and_cleanup_removes_leftovers(cluster, tmp_path):
     # a leftover of a process long gone (pid above any pid_max), then the cleanup command
     leftover = f"{PREFIX}4999999-1"
     subprocess.run(["ip", "netns", "add", f"{leftover}-node1"], check=True)
-    done = subprocess.run([*cli, "cleanup", "--prefix", PREFIX], cwd=ROOT, capture_output=True, text=True)
+    # the cleanup command, forked from this process (as `python -m lightning_prague.tools.cluster cleanup ...`)
+    done = run_forked("lightning_prague.tools.cluster", ["cleanup", "--prefix", PREFIX], dict(os.environ), ROOT, 120)
     assert done.returncode == 0 and leftover in done.stdout, done
     assert leftover not in cluster_ids(PREFIX)
     assert cluster.id in cluster_ids(PREFIX), "a live cluster is left alone"

@@ -1,6 +1,7 @@
 """strategy="prague" end to end: several CPU processes under Lightning's own launcher (gloo).
 
-Each test launches a training script in a subprocess under a timeout; ranks write their results as
+Each test launches a training script in a process of its own under a timeout (forked from the test
+process, which has imported Lightning already, where the test allows it); ranks write their results as
 JSON. Together they cover convergence against DDP, straggler tolerance, consensus at
 synchronization points, checkpoint/early stopping/resume/second fit/test, SIGTERM on one rank,
 several nodes, and the LightningCLI entry point.
@@ -14,7 +15,17 @@ import sys
 
 import pytest
 import yaml
-from helpers import ROOT, env, free_port, rank_results, run_external_ranks, run_training
+from helpers import (
+    ROOT,
+    SCRIPTS,
+    env,
+    free_port,
+    rank_results,
+    run_external_ranks,
+    run_forked,
+    run_forked_together,
+    run_training,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -127,9 +138,7 @@ def test_two_nodes_on_localhost(tmp_path):
     for node in range(2):
         out = tmp_path / f"node{node}"
         out.mkdir()
-        cmd = [
-            sys.executable,
-            str(ROOT / "tests" / "scripts" / "train.py"),
+        argv = [
             "--json",
             str(out / "result.json"),
             "--strategy",
@@ -143,21 +152,11 @@ def test_two_nodes_on_localhost(tmp_path):
             "--step-time",
             "0.01",
             "--start-method",
-            "fork",  # each node forks its ranks: one import of Lightning per node
+            "fork",  # each node forks its ranks: one process per node, itself forked from this one
         ]
-        nodes.append(
-            subprocess.Popen(
-                cmd,
-                env=env(MASTER_PORT=port, NODE_RANK=str(node)),
-                cwd=out,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outputs = [p.communicate(timeout=240) for p in nodes]
-    for p, (_, err) in zip(nodes, outputs):
-        assert p.returncode == 0, err[-3000:]
+        nodes.append((SCRIPTS / "train.py", argv, env(MASTER_PORT=port, NODE_RANK=str(node)), out))
+    for proc in run_forked_together(nodes, timeout=240):
+        assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "node0" / "result.json").read_text())
     assert result["devices"] == 4 and len(result["batches_per_worker"]) == 4
     assert sum(result["batches_per_worker"]) == 2 * 45
@@ -166,18 +165,9 @@ def test_two_nodes_on_localhost(tmp_path):
 def test_lightning_cli_selects_the_strategy_by_name_from_yaml(tmp_path):
     # the class_path form: tests/test_async_strategies_training.py::test_lightning_cli_configs
     config_args = ["--config", "examples/configs/prague_by_name.yaml", "--trainer.devices", "3"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_prague.cli",
-        "fit",
-        *config_args,
-        "--trainer.max_epochs",
-        "1",
-        "--trainer.default_root_dir",
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    argv = ["fit", *config_args, "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path)]
+    # `python -m lightning_prague.cli ...`, its process forked from this one (ranks 1 and 2: Lightning's launcher)
+    proc = run_forked("lightning_prague.cli", argv, env(), ROOT, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())  # what LightningCLI ran, as it saves it
     assert saved["trainer"]["strategy"]["class_path"] == "lightning_prague.PartialAllReduceStrategy"
