@@ -242,6 +242,9 @@ LIGHTNING_INTERNALS: tuple[LightningInternal, ...] = (
     LightningInternal(_VAL_LOOP, "_combined_loader", "written", _LOST_VALIDATION),
     LightningInternal(_VAL_LOOP, "setup_data", "called", _LOST_VALIDATION),
     LightningInternal(_VAL_LOOP, "reset", "called", _LOST_VALIDATION),
+    LightningInternal(
+        _VAL_LOOP, "run", "called", "a rank that joined an epoch with no batch left validates at its end, as the others"
+    ),
     # -- ModelCheckpoint
     LightningInternal(
         _CHECKPOINT, "_train_time_interval", "read", "time-based checkpoints are rejected (check_trainer)"

@@ -232,6 +232,8 @@ class DecentralizedStrategy(DDPStrategy):
         self.progress: GlobalProgress | None = None
         self.local_steps = 0
         self.batches_done = 0
+        #: the epoch this process joined the fit inside (an admission call: its state from a live member)
+        self.joined_epoch: Optional[int] = None
         #: what was warned about once (a local collective, a checkpoint between synchronization points)
         self.warned: set[str] = set()
         self._trainer: Trainer | None = None
@@ -580,6 +582,7 @@ class DecentralizedStrategy(DDPStrategy):
                 # taken at a batch boundary inside the epoch, perhaps the donor's last batch: this rank
                 # goes on in that epoch (it ends when its data does), as the members do
                 epoch_under_way(checkpoint)
+                self.joined_epoch = int(checkpoint.get("epoch", 0))
             if not self.shards_by_work_queue:  # lock-step shards: go on where the lost rank stood in its own
                 resumed = self.loaders.resume_shard(admission.position, int(checkpoint.get("epoch", 0)))
                 if resumed is not None:

@@ -48,6 +48,12 @@ class SyncPoints(Callback):
 
     def __init__(self, strategy: DecentralizedStrategy) -> None:
         self.strategy = strategy
+        #: this epoch: training batches this rank trained, and whether it validated
+        self._batches_in_epoch = 0
+        self._validated_in_epoch = False
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._batches_in_epoch, self._validated_in_epoch = 0, False
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         follow_module(self.strategy)  # before any meeting, the stop point's included
@@ -73,9 +79,12 @@ class SyncPoints(Callback):
         if self.strategy.progress is not None:
             self.strategy.progress.after_batch()  # a boundary: meet before step-based callbacks run
         self.strategy.loaders.report_position(trainer.current_epoch, batch_idx + 1)  # lock-step shards
+        self._batches_in_epoch += 1
         self.strategy.synchronizer.answer_admission_call()  # joiners wait: meet the others to admit them
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._validated_in_epoch = True
         self.strategy.outside_steps()  # until its first batch: a meeting, loaders built
         if not self.strategy.controller.validation_starts():
             return  # the ranks met at the boundary just before
@@ -86,7 +95,26 @@ class SyncPoints(Callback):
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.outside_steps()
+        if self._owes_validation(trainer):
+            # it joined this epoch when no batch of it was left: Lightning validates after a batch only,
+            # but the members validate at this epoch's end (a synchronization point it must meet too)
+            log.debug("rank %d: validating at the end of the epoch it joined with no batch left", trainer.global_rank)
+            loop = trainer.fit_loop.epoch_loop
+            trainer.validating = True
+            loop.val_loop.run()
+            trainer.training = True
         self.strategy.synchronize(f"epoch_end@epoch{trainer.current_epoch}")
+
+    def _owes_validation(self, trainer: Trainer) -> bool:
+        """This rank joined the fit inside the current epoch, trained no batch of it, and the members
+        validate at its end (epoch-based validation)."""
+        strategy = self.strategy
+        if self._batches_in_epoch or self._validated_in_epoch or strategy.joined_epoch != trainer.current_epoch:
+            return False
+        progress = strategy.progress
+        if progress is not None and progress.schedule is not None and progress.schedule.validate_every is not None:
+            return False  # step-based validation: at boundaries, which this rank meets as they come
+        return bool(trainer.fit_loop.epoch_loop._should_check_val_epoch())
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.synchronize("fit_end")
