@@ -51,15 +51,30 @@ member reported success, and on none if a member departed before it reported:
 exchange their flags directly (`GroupComm.agree_among`). On NCCL a dead peer's operations never
 complete: the host wait polls `abandon` (the control plane announced a member's departure) and
 gives up, and the communicator is not used again (the job rebuilds its group among the
-survivors, `lightning_prague.core.job`).
+survivors, `lightning_prague.core.job`). There a wait gives up once *any* member of the
+communicator departed, not only a member of its own operation: an operation that never ends
+holds the communicator's one NCCL stream, and every later operation of the communicator, on this
+rank or on a peer waiting for this rank's part, waits behind it (on gloo only the operations with
+the departed member fail, and nothing changes for the others).
+
+**Several threads, one process group.** The exchange threads, the training thread and a
+background transfer (`lightning_prague.core.comm.transfer`) may use one process group at once. On
+NCCL, `batch_isend_irecv` opens a coalescing window whose state belongs to the process group, not
+to the thread, so two threads must never issue on one group at the same time: every NCCL
+operation of a `GroupComm` is issued under the process group's issue lock (`issue_lock`), held
+only while issuing, never while waiting, so both threads go on. A thread that waits for the lock
+is bounded like any wait (the deadline, a member's departure). Gloo's operations are posted one
+by one, each thread on its own, with no lock (`GroupComm.batched`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -90,6 +105,25 @@ ALL_TO_ALL_MAX = 4
 DOUBLING_MAX_BYTES = 64 << 10
 #: all-to-all exchanges send a tensor in pieces of at most this many bytes (two per peer in flight)
 ALL_TO_ALL_CHUNK_BYTES = 1 << 20
+#: seconds between two looks at the device (an operation's end) while the host waits for it
+POLL_SECONDS = 1e-4
+#: seconds between two looks at the deadline and at departures while a thread waits for the issue lock
+ISSUE_POLL_SECONDS = 0.01
+
+_issue_locks: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_issue_locks_guard = threading.Lock()
+
+
+def issue_lock(group: Any) -> threading.Lock:
+    """The lock under which this process issues NCCL operations on `group` (one per process group,
+    whatever `GroupComm` issues them): a batch of point-to-point operations is one coalescing
+    window of the group, and a second thread's operation issued inside it would join that batch
+    (see the module docstring). Dropped with the group (a rebuilt group gets a new one)."""
+    with _issue_locks_guard:
+        lock = _issue_locks.get(group)
+        if lock is None:
+            lock = _issue_locks[group] = threading.Lock()
+        return lock
 
 
 def backend_device(backend: str) -> torch.device:
@@ -184,6 +218,9 @@ class GroupComm:
         self.before_exchange: Callable[[set[int]], None] | None = None
         # NCCL's wait only orders the stream; the host learns of the end (and of a hang) by polling
         self._host_waits = self.device.type == "cpu"
+        #: NCCL: point-to-point operations run as one batch, issued under the group's `issue_lock`, and
+        #: every wait gives up once any member departed; gloo (False): posted one by one, no lock
+        self.batched = self.device.type != "cpu"
 
     def rebind(self, process_group: dist.ProcessGroup, members: Sequence[int]) -> None:
         """Exchange among `members` (sorted global ranks) on `process_group` from now on: the
@@ -233,7 +270,8 @@ class GroupComm:
             try:
                 small = nbytes <= self.doubling_max_bytes
                 if members == self.everyone and self.device.type != "cpu":
-                    work = _communicate(dist.all_reduce, staged, group=self.pg, async_op=True)  # NCCL's own
+                    with self._issuing(deadline, members):
+                        work = _communicate(dist.all_reduce, staged, group=self.pg, async_op=True)  # NCCL's own
                     self._wait(work, deadline)
                 elif len(members) <= self.all_to_all_max:
                     self._all_to_all(staged, members, deadline)
@@ -381,14 +419,24 @@ class GroupComm:
     # -- waiting ---------------------------------------------------------------------------------
     def point_to_point(self, tensor: torch.Tensor, peer: int, send: bool, operation: str) -> None:
         """Send `tensor` to `peer` (`send`), or receive it into `tensor`, on the backend's device;
-        bounded by the timeout, and a `CoordinationTimeout` naming both ranks if it fails."""
+        bounded by the timeout, and a `CoordinationTimeout` naming both ranks if it fails.
+
+        On NCCL the host polls the operation's end (`_poll_batch`): no stream is made to wait for
+        it, so an operation with a peer that never takes part (a joiner that died) holds no stream
+        of this process, and the wait ends at the deadline or at a member's departure.
+        """
         start = time.monotonic()
         deadline = start + self.timeout
+        members = (self.rank, peer)
         staged = tensor.to(self.device)
         op = dist.P2POp(dist.isend if send else dist.irecv, staged, peer, self.pg)
+        nbytes = tensor.numel() * tensor.element_size() if send else 0
         try:
-            self._exchange([op], deadline, tensor.numel() * tensor.element_size() if send else 0, int(send))
-            self._finish(staged, deadline, (self.rank, peer))
+            if self.batched:
+                self._poll_batch(self._post([op]), deadline, members, nbytes, int(send))
+            else:
+                self._exchange([op], deadline, nbytes, int(send))
+            self._finish(staged, deadline, members)
         except (RuntimeError, TimeoutError) as err:
             raise self._failure(operation, (self.rank, peer), start, self.timeout, err) from err
         if self.failed_peers:
@@ -407,11 +455,17 @@ class GroupComm:
         self._complete(self._post(ops), deadline, nbytes, len(ops) // 2 if pairs is None else pairs)
 
     def _post(self, ops: list[dist.P2POp]) -> list[tuple[dist.P2POp | None, dist.Work | None]]:
-        """Start `ops` (see `_exchange`); an operation that fails to start has failed its peer."""
+        """Start `ops` (see `_exchange`); an operation that fails to start has failed its peer.
+
+        (Fault injection replaces this method with one of `ops` alone: `lightning_prague.demo.faults`.)
+        """
+        peers = {op.peer for op in ops}
         if self.before_exchange is not None:  # (only while a transfer is out: nothing on the common path)
-            self.before_exchange({op.peer for op in ops})
-        if self.device.type != "cpu":
-            return [(None, work) for work in _communicate(dist.batch_isend_irecv, ops)]
+            self.before_exchange(peers)  # before the issue lock: the transfer it may wait for needs it
+        if self.batched:  # waiting for the lock is one more wait on peers, bounded as one operation
+            with self._issuing(time.monotonic() + self.timeout, (self.rank, *sorted(peers))):
+                works = _communicate(dist.batch_isend_irecv, ops)
+            return [(None, work) for work in works]
         posted: list[tuple[dist.P2POp | None, dist.Work | None]] = []
         for op in ops:
             try:
@@ -440,6 +494,52 @@ class GroupComm:
         self.stats.messages += pairs
         self.stats.bytes_sent += nbytes
 
+    def _poll_batch(
+        self,
+        posted: list[tuple[dist.P2POp | None, dist.Work | None]],
+        deadline: float,
+        members: tuple[int, ...],
+        nbytes: int,
+        pairs: int,
+    ) -> None:
+        """Wait for a batch `_post` started on NCCL by polling its end from the host, by the deadline
+        and until a member departs; no stream waits for it (`Work.wait` only once it has completed,
+        which orders nothing and raises the backend's error if it failed)."""
+        for _, work in posted:
+            if work is None:
+                continue
+            while not _communicate(work.is_completed):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the operation did not complete on the device")
+                if self._gone(members):
+                    raise TimeoutError("a member left the job; the operation will not complete")
+                time.sleep(POLL_SECONDS)
+            _communicate(work.wait)
+        self.stats.messages += pairs
+        self.stats.bytes_sent += nbytes
+
+    def _gone(self, members: Sequence[int]) -> bool:
+        """Whether a wait on `members`' operation should give up: one of them departed (gloo), or any
+        member of the communicator did (NCCL: see the module docstring)."""
+        return self.abandon(self.everyone if self.batched else members)
+
+    @contextmanager
+    def _issuing(self, deadline: float, members: Sequence[int]) -> Iterator[None]:
+        """Hold the process group's `issue_lock` while NCCL operations are issued; waiting for it is
+        bounded by the deadline and by a member's departure (another thread may be held in an issue
+        with a peer that is gone), like any wait on peers."""
+        lock = issue_lock(self.pg)
+        if not lock.acquire(blocking=False):
+            while not lock.acquire(timeout=ISSUE_POLL_SECONDS):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("another thread's operations on the process group did not start in time")
+                if self._gone(members):
+                    raise TimeoutError("a member left the job while another thread issued its operations")
+        try:
+            yield
+        finally:
+            lock.release()
+
     def _peer_failed(self, op: dist.P2POp, err: BaseException) -> None:
         if op.peer not in self.failed_peers:
             log.debug("rank %d: an operation with rank %d failed (its process is gone?): %s", self.rank, op.peer, err)
@@ -454,17 +554,19 @@ class GroupComm:
             _communicate(work.wait)  # orders the current stream after the operation; _finish bounds it in time
 
     def _finish(self, tensor: torch.Tensor, deadline: float, members: tuple[int, ...]) -> None:
-        """On a device with streams, wait (polling, bounded) until the operation has run."""
+        """On a device with streams, wait (polling, bounded) until the operation has run: an event on
+        the calling thread's current stream of `tensor`'s device (the stream the operation's `wait`
+        ordered), never on whatever device happens to be current."""
         if not tensor.is_cuda:
             return
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(tensor.device))
         while not done.query():
             if time.monotonic() > deadline:
                 raise TimeoutError("the operation did not complete on the device")
-            if self.abandon(members):
+            if self._gone(members):
                 raise TimeoutError("a member left the job; the operation will not complete")
-            time.sleep(1e-4)
+            time.sleep(POLL_SECONDS)
 
     def _member_gone(
         self, err: BaseException, operation: str, members: tuple[int, ...], start: float, limit: float
@@ -473,11 +575,11 @@ class GroupComm:
         False (incomplete); otherwise raise the `CoordinationTimeout` naming the ranks."""
         if isinstance(err, CoordinationTimeout):
             raise err
-        if not self.abandon(members):
+        if not self._gone(members):
             raise self._failure(operation, members, start, limit, err) from err
         # a member is gone: on NCCL the communicator is unusable until the survivors rebuild it
         log.warning("rank %d: %s over ranks %s ended incomplete: %s", self.rank, operation, list(members), err)
-        self.broken = self.device.type != "cpu"
+        self.broken = self.batched
         return False
 
     def _failure(

@@ -15,6 +15,39 @@ anyone else run while it sends.
 
 What arrives is bytes: the receiver checks the size against its bound before it allocates
 anything, and decodes the bytes itself (never by unpickling: `lightning_prague.core.comm.collectives.decode_object`).
+
+**On CUDA (NCCL).** The transfer thread first binds the rank's device and a CUDA stream of its own
+(`CommStream.bind`, as the exchange threads do): a new thread would otherwise work on `cuda:0`
+(a CUDA context there for every donor of another local rank) and on the default stream, which
+the training thread computes on. Its waits are the host's: `GroupComm.point_to_point` polls each
+piece's end on NCCL, bounded by the timeout and by departures, and makes no stream wait for it
+before it has completed, so the compute stream never waits for the transfer, and neither does the
+transfer's own stream wait for a piece that will never arrive.
+
+The transfer and the exchanges share the job's process group, and so one NCCL communicator. Two
+threads must not issue batches on it at once (NCCL's coalescing state is per process group, not
+per thread): every NCCL operation of a `GroupComm`, whichever thread and whichever `GroupComm`,
+is issued under the process group's issue lock (`lightning_prague.core.comm.groups.issue_lock`),
+held only while a batch is issued, never while it runs, so the exchanges go on beside the
+transfer. A communicator of the transfer's own was not chosen: the donor and the joiner would have
+to create it together at every admission (the setup of an NCCL communicator, and its buffers on
+the device), and the job would no longer hold a fixed set of communicators (`GroupComm` never
+adds one); the lock needs nothing from the joiner and nothing on gloo, whose operations run as
+before.
+
+**A joiner that dies mid-transfer.** On gloo the next piece fails at once and the transfer thread
+ends. On NCCL the piece in flight never completes, and the communicator's operations behind it
+(the donor's exchanges, and its peers' exchanges with the donor) would wait for it: once the
+control plane announces the joiner's departure, the transfer thread gives up (its poll sees the
+departure) and so does every wait on the communicator (`GroupComm` gives up any NCCL wait once a
+member of the group departed), its sums ending incomplete, until the next synchronization point
+rebuilds the group without the joiner. A joiner that hangs without departing holds a piece until
+the timeout (one operation's bound), as it holds any exchange, until the hang detector fences it
+(a departure). The donor's next synchronization point waits for the transfer (`wait`) no longer
+than the transfer's own bound (the timeout, per receiver), and at most `DEPARTED_GRACE` seconds
+after a departure even if the thread is held inside the backend's call that issues a piece
+(which no deadline reaches); such a thread is left behind, with the communicator it holds, which
+the rebuild replaces.
 """
 
 from __future__ import annotations
@@ -27,6 +60,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lightning_prague.core.comm.groups import GroupComm
+from lightning_prague.core.comm.streams import CommStream
 from lightning_prague.core.errors import CoordinationTimeout
 
 log = logging.getLogger(__name__)
@@ -35,6 +69,11 @@ log = logging.getLogger(__name__)
 PIECE_BYTES = 64 << 20
 #: the largest payload a receiver accepts unless told otherwise
 MAX_PAYLOAD_BYTES = 256 << 30
+#: seconds `BackgroundTransfer.wait` gives a transfer thread on NCCL after a member's departure
+#: before it leaves the thread behind (it ends on its own within milliseconds unless it is held in a call)
+DEPARTED_GRACE = 5.0
+#: seconds between two looks at the thread and at departures in `BackgroundTransfer.wait`
+_WAIT_POLL = 0.05
 
 
 def send_payload(comm: GroupComm, peer: int, payload: bytes, what: str) -> float:
@@ -71,7 +110,9 @@ class BackgroundTransfer:
     """`encode()`'s bytes to each of `receivers`, sent from a thread (see the module docstring).
 
     A receiver lost on the way costs a warning, not the sender's fit: its own side fails, and it
-    leaves the job. `wait` ends the transfer (bounded by `timeout` per receiver).
+    leaves the job. `wait` ends the transfer (bounded by `timeout` per receiver, and on NCCL by a
+    member's departure). The thread binds `stream` (the device and stream of `comm`'s backend)
+    before anything else.
     """
 
     def __init__(
@@ -84,10 +125,14 @@ class BackgroundTransfer:
         self._comm = GroupComm(comm.rank, comm.world_size, timeout, comm.pg)
         self._comm.rebind(comm.pg, comm.everyone)
         self._comm.abandon = comm.abandon
+        self._comm.batched = comm.batched  # (the same process group: its operations are issued the same way)
+        #: the device and stream the thread binds first: on CUDA the rank's device and a stream of its own
+        self.stream = CommStream(comm.device)
         self._encode = encode
         #: (receiver, MB, seconds) of each completed send
         self.sent: list[tuple[int, float, float]] = []
         self._thread = threading.Thread(target=self._run, name=f"prague-transfer-{comm.rank}", daemon=True)
+        self._left_behind = False
 
     def start(self) -> BackgroundTransfer:
         self._thread.start()
@@ -95,6 +140,7 @@ class BackgroundTransfer:
 
     def _run(self) -> None:
         try:
+            self.stream.bind()  # before anything touches CUDA: no context on cuda:0, no use of the default stream
             payload = self._encode()
         except Exception as err:  # the receivers' own waits fail; they leave the job
             log.warning("rank %d: could not encode %s: %s", self._comm.rank, self.what, err)
@@ -112,16 +158,38 @@ class BackgroundTransfer:
 
     @property
     def done(self) -> bool:
+        """Whether the thread has ended."""
         return not self._thread.is_alive()
 
     def guard(self, peers: set[int]) -> None:
         """Before an exchange with `peers`: if one of them is a receiver, the transfer ends first."""
-        if self.receivers & peers and not self.done:
+        if self.receivers & peers and not self.done and not self._left_behind:
             log.debug("rank %d: an exchange with ranks %s waits for %s", self._comm.rank, sorted(peers), self.what)
             self.wait()
 
     def wait(self) -> None:
-        """Until the transfer ended (each send is bounded by the timeout, so this is too)."""
-        self._thread.join(self.timeout * (len(self.receivers) + 1) + 5.0)
-        if self._thread.is_alive():
-            log.warning("rank %d: %s is still being sent after its timeout", self._comm.rank, self.what)
+        """Until the transfer ended (each send is bounded by the timeout, so this is too). On NCCL,
+        at most `DEPARTED_GRACE` seconds once a member departed: the thread is then left behind
+        (see the module docstring), and later calls return at once."""
+        if self._left_behind:
+            return
+        start = time.monotonic()
+        bound = start + self.timeout * (len(self.receivers) + 1) + 5.0
+        departed_at: float | None = None
+        while self._thread.is_alive():
+            self._thread.join(min(_WAIT_POLL, max(0.0, bound - time.monotonic())))
+            now = time.monotonic()
+            if not self._thread.is_alive():
+                return
+            if now >= bound:
+                log.warning("rank %d: %s is still being sent after its timeout", self._comm.rank, self.what)
+                return
+            if self._comm.batched and self._comm.abandon(self._comm.everyone):
+                departed_at = now if departed_at is None else departed_at
+                if now - departed_at >= DEPARTED_GRACE:
+                    self._left_behind = True
+                    log.warning(
+                        "rank %d: %s is still being sent %.1fs after a member left the job; left behind",
+                        self._comm.rank, self.what, now - departed_at,
+                    )  # fmt: skip
+                    return
