@@ -91,6 +91,8 @@ def _fault_kinds() -> tuple[str, ...]:
 
 KINDS = _fault_kinds()
 DEFAULT_FAULTS = ("kill:2", "hang:2", "kill:0")
+#: `--epoch-repeats` of `--single-epoch`: 4 x 719 batches of 2 samples, about 150 s of 4 workers at 0.2 s a step
+SINGLE_EPOCH_REPEATS = 4
 #: variables of an enclosing distributed job that would make the demo join it instead of starting its own
 DISTRIBUTED_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE")
 
@@ -125,15 +127,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"one run each; @ limits a fault to some strategies (default: {' '.join(DEFAULT_FAULTS)})",
     )
     parser.add_argument("--devices", type=int, default=4, help="CPU worker processes")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, help="default 3 (1 with --single-epoch)")
     parser.add_argument("--step-time", type=float, default=0.05, help="simulated compute time per step (s)")
+    parser.add_argument("--batch-size", type=int, help="the demo's (default 32, 2 with --single-epoch)")
+    parser.add_argument(
+        "--epoch-repeats", type=int, help="the demo's: the training set this many times per epoch (default 1, "
+        f"{SINGLE_EPOCH_REPEATS} with --single-epoch)",
+    )  # fmt: skip
     parser.add_argument("--group-size", type=int, default=2, help="prague / partial_reduce group size")
     parser.add_argument("--profile", default="homogeneous", help="the demo's slowdown profile")
     parser.add_argument("--hang-timeout", type=float, default=10.0, help="the strategies' shortest hang bound (s)")
     parser.add_argument("--fault-batch", type=int, help="the faulted rank's batch (counted over the fit) to strike at")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-baselines", action="store_true", help="skip DDP and restart-and-resume")
-    parser.add_argument("--timeout", type=float, default=300.0, help="wall-clock bound of one run (s)")
+    parser.add_argument(
+        "--timeout", type=float, help="wall-clock bound of one run (s; default 300, 900 with --single-epoch)"
+    )
     parser.add_argument("--ddp-stall", type=float, default=20.0, help="kill a DDP run this long after its fault (s)")
     parser.add_argument(
         "--exit-grace", type=float, default=10.0, help="kill what is left of a run this long after its last result (s)"
@@ -144,9 +153,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--churn", type=float, metavar="SECONDS", help="instead of --faults: kill a worker every SECONDS (churn.py)"
     )
+    parser.add_argument(
+        "--single-epoch",
+        action="store_true",
+        help="with --churn: one long epoch of small batches (--epochs 1 --batch-size 2 "
+        f"--epoch-repeats {SINGLE_EPOCH_REPEATS}), the killed workers rejoining inside it",
+    )
+    parser.add_argument(
+        "--churn-runs",
+        nargs="+",
+        choices=("rejoin", "lost"),
+        help="the churn runs after the fault-free one (default: rejoin lost; rejoin with --single-epoch)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-out/faults"))
     args = parser.parse_args(argv)
+    single = args.single_epoch
+    args.epochs = args.epochs if args.epochs is not None else 1 if single else 3
+    args.batch_size = args.batch_size or (2 if single else 32)
+    args.epoch_repeats = args.epoch_repeats or (SINGLE_EPOCH_REPEATS if single else 1)
+    args.timeout = args.timeout or (900.0 if single else 300.0)
+    args.churn_runs = args.churn_runs or (["rejoin"] if single else ["rejoin", "lost"])
     problems = []
+    if single and (args.churn is None or args.epochs != 1):
+        problems.append("--single-epoch: with --churn, and one epoch (--epochs 1)")
+    if args.batch_size < 2 or args.epoch_repeats < 1:
+        problems.append("--batch-size: at least 2 (the model's BatchNorm); --epoch-repeats: at least 1")
     if args.devices < 3:
         problems.append(f"--devices {args.devices}: at least 3 (a fault leaves at least 2 workers)")
     if args.epochs < 1:
@@ -569,7 +600,8 @@ def demo_argv(strategy: str, args: argparse.Namespace) -> list[str]:
     return [
         "--strategy", strategy, "--devices", str(args.devices), "--epochs", str(args.epochs),
         "--step-time", str(args.step_time), "--group-size", str(args.group_size), "--profile", args.profile,
-        "--hang-timeout", str(args.hang_timeout), "--seed", str(args.seed),
+        "--hang-timeout", str(args.hang_timeout), "--seed", str(args.seed), "--batch-size", str(args.batch_size),
+        *(["--epoch-repeats", str(args.epoch_repeats)] if args.epoch_repeats > 1 else []),
     ]  # fmt: skip
 
 
