@@ -151,17 +151,18 @@ def test_a_departed_ranks_late_claim_takes_no_chunk_and_its_chunks_go_back_once(
     assert claim(plane, 1, 1)[1][0]["value"][0] == 0  # rank 1 holds chunk 0
     plane.on_disconnect(1)  # lost: chunk 0 goes back to the queue
     assert session.values["queue@0" + REQUEUED] == [[0, None]]
-    late = claim(plane, 1, 2)  # its claim in flight when it was declared lost
-    assert "error" in late[1][0] and "not a member" in late[1][0]["error"]
+    late = claim(plane, 1, 2)  # its claim in flight when it was declared lost: the queue is at its end
+    assert late[1][0]["value"] == [8, None] and "error" not in late[1][0]
     assert session.values["queue@0" + REQUEUED] == [[0, None]]  # the requeued chunk is still there
     assert claim(plane, 3, 3)[3][0]["value"][0] == 0  # a member gets it
-    # nor may a departed rank report work, park a claim or decide a verdict
+    # a departed rank's work report or verdict changes nothing; its parked claim waits for nothing
     late_messages = [("work", {"key": "queue@0", "done": [0]}), ("summed", {"key": "g", "members": [1, 3], "ok": 1})]
     for op, fields in late_messages:
-        answer = send(plane, 1, op, **fields)
-        assert "not a member" in answer[1][0]["message"]
-    assert "not a member" in claim(plane, 1, 4, park=True)[1][0]["error"]
+        assert send(plane, 1, op, **fields) == {}
+    assert claim(plane, 1, 4, park=True)[1][0]["value"] == [8, None]
     assert session.ends.parked("queue@0") == []
+    other = send(plane, 1, "kv", req=5, do="add", key="progress", amount=1)  # anything else: refused
+    assert "not a member" in other[1][0]["error"]
     assert 1 not in session.work.holders("queue@0")
 
 
@@ -242,3 +243,26 @@ def test_a_call_the_members_meet_elsewhere_first_is_called_off_without_an_error(
         assert out[2][0]["t"] == "error" and "fit ended" in out[2][0]["message"]
     else:  # validation inside the epoch admits nobody: the members are called again
         assert [i["sync"] for i in out[0] if i["t"] == "join"] == ["admission@2"]
+
+
+def test_an_admitted_rank_is_drawn_into_no_group_until_it_trains(plane_without_2):
+    """A joiner restores the fit's state after its admission: a member that drew it into a group then
+    would wait on it (and a member that waits there holds every meeting). Nobody draws it until its
+    first claim on the work queue or its first group request."""
+    plane = plane_without_2
+    join(plane, 2, rejoin=True)
+    arrive(plane, [0, 1, 3], "admission@1")
+    arrive(plane, [0, 1, 3], "admission@1/admit")
+    arrive(plane, [2], "admission@1/admit")
+    drawn = lambda: [  # noqa: E731
+        item["members"]
+        for rank in (0, 1, 3)
+        for req in range(1, 9)
+        for item in send(plane, rank, "ready", req=req).get(rank, [])
+        if item["t"] == "group"
+    ]
+    assert drawn() and not any(2 in members for members in drawn())
+    generator = plane.sessions[1].generator
+    assert generator.starting == {2}
+    claim(plane, 2, 1)  # it trains: its loader claims its first batch
+    assert generator.starting == set()  # (others may draw it now, as the lagging rule allows)

@@ -174,6 +174,7 @@ class CoordinatorSession:
                 self._wake(key, out)
             self._reply(rank, req, current if current is not None else message["expected"], out)
         elif do == "claim":  # the work queue: the next chunk, and with it the batch's ticket (one message)
+            self.generator.started(rank)  # a rank that was admitted trains now: it may be drawn into groups
             if "members" in message:  # this rank's first claim of the epoch: the chunks set aside
                 self._set_aside(key, message["members"], message["preset"])
             if self.ends.claims_on(key, rank):  # it went on to another epoch: no claim waits for it there
@@ -406,7 +407,15 @@ class ControlPlane:
                 return
             raise ValueError(f"rank {rank} sent {op!r} for session {number}, which is not open")
         if op in MEMBERS_ONLY and rank not in session.members:
-            # a departed rank's late message (a claim in flight when it was declared lost) takes no work
+            # a departed rank's late message (a claim in flight when it was declared lost, a report of a
+            # rank that left on SIGTERM) takes no work and changes nothing: a claim finds the queue at its
+            # end, a report is dropped, anything else is refused
+            if op == "kv" and message.get("do") == "claim":
+                CoordinatorSession._reply(rank, int(message["req"]), [int(message.get("num", 0)), None], out)
+                return
+            if op != "kv":
+                log.debug("session %d: dropped %r of rank %d, which is not a member", number, op, rank)
+                return
             why = session.departed.get(rank, "it closed the session" if rank in session.closed else "it never joined")
             raise ValueError(f"rank {rank} is not a member of fit {number} ({why}): {op!r} refused")
         session.hangs.heard(rank)

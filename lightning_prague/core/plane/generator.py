@@ -190,6 +190,9 @@ class GroupGenerator:
         self._joined: list[int] = []
         #: the fit's end (`fit_end`) or a stop was released: no admission is called from here
         self.ended = False
+        #: ranks admitted that have not asked for a group yet (still restoring the fit's state): nobody
+        #: draws them into a group until they do, so that no member waits on one that is not training
+        self.starting: set[int] = set()
         #: the admission meeting the members are called to now (`admission@<n>`), if any, and the calls so far
         self.calling: str | None = None
         self._calls = 0
@@ -226,6 +229,13 @@ class GroupGenerator:
             del self.parked[r]
             self._push(out, r, {"t": "release", "sync": name, "cancel": True, "members": list(self.live)})
         if waiting:
+            self._changed()
+
+    def started(self, rank: int) -> None:
+        """`rank`, admitted, trains now (its first group request, or its first claim on the work queue):
+        others may draw it into their groups from here (see `starting`)."""
+        if rank in self.starting:
+            self.starting.discard(rank)
             self._changed()
 
     def is_joiner(self, rank: int) -> bool:
@@ -304,7 +314,7 @@ class GroupGenerator:
         out.setdefault(rank, []).append(item)
 
     def _available(self) -> list[int]:
-        return [r for r in self.live if r not in self.parked]
+        return [r for r in self.live if r not in self.parked and r not in self.starting]
 
     def lagging(self) -> set[int]:
         """Workers far behind the others since the last synchronization point.
@@ -388,6 +398,7 @@ class GroupGenerator:
         self._push(out, rank, {"t": "answer", "req": req, "gid": gid})
 
     def _ready_msg(self, rank: int, req: int, version: int, out: dict[int, list[Item]]) -> None:
+        self.started(rank)
         round_index = self.rounds[rank]
         self.rounds[rank] += 1
         self._note_report()
@@ -585,6 +596,8 @@ class GroupGenerator:
         self._admitting, self._admit_parked = set(), set()
         self.left.difference_update(joined)
         self.live = sorted(set(self.live) | set(joined))
+        self.starting.update(joined)
+        self._changed()
         release["joined"] = joined
         release["members"] = list(self.live)
         self._joined.extend(joined)
@@ -605,6 +618,7 @@ class GroupGenerator:
             return
         self.left.add(rank)
         self.live.remove(rank)
+        self.starting.discard(rank)
         if rank == self.leader:
             self.leader = self.live[0] if self.live else None
         self.busy.discard(rank)
