@@ -78,3 +78,30 @@ def test_a_killed_rank_rejoins_inside_one_long_epoch_and_every_batch_is_trained_
     assert trained == batches, (strategy, {r: results[r]["batches_this_process"] for r in results})
     # and the fit ended on one consensus model
     assert len({results[r]["params_sha256"] for r in results}) == 1
+
+
+def test_a_successor_resumes_the_epoch_where_the_lost_rank_stood_with_its_steps_moved_to_match():
+    """The donor stood at batch 43 of its shard, the lost rank at 19: the successor's loop goes on from
+    19, its global step with it; a state without loop progress is refused by name."""
+    from lightning_prague.core.errors import ConfigurationError
+    from lightning_prague.strategies.rejoin import resume_epoch_progress
+
+    counters = {"ready": 43, "started": 43, "processed": 43, "completed": 43}
+    checkpoint = {
+        "global_step": 43,
+        "loops": {
+            "fit_loop": {
+                "epoch_loop.batch_progress": {"total": {**counters}, "current": {**counters}, "is_last_batch": 1},
+                "epoch_loop.automatic_optimization.optim_progress": {"optimizer": {"step": {"total": dict(counters)}}},
+                "epoch_loop.state_dict": {"_batches_that_stepped": 43},
+            }
+        },
+    }
+    resume_epoch_progress(checkpoint, 19)
+    fit_loop = checkpoint["loops"]["fit_loop"]
+    assert fit_loop["epoch_loop.batch_progress"]["current"]["ready"] == 19
+    assert fit_loop["epoch_loop.batch_progress"]["is_last_batch"] is False  # it goes on in this epoch
+    assert fit_loop["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"]["completed"] == 19
+    assert checkpoint["global_step"] == 19 and fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] == 19
+    with pytest.raises(ConfigurationError, match="no training loop progress"):
+        resume_epoch_progress({"loops": "not loops"}, 3)

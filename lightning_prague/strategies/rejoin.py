@@ -150,13 +150,21 @@ class PeerState:
         return checkpoint
 
 
+def _fit_loop(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fit loop's state in `checkpoint` and its epoch loop's batch progress (`{}` where absent)."""
+    loops = checkpoint.get("loops")
+    fit_loop = loops.get("fit_loop") if isinstance(loops, dict) else None
+    if not isinstance(fit_loop, dict):
+        return {}, {}
+    progress = fit_loop.get("epoch_loop.batch_progress")
+    return fit_loop, progress if isinstance(progress, dict) else {}
+
+
 def epoch_under_way(checkpoint: dict[str, Any]) -> None:
     """Make `checkpoint` (a donor's, taken at a batch boundary inside an epoch) resume that epoch, even
     if the donor had reached its last batch: the joiner's epoch ends when its own data does."""
-    loops = checkpoint.get("loops")
-    fit_loop = loops.get("fit_loop") if isinstance(loops, dict) else None
-    progress = fit_loop.get("epoch_loop.batch_progress") if isinstance(fit_loop, dict) else None
-    if isinstance(progress, dict):
+    _, progress = _fit_loop(checkpoint)
+    if progress:
         progress["is_last_batch"] = False
 
 
@@ -164,17 +172,16 @@ def resume_epoch_progress(checkpoint: dict[str, Any], batches: int, accumulate: 
     """Make `checkpoint` (a donor's, taken inside an epoch) resume its epoch's loop at `batches`: where
     the lost rank this process replaces stood in its own shard, not where the donor stands. Its step
     counts (the global step, what LR schedules follow) move back or on by as many steps."""
-    loops = checkpoint.get("loops")
-    fit_loop = loops.get("fit_loop") if isinstance(loops, dict) else None
-    progress = fit_loop.get("epoch_loop.batch_progress") if isinstance(fit_loop, dict) else None
-    current = progress.get("current") if isinstance(progress, dict) else None
-    if not isinstance(fit_loop, dict) or not isinstance(current, dict) or not isinstance(current.get("ready"), int):
+    fit_loop, progress = _fit_loop(checkpoint)
+    current = progress.get("current")
+    if not isinstance(current, dict) or not isinstance(current.get("ready"), int):
         raise ConfigurationError("the state a live member sent holds no training loop progress to resume from")
     shift = batches - int(current["ready"])  # batches; steps: `shift // accumulate`
     _shift_counters(progress, shift)
     progress["is_last_batch"] = False
     steps = shift // max(1, accumulate)
-    _shift_counters(fit_loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer"), steps)
+    automatic = fit_loop.get("epoch_loop.automatic_optimization.optim_progress")
+    _shift_counters(automatic.get("optimizer") if isinstance(automatic, dict) else None, steps)
     _shift_counters(fit_loop.get("epoch_loop.manual_optimization.optim_step_progress"), steps)
     state = fit_loop.get("epoch_loop.state_dict")
     if isinstance(state, dict) and isinstance(state.get("_batches_that_stepped"), int):
