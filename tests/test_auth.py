@@ -75,7 +75,11 @@ def test_the_launch_id_is_the_launchers_and_the_key_differs_per_launch(clean_env
     assert known_launch_id() is None
     clean_env.setenv("SLURM_JOB_ID", "77")
     clean_env.setenv("SLURM_STEP_ID", "3")
-    assert known_launch_id() == "slurm:77.3:0"
+    assert known_launch_id() == "slurm:77:0"  # the job's: a new step of it (a task started again) is the same job
+    clean_env.setenv("SLURM_STEP_ID", "4")
+    assert known_launch_id() == "slurm:77:0"
+    clean_env.setenv("SLURM_RESTART_COUNT", "1")
+    assert known_launch_id() == "slurm:77:1"  # a requeued job: a fresh fit
     clean_env.setenv("TORCHELASTIC_RUN_ID", "abc")
     clean_env.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     assert known_launch_id() == "torchrun:abc:2"

@@ -24,8 +24,9 @@ What runs (about a minute on two cores):
   directory holds the last checkpoint, the ``workers/live`` metric and the supervisor's log.
 - **srun-style jobs of the demo** (``lightning_prague.tools.cluster.srun``, forked from one import):
   - ``prague`` with ``max_workers=6``: rank 2 kills itself, a new process with its old SLURM
-    variables and ``LIGHTNING_PRAGUE_REJOIN=1`` rejoins, and ranks 4 and 5 join (from the start,
-    with the examples). The cut below is short for it (a 15 s bound): every rank finishes;
+    variables as a new step of the job (``SLURM_STEP_ID=1``, nothing added) finds the running fit
+    and rejoins, and ranks 4 and 5 join (``LIGHTNING_PRAGUE_REJOIN=1``; from the start, with the
+    examples). The cut below is short for it (a 15 s bound): every rank finishes;
   - ``decent_adam`` **cut off**: once the examples are over, its ranks start, and node2's link is
     cut for ``CUT_SECONDS`` (10 s), beyond its 3 s detection bound: node2's ranks are counted lost,
     node1's finish with one model, and node2's fence themselves (exit status 75, a message that
@@ -214,18 +215,27 @@ def manifest_job() -> dict:
     return next(d for d in documents if d["kind"] == "Job")
 
 
+#: the Job's uid, as Kubernetes labels each of its pods (the same for every pod of one Job)
+JOB_UID = "3f1c7a52-0d4e-4e8a-9b61-5c2f0e7d9a10"
+
+
 def pod_environment(container: dict, index: int, cluster_values: dict[str, str]) -> dict[str, str]:
-    """A pod's variables from its container's ``env``: literal values, the completion index where a
-    variable takes it from the pod's annotation (as Kubernetes fills it in), and ``cluster_values``
-    where this cluster's differ from the manifest's (host names, sizes, interfaces, paths)."""
+    """A pod's variables from its container's ``env``: literal values, the completion index and the
+    Job's uid where a variable takes them from the pod's annotation and label (as Kubernetes fills
+    them in), and ``cluster_values`` where this cluster's differ from the manifest's (host names,
+    sizes, interfaces, paths)."""
+    from_pod = {
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(index),
+        "metadata.labels['batch.kubernetes.io/controller-uid']": JOB_UID,
+    }
     env: dict[str, str] = {}
     for variable in container["env"]:
         if "value" in variable:
             env[variable["name"]] = str(variable["value"])
         else:
             field_path = variable["valueFrom"]["fieldRef"]["fieldPath"]
-            assert field_path == "metadata.annotations['batch.kubernetes.io/job-completion-index']", field_path
-            env[variable["name"]] = str(index)
+            assert field_path in from_pod, field_path
+            env[variable["name"]] = from_pod[field_path]
     unknown = set(cluster_values) - set(env)
     assert not unknown, f"the manifest sets none of {unknown}"
     return {**env, **cluster_values}
@@ -238,12 +248,10 @@ def start_kubernetes(cluster: Cluster, example: Example) -> None:
     container = job["spec"]["template"]["spec"]["containers"][0]
     command = [*container["command"], *container["args"]]
     for index, node in enumerate(cluster.nodes):
-        state = example.directory / f"state-{index}"  # the pod's emptyDir
-        state.mkdir()
         cluster_values = {
             "WORLD_SIZE": str(example.world), "MASTER_ADDR": "node1", "MASTER_PORT": "29410",
             "LIGHTNING_PRAGUE_CONTROL_PORT": "29631", "NCCL_SOCKET_IFNAME": node.ifname,
-            "GLOO_SOCKET_IFNAME": node.ifname, "ROOT_DIR": str(example.root_dir), "STATE_DIR": str(state),
+            "GLOO_SOCKET_IFNAME": node.ifname, "ROOT_DIR": str(example.root_dir),
             "TRAIN_ARGS": " ".join(train_args(example)),
         }  # fmt: skip
         env = node_env(node, example.directory)
@@ -372,16 +380,19 @@ runpy.run_module("lightning_prague.demo.run", run_name="__main__", alter_sys=Tru
 
 
 def rejoin_and_grow(cluster: Cluster, job: Job) -> None:
-    """Processes that start once the rejoin job's rank 2 killed itself (`GATED_DEMO`): a new one for
-    it on node2 with the variables srun gave it and `LIGHTNING_PRAGUE_REJOIN=1` (a requeued task), and
-    two new workers, ranks 4 and 5 (`SLURM_PROCID`; the job keeps its `SLURM_NTASKS`), one per node
-    (``job.procs``)."""
+    """Processes that start once the rejoin job's rank 2 killed itself (`GATED_DEMO`), each as a new
+    step of the job (`SLURM_STEP_ID` 1, 2, 3): a new one for rank 2 on node2 with the variables srun
+    gave it and nothing added (it finds the running fit of its job by itself), and two new workers
+    with `LIGHTNING_PRAGUE_REJOIN=1`, ranks 4 and 5 (`SLURM_PROCID`; the job keeps its
+    `SLURM_NTASKS`), one per node (``job.procs``)."""
     port = str(15000 + int(job.job_id[-4:]))  # Lightning's MASTER_PORT under SLURM
     starts = [(cluster.nodes[1], 1, 0), (cluster.nodes[0], 2, 0), (cluster.nodes[1], 2, 1)]  # node, node id, local id
-    for node, node_id, local in starts:
+    for step, (node, node_id, local) in enumerate(starts, start=1):
         layout = Layout(NODES, node_id, WORKERS, f"node[1-{NODES}]")
-        env = task_environment(node_env(node, job.directory.parent), layout, job.job_id, local)
-        env.update(MASTER_ADDR="node1", MASTER_PORT=port, LIGHTNING_PRAGUE_REJOIN="1")
+        env = task_environment(node_env(node, job.directory.parent), layout, job.job_id, local, step_id=step)
+        env.update(MASTER_ADDR="node1", MASTER_PORT=port)
+        if step > 1:  # the new workers are told; rank 2's new process finds the running fit of its job by itself
+            env["LIGHTNING_PRAGUE_REJOIN"] = "1"
         gate = str(job.directory / "fault.2.json")
         argv = [sys.executable, "-c", GATED_DEMO, gate, *demo_args(job.strategy, job.out, rejoin=True)]
         log_path = job.directory.parent / f"job{job.job_id}.rank{layout.rank(local)}.rejoin.log"
@@ -514,9 +525,9 @@ def test_a_node_cut_off_beyond_the_bound_fences_itself_and_the_other_finishes(jo
 
 
 def test_a_rank_started_again_rejoins_and_two_new_workers_join_on_the_cluster(jobs):
-    """SLURM-style: rank 2 (node2) is killed; a new process with its old variables and
-    `LIGHTNING_PRAGUE_REJOIN=1` rejoins, and ranks 4 and 5 join the 4-worker job; every fit returns,
-    with one model, and each of the three trained after it joined."""
+    """SLURM-style: rank 2 (node2) is killed; a new step of the job starts it again with its old
+    variables and nothing added, and it rejoins; ranks 4 and 5 join the 4-worker job; every fit
+    returns, with one model, and each of the three trained after it joined."""
     job = jobs.demo["srun-rejoin", REJOIN]
     results = job.results()
     assert job.codes == [0, 0, 0], f"the three new processes' exit codes {job.codes}\n{job.logs()}"

@@ -86,18 +86,30 @@ def generated_secret() -> str:
 
 
 def known_launch_id() -> str | None:
-    """This launch's id as the launcher tells it (the same on every rank of the launch), or `None`.
+    """This job's id as its launcher tells it (the same on every rank of the job), or `None`.
 
-    `LAUNCH_VARIABLE`, else torchrun's run id and restart count, else SLURM's job and step ids and
-    requeue count; `None` for ranks started by hand (they take the id the supervisor published).
+    The id names one *job*: every process that may take part in one fit, including a lost rank's
+    new process, has the same id, and a process of another job (a requeue, a new allocation that
+    reuses the port, another torchrun run) has another one (docs/multi_node.md, "A job's identity"):
+
+    - `LAUNCH_VARIABLE`, set by the user (e.g. a Kubernetes Job's uid) or by the strategies'
+      launcher for the ranks it starts (one start of the script);
+    - torchrun: its run id and restart count (`torchrun:<run id>:<restart count>`): a torchrun restart
+      is a new fit of every worker;
+    - SLURM: the job's id and its requeue count (`slurm:<job id>:<restart count>`). The step id is not
+      part of it: a new `srun` step of the same job (a lost task started again) belongs to the job,
+      while a requeued job (`SLURM_RESTART_COUNT` higher) starts a fresh fit.
+
+    `None` for ranks started by hand (they take the id the supervisor published; a process of them
+    rejoins a running fit only when told to: `LIGHTNING_PRAGUE_REJOIN=1`).
     """
     env = os.environ
     if env.get(LAUNCH_VARIABLE):
         launch = env[LAUNCH_VARIABLE]
     elif env.get("TORCHELASTIC_RUN_ID"):
-        launch = f"torchrun:{env['TORCHELASTIC_RUN_ID']}:{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        launch = f"torchrun:{env['TORCHELASTIC_RUN_ID']}:{env.get('TORCHELASTIC_RESTART_COUNT', '0') or '0'}"
     elif env.get("SLURM_JOB_ID"):
-        launch = f"slurm:{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '')}:{env.get('SLURM_RESTART_COUNT', '0')}"
+        launch = f"slurm:{env['SLURM_JOB_ID']}:{env.get('SLURM_RESTART_COUNT', '0') or '0'}"
     else:
         return None
     if len(launch) > MAX_LAUNCH_CHARS:

@@ -45,6 +45,14 @@ class ExchangeInterrupted(PragueError):
     """A communication thread was told to stop while it waited (shutdown after an error elsewhere)."""
 
 
+class LeftOut(PragueError):
+    """The control plane left this rank out of the fit: it showed no sign of life for its short hang
+    bound (a step that blocked), and the others went on without it. It was not fenced: the process
+    lives, so it comes back as a new process for its rank does, in place (the strategies rejoin the
+    running fit with a live member's state, `lightning_prague.strategies.in_place`). The message
+    says how long it was blocked."""
+
+
 class MemberLost(PragueError):
     """A rank left the job (its process ended, or it stopped after an error) while others needed it.
 

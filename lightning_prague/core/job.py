@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_prague.core.auth import (
+    LAUNCH_VARIABLE,
     SECRET_FILE_VARIABLE,
     SECRET_VARIABLE,
     Credentials,
@@ -46,6 +47,8 @@ from lightning_prague.core.auth import (
     user_secret,
 )
 from lightning_prague.core.client.control import ControlClient, Session
+from lightning_prague.core.client.partition import established_connections
+from lightning_prague.core.discovery import find_running_fit, publish_running
 from lightning_prague.core.errors import ConfigurationError, ControlPlaneError, CoordinationTimeout
 from lightning_prague.core.membership import (  # noqa: F401  (re-exported: where they used to live)
     GROUPS_PREFIX,
@@ -101,10 +104,14 @@ class Job(Membership):
     joining: bool = False
     #: this process rejoined a running fit (`rejoin`)
     rejoined: bool = False
+    #: the established TCP connections (socket inodes) of `group` on this process (`drop_group_connections`)
+    connections: set[int] = field(default_factory=set)
+    _connected_before: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if not self.members and not self.joining:
             self.members = tuple(range(self.world_size))
+        self.control.on_left_out = self.drop_group_connections
 
     @property
     def supervisor_pid(self) -> int:
@@ -151,7 +158,8 @@ def init_job(
 ) -> Job:
     """Join the job (see the module docstring); returns this process's `Job` (the same one when called again).
 
-    `rejoin` (default: `rejoining()`, from the environment): this process replaces a rank that left
+    `rejoin` (default: `rejoining()` after `look_for_running_fit`: told so by the environment, or a
+    running fit of this process's own job found in the store): this process replaces a rank that left
     the running job. It starts no supervisor and meets nobody at a rendezvous: it reaches the store
     and the control plane the job already has, and its `Job` is outside the job (`joining`) until
     `Job.rejoin` admits it into the running fit. Its default process group is a local stand-in
@@ -184,13 +192,17 @@ def init_job(
     starting = world_size if launched is None else launched
     if not 1 <= starting <= world_size:
         raise ConfigurationError(f"rank {rank}: {starting} ranks cannot start a job of at most {world_size}")
-    if rank >= starting and not (rejoin if rejoin is not None else rejoining()):
+    if rejoin is None and not dist.is_initialized():
+        look_for_running_fit(rank, host, port)
+    joins = rejoin if rejoin is not None else rejoining()
+    if rank >= starting and not joins:
         raise ConfigurationError(
-            f"rank {rank} is past the {starting} ranks that start the job: a worker that joins a running job needs "
-            f"{REJOIN_VARIABLE}=1"
+            f"rank {rank} is past the {starting} ranks that start the job and found no running fit of its job at "
+            f"{host}:{port} to join: a worker that joins a running job needs its job's id (SLURM's, torchrun's or "
+            f"{LAUNCH_VARIABLE}) or {REJOIN_VARIABLE}=1"
         )
     secret, launch_id = user_secret(), known_launch_id()
-    if rejoin if rejoin is not None else rejoining():
+    if joins:
         _init_local_world(rank, world_size)  # first: a torch without the stand-in fails before anything connects
         store = _joiner_store(rank, host, port, world_size, min(pg_timeout, timedelta(seconds=timeout)))
         control = _connect(store, rank, timeout, None, secret, launch_id)
@@ -229,11 +241,15 @@ def init_job(
         store = raw_store()
         if rank == 0:
             proc = launch(store.host, store.port, starting, timeout, False, control_port, **start)
-    control = _connect(raw_store(), rank, timeout, proc, secret, launch_id if proc is None else start["launch_id"])
+    launch_id = launch_id if proc is None else str(start["launch_id"])
+    control = _connect(raw_store(), rank, timeout, proc, secret, launch_id)
+    connected = set(established_connections())
     group = dist.new_group(list(range(starting)), backend=backend, timeout=pg_timeout)
+    if launch_id is not None:  # every rank that starts the job has met: a later process of it rejoins the fit
+        publish_running(raw_store(), launch_id, rank)
     _JOB = Job(
         rank, world_size, backend, control, group, proc, pg_timeout=pg_timeout, store=raw_store(), device_id=device_id,
-        members=tuple(range(starting)),
+        members=tuple(range(starting)), connections=set(established_connections()) - connected,
     )  # fmt: skip
     atexit.register(control.close)
     log.debug("rank %d: joined the job (%d ranks, supervisor pid %d)", rank, world_size, control.supervisor_pid)
@@ -243,22 +259,59 @@ def init_job(
 #: environment variable: how many times this rank's process was started again (set by the strategies'
 #: launcher with `max_restarts`; 0 or unset: the first start)
 RESTARTS_VARIABLE = "LIGHTNING_PRAGUE_RESTART_COUNT"
-#: environment variable: `1` makes a process rejoin the running job as the rank its environment names
-#: (a restart by a launcher other than the strategies': a SLURM requeue of one task, a pod's restart)
+#: environment variable: `1` makes a process rejoin the running job as the rank its environment names,
+#: `0` makes it start with the job's ranks without looking for a running fit; unset: it looks
+#: (`look_for_running_fit`)
 REJOIN_VARIABLE = "LIGHTNING_PRAGUE_REJOIN"
 
+#: this process found a running fit of its own job (`look_for_running_fit`): it rejoins, as if told to
+_found_running_fit = False
 
-def rejoining() -> bool:
-    """Whether this process replaces a rank of a running job (`RESTARTS_VARIABLE` above 0, or
-    `REJOIN_VARIABLE` set to 1)."""
-    try:
-        restarts = int(os.environ.get(RESTARTS_VARIABLE, "0") or 0)
-    except ValueError:
-        raise ConfigurationError(f"{RESTARTS_VARIABLE}={os.environ[RESTARTS_VARIABLE]!r} is not a number") from None
+
+def _rejoin_flag() -> str:
+    """`REJOIN_VARIABLE`'s value: "" (unset), "0" or "1"; a `ConfigurationError` for anything else."""
     flag = os.environ.get(REJOIN_VARIABLE, "").strip()
     if flag not in ("", "0", "1"):
         raise ConfigurationError(f"{REJOIN_VARIABLE}={flag!r}: set it to 1 (rejoin the running job) or 0")
-    return restarts > 0 or flag == "1"
+    return flag
+
+
+def restarts() -> int:
+    """How many times this rank's process was started again before this one (`RESTARTS_VARIABLE`)."""
+    try:
+        return int(os.environ.get(RESTARTS_VARIABLE, "0") or 0)
+    except ValueError:
+        raise ConfigurationError(f"{RESTARTS_VARIABLE}={os.environ[RESTARTS_VARIABLE]!r} is not a number") from None
+
+
+def rejoining() -> bool:
+    """Whether this process replaces a rank of a running job: `RESTARTS_VARIABLE` above 0,
+    `REJOIN_VARIABLE` set to 1, or a running fit of its own job found (`look_for_running_fit`)."""
+    flag = _rejoin_flag()
+    return _found_running_fit or restarts() > 0 or flag == "1"
+
+
+def look_for_running_fit(rank: int, host: str, port: int) -> bool:
+    """Whether this process rejoins a running fit: `rejoining()`, or, unless `REJOIN_VARIABLE` is 0, a
+    running fit of this process's own job found in the store at `host:port`
+    (`lightning_prague.core.discovery`); found once, `rejoining()` says so from then on.
+
+    Only a process that knows its job's id (`known_launch_id`: SLURM's, torchrun's, or
+    `LAUNCH_VARIABLE`) looks: a process of a new job never attaches to an old one, and one started by
+    hand with no id rejoins only when told to (`REJOIN_VARIABLE=1`).
+    """
+    global _found_running_fit
+    if rejoining():
+        return True
+    launch = known_launch_id()
+    if _rejoin_flag() == "0" or launch is None:
+        return False
+    if find_running_fit(rank, host, port, launch):
+        _found_running_fit = True
+        log.warning(
+            "rank %d: a fit of this process's job (%r) runs at %s:%d: this process rejoins it", rank, launch, host, port
+        )
+    return _found_running_fit
 
 
 def _joiner_store(rank: int, host: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:

@@ -30,7 +30,12 @@ alike.
 admission item (the members' admission meeting, with where its rank stood in its shard), meets the
 members there, rebuilds the group with them, and receives the fit's state from the donor
 (`lightning_prague.core.comm.transfer`). Any failure on the way closes its session as failed (a
-departure, or a withdrawal before its admission): nobody waits for it.
+departure, or a withdrawal before its admission): nobody waits for it. Once it built a group with
+the members it first shuts down its own connections of that group (gloo's operations cannot be
+aborted, and its process may live on: a member's gossip round with it would otherwise wait for the
+operation's timeout). A donor that leaves before its state arrived (its receive watches for the
+departure) costs only that admission: the joiner asks again, in a new session of the same fit, and
+the next lowest member sends the state.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_prague.core.client.control import Session
+from lightning_prague.core.client.partition import established_connections, shut_down_connections
 from lightning_prague.core.comm.groups import GroupComm
 from lightning_prague.core.comm.transfer import receive_payload
 from lightning_prague.core.errors import ControlPlaneError, CoordinationTimeout, MemberLost
@@ -64,6 +70,10 @@ GROUPS_PREFIX = "lightning_prague/groups"
 CONNECT_SECONDS = 10.0
 #: the longest pause between two looks at the store while waiting for a member's address
 POLL_SECONDS = 0.05
+#: attempts a rejoining rank makes when its donor leaves the job before the fit's state arrived (`Membership.rejoin`)
+REJOIN_ATTEMPTS = 3
+#: seconds a rejoining rank whose transfer failed waits for the control plane's word that the donor left
+DEPARTURE_NOTICE_SECONDS = 5.0
 #: `agree(built)` -> `(the live members, whether every one of them built the group)`; see `Membership.regroup`
 Agreement = Callable[[bool], tuple[Sequence[int], bool]]
 
@@ -85,13 +95,19 @@ class Membership:
     device_id: Optional[torch.device]
     joining: bool
     rejoined: bool
+    #: the established TCP connections (socket inodes) of `group` on this process (gloo's pairs)
+    connections: set[int]
+    _connected_before: set[int]
 
     @property
     def leader(self) -> int:
         """The rank that does global rank 0's duties (checkpoints, logging): the one the control plane
-        names (`follow_leader`), while it is a member; else the lowest live rank."""
+        names (`follow_leader`), while it is a member; else the lowest live rank (-1, nobody, for a
+        joiner before its admission: it is no member yet)."""
         named = self.named_leader
-        return named if named is not None and named in self.members else self.members[0]
+        if named is not None and named in self.members:
+            return named
+        return self.members[0] if self.members else -1
 
     def follow_leader(self, release: dict[str, Any]) -> None:
         """Take the leader a release names (the control plane keeps it until it is lost, so a rank
@@ -121,6 +137,7 @@ class Membership:
         call it, alike on every one of them (the session and its meeting), so that a rank that
         rejoins, which has rebuilt nothing before, finds the others' rendezvous; default: the
         number of rebuilds so far."""
+        self._connected_before = set(established_connections())  # `_adopt` names the group's connections
         proposal = tuple(sorted(members))
         if proposal == self.members and self.group is not None:
             return self.group
@@ -232,20 +249,61 @@ class Membership:
     def _adopt(self, group: dist.ProcessGroup, members: tuple[int, ...]) -> dist.ProcessGroup:
         """Switch to `group`, built among `members` on every one of them."""
         old, self.group, self.members = self.group, group, members
+        self.connections = set(established_connections()) - self._connected_before
         if "nccl" in self.backend and old is not None:
             _abort(old)
         log.debug("rank %d: rebuilt the job's process group among ranks %s", self.rank, list(members))
         return group
 
+    def drop_group_connections(self) -> None:
+        """Shut down this process's side of its process group's connections (the control plane left it
+        out of the fit): every peer's exchange with it fails at once, as if it had ended, instead of
+        waiting for it (gloo; on NCCL the peers' waits give up on its departure). Called by the
+        control client's reader thread: the training thread may be the one that blocks."""
+        shut_down_connections(self.connections, self.rank, "it was left out of the fit")
+
+    def leave_in_place(self) -> None:
+        """This process was left out of its running fit (it blocked past its short hang bound, and the
+        others went on without it): it becomes a joiner of that fit, as a new process for its rank
+        would be, so that `rejoin` (with the session's number again) takes it back with a live
+        member's state. Its process group, which the others no longer use, is dropped."""
+        old, self.group, self.members = self.group, None, ()
+        if old is not None:
+            _drop(old, self.backend)
+        self.sessions = max(0, self.sessions - 1)  # `rejoin` opens the same fit's session again
+        self.joining, self.rejoined, self.named_leader = True, False, None
+        log.warning("rank %d: left out of the running fit; it rejoins it in place", self.rank)
+
     def rejoin(self, config: SessionConfig, wait: float, timeout: float) -> Admission:
         """A new process for a rank that left the job: join the running fit's session, wait (at
-        most `wait` s) for the members' next epoch's end, meet them at its admission, rebuild the
-        process group with them (`regroup`, tagged with that meeting) and receive the fit's state
-        from the donor (`lightning_prague.core.comm.transfer`); `timeout` bounds each operation.
-        Raises `ControlPlaneError` with the reason if the fit cannot take it back."""
+        most `wait` s) for the members' admission meeting (their next batch boundary, or an epoch's
+        end), meet them there, rebuild the process group with them (`regroup`, tagged with that
+        meeting) and receive the fit's state from the donor (`lightning_prague.core.comm.transfer`);
+        `timeout` bounds each operation. A donor that leaves the job before its state arrived (it
+        died mid-transfer) costs an attempt: this rank gives up on that admission (a departure, so
+        nobody waits for it) and asks again, up to `REJOIN_ATTEMPTS` times, and another member
+        sends the state. Raises `ControlPlaneError` with the reason if the fit cannot take it back."""
         self.sessions += 1
-        session = self.control.open_session(self.sessions, config, rejoin=True)
         start = time.monotonic()
+        for attempt in range(1, REJOIN_ATTEMPTS + 1):
+            try:
+                return self._rejoin_once(config, wait, timeout, start)
+            except _DonorLost as err:
+                if attempt == REJOIN_ATTEMPTS:
+                    raise MemberLost(f"{err}; gave up after {attempt} attempts to rejoin") from err
+                log.warning("%s; it asks to rejoin again (attempt %d of %d)", err, attempt + 1, REJOIN_ATTEMPTS)
+                old, self.group, self.members = self.group, None, ()  # rebuilt at the next admission
+                if old is not None:
+                    _drop(old, self.backend)
+        raise AssertionError("unreachable")  # (the loop returns or raises)
+
+    def _rejoin_once(self, config: SessionConfig, wait: float, timeout: float, start: float) -> Admission:
+        """One attempt of `rejoin`, in a session of its own (the fit's number, `self.sessions`);
+        `_DonorLost` if the donor left before its state arrived. Any failure closes the session as
+        failed: a withdrawal before the admission, a departure after it."""
+        session = self.control.open_session(self.sessions, config, rejoin=True)
+        donor: Optional[int] = None
+        connected: Optional[dict[int, int]] = None  # this process's connections before it built a group
         try:
             admit = session.await_admission(wait)
             name = str(admit["sync"])
@@ -264,15 +322,25 @@ class Membership:
                 return [int(r) for r in decided["members"]], bool(decided.get("complete", built))
 
             departed = lambda: session.departed  # noqa: E731
+            connected = established_connections()
             self.regroup(release["members"], departed, agree, timeout=timeout, tag=f"s{session.number}/{name}")
             if donor not in self.members:
                 raise MemberLost(f"rank {self.rank}: rank {donor}, which was to send the fit's state, left the job")
             comm = GroupComm(self.rank, self.world_size, timeout, self.group)
             comm.rebind(self.group, self.members)  # type: ignore[arg-type]
             admitted = time.monotonic()
-            payload = receive_payload(comm, donor, "the fit's state")
-        except BaseException:
+            sender = donor
+            payload = receive_payload(comm, donor, "the fit's state", sender_gone=lambda: sender in session.departed)
+        except BaseException as err:
+            # (before the close: a closed session hears of no departure)
+            failed = isinstance(err, (MemberLost, CoordinationTimeout))
+            lost = donor is not None and failed and _heard_left(session, donor)
+            if connected is not None:  # a member's exchange with this process (a gossip round) fails at once
+                built = set(established_connections()) - set(connected)
+                shut_down_connections(built, self.rank, "those of the group it built at an admission it gives up")
             session.close(failed=True)
+            if lost:
+                raise _DonorLost(f"rank {self.rank}: rank {donor} left the job before the fit's state arrived") from err
             raise
         self.joining, self.rejoined = False, True
         self.follow_leader(release)
@@ -283,6 +351,21 @@ class Membership:
         )  # fmt: skip
         position = admit.get("position") if isinstance(admit.get("position"), dict) else None
         return Admission(session, donor, payload, admitted - start, done - admitted, release, position)
+
+
+class _DonorLost(MemberLost):
+    """The donor of a rejoining rank left the job before its state arrived: the rank asks again."""
+
+
+def _heard_left(session: Session, rank: int, within: float = DEPARTURE_NOTICE_SECONDS) -> bool:
+    """Whether `rank`'s departure was announced to `session`, waiting up to `within` s for the notice
+    (a broken connection to a process that died comes before the control plane's word of it)."""
+    deadline = time.monotonic() + within
+    while rank not in session.departed:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_SECONDS)
+    return True
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,10 @@ class HangRule:
       slow, not dead; only the session's long bound (`sync_timeout`) ends it (a livelock);
     * **blocked** (none of these: a deadlock, a wait on a lock or on I/O that never returns): hung
       after `max(floor, factor x its longest recent step)`, 60 s by default, as torchft's collectives
-      (DDP waits 1,800 s; 60 s outlasts a network file system's stall or a long logging call);
+      (DDP waits 1,800 s; 60 s outlasts a network file system's stall or a long logging call), and
+      **left out** of the fit well before, after `max(min(leave_out_floor, floor), factor x its
+      step)`, 10 s by default: the others go on without it, and if it wakes before its fence it
+      comes back in place, with a live member's state;
     * **silent** (not even its beacon thread beats: a frozen or SIGSTOPped process, a lost node): hung
       after `max(min(silent_floor, floor), factor x its step)`, 10 s by default; on the control
       plane's own host a silent process that is running and using the CPU (a C call that holds the
@@ -113,6 +116,10 @@ class HangRule:
     #: word: its beacon thread beats whatever its training thread does, so a long silence means the
     #: process is frozen or cut off (a network partition), even in a checkpoint that may take longer
     silent_busy_factor: float = 3.0
+    #: the shortest time without any sign of life after which a stepping worker is left out of the
+    #: fit (its short bound): the others go on without it, but it is fenced only at `bound`, and if it
+    #: wakes before that it comes back in place (never above `floor`)
+    leave_out_floor: float = 10.0
     #: the shortest silence (no beat at all) after which a stepping worker is hung (never above `floor`)
     silent_floor: float = 10.0
 
@@ -121,6 +128,15 @@ class HangRule:
         if busy or step is None:
             return timeout
         return max(self.floor, self.factor * step)
+
+    def leave_out_bound(self, step: Optional[float], busy: bool, timeout: float) -> Optional[float]:
+        """Seconds without progress and without any sign of life after which a stepping worker is left
+        out of the fit, though not fenced: `max(min(leave_out_floor, floor), factor x its step)`;
+        `None` while it is busy or has not timed a step (a checkpoint, a first step that compiles:
+        only the long bound applies there)."""
+        if busy or step is None:
+            return None
+        return min(self.bound(step, busy, timeout), max(min(self.leave_out_floor, self.floor), self.factor * step))
 
     def silence_bound(self, step: Optional[float], busy: bool, timeout: float) -> float:
         """Seconds without a word (not even a beat) after which a worker is declared hung: its silent
@@ -131,6 +147,9 @@ class HangRule:
         stepping = max(min(self.silent_floor, self.floor), self.factor * step)
         return min(timeout, self.silent_busy_factor * stepping) if busy else stepping
 
+
+#: how the reason of a rank left out of a fit starts (`HangDetector.left_out`): a departure that is no loss
+LEFT_OUT = "left out"
 
 #: the item that answers a member's beat: the control plane still counts it in (`Session.check_reachable`)
 ALIVE = "alive"
@@ -197,6 +216,7 @@ HANG_RECORD = Record(
         "min_steps": integer(0, 1 << 20),
         "silent_busy_factor": number(0.0, 1e6),
         "silent_floor": _SECONDS,
+        "leave_out_floor": _SECONDS,
     },
 )
 CONFIG_RECORD = Record(

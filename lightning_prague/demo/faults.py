@@ -1,7 +1,8 @@
 """Real faults, injected into a demo run: for the fault tests and `benchmarks/faults.py`.
 
-A fault is `RANK:BATCH:KIND`: when rank `RANK` starts the training step of its `BATCH`-th batch
-(counted over the whole fit), it
+A fault is `RANK[@PROCESS]:BATCH:KIND`: when rank `RANK` starts the training step of its `BATCH`-th
+batch (counted over the whole fit in a rank's first process, from that process's start in a later
+one), it
 
 - `kill`: ends with SIGKILL (a preempted instance, an out-of-memory kill);
 - `kill-in-exchange`: ends with SIGKILL inside its next group exchange, once it has posted its
@@ -16,11 +17,26 @@ A fault is `RANK:BATCH:KIND`: when rank `RANK` starts the training step of its `
 - `compute=SECONDS`: computes on the CPU for that long in `training_step`, then trains on (a slow
   step: a callback that renders images, a recompile; it must not be taken for a hang);
 - `block=SECONDS`: blocks for that long without using the CPU, then trains on (a stall of a network
-  file system, a lock held elsewhere).
+  file system, a lock held elsewhere);
+- `kill-before-training`: ends with SIGKILL when its fit's training starts, before its first batch
+  (`BATCH` is not used). In a process that rejoined a running fit, that is after its admission and
+  the state a live member sent it, before it claimed or trained anything;
+- `kill-in-transfer`: from that batch on, ends with SIGKILL inside the next state transfer it sends
+  a rejoining rank as its donor, once the first message of it (the payload's size) went out: the
+  joiner waits for the rest from a process that is gone;
+- `other-model`: builds its model with hidden layers twice as wide, at its setup (`BATCH` is not
+  used): a script edited between a job's start and a restart. A process that rejoins with it must
+  be refused by name, and the job go on.
 
-Before it strikes it writes `fault.RANK.json` (`kind`, wall-clock `time`) to the given directory,
-so that a test or a benchmark can time the detection. A fault strikes in a job's first attempt
-only: workers that torchrun restarts (`TORCHELASTIC_RESTART_COUNT` above 0) run without it.
+`PROCESS` picks which process of the rank the fault strikes: 0 (the default) its first, `n` its
+`n`-th restart (`LIGHTNING_PRAGUE_RESTART_COUNT` from the strategies' launcher with `max_restarts`,
+or `TORCHELASTIC_RESTART_COUNT` under torchrun), so that a fault can strike a process that
+rejoins: `2:20:kill` and `2@1:1:kill-before-training` kill rank 2 at its 20th batch and then its
+first new process between its admission and its first batch. A process started by hand to rejoin
+(`LIGHTNING_PRAGUE_REJOIN=1`, no restart count) runs without faults.
+
+Before it strikes it writes `fault.RANK.json` (`kind`, wall-clock `time`; `fault.RANK@PROCESS.json`
+for a later process) to the given directory, so that a test or a benchmark can time the detection.
 """
 
 from __future__ import annotations
@@ -34,34 +50,43 @@ from pathlib import Path
 from typing import Any
 
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.job import rejoining
+from lightning_prague.core.job import RESTARTS_VARIABLE, rejoining
 
 KINDS = (
-    "kill", "kill-in-exchange", "raise", "hang", "stop", "kill-in-validation", "kill-after-step", "compute", "block"
+    "kill", "kill-in-exchange", "raise", "hang", "stop", "kill-in-validation", "kill-after-step", "compute", "block",
+    "kill-before-training", "kill-in-transfer", "other-model",
 )  # fmt: skip
 #: the kinds that strike somewhere else than at the start of a training step
-_ELSEWHERE = ("kill-in-validation", "kill-after-step")
+_ELSEWHERE = ("kill-in-validation", "kill-after-step", "kill-before-training", "other-model")
 #: the kinds that last `=SECONDS` and then let the rank train on
 TIMED = ("compute", "block")
 
 
 @dataclass(frozen=True)
 class Fault:
+    """One fault: which rank, at which batch, what (see the module docstring); `process`: which process of
+    the rank (0: its first, n: its n-th restart)."""
+
     rank: int
     batch: int
     kind: str
     seconds: float = 0.0
+    process: int = 0
 
     @classmethod
     def parse(cls, spec: str) -> Fault:
+        """`RANK[@PROCESS]:BATCH:KIND[=SECONDS]` as a `Fault`; a `ConfigurationError` naming the spec if it is not."""
         try:
-            rank, batch, kind = spec.split(":")
+            where, batch, kind = spec.split(":")
+            rank, _, process = where.partition("@")
             kind, _, seconds = kind.partition("=")
-            fault = cls(int(rank), int(batch), kind, float(seconds) if seconds else 0.0)
+            fault = cls(int(rank), int(batch), kind, float(seconds) if seconds else 0.0, int(process or 0))
         except ValueError:
-            raise ConfigurationError(f"fault {spec!r} is not RANK:BATCH:KIND (e.g. 2:10:kill)") from None
-        if fault.kind not in KINDS or fault.batch < 1 or fault.rank < 0:
-            raise ConfigurationError(f"fault {spec!r}: KIND is one of {', '.join(KINDS)} and BATCH counts from 1")
+            raise ConfigurationError(f"fault {spec!r} is not RANK[@PROCESS]:BATCH:KIND (e.g. 2:10:kill)") from None
+        if fault.kind not in KINDS or fault.batch < 1 or fault.rank < 0 or fault.process < 0:
+            raise ConfigurationError(
+                f"fault {spec!r}: KIND is one of {', '.join(KINDS)}, BATCH counts from 1 and PROCESS from 0"
+            )
         if (fault.kind in TIMED) != (fault.seconds > 0):
             raise ConfigurationError(
                 f"fault {spec!r}: {'/'.join(TIMED)} take =SECONDS (e.g. 2:10:compute=30), no other"
@@ -69,12 +94,25 @@ class Fault:
         return fault
 
 
+def process_number() -> int | None:
+    """Which process of its rank this one is: 0 its first, n its n-th restart (by the strategies'
+    launcher or torchrun); `None` for a process started by hand to rejoin, which no fault strikes."""
+    restarts = max(
+        int(os.environ.get(RESTARTS_VARIABLE, "0") or 0), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    )
+    if restarts == 0 and rejoining():
+        return None
+    return restarts
+
+
 def inject_faults(model: Any, faults: list[Fault], directory: Path) -> None:
-    """Wrap `model.training_step` so that each fault strikes its rank at its batch."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 or rejoining():
-        return  # a restarted process: the fault struck its predecessor
-    plan = {f.rank: f for f in faults}
+    """Wrap `model`'s hooks so that each fault of this process (`Fault.process`) strikes its rank at its batch."""
+    number = process_number()
+    plan = _Plan({f.rank: f for f in faults if f.process == number})
+    if not plan:
+        return  # no fault for this process (a restarted one: the fault struck its predecessor)
     step, validation_step, batch_end = model.training_step, model.validation_step, model.on_train_batch_end
+    train_start, setup = model.on_train_start, model.setup
     seen = [0]
 
     def training_step(*args: Any, **kwargs: Any) -> Any:
@@ -83,6 +121,19 @@ def inject_faults(model: Any, faults: list[Fault], directory: Path) -> None:
         if fault is not None and seen[0] == fault.batch and fault.kind not in _ELSEWHERE:
             strike(fault, directory)
         return step(*args, **kwargs)
+
+    def on_train_start(*args: Any, **kwargs: Any) -> Any:
+        fault = plan.get(model.trainer.global_rank)
+        if fault is not None and fault.kind == "kill-before-training":
+            strike(fault, directory)
+        return train_start(*args, **kwargs)
+
+    def setting_up(*args: Any, **kwargs: Any) -> Any:  # every rank's own process, before the strategy's setup
+        fault = plan.get(model.trainer.global_rank)
+        if fault is not None and fault.kind == "other-model":
+            strike(fault, directory)
+            _widen(model)
+        return setup(*args, **kwargs)
 
     def on_train_batch_end(*args: Any, **kwargs: Any) -> Any:
         fault = plan.get(model.trainer.global_rank)
@@ -99,10 +150,22 @@ def inject_faults(model: Any, faults: list[Fault], directory: Path) -> None:
     model.training_step = training_step
     model.validation_step = validating_step
     model.on_train_batch_end = on_train_batch_end
+    model.on_train_start = on_train_start
+    model.setup = setting_up
+
+
+class _Plan(dict):
+    """Rank -> its fault; none in a process that learns in its fit that it rejoins a running one (it found
+    the fit by itself, `lightning_prague.core.job.look_for_running_fit`): the fault struck its predecessor."""
+
+    def get(self, rank: Any, default: Any = None) -> Any:  # type: ignore[override]
+        return default if process_number() is None else super().get(rank, default)
 
 
 def strike(fault: Fault, directory: Path) -> None:
-    (directory / f"fault.{fault.rank}.json").write_text(json.dumps({"kind": fault.kind, "time": time.time()}))
+    """Record `fault` (`fault.RANK.json`, see the module docstring) and carry it out."""
+    name = f"fault.{fault.rank}.json" if fault.process == 0 else f"fault.{fault.rank}@{fault.process}.json"
+    (directory / name).write_text(json.dumps({"kind": fault.kind, "time": time.time()}))
     if fault.kind == "compute":
         end = time.monotonic() + fault.seconds
         total = 0
@@ -110,10 +173,12 @@ def strike(fault: Fault, directory: Path) -> None:
             total += sum(i * i for i in range(10_000))
     elif fault.kind == "block":
         time.sleep(fault.seconds)
-    if fault.kind in ("kill", "kill-in-validation", "kill-after-step"):
+    if fault.kind in ("kill", "kill-in-validation", "kill-after-step", "kill-before-training"):
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.kind == "kill-in-exchange":
         _kill_in_next_exchange()
+    elif fault.kind == "kill-in-transfer":
+        _kill_in_next_transfer()
     elif fault.kind == "raise":
         raise RuntimeError(f"injected failure on rank {fault.rank}")
     elif fault.kind == "hang":
@@ -132,3 +197,28 @@ def _kill_in_next_exchange() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     groups.GroupComm._post = post  # type: ignore[method-assign]
+
+
+def _kill_in_next_transfer() -> None:
+    """SIGKILL this process in the next state transfer it sends, once its first message went out."""
+    from lightning_prague.core.comm import transfer
+
+    send = transfer.send_payload
+
+    def send_payload(comm: Any, peer: int, payload: bytes, what: str) -> float:  # `BackgroundTransfer` sends here
+        point_to_point = comm.point_to_point
+
+        def first_then_die(*args: Any, **kwargs: Any) -> None:
+            point_to_point(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        comm.point_to_point = first_then_die
+        return send(comm, peer, payload, what)
+
+    transfer.send_payload = send_payload  # type: ignore[assignment]
+
+
+def _widen(model: Any) -> None:
+    """`model` (the demo's `DigitsClassifier`) with hidden layers twice as wide: another model."""
+    hparams = dict(model.hparams)
+    model.net = type(model)(**{**hparams, "hidden": 2 * int(hparams.get("hidden", 64))}).net

@@ -98,11 +98,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--hang-factor", type=float, default=20.0, help="a worker is hung after this many times its step time (or more)"
     )
     parser.add_argument(
+        "--leave-out-after",
+        type=float,
+        default=10.0,
+        help="a blocked worker is left out of the fit after this long without progress or sign of life (s)",
+    )
+    parser.add_argument(
         "--fault",
         action="append",
         default=[],
         type=Fault.parse,
-        metavar="RANK:BATCH:KIND",
+        metavar="RANK[@PROCESS]:BATCH:KIND",
         help=f"inject a real fault ({', '.join(KINDS)}; see lightning_prague.demo.faults); repeatable",
     )
     parser.add_argument(
@@ -126,6 +132,7 @@ def build_strategy(args: argparse.Namespace) -> Any:
         "max_workers": args.max_workers,
         "hang_timeout": args.hang_timeout,
         "hang_factor": args.hang_factor,
+        "leave_out_after": args.leave_out_after,
     }
     if args.strategy in ("prague", "partial_all_reduce"):
         return lightning_prague.PartialAllReduceStrategy(

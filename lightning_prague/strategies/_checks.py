@@ -143,6 +143,13 @@ LIGHTNING_INTERNALS: tuple[LightningInternal, ...] = (
         "dump_checkpoint: the fit's state a live worker sends a rank that rejoins (strategies.rejoin.PeerState)",
     ),
     LightningInternal(
+        "trainer",
+        "_teardown",
+        "called",
+        "a rank left out of the fit ends its attempt as Lightning ends a failed fit, then rejoins in place "
+        "(strategies.in_place.end_attempt)",
+    ),
+    LightningInternal(
         "lightning.fabric.strategies.launchers.subprocess_script",
         "_basic_subprocess_cmd",
         "called",
@@ -297,6 +304,12 @@ LIGHTNING_INTERNALS: tuple[LightningInternal, ...] = (
         "_SubprocessScriptLauncher",
         "subclassed",
         "SurvivingScriptLauncher starts a node's ranks as Lightning does, without killing them all when one fails",
+    ),
+    LightningInternal(
+        "lightning.pytorch.strategies.launchers",
+        "_MultiProcessingLauncher",
+        "subclassed",
+        "ComebackMultiProcessingLauncher runs each rank's fit so that a rank left out comes back in place",
     ),
     LightningInternal(
         "lightning.pytorch.strategies.launchers:_SubprocessScriptLauncher",

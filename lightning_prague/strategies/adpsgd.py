@@ -32,7 +32,7 @@ class ADPSGDStrategy(DecentralizedStrategy):
             +-1 and +-(1 + 2^i); for odd world sizes the wrap-around edges, which would join two
             ranks of the same parity, are left out).
         **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`, `timeout`,
-            `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`,
+            `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`, `leave_out_after`,
             `sync_timeout`, `coordinator_port`, `max_restarts`, `max_workers`) and Lightning's
             plugins; see `DecentralizedStrategy`.
     """

@@ -74,6 +74,7 @@ from lightning_prague.strategies._checks import check_layer_sync, check_lightnin
 from lightning_prague.strategies.collectives import RoutedCollectives
 from lightning_prague.strategies.ddp_options import check_ddp_options, strategy_options
 from lightning_prague.strategies.global_progress import GlobalProgress
+from lightning_prague.strategies.in_place import ComebackMultiProcessingLauncher, EpochMovedOn
 from lightning_prague.strategies.launcher import SurvivingScriptLauncher
 from lightning_prague.strategies.loaders import StrategyLoaders
 from lightning_prague.strategies.options import DDP_TIMEOUT, Option, StrategyOptions, watchdog_margin
@@ -121,6 +122,7 @@ class DecentralizedStrategy(DDPStrategy):
         min_workers: int = 1,
         hang_timeout: float = 60.0,
         hang_factor: float = 20.0,
+        leave_out_after: float = 10.0,
         sync_timeout: Optional[float] = None,
         coordinator_port: Optional[int] = None,
         max_restarts: int = 0,
@@ -165,6 +167,12 @@ class DecentralizedStrategy(DDPStrategy):
                 after `max(min(10 s, hang_timeout), hang_factor x` its step`)`.
             hang_factor: a worker is declared hung after `max(hang_timeout, hang_factor x` its
                 longest recent step`)` without progress or sign of life (steps timed on that worker).
+            leave_out_after: the short bound of a blocked worker: after `max(min(leave_out_after,
+                hang_timeout), hang_factor x` its step`)` without progress or sign of life (10 s for
+                short steps) it is left out of groups, rounds and meetings, and the others go on
+                without it; it is fenced only at `hang_timeout`'s bound. If it wakes before that, it
+                comes back in place, with a live worker's state (`lightning_prague.strategies.in_place`).
+                `hang_timeout` or more: a blocked worker is fenced without being left out first.
             sync_timeout: seconds the ranks may take to all reach a synchronization point (its
                 meeting and Lightning's collectives there: a barrier after rank 0 wrote a
                 checkpoint), and a worker may stay busy outside its steps (an epoch's end, a
@@ -203,8 +211,9 @@ class DecentralizedStrategy(DDPStrategy):
         #: the shared options, validated (`ConfigurationError` for a value no fit could use)
         self.options = StrategyOptions(
             sync_every=sync_every, seed=seed, timeout=timeout, average_at_sync=average_at_sync, bucket_mb=bucket_mb,
-            min_workers=min_workers, hang_timeout=hang_timeout, hang_factor=hang_factor, sync_timeout=sync_timeout,
-            coordinator_port=coordinator_port, max_restarts=max_restarts, max_workers=max_workers,
+            min_workers=min_workers, hang_timeout=hang_timeout, hang_factor=hang_factor,
+            leave_out_after=leave_out_after, sync_timeout=sync_timeout, coordinator_port=coordinator_port,
+            max_restarts=max_restarts, max_workers=max_workers,
         )  # fmt: skip
         super().__init__(
             accelerator=accelerator,
@@ -218,6 +227,10 @@ class DecentralizedStrategy(DDPStrategy):
         )
         #: rank -> (wall-clock time this rank heard of it, why): workers lost during the last fit
         self.lost_workers: dict[int, tuple[float, str]] = {}
+        #: batches this process trained in a fit attempt it was left out of (`leave_in_place`)
+        self._carried_batches = 0
+        #: times this process came back in place after it was left out (`leave_in_place`)
+        self.comebacks = 0
         #: the last synchronization point changed the membership (see `Survivors.follow_membership`)
         self.regrouped = False
         #: this process's membership of the job (store, control plane, our process group)
@@ -231,7 +244,7 @@ class DecentralizedStrategy(DDPStrategy):
         #: per-step schedules on global progress (work-queue strategies during fit)
         self.progress: GlobalProgress | None = None
         self.local_steps = 0
-        self.batches_done = 0
+        self.batches_done, self._carried_batches = self._carried_batches, 0  # 0 but after a comeback in place
         #: the epoch this process joined the fit inside (an admission call: its state from a live member)
         self.joined_epoch: Optional[int] = None
         #: what was warned about once (a local collective, a checkpoint between synchronization points)
@@ -413,6 +426,21 @@ class DecentralizedStrategy(DDPStrategy):
             self._launcher = SurvivingScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes, max_restarts=self.max_restarts
             )
+        else:  # its ranks come back in place when left out, as the script launcher's do
+            if self.max_restarts > 0:  # torch.multiprocessing ends every rank when one dies: nothing to restart
+                warnings.warn(
+                    f"max_restarts={self.max_restarts} is ignored with start_method={self._start_method!r}: "
+                    "torch.multiprocessing ends every rank when one dies. Use start_method='popen' (the default)",
+                    stacklevel=2,
+                )
+            self._launcher = ComebackMultiProcessingLauncher(self, start_method=self._start_method)
+
+    def leave_in_place(self) -> None:
+        """The control plane left this rank out of the running fit, and its attempt ended: the job
+        becomes a joiner of that fit (`lightning_prague.strategies.in_place`)."""
+        self._require_job().leave_in_place()
+        self._carried_batches = self.batches_done  # this process's count goes on
+        self.comebacks += 1
 
     @property
     @override
@@ -426,6 +454,8 @@ class DecentralizedStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         # no DistributedDataParallel: replicas only have to start equal
         assert self.model is not None
+        if self.job is not None and self.job.rejoined:
+            return  # its state comes from a live member; the default group may hold ranks that moved on
         _sync_module_states(self.model)
 
     @override
@@ -585,6 +615,13 @@ class DecentralizedStrategy(DDPStrategy):
                 self.joined_epoch = int(checkpoint.get("epoch", 0))
             if not self.shards_by_work_queue:  # lock-step shards: go on where the lost rank stood in its own
                 resumed = self.loaders.resume_shard(admission.position, int(checkpoint.get("epoch", 0)))
+                if resumed is None and self.comebacks:
+                    # left out in an earlier epoch: the others' shards cover this one, and a lock-step rank
+                    # with nothing to train would wait for them in idle gossip rounds (not supported yet)
+                    raise EpochMovedOn(
+                        f"rank {self.global_rank} was left out in epoch {(admission.position or {}).get('epoch')} "
+                        f"and the others are in epoch {checkpoint.get('epoch')}: its part of the fit is done"
+                    )
                 if resumed is not None:
                     accumulate = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
                     resume_epoch_progress(checkpoint, resumed, accumulate)

@@ -75,7 +75,7 @@ class DecentAdamStrategy(DecentralizedStrategy):
         overlap: issue each exchange in the background and wait just before the next update;
             `False` waits at once (the same parameters, no overlap).
         **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`, `timeout`,
-            `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`,
+            `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`, `leave_out_after`,
             `sync_timeout`, `coordinator_port`, `max_restarts`, `max_workers`) and Lightning's
             plugins; see `DecentralizedStrategy`.
     """

@@ -17,11 +17,21 @@ no `ckpt_path` resumes from the last checkpoint (`ckpt_path="last"`: the newest 
 the trainer's `ModelCheckpoint` callbacks; from scratch, with Lightning's warning, if there is
 none), on however many workers the restart has.
 
-**Restarts** (`max_restarts` above 0, one node): the process the user started becomes the node's
-*agent*. It trains nothing: it starts every rank of the node, rank 0 included, as a child (`RankAgent`),
-and when one exits with an error (a crash, `kill -9`, an out-of-memory kill, a hang the control plane
-fenced) it starts a new process for that rank, with the rank's environment and
-`LIGHTNING_PRAGUE_RESTART_COUNT` counting its restarts. That process rejoins the running fit
+**Restarts** (`max_restarts` above 0) under a launcher that starts every rank itself (SLURM's `srun`,
+torchrun, a container): each rank's process becomes its rank's *keeper* at the start of `fit`
+(`keep_this_rank`, `lightning_prague.strategies.keeper`): it forks the training process and restarts
+it in place when it is lost. torchrun's own restarts cannot heal a job of several nodes: a restarted
+worker there is refused with what to do (`check_torchrun_restarts`).
+
+**A new process of a running job** (a new `srun` step, a restarted container, a process by hand
+with `LIGHTNING_PRAGUE_REJOIN=1`) finds the job's running fit before its `fit` starts
+(`lightning_prague.core.job.look_for_running_fit`) and resumes from `PEER_CHECKPOINT`.
+
+**Restarts under Lightning's launcher** (`max_restarts` above 0, on each node): the process the user
+started becomes the node's *agent*. It trains nothing: it starts every rank of the node, rank 0
+included, as a child (`RankAgent`), and when one exits with an error (a crash, `kill -9`, an
+out-of-memory kill, a hang the control plane fenced) it starts a new process for that rank, with
+the rank's environment and `LIGHTNING_PRAGUE_RESTART_COUNT` counting its restarts. That process rejoins the running fit
 (`lightning_prague.strategies.rejoin`). Each rank is restarted at most `max_restarts` times, the
 n-th time after `RESTART_BACKOFF` x 2^(n-1) seconds, so a rank that crashes at once again is not
 restarted in a tight loop; past its budget it stays lost and the others finish the fit. The agent
@@ -34,7 +44,6 @@ the user's script after `fit` runs in the ranks' processes (in rank 0's, as usua
 from __future__ import annotations
 
 import atexit
-import inspect
 import json
 import logging
 import os
@@ -43,6 +52,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -53,8 +63,11 @@ from typing_extensions import override
 
 from lightning_prague.core.auth import LAUNCH_VARIABLE, known_launch_id, new_launch_id
 from lightning_prague.core.client.partition import EXCLUDED_EXIT_VARIABLE, FENCED_EXIT_STATUS
-from lightning_prague.core.job import RESTARTS_VARIABLE, rejoining
-from lightning_prague.strategies.rejoin import PEER_CHECKPOINT
+from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.job import RESTARTS_VARIABLE, look_for_running_fit, rejoining
+from lightning_prague.strategies.in_place import RejoinInPlace
+from lightning_prague.strategies.keeper import KEEPER_VARIABLE, child_environment, die_with_parent, keeper_argv, kept
+from lightning_prague.strategies.rejoin import PEER_CHECKPOINT, with_checkpoint
 from lightning_prague.strategies.spare import spare_environment
 
 log = logging.getLogger(__name__)
@@ -77,17 +90,25 @@ class SurvivingScriptLauncher(_SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
         fitting = trainer is not None and getattr(trainer.state.fn, "value", None) == "fit"
+        external = self.cluster_environment.creates_processes_externally
+        check_torchrun_restarts(self.max_restarts, self.num_nodes)
+        if external and self.max_restarts > 0 and not kept():
+            keep_this_rank(self.max_restarts)  # returns in the training process; this one becomes its keeper
+        if fitting and external:  # a lost rank's new process finds its job's running fit by itself
+            environment = self.cluster_environment
+            look_for_running_fit(environment.global_rank(), environment.main_address, environment.main_port)
         if fitting and rejoining():  # a new process for a lost rank: the fit's state comes from a live member
             args, kwargs = with_checkpoint(function, args, kwargs, PEER_CHECKPOINT, force=True)
         elif self.resume_on_restart and restarted and fitting:
             args, kwargs = resume_from_last(function, args, kwargs)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        if not self.cluster_environment.creates_processes_externally:
+        if not external:
             if self.num_nodes == 1 and known_launch_id() is None:
                 # every rank of this launch is a child of this process: they inherit its id, and refuse a
                 # control plane that serves another launch (an earlier job's supervisor on a fixed port)
                 os.environ[LAUNCH_VARIABLE] = new_launch_id()
-            if self.max_restarts > 0 and self.num_nodes == 1:
+            if self.max_restarts > 0:
+                os.environ[KEEPER_VARIABLE] = str(os.getpid())  # the ranks it starts are kept: no keeper of their own
                 self._call_children_scripts()  # Lightning's environment for every rank; rank 0 is started below
                 status = RankAgent(self.procs, self.max_restarts).run()
                 sys.stdout.flush()
@@ -99,7 +120,72 @@ class SurvivingScriptLauncher(_SubprocessScriptLauncher):
             ).start()
             atexit.register(_wait_for, list(self.procs), self.wait_at_exit)
         _set_num_threads_if_needed(num_processes=self.num_processes)
+        if trainer is not None:  # a rank left out of the fit comes back in place
+            function = RejoinInPlace(function, trainer)
         return function(*args, **kwargs)
+
+
+def keep_this_rank(max_restarts: int) -> None:
+    """Give this rank a keeper (`lightning_prague.strategies.keeper`): fork the training process, which
+    returns from here and trains, and make this process, the one the launcher started, its keeper
+    (`exec`: same pid, a small interpreter). Where the training process cannot be forked (CUDA is
+    initialised already: a forked child cannot use it), the keeper starts it as a new process of the
+    same command instead."""
+    command = list(_basic_subprocess_cmd())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _cuda_initialized():
+        log.warning("CUDA is initialised before fit: this rank's keeper starts its training process anew")
+        os.execv(sys.executable, keeper_argv(command, max_restarts, None))
+    keeper = os.getpid()
+    child = os.fork()
+    if child == 0:  # the training process
+        die_with_parent()
+        os.environ.update(child_environment(dict(os.environ), keeper, 0))
+        log.info("rank's keeper (pid %d) restarts this process (pid %d) if it is lost", keeper, os.getpid())
+        return
+    os.execv(sys.executable, keeper_argv(command, max_restarts, child))
+
+
+def _cuda_initialized() -> bool:
+    """Whether this process has initialised CUDA (then a forked child could not use it)."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+#: what to do instead of torchrun's restarts on several nodes
+TORCHRUN_ADVICE = (
+    "run torchrun with --max-restarts 0 and give the strategy max_restarts (e.g. PartialAllReduceStrategy("
+    "max_restarts=3)): each rank's keeper then starts a lost worker again in place and it rejoins the running fit, "
+    "while the others train on (docs/multi_node.md, A lost worker comes back)"
+)
+
+
+def check_torchrun_restarts(max_restarts: int, num_nodes: int) -> None:
+    """torchrun's own restarts (`--max-restarts`) restart every worker of a node, and across nodes its
+    agents count them apart, so that a restarted node's workers never meet the others': refuse a
+    restarted worker of a job of several nodes with what to do, and warn at the first start where
+    torchrun may restart (or where it would restart what the strategy's `max_restarts` keeps)."""
+    env = os.environ
+    if not env.get("TORCHELASTIC_RUN_ID"):
+        return
+    torchrun_restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    nodes = max(num_nodes, int(env.get("GROUP_WORLD_SIZE", "1") or 1))
+    if nodes > 1 and int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        raise ConfigurationError(
+            f"torchrun restarted this node's workers (restart {env['TORCHELASTIC_RESTART_COUNT']} of --max-restarts "
+            f"{torchrun_restarts}), but on {nodes} nodes a torchrun restart cannot heal the job: it restarts every "
+            f"worker of the node and the nodes' agents count restarts apart, so the new workers never meet the "
+            f"running fit. Stop the job and {TORCHRUN_ADVICE}; a rerun resumes from the last checkpoint"
+        )
+    if torchrun_restarts > 0 and (nodes > 1 or max_restarts > 0):
+        warnings.warn(
+            f"torchrun runs with --max-restarts {torchrun_restarts}"
+            + (f" on {nodes} nodes, where its restarts cannot heal the job" if nodes > 1 else "")
+            + (f", and max_restarts={max_restarts} restarts a lost rank in place already" if max_restarts else "")
+            + f": {TORCHRUN_ADVICE}",
+            stacklevel=3,
+        )
 
 
 def _report_exits(procs: list[subprocess.Popen], period: float = 1.0) -> None:
@@ -129,25 +215,6 @@ def resume_from_last(function: Callable, args: tuple, kwargs: dict[str, Any]) ->
     """`function`'s arguments with `ckpt_path="last"` unless one was given (Lightning's `_fit_impl`
     takes it; if a Lightning version does not, nothing changes and a warning says so)."""
     return with_checkpoint(function, args, kwargs, "last")
-
-
-def with_checkpoint(
-    function: Callable, args: tuple, kwargs: dict[str, Any], path: str, force: bool = False
-) -> tuple[tuple, dict[str, Any]]:
-    """`function`'s arguments with `ckpt_path=path`, unless one was given and not `force`."""
-    try:
-        bound = inspect.signature(function).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        bound = None
-    if bound is None or "ckpt_path" not in inspect.signature(function).parameters:
-        log.warning("this Lightning version's fit takes no ckpt_path: a restarted fit starts from scratch")
-        return args, kwargs
-    if force or bound.arguments.get("ckpt_path") is None:
-        log.warning(
-            "the job was restarted: resuming the fit from %s", "the last checkpoint" if path == "last" else path
-        )
-        bound.arguments["ckpt_path"] = path
-    return bound.args, bound.kwargs
 
 
 #: seconds before a rank's first restart; each further one waits twice as long

@@ -48,6 +48,8 @@ class StrategyOptions:
     min_workers: int = 1
     hang_timeout: float = 60.0
     hang_factor: float = 20.0
+    #: seconds without progress or sign of life after which a stepping worker is left out (not fenced)
+    leave_out_after: float = 10.0
     #: seconds every rank may take to reach one synchronization point; `None`: see `sync_bound`
     sync_timeout: Optional[float] = None
     #: the control plane's port; `None`: `LIGHTNING_PRAGUE_CONTROL_PORT` or a free one
@@ -84,6 +86,11 @@ class StrategyOptions:
                 f"hang_timeout={self.hang_timeout} and hang_factor={self.hang_factor} are invalid: both must be "
                 "positive"
             )
+        if self.leave_out_after <= 0:
+            raise ConfigurationError(
+                f"leave_out_after={self.leave_out_after} is invalid: it must be a positive number of seconds (set it "
+                "to hang_timeout or more to fence a blocked worker without leaving it out first)"
+            )
         sync_timeout = self.sync_bound
         if sync_timeout < timeout:
             raise ConfigurationError(
@@ -112,7 +119,9 @@ class StrategyOptions:
     @property
     def hang_rule(self) -> HangRule:
         """When a worker counts as hung (`lightning_prague.core.plane.liveness`)."""
-        return HangRule(floor=float(self.hang_timeout), factor=float(self.hang_factor))
+        return HangRule(
+            floor=float(self.hang_timeout), factor=float(self.hang_factor), leave_out_floor=float(self.leave_out_after)
+        )
 
     @property
     def bucket_bytes(self) -> int:

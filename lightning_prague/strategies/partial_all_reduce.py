@@ -53,7 +53,7 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
             in at the next step (no worker ever blocks on its group); `False` blocks the training
             thread until the group is averaged, as in the paper.
         **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`, `timeout`,
-            `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`,
+            `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`, `leave_out_after`,
             `sync_timeout`, `coordinator_port`, `max_restarts`, `max_workers`) and Lightning's
             plugins; see `DecentralizedStrategy`.
     """

@@ -28,6 +28,7 @@ model is a `ConfigurationError` that names the differences.
 
 from __future__ import annotations
 
+import inspect
 import io
 import logging
 import pathlib
@@ -224,3 +225,22 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"{tuple(value.shape)} {value.dtype}"
     return "absent"
+
+
+def with_checkpoint(
+    function: Callable, args: tuple, kwargs: dict[str, Any], path: str, force: bool = False
+) -> tuple[tuple, dict[str, Any]]:
+    """`function`'s arguments with `ckpt_path=path`, unless one was given and not `force`."""
+    try:
+        bound = inspect.signature(function).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        bound = None
+    if bound is None or "ckpt_path" not in inspect.signature(function).parameters:
+        log.warning("this Lightning version's fit takes no ckpt_path: a restarted fit starts from scratch")
+        return args, kwargs
+    if force or bound.arguments.get("ckpt_path") is None:
+        log.warning(
+            "the job was restarted: resuming the fit from %s", "the last checkpoint" if path == "last" else path
+        )
+        bound.arguments["ckpt_path"] = path
+    return bound.args, bound.kwargs

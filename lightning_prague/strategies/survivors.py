@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
+from lightning_prague.core.protocol import LEFT_OUT
+
 if TYPE_CHECKING:
     from lightning_prague.strategies.base import DecentralizedStrategy
 
@@ -84,7 +86,10 @@ class Survivors:
         departed, at = dict(session.departed), dict(session.departed_at)  # the reader thread adds to them
         lost = {r: (at.get(r, 0.0), why) for r, why in departed.items()}
         for r, (when, why) in dict(session.rejoined).items():  # lost, and back: named too
-            lost.setdefault(r, (when, f"{why}; a new process for it rejoined the fit"))
+            if not why.startswith(LEFT_OUT):  # a rank left out for a while that came back was never lost
+                lost.setdefault(r, (when, f"{why}; a new process for it rejoined the fit"))
+        if not lost:
+            return
         strategy.lost_workers = lost
         if strategy.is_global_zero:
             lines = "; ".join(

@@ -60,6 +60,7 @@ from lightning_prague.core.errors import (
     ControlPlaneError,
     ControlPlaneLost,
     CoordinationTimeout,
+    LeftOut,
     MemberLost,
     PragueError,
 )
@@ -83,6 +84,9 @@ class ControlClient:
         self.address = f"{host}:{port}"
         #: the supervisor's process id (as it published it with its address)
         self.supervisor_pid = 0
+        #: called (by the reader thread) when the control plane leaves this rank out of its fit: the
+        #: job shuts down its process group's connections (`Membership.drop_group_connections`)
+        self.on_left_out: Callable[[], None] | None = None
         self._sessions: dict[int, Session] = {}
         self._replies: dict[int, queue.Queue[Message]] = {}
         self._lock = threading.Lock()
@@ -261,6 +265,11 @@ class Session:
         self._rejected: str | None = None  # the control plane rejected one of this rank's messages
         #: the admission meeting the control plane called this member to (`take_admission_call`), if any
         self.admission_call: str | None = None
+        #: `None`, or why the control plane left this rank out of the fit (it blocked past its short
+        #: hang bound): its training thread raises `LeftOut` at its next contact with the plane
+        self.left_out: str | None = None
+        #: the others finished the fit while this rank was left out (its fit ends when it wakes)
+        self.fit_ended = False
 
     def deliver(self, item: Message) -> None:
         """Called by the reader thread for every item of this session."""
@@ -304,6 +313,19 @@ class Session:
         elif kind == "join":  # the members are called to admit joiners at their next batch boundary
             self.admission_call = str(item["sync"])
             log.debug("rank %d: called to %r to admit ranks %s", self.rank, self.admission_call, item.get("joining"))
+        elif kind == "left_out":  # blocked past the short bound: the others went on without this rank
+            with self._verdict_ready:  # a verdict this rank waits for will not come: the wait ends
+                self.left_out = str(item.get("reason", "it blocked"))
+                self._verdict_ready.notify_all()
+            log.error("rank %d: the control plane left this rank out of the fit (%s)", self.rank, self.left_out)
+            if self.client.on_left_out is not None:  # its peers' exchanges with it end now
+                try:
+                    self.client.on_left_out()
+                except Exception:  # the reader thread must go on
+                    log.exception("rank %d: could not drop the connections of its process group", self.rank)
+        elif kind == "fit_ended":  # ... and they finished the fit meanwhile: nothing to come back to
+            self.fit_ended = True
+            log.warning("rank %d: the others finished the fit while this rank was left out", self.rank)
         elif kind == "fenced":  # declared hung: end this process, as a local one would be SIGKILLed
             status = excluded_exit_status()
             log.error(
@@ -384,6 +406,15 @@ class Session:
         batch start: a rank that trains without contact with the plane learns of it there)."""
         if self._gone():
             raise self.plane_lost(during)
+        if self.left_out is not None:
+            raise self.left_out_error(during)
+
+    def left_out_error(self, during: str) -> LeftOut:
+        """The error the training thread raises once the control plane has left this rank out."""
+        return LeftOut(
+            f"rank {self.rank}: the control plane left this rank out of the fit during {during} ({self.left_out}); "
+            "the others went on without it"
+        )
 
     def fit_failed(self) -> None:
         """The fit failed on this rank, whatever the error (the strategies call it from Lightning's
@@ -470,6 +501,9 @@ class Session:
         if item is _CLOSED:
             self._inbox.put(_CLOSED)
             raise self.plane_lost("a wait for the control plane's next item")
+        if item["t"] == "left_out":  # kept for every later wait: this rank is out of the fit
+            self._inbox.put(item)
+            raise self.left_out_error("a wait for the control plane's next item")
         return item
 
     def verdict(
@@ -490,6 +524,8 @@ class Session:
             while key not in self._verdicts:
                 if self._gone():
                     raise self.plane_lost(f"the verdict on {operation}")
+                if self.left_out is not None:  # the others decide without it: no verdict comes here
+                    raise self.left_out_error(f"the verdict on {operation}")
                 if self._rejected is not None:
                     raise ControlPlaneError(f"rank {self.rank}: {self._rejected}")
                 remaining = deadline - time.monotonic()

@@ -181,3 +181,46 @@ def drop_connections(addresses: Iterable[str], rank: int, why: str) -> int:
             why,
         )
     return dropped
+
+
+#: `/proc/net/tcp`'s state of an established connection (a listening socket is `0A`)
+_ESTABLISHED = "01"
+
+
+def established_connections() -> dict[int, int]:
+    """This process's established TCP connections (no listening socket): socket inode -> one of its
+    file descriptors. Compared before and after a step that connects, it names that step's connections."""
+    inodes = _socket_inodes()
+    found: dict[int, int] = {}
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as lines:
+                rows = lines.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) >= 10 and fields[3] == _ESTABLISHED and int(fields[9]) in inodes:
+                found[int(fields[9])] = inodes[int(fields[9])]
+    return found
+
+
+def shut_down_connections(inodes: Iterable[int], rank: int, why: str) -> int:
+    """Shut down this process's side of the established connections `inodes` (those still open); how
+    many. As in `drop_connections`, the sockets stay open and their owners see the connection end:
+    a gloo operation of the peer with this process on one of them fails at once, as if this process
+    had ended. Never a listening socket: gloo's listener thread ends the process if its socket fails."""
+    wanted = set(inodes)
+    dropped = 0
+    for inode, fd in established_connections().items():
+        if inode not in wanted:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+            dropped += 1
+        except OSError as err:
+            log.debug("rank %d: could not shut down connection %d: %s", rank, inode, err)
+    if dropped:
+        log.warning("rank %d: shut down %d connection(s) (%s), so that no peer waits on them", rank, dropped, why)
+    return dropped

@@ -48,6 +48,15 @@ than the transfer's own bound (the timeout, per receiver), and at most `DEPARTED
 after a departure even if the thread is held inside the backend's call that issues a piece
 (which no deadline reaches); such a thread is left behind, with the communicator it holds, which
 the rebuild replaces.
+
+**A donor that dies mid-transfer.** The joiner's receive watches for the donor's departure
+(`receive_payload`'s `sender_gone`: the control plane announces every departure to the members,
+the joiner among them since its admission): on NCCL its polls give up at it; on gloo, whose waits
+block in the backend (a connection that closes fails them at once, a donor across a partition or
+a fenced one does not), the receive runs on a thread of its own while the calling thread watches,
+and is left behind when the donor leaves. Either way the joiner learns of it within
+`_WAIT_POLL` seconds of the notice (a `MemberLost` naming the donor), not at the timeout, and asks
+to rejoin again (`lightning_prague.core.membership.Membership.rejoin`).
 """
 
 from __future__ import annotations
@@ -61,7 +70,7 @@ import torch
 
 from lightning_prague.core.comm.groups import GroupComm
 from lightning_prague.core.comm.streams import CommStream
-from lightning_prague.core.errors import CoordinationTimeout
+from lightning_prague.core.errors import CoordinationTimeout, MemberLost
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +98,61 @@ def send_payload(comm: GroupComm, peer: int, payload: bytes, what: str) -> float
     return seconds
 
 
-def receive_payload(comm: GroupComm, peer: int, what: str, limit: int = MAX_PAYLOAD_BYTES) -> bytes:
-    """The bytes `peer` sends with `send_payload`; a size above `limit` is refused before anything is allocated."""
+def receive_payload(
+    comm: GroupComm,
+    peer: int,
+    what: str,
+    limit: int = MAX_PAYLOAD_BYTES,
+    sender_gone: Callable[[], bool] | None = None,
+) -> bytes:
+    """The bytes `peer` sends with `send_payload`; a size above `limit` is refused before anything is allocated.
+
+    `sender_gone()`: whether `peer` left the job (the control plane announced its departure), asked
+    while waiting: once it says so the receive ends with `MemberLost`, at once rather than at the
+    timeout (see the module docstring). On NCCL it becomes `comm`'s `abandon` (only the sender's
+    departure ends the receive)."""
+    if sender_gone is None:
+        return _receive(comm, peer, what, limit)
+    start = time.monotonic()
+
+    def left(err: BaseException | None = None) -> MemberLost:
+        return MemberLost(
+            f"rank {comm.rank}: rank {peer}, which was sending it {what}, left the job after "
+            f"{time.monotonic() - start:.1f}s of the transfer" + (f" ({err})" if err is not None else "")
+        )
+
+    if comm.batched:  # NCCL: its waits poll from the host, and give up at the sender's departure
+        comm.abandon = lambda members: sender_gone()
+        try:
+            return _receive(comm, peer, what, limit)
+        except CoordinationTimeout as err:
+            if sender_gone():
+                raise left(err) from err
+            raise
+    # gloo: a wait blocks in the backend until the timeout; receive on a thread, watch from here
+    outcome: dict[str, object] = {}
+
+    def receive() -> None:
+        try:
+            outcome["payload"] = _receive(comm, peer, what, limit)
+        except BaseException as err:  # raised below, or left behind with the thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=receive, name=f"prague-receive-{comm.rank}", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(_WAIT_POLL)
+        if thread.is_alive() and sender_gone():
+            raise left()  # the thread ends with the backend's wait; nothing reads what it got
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    payload = outcome["payload"]
+    assert isinstance(payload, bytes)
+    return payload
+
+
+def _receive(comm: GroupComm, peer: int, what: str, limit: int) -> bytes:
+    """`receive_payload`'s transfer itself: the size, then the pieces."""
     size = torch.zeros(1, dtype=torch.int64)
     comm.point_to_point(size, peer, False, f"the size of {what}")
     total = int(size.item())

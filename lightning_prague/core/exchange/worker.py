@@ -158,7 +158,8 @@ class GroupWorker:
                 comm.rebind(job.group, job.members)  # ranks were lost before this fit, or this one rejoined
         #: sums over any group on one process group that spans every rank; no communicator per group
         self.comm = comm
-        self.comm.abandon = lambda members: any(m in session.departed for m in members)
+        # a member departed, or this rank was left out (the others gave its operations up)
+        self.comm.abandon = lambda members: session.left_out is not None or any(m in session.departed for m in members)
         self.comm.waiting = session.beacon.waiting
         if job is None or not job.rejoined:  # a joiner's group was built with it, amid the others' training
             self.comm.warm_up()

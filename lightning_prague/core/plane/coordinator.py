@@ -111,28 +111,47 @@ class CoordinatorSession:
         #: rank -> where it stands in its own shard of the epoch (lock-step shards: the `trained` message),
         #: kept after it departs: a new process for it goes on from there (its admission names it)
         self.positions: dict[int, dict[str, int]] = {}
+        #: rank -> why: departed ranks whose processes live, left out at their short hang bound and
+        #: fenced at their long one unless they come back first (`depart(left_out=True)`)
+        self.left_out: dict[int, str] = {}
+        #: every other rank is done with the fit while some were left out (they were told: `fit_ended`)
+        self.ended = False
+
+    def came_back(self, rank: int) -> None:
+        """A left-out rank spoke up for itself (it closed its fit, or asks to rejoin): it is no longer
+        watched for its fence."""
+        if self.left_out.pop(rank, None) is not None:
+            self.hangs.forget(rank)
+            log.warning("session %d: rank %d, which was left out, woke: it comes back in place", self.number, rank)
 
     @property
     def over(self) -> bool:
         """Every rank closed the session or departed: it can be deleted."""
         return len(self.closed | set(self.departed)) >= self.world_size
 
-    def depart(self, rank: int, reason: str, out: Out, leaving: bool = False) -> None:
+    def depart(self, rank: int, reason: str, out: Out, leaving: bool = False, left_out: bool = False) -> None:
         """`rank` is gone: tell every other member, and assign it nothing more.
 
         `leaving`: it said so itself (`leave`) and the generator's `leave` follows, which still
         sends it what was assigned to it; otherwise its process is gone and nothing is sent to it.
+        `left_out`: its process lives but blocked past its short hang bound: the others go on without
+        it as without a lost rank, while the hang detector still watches it (it is fenced at its long
+        bound), and it is told (`left_out`): if it wakes, it comes back in place as a joiner does.
         """
         if rank in self.departed or rank in self.closed:
             return
         self.members.discard(rank)
-        self.hangs.forget(rank)
+        if left_out:
+            self.left_out[rank] = reason
+            out.setdefault(rank, []).append({"t": "left_out", "reason": reason})
+        else:
+            self.hangs.forget(rank)
         self._requeue(rank)
         self.ends.depart(rank)
         self.departed[rank] = reason
         log.warning("session %d: rank %d departed (%s)", self.number, rank, reason)
         notice: Item = {"t": "departed", "rank": rank, "reason": reason, "members": sorted(self.members)}
-        node, unreachable = self._lost_node(rank)
+        node, unreachable = self._lost_node(rank) if not left_out else ("", [])
         if unreachable:  # the survivors drop their connections there (`lightning_prague.core.client.partition`)
             notice.update(node=node, unreachable=unreachable)
             log.warning("session %d: every rank of %s is gone (addresses %s)", self.number, node, unreachable)
@@ -317,8 +336,14 @@ class ControlPlane:
         """Called by the server a few times a second: members found hung depart and are fenced."""
         out: Out = {}
         for session in list(self.sessions.values()):
+            for rank, reason in session.hangs.left_out():
+                if rank in session.members:
+                    log.error("session %d: rank %d is %s", session.number, rank, reason)
+                    session.depart(rank, reason, out, left_out=True)
+                    self._tag(session, out)
             for rank, reason in session.hangs.hung():
                 log.error("session %d: rank %d is %s; fencing it", session.number, rank, reason)
+                session.left_out.pop(rank, None)
                 session.depart(rank, reason, out)
                 self._fence(session, rank, reason, out)
                 self._tag(session, out)
@@ -444,6 +469,7 @@ class ControlPlane:
             for member, item in session.verdicts.report(rank, message["key"], members, message["ok"], session.departed):
                 out.setdefault(member, []).append(item)
         elif op == "close":
+            session.came_back(rank)
             if session.generator.is_joiner(rank):  # it gave up waiting for its admission
                 session.generator.withdraw(rank, out)
             elif message.get("failed") and rank in session.members:
@@ -451,6 +477,7 @@ class ControlPlane:
                 # it could leave): a departure, so that nobody waits for it
                 session.depart(rank, "it gave up on the fit after an error", out)
             session.members.discard(rank)
+            session.hangs.forget(rank)  # its process may run on after its fit: nothing to fence
             if rank not in session.departed:
                 session.closed.add(rank)
             session.ends.depart(rank)
@@ -466,6 +493,7 @@ class ControlPlane:
             }
             CoordinatorSession._reply(rank, int(message["req"]), history, out)
         elif op == "leave":  # the others hear of it first, then it gets what is still assigned to it
+            session.came_back(rank)
             session.depart(rank, "it stopped after an error", out, leaving=True)
             for r, items in session.generator.handle(message).items():
                 out.setdefault(r, []).extend(items)
@@ -496,6 +524,7 @@ class ControlPlane:
         generator = session.generator
         if generator.stopping or generator.stop_requested:
             raise ValueError(f"rank {rank} cannot rejoin fit {number}: the fit is stopping")
+        session.came_back(rank)
         session.processes[rank] = (message["pid"], message["host"])
         session.addresses[rank] = list(message.get("addresses", ()))
         generator.request_join(rank, out)
@@ -524,6 +553,15 @@ class ControlPlane:
                     item["position"] = dict(session.positions[rank])
 
     def _maybe_delete(self, session: CoordinatorSession, out: Out) -> None:
+        if session.over and session.left_out and not session.ended:
+            # the fit ended while ranks were left out: nothing to come back to, so each one's fit ends when
+            # it wakes (it is told now); the session stays, to fence those that never wake at their bound
+            session.ended = True
+            for rank in session.left_out:
+                log.warning("session %d: the fit ended while rank %d was left out", session.number, rank)
+                out.setdefault(rank, []).append({"t": "fit_ended", "s": session.number})
+        if session.left_out:
+            return
         if session.over and session.generator.joining:  # nobody is left to admit them
             for rank in session.generator.joining:
                 message = f"rank {rank} cannot rejoin fit {session.number}: the fit ended"

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lightning_prague.core.protocol import SILENT_SECONDS, HangRule
+from lightning_prague.core.protocol import LEFT_OUT, SILENT_SECONDS, HangRule
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ class _Heard:
     step: Optional[float] = None
     #: the CPU seconds its process had used when `probe` last found it silent
     probed: Optional[float] = None
+    #: it was left out of the fit at its short bound (`left_out`); it is fenced at its long one
+    left_out: bool = False
 
 
 @dataclass
@@ -97,6 +99,27 @@ class HangDetector:
         if progress != entry.progress or waiting or busy or active:
             entry.last_alive = now
         entry.progress, entry.busy, entry.step = progress, busy, step
+
+    def left_out(self) -> list[tuple[int, str]]:
+        """Stepping ranks blocked past their short bound (`HangRule.leave_out_bound`), each with the
+        reason, reported once: the others go on without them, and `hung` fences them at the long bound
+        unless they show life before that."""
+        now = self.clock()
+        found = []
+        for rank, entry in self._ranks.items():
+            bound = self.rule.leave_out_bound(entry.step, entry.busy, self.timeout)
+            if entry.left_out or bound is None or now - entry.last_heard > SILENT_SECONDS:
+                continue  # a silent rank is judged by its silence bound (`hung`)
+            lifeless = now - entry.last_alive
+            if lifeless > bound:
+                entry.left_out = True
+                found.append((
+                    rank,
+                    f"{LEFT_OUT}: no training progress and no sign of life for {lifeless:.1f}s (short bound "
+                    f"{bound:.1f}s from its step time {entry.step:.3f}s); fenced at "
+                    f"{self.rule.bound(entry.step, entry.busy, self.timeout):.0f}s unless it wakes",
+                ))  # fmt: skip
+        return found
 
     def forget(self, rank: int) -> None:
         self._ranks.pop(rank, None)

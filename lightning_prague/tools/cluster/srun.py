@@ -5,12 +5,24 @@ a process with the variables ``srun`` gives it.
     python -m lightning_prague.tools.cluster.srun --nnodes 2 --node-id {node_rank} --ntasks-per-node 2 \\
         --nodelist 'node[1-2]' --job-id 4242 -m lightning_prague.demo.run -- --devices 2 --num-nodes 2
 
-Each task gets ``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE``, ``SLURM_NNODES``, ``SLURM_PROCID``,
-``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_JOB_ID``, ``SLURM_JOB_NAME`` and ``SLURM_NODELIST``
-(tasks laid out node by node, as ``--distribution=block``), so that Lightning picks its
-``SLURMEnvironment``: the global rank is ``node_id * ntasks_per_node + local id``, ``MASTER_ADDR``
-the first node of the node list and ``MASTER_PORT`` 15000 plus the job id's last four digits,
-unless ``--master-addr`` / ``--master-port`` set them.
+Each task gets the variables ``srun`` sets for a task of a job step (`slurm_variables`): the job's
+(``SLURM_JOB_ID``/``SLURM_JOBID``, ``SLURM_JOB_NAME``, ``SLURM_JOB_NODELIST``/``SLURM_NODELIST``,
+``SLURM_JOB_NUM_NODES``/``SLURM_NNODES``, ``SLURM_NTASKS``/``SLURM_NPROCS``,
+``SLURM_NTASKS_PER_NODE``, ``SLURM_TASKS_PER_NODE``, and ``SLURM_RESTART_COUNT`` once the job was
+requeued: ``--restart-count``), the step's (``SLURM_STEP_ID``/``SLURM_STEPID``: ``--step-id``,
+``SLURM_STEP_NODELIST``, ``SLURM_STEP_NUM_NODES``, ``SLURM_STEP_NUM_TASKS``,
+``SLURM_STEP_TASKS_PER_NODE``) and the task's (``SLURM_PROCID``, ``SLURM_LOCALID``,
+``SLURM_NODEID``, ``SLURMD_NODENAME``, ``SLURM_TASK_PID``), tasks laid out node by node, as
+``--distribution=block``, so that Lightning picks its ``SLURMEnvironment``: the global rank is
+``node_id * ntasks_per_node + local id``, ``MASTER_ADDR`` the first node of the node list and
+``MASTER_PORT`` 15000 plus the job id's last four digits, unless ``--master-addr`` /
+``--master-port`` set them.
+
+A lost task started again as a new step of the same job: ``--step-id 1 --tasks 0`` starts only
+local task 0 of this node, with the variables of its place in the job (its ``SLURM_PROCID``, the
+job's ``SLURM_NTASKS``) and the new step's id. (A real one-task ``srun`` gives its step a layout of
+its own, ``SLURM_PROCID=0`` and ``SLURM_NTASKS=1``: see docs/multi_node.md for the recipe that
+gives the task its place in the job.)
 
 Why ``--preload``: on a small machine most of a short job's time is each task's import of torch
 and Lightning. With ``--preload`` this launcher imports the module once and forks the tasks from
@@ -86,11 +98,18 @@ class Program:
 class Step:
     """One job step: its job id (a distinct id gives a distinct default ``MASTER_PORT``), the
     program's arguments, and a file whose appearance starts its tasks (``gate``; ``None``: at once),
-    so that a test can start one step of a shared launcher when something else has happened."""
+    so that a test can start one step of a shared launcher when something else has happened;
+    ``step_id`` (``SLURM_STEP_ID``), the job's requeue count (``restart_count``, 0: never requeued)
+    and the local tasks of this node it starts (``tasks``; ``None``: every one); ``export``: variables
+    its tasks get on top of the launcher's environment (``srun --export=ALL,NAME=VALUE``)."""
 
     job_id: str
     argv: list[str]
     gate: str | None = None
+    step_id: int = 0
+    restart_count: int = 0
+    tasks: tuple[int, ...] | None = None
+    export: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,25 +126,76 @@ class Layout:
         return self.node_id * self.ntasks_per_node + local_id
 
 
-def slurm_variables(layout: Layout, job_id: str, local_id: int) -> dict[str, str]:
-    """The variables ``srun`` sets for task ``local_id`` of this node."""
-    return {
-        "SLURM_NTASKS": str(layout.nnodes * layout.ntasks_per_node),
-        "SLURM_NTASKS_PER_NODE": str(layout.ntasks_per_node),
+def expand_nodelist(nodelist: str) -> list[str]:
+    """The host names of a SLURM node list: ``node[1-3,5]`` is node1, node2, node3 and node5, with
+    zero padding kept (``n[01-02]``); lists separated by commas at the top level are joined."""
+    names: list[str] = []
+    part, depth = "", 0
+    for char in nodelist + ",":
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            names += _expand_one(part) if part else []
+            part = ""
+        else:
+            part += char
+    return names
+
+
+def _expand_one(pattern: str) -> list[str]:
+    prefix, bracket, rest = pattern.partition("[")
+    if not bracket:
+        return [pattern]
+    ranges, _, suffix = rest.partition("]")
+    names = []
+    for item in ranges.split(","):
+        low, _, high = item.partition("-")
+        for number in range(int(low), int(high or low) + 1):
+            names += [f"{prefix}{number:0{len(low)}d}{name}" for name in _expand_one(suffix) or [""]]
+    return names
+
+
+def slurm_variables(
+    layout: Layout, job_id: str, local_id: int, step_id: int = 0, restart_count: int = 0
+) -> dict[str, str]:
+    """The variables ``srun`` sets for task ``local_id`` of this node in step ``step_id`` of job
+    ``job_id`` (requeued ``restart_count`` times), whose tasks are the job's (see the module docstring)."""
+    ntasks = str(layout.nnodes * layout.ntasks_per_node)
+    nodes = expand_nodelist(layout.nodelist)
+    per_node = f"{layout.ntasks_per_node}(x{layout.nnodes})" if layout.nnodes > 1 else str(layout.ntasks_per_node)
+    variables = {
+        "SLURM_JOB_ID": job_id,
+        "SLURM_JOBID": job_id,
+        "SLURM_JOB_NAME": layout.job_name,
+        "SLURM_JOB_NODELIST": layout.nodelist,
+        "SLURM_NODELIST": layout.nodelist,
+        "SLURM_JOB_NUM_NODES": str(layout.nnodes),
         "SLURM_NNODES": str(layout.nnodes),
+        "SLURM_NTASKS": ntasks,
+        "SLURM_NPROCS": ntasks,
+        "SLURM_NTASKS_PER_NODE": str(layout.ntasks_per_node),
+        "SLURM_TASKS_PER_NODE": per_node,
+        "SLURM_STEP_ID": str(step_id),
+        "SLURM_STEPID": str(step_id),
+        "SLURM_STEP_NODELIST": layout.nodelist,
+        "SLURM_STEP_NUM_NODES": str(layout.nnodes),
+        "SLURM_STEP_NUM_TASKS": ntasks,
+        "SLURM_STEP_TASKS_PER_NODE": per_node,
         "SLURM_PROCID": str(layout.rank(local_id)),
         "SLURM_LOCALID": str(local_id),
         "SLURM_NODEID": str(layout.node_id),
-        "SLURM_JOB_ID": job_id,
-        "SLURM_JOB_NAME": layout.job_name,
-        "SLURM_NODELIST": layout.nodelist,
+        "SLURMD_NODENAME": nodes[layout.node_id] if layout.node_id < len(nodes) else nodes[-1],
     }
+    if restart_count > 0:  # SLURM sets it once the job was requeued
+        variables["SLURM_RESTART_COUNT"] = str(restart_count)
+    return variables
 
 
-def task_environment(base: Mapping[str, str], layout: Layout, job_id: str, local_id: int) -> dict[str, str]:
+def task_environment(
+    base: Mapping[str, str], layout: Layout, job_id: str, local_id: int, step_id: int = 0, restart_count: int = 0
+) -> dict[str, str]:
     """``base`` without any rank variables it carried, plus the task's SLURM variables."""
     env = {k: v for k, v in base.items() if not k.startswith("SLURM_") and k not in ("RANK", "LOCAL_RANK")}
-    env.update(slurm_variables(layout, job_id, local_id))
+    env.update(slurm_variables(layout, job_id, local_id, step_id, restart_count))
     return env
 
 
@@ -140,6 +210,7 @@ def _run_forked(program: Program, argv: Sequence[str], env: Mapping[str, str], l
                 os.dup2(out.fileno(), 2)
         os.environ.clear()
         os.environ.update(env)
+        os.environ["SLURM_TASK_PID"] = str(os.getpid())
         program.run_forked(argv)
         code = 0
     except SystemExit as exit_:
@@ -163,6 +234,8 @@ def start_task(program: Program, argv: Sequence[str], env: Mapping[str, str], lo
     a module or a ``python SCRIPT`` command), else a fresh interpreter."""
     if not (preload and (program.module is not None or program.script is not None)):
         command = program.fresh_argv(argv)
+        # a task's own pid: the interpreter is started through `exec`, so the shell's pid is the task's
+        command = ["/bin/sh", "-c", 'SLURM_TASK_PID=$$ exec "$@"', "srun-task", *command]
         if log is None:
             proc = subprocess.Popen(command, env=dict(env))
         else:
@@ -237,11 +310,21 @@ def srun_node(
     while waiting:
         for step in [s for s in waiting if s.gate is None or Path(s.gate).exists()]:
             waiting.remove(step)
-            for local_id in range(layout.ntasks_per_node):
-                env = task_environment(base, layout, step.job_id, local_id)
-                log = None if log_dir is None else log_dir / f"job{step.job_id}.rank{layout.rank(local_id)}.log"
+            for local_id in range(layout.ntasks_per_node) if step.tasks is None else step.tasks:
+                exported = {**base, **dict(step.export)}
+                env = task_environment(exported, layout, step.job_id, local_id, step.step_id, step.restart_count)
+                name = f"job{step.job_id}.rank{layout.rank(local_id)}"
+                log = (
+                    None
+                    if log_dir is None
+                    else log_dir / (f"{name}.step{step.step_id}.log" if step.step_id else f"{name}.log")
+                )
                 pids.append(start_task(program, step.argv, env, log, preload))
-                tasks[pids[-1]] = f"job {step.job_id} rank {layout.rank(local_id)}"
+                tasks[pids[-1]] = (
+                    f"job {step.job_id}"
+                    + (f".{step.step_id}" if step.step_id else "")
+                    + (f" rank {layout.rank(local_id)}")
+                )
         if waiting and deadline is not None and time.monotonic() > deadline:
             for step in waiting:
                 print(f"srun: job {step.job_id} never started: no {step.gate}", file=sys.stderr, flush=True)
@@ -270,6 +353,10 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodelist", required=True, help="SLURM_NODELIST, e.g. 'node[1-2]'")
     parser.add_argument("--job-id", default="4242", help="SLURM_JOB_ID")
     parser.add_argument("--job-name", default="lpcluster", help="SLURM_JOB_NAME (not bash or interactive)")
+    parser.add_argument("--step-id", type=int, default=0, help="SLURM_STEP_ID: this step's number in the job")
+    parser.add_argument(
+        "--restart-count", type=int, default=0, help="SLURM_RESTART_COUNT: how often the job was requeued (0: never)"
+    )
 
 
 def layout_from_arguments(args: argparse.Namespace) -> Layout:
@@ -285,10 +372,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--master-port", help="MASTER_PORT (default: Lightning's, from the job id)")
     parser.add_argument("--preload", action="store_true", help="import the module once, fork the tasks")
     parser.add_argument(
-        "--steps", type=Path, help='JSON list of {"job_id": ..., "argv": [...], "gate": FILE or absent}, run at once'
+        "--steps",
+        type=Path,
+        help='JSON list of {"job_id": ..., "argv": [...], and optionally "gate": FILE, "step_id", "restart_count", '
+        '"tasks": [local ids], "export": {NAME: VALUE}}, run at once',
     )
     parser.add_argument("--log-dir", type=Path, help="a log file per task here (default: this output)")
     parser.add_argument("--timeout", type=float, help="kill the tasks after this many seconds")
+    parser.add_argument(
+        "--tasks", help="start only these local tasks of this node, e.g. '0' or '0,1' (a lost task started again)"
+    )
     parser.add_argument("-m", dest="module", help="the module each task runs as __main__ (else: a command)")
     parser.add_argument(
         "args", nargs=argparse.REMAINDER, help="-- then the module's arguments (a single step), or the command"
@@ -303,13 +396,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.module is None and (args.steps or not rest):
         raise SystemExit("srun: give -m MODULE (with --steps or its arguments), or a command to run")
     program = Program(module=args.module) if args.module is not None else Program(command=tuple(rest))
+    tasks = None if args.tasks is None else tuple(int(t) for t in args.tasks.split(","))
+    if tasks is not None and not all(0 <= t < layout.ntasks_per_node for t in tasks):
+        raise SystemExit(f"srun: --tasks {args.tasks}: local tasks of this node are 0..{layout.ntasks_per_node - 1}")
     if args.steps:
         steps = [
-            Step(str(s["job_id"]), [str(a) for a in s["argv"]], s.get("gate"))
+            Step(
+                str(s["job_id"]),
+                [str(a) for a in s["argv"]],
+                s.get("gate"),
+                int(s.get("step_id", args.step_id)),
+                int(s.get("restart_count", args.restart_count)),
+                tuple(s["tasks"]) if "tasks" in s else tasks,
+                tuple((str(k), str(v)) for k, v in s.get("export", {}).items()),
+            )  # fmt: skip
             for s in json.loads(args.steps.read_text())
         ]
     else:
-        steps = [Step(args.job_id, rest if args.module is not None else [])]
+        argv = rest if args.module is not None else []
+        steps = [Step(args.job_id, argv, step_id=args.step_id, restart_count=args.restart_count, tasks=tasks)]
     extra = {"MASTER_ADDR": args.master_addr} if args.master_addr else {}
     if args.master_port:
         extra["MASTER_PORT"] = args.master_port

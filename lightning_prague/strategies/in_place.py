@@ -1,0 +1,117 @@
+"""A rank the control plane left out comes back in place: its fit runs again, as a rejoining one.
+
+A training step that blocks (a stalled network file system, a lock held elsewhere, a deadlock) is
+left out of the fit once it has shown no sign of life for its short hang bound (10 s for short
+steps, `HangRule.leave_out_bound`): the others go on without it as without a lost rank, and it is
+fenced (SIGKILLed) only at its long bound (60 s). If it wakes before that, the process is whole;
+only its place in the fit is gone (its replica missed the others' averages, its work was handed
+to them). It then comes back as a new process for its rank would, without a new process:
+
+1. its training thread raises `LeftOut` at its next contact with the control plane (a batch's
+   start, a claim, a wait);
+2. `RejoinInPlace`, which wraps the fit where the launcher runs it in each rank's process, ends
+   that attempt as Lightning ends a failed one (the strategy's `on_exception`, the trainer's
+   teardown: the session is closed, the exchanges stopped), without the callbacks' exception
+   hooks (the fit has not failed);
+3. the job becomes a joiner of the running fit (`Job.leave_in_place`), and the fit runs again
+   from `PEER_CHECKPOINT`: the rank is admitted at the members' next batch boundary, a live
+   member sends the fit's state, and it trains on in the epoch the others are in.
+
+Nobody fences it, the launcher restarts nothing, and nothing runs the user's script again. If the
+others finished the fit while it was left out, its fit ends when it wakes, without an error; so does
+that of a rank of lock-step shards (`decent_adam`, `grouping="static"`) that comes back in a later
+epoch than the one it was left out in (it would have nothing to train there; in the same epoch it
+trains the rest of its shard). A rank
+that keeps being left out comes back at most `MAX_COMEBACKS` times per process; after that its
+fit fails with the last `LeftOut` (the others go on). Any other error ends the fit as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from typing_extensions import override
+
+from lightning_prague.strategies.rejoin import PEER_CHECKPOINT, with_checkpoint
+
+log = logging.getLogger(__name__)
+
+#: times one process comes back in place before a further `LeftOut` ends its fit
+MAX_COMEBACKS = 3
+
+
+class EpochMovedOn(Exception):
+    """A rank of lock-step shards (`decent_adam`, `grouping="static"`) came back in place in a later
+    epoch than the one it was left out in: it has nothing to train there, and its fit ends (the
+    others trained its part). Raised while its admission's state is loaded."""
+
+
+class RejoinInPlace:
+    """`function` (the trainer's `_fit_impl`, as a launcher runs it in a rank's process), run again as
+    a rejoining fit each time the control plane left this rank out (see the module docstring).
+
+    A class rather than a closure: launchers that spawn their ranks pickle it."""
+
+    def __init__(self, function: Callable[..., Any], trainer: Any) -> None:
+        self.function = function
+        self.trainer = trainer
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        comebacks = 0
+        while True:
+            try:
+                return self.function(*args, **kwargs)
+            except EpochMovedOn as moved_on:
+                log.warning("%s: its fit ends here", moved_on)
+                end_attempt(self.trainer, moved_on)
+                return None
+            except BaseException as error:
+                reason = left_out_reason(self.trainer)
+                if reason is None or comebacks >= MAX_COMEBACKS:
+                    raise
+                if getattr(self.trainer.strategy.session, "fit_ended", False):
+                    log.warning(
+                        "rank %s was left out of the fit (%s), and the others finished it meanwhile: its fit ends here",
+                        getattr(self.trainer, "global_rank", "?"), reason,
+                    )  # fmt: skip
+                    end_attempt(self.trainer, error)
+                    return None
+                comebacks += 1
+                log.warning(
+                    "rank %s was left out of the fit (%s): it rejoins the fit in place (comeback %d of at most %d)",
+                    getattr(self.trainer, "global_rank", "?"), reason, comebacks, MAX_COMEBACKS,
+                )  # fmt: skip
+                end_attempt(self.trainer, error)
+                self.trainer.strategy.leave_in_place()
+                args, kwargs = with_checkpoint(self.function, args, kwargs, PEER_CHECKPOINT, force=True)
+
+
+def left_out_reason(trainer: Any) -> str | None:
+    """Why the control plane left this rank out of its running fit, or `None` (not left out, or not
+    one of our strategies)."""
+    session = getattr(getattr(trainer, "strategy", None), "session", None)
+    reason = getattr(session, "left_out", None)
+    return reason if isinstance(reason, str) else None
+
+
+def end_attempt(trainer: Any, error: BaseException) -> None:
+    """End a fit attempt that raised `error` as Lightning ends a failed fit (the strategy's
+    `on_exception`, then the trainer's teardown), but without the callbacks' and loggers' failure
+    hooks: the fit goes on, in this process, from a live member's state."""
+    trainer.strategy.on_exception(error)
+    trainer._teardown()
+    trainer.training = True  # as `Trainer.fit` sets it before it runs the fit: the fit goes on
+    trainer.should_stop = False
+
+
+class ComebackMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher for `start_method="spawn"`, `"fork"` and `"forkserver"`, whose ranks come
+    back in place when left out (`RejoinInPlace`)."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        wrapped = RejoinInPlace(function, trainer) if trainer is not None else function
+        return super().launch(wrapped, *args, trainer=trainer, **kwargs)

@@ -1,0 +1,130 @@
+"""A rank's keeper (`lightning_prague.strategies.keeper`) and how a new process finds its job's running fit
+(`lightning_prague.core.discovery`), without training: small processes and a store in this one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from helpers import free_port
+
+from lightning_prague.core.discovery import find_running_fit, publish_running, read_mark, running_key
+from lightning_prague.strategies.keeper import (
+    EXCLUDED_EXIT_VARIABLE,
+    KEEPER_VARIABLE,
+    RESTARTS_VARIABLE,
+    Keeper,
+    keeper_argv,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+#: a training process's stand-in: appends its restart count and its keeper's variable to a file, then
+#: exits with the status the file's line count picks from argv
+STAND_IN = """
+import os, sys
+path, codes = sys.argv[1], sys.argv[2:]
+with open(path, "a") as out:
+    out.write(f"{os.environ.get('LIGHTNING_PRAGUE_RESTART_COUNT', '-')} {os.environ.get('LIGHTNING_PRAGUE_KEEPER')} "
+              f"{os.environ.get('LIGHTNING_PRAGUE_EXCLUDED_EXIT_STATUS')}\\n")
+runs = len(open(path).read().splitlines())
+code = int(codes[min(runs, len(codes)) - 1])
+if code < 0:
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
+def stand_in(path: Path, *codes: int) -> list[str]:
+    return [sys.executable, "-c", STAND_IN, str(path), *map(str, codes)]
+
+
+def test_the_keeper_restarts_a_failed_process_with_its_restart_count_until_it_succeeds(tmp_path):
+    runs = tmp_path / "runs"
+    keeper = Keeper(stand_in(runs, -9, 75, 0), max_restarts=2, backoff=0.01, environment=dict(os.environ))
+    assert keeper.run() == 0
+    lines = [line.split() for line in runs.read_text().splitlines()]
+    assert [line[0] for line in lines] == ["-", "1", "2"]  # the first start has no restart count
+    assert {line[1] for line in lines} == {str(os.getpid())}  # each knows its keeper: it starts no keeper itself
+    assert {line[2] for line in lines} == {"75"}  # an exclusion is reported so that the keeper restarts it
+
+
+def test_past_its_restarts_the_keeper_reports_the_last_status(tmp_path):
+    keeper = Keeper(stand_in(tmp_path / "runs", 3, 4), max_restarts=1, backoff=0.01, environment={})
+    assert keeper.run() == 4
+    assert len((tmp_path / "runs").read_text().splitlines()) == 2
+
+
+def test_the_keeper_program_dies_as_its_process_did_and_forwards_sigterm(tmp_path):
+    """Run as the launcher's task: a killed process past its restarts kills the keeper with the same
+    signal; a SIGTERM to the keeper reaches the process and nothing is restarted after it."""
+    argv = keeper_argv(stand_in(tmp_path / "killed", -9), 0, None)
+    assert subprocess.run(argv, timeout=30).returncode == -signal.SIGKILL
+    sleeper = [sys.executable, "-c", "import signal, sys, time; time.sleep(30)"]
+    keeper = subprocess.Popen(keeper_argv(sleeper, 3, None, backoff=0.01), stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # the interpreters start
+    keeper.send_signal(signal.SIGTERM)
+    assert keeper.wait(timeout=20) == -signal.SIGTERM
+    assert "stays lost (0 restarts of 3 used, the launcher stops the task)" in keeper.stderr.read()
+
+
+def test_the_keepers_environment_variables_are_the_librarys():
+    from lightning_prague.core.client.partition import EXCLUDED_EXIT_VARIABLE as excluded
+    from lightning_prague.core.job import RESTARTS_VARIABLE as restarts
+
+    assert (RESTARTS_VARIABLE, EXCLUDED_EXIT_VARIABLE) == (restarts, excluded)  # the keeper imports neither
+    assert KEEPER_VARIABLE.startswith("LIGHTNING_PRAGUE_")
+
+
+def test_a_new_process_finds_only_its_own_jobs_running_fit():
+    """The running mark: found for the job's own id, never for another job's (a requeue, another
+    allocation on the same port), nor when malformed or when nothing listens."""
+    port = free_port()
+    assert not find_running_fit(2, "127.0.0.1", port, "slurm:4242:0")  # nothing listens: a fresh start
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    assert not find_running_fit(2, "127.0.0.1", port, "slurm:4242:0")  # the store, but no fit met yet
+    publish_running(store, "slurm:4242:0", 0)
+    assert find_running_fit(2, "127.0.0.1", port, "slurm:4242:0")  # a new srun step of the same job
+    assert not find_running_fit(2, "127.0.0.1", port, "slurm:4242:1")  # the job requeued: a fresh fit
+    assert not find_running_fit(2, "127.0.0.1", port, "slurm:777:0")  # another job on the same port
+    store.set(running_key("slurm:9:0"), json.dumps({"launch": "slurm:4242:0", "since": 1.0}))
+    assert not find_running_fit(2, "127.0.0.1", port, "slurm:9:0")  # a mark that names another job
+    store.set(running_key("slurm:8:0"), b"x" * 5000)
+    assert not find_running_fit(2, "127.0.0.1", port, "slurm:8:0")
+    assert not read_mark(b"[1]", "a") and not read_mark(b'{"launch": "a", "since": 1, "more": 2}', "a")
+    assert read_mark(json.dumps({"launch": "a", "since": 1.5}).encode(), "a")
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    """A torchrun worker's variables (run id, no restart yet), on a job of 2 nodes."""
+    for name in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    return monkeypatch
+
+
+def test_a_torchrun_restart_across_nodes_is_refused_with_what_to_do(torchrun_env):
+    from lightning_prague.core.errors import ConfigurationError
+    from lightning_prague.strategies.launcher import check_torchrun_restarts
+
+    torchrun_env.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    with pytest.warns(UserWarning, match="on 2 nodes, where its restarts cannot heal the job: run torchrun with"):
+        check_torchrun_restarts(0, 2)  # the first start: a warning
+    torchrun_env.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(ConfigurationError, match=r"restart 1 of --max-restarts 3.*--max-restarts 0 and give the"):
+        check_torchrun_restarts(0, 2)
+    torchrun_env.setenv("GROUP_WORLD_SIZE", "1")
+    check_torchrun_restarts(0, 1)  # one node: torchrun's restart and resume from the last checkpoint stays
+    torchrun_env.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    with pytest.warns(UserWarning, match="max_restarts=2 restarts a lost rank in place already"):
+        check_torchrun_restarts(2, 1)
