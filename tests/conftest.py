@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from helpers import CREDENTIALS, TrainingRun, run_many
 
 from lightning_prague.core import ControlPlane
 from lightning_prague.core.plane.server import MessageServer
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """The environment as it was before each test: a test that runs the package in this process (the
+    launcher sets `LIGHTNING_PRAGUE_LAUNCH_ID`, the agent `LIGHTNING_PRAGUE_KEEPER`) must leave nothing
+    to a later test's ranks, which are forked from this process and would take it for their own job's."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
 
 #: 4 CPU workers, 40 ms steps, rank 0 slowed 5x, 4 epochs of digits
 STRAGGLER = ["--devices", "4", "--epochs", "4", "--profile", "straggler", "--slow-factor", "5", "--step-time", "0.04"]

@@ -48,8 +48,10 @@ def test_the_short_bound_is_10s_for_short_steps_follows_long_steps_and_never_pas
     rule = HangRule()
     assert rule.leave_out_bound(0.05, busy=False, timeout=300.0) == 10.0
     assert rule.leave_out_bound(2.0, busy=False, timeout=300.0) == 40.0  # 20 x a slow step
-    assert rule.leave_out_bound(5.0, busy=False, timeout=300.0) == 100.0 == rule.bound(5.0, False, 300.0)
-    assert HangRule(floor=4.0).leave_out_bound(0.05, busy=False, timeout=300.0) == 4.0  # never above `floor`
+    # not shorter than the long bound: fenced then, without a stay left out
+    assert rule.leave_out_bound(5.0, busy=False, timeout=300.0) is None and rule.bound(5.0, False, 300.0) == 100.0
+    assert HangRule(floor=4.0).leave_out_bound(0.05, busy=False, timeout=300.0) is None
+    assert HangRule(floor=4.0, leave_out_floor=1.5).leave_out_bound(0.05, busy=False, timeout=300.0) == 1.5
     assert rule.leave_out_bound(0.05, busy=True, timeout=300.0) is None  # a checkpoint, an epoch's end
     assert rule.leave_out_bound(None, busy=False, timeout=300.0) is None  # a first step that compiles
     with pytest.raises(ConfigurationError, match="leave_out_after=0"):

@@ -45,10 +45,12 @@ JOB_TIMEOUT = 200
 
 
 def demo_args(strategy: str, out: Path, faults: list[str], restarts: int = 0) -> list[str]:
-    """A short fit: 2 epochs of the digits, each 4 times over in batches of 8 (720 batches an epoch)."""
+    """A short fit: 2 epochs of the digits, each 4 times over in batches of 8 (720 batches an epoch);
+    8 times over for a job whose keeper restarts a rank (its new process is a fresh interpreter, which
+    imports torch and Lightning: the fit must outlast that on two loaded cores)."""
     return [
         "--strategy", strategy, "--devices", str(TASKS), "--epochs", str(EPOCHS), "--batch-size", "8",
-        "--epoch-repeats", "4", "--step-time", "0.02", "--profile", "homogeneous", "--hang-timeout", "30",
+        "--epoch-repeats", "8" if restarts else "4", "--step-time", "0.02", "--profile", "homogeneous", "--hang-timeout", "30",
         "--grouping-timeout", "60", "--max-restarts", str(restarts), "--json", str(out),
         *(arg for fault in faults for arg in ("--fault", fault)),
     ]  # fmt: skip

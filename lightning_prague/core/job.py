@@ -264,8 +264,9 @@ RESTARTS_VARIABLE = "LIGHTNING_PRAGUE_RESTART_COUNT"
 #: (`look_for_running_fit`)
 REJOIN_VARIABLE = "LIGHTNING_PRAGUE_REJOIN"
 
-#: this process found a running fit of its own job (`look_for_running_fit`): it rejoins, as if told to
-_found_running_fit = False
+#: the pid of the process that found its job's running fit (`look_for_running_fit`); 0: none. A pid,
+#: not a flag: a process forked from it (a test's ranks, a keeper's training process) found nothing
+_found_running_fit = 0
 
 
 def _rejoin_flag() -> str:
@@ -288,7 +289,7 @@ def rejoining() -> bool:
     """Whether this process replaces a rank of a running job: `RESTARTS_VARIABLE` above 0,
     `REJOIN_VARIABLE` set to 1, or a running fit of its own job found (`look_for_running_fit`)."""
     flag = _rejoin_flag()
-    return _found_running_fit or restarts() > 0 or flag == "1"
+    return _found_running_fit == os.getpid() or restarts() > 0 or flag == "1"
 
 
 def look_for_running_fit(rank: int, host: str, port: int) -> bool:
@@ -307,11 +308,11 @@ def look_for_running_fit(rank: int, host: str, port: int) -> bool:
     if _rejoin_flag() == "0" or launch is None:
         return False
     if find_running_fit(rank, host, port, launch):
-        _found_running_fit = True
+        _found_running_fit = os.getpid()
         log.warning(
             "rank %d: a fit of this process's job (%r) runs at %s:%d: this process rejoins it", rank, launch, host, port
         )
-    return _found_running_fit
+    return _found_running_fit == os.getpid()
 
 
 def _joiner_store(rank: int, host: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:

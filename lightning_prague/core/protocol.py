@@ -133,10 +133,12 @@ class HangRule:
         """Seconds without progress and without any sign of life after which a stepping worker is left
         out of the fit, though not fenced: `max(min(leave_out_floor, floor), factor x its step)`;
         `None` while it is busy or has not timed a step (a checkpoint, a first step that compiles:
-        only the long bound applies there)."""
+        only the long bound applies there), and where it is not shorter than the long bound (`bound`:
+        the worker is fenced then, without being left out first)."""
         if busy or step is None:
             return None
-        return min(self.bound(step, busy, timeout), max(min(self.leave_out_floor, self.floor), self.factor * step))
+        short = max(min(self.leave_out_floor, self.floor), self.factor * step)
+        return short if short < self.bound(step, busy, timeout) else None
 
     def silence_bound(self, step: Optional[float], busy: bool, timeout: float) -> float:
         """Seconds without a word (not even a beat) after which a worker is declared hung: its silent
