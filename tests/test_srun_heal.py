@@ -50,8 +50,8 @@ def demo_args(strategy: str, out: Path, faults: list[str], restarts: int = 0) ->
     imports torch and Lightning: the fit must outlast that on two loaded cores)."""
     return [
         "--strategy", strategy, "--devices", str(TASKS), "--epochs", str(EPOCHS), "--batch-size", "8",
-        "--epoch-repeats", "8" if restarts else "4", "--step-time", "0.02", "--profile", "homogeneous", "--hang-timeout", "30",
-        "--grouping-timeout", "60", "--max-restarts", str(restarts), "--json", str(out),
+        "--epoch-repeats", "8" if restarts else "4", "--step-time", "0.02", "--profile", "homogeneous",
+        "--hang-timeout", "30", "--grouping-timeout", "60", "--max-restarts", str(restarts), "--json", str(out),
         *(arg for fault in faults for arg in ("--fault", fault)),
     ]  # fmt: skip
 
