@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 from helpers import CREDENTIALS, TrainingRun, run_many
@@ -10,16 +11,25 @@ from helpers import CREDENTIALS, TrainingRun, run_many
 from lightning_prague.core import ControlPlane
 from lightning_prague.core.plane.server import MessageServer
 
+#: the signals whose handlers a test may change in this process (a keeper or an agent run in it)
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
 
 @pytest.fixture(autouse=True)
 def _environment_restored():
-    """The environment as it was before each test: a test that runs the package in this process (the
-    launcher sets `LIGHTNING_PRAGUE_LAUNCH_ID`, the agent `LIGHTNING_PRAGUE_KEEPER`) must leave nothing
-    to a later test's ranks, which are forked from this process and would take it for their own job's."""
+    """The environment and the signal handlers as they were before each test: a test that runs the
+    package in this process (the launcher sets `LIGHTNING_PRAGUE_LAUNCH_ID`, the agent
+    `LIGHTNING_PRAGUE_KEEPER`, a keeper forwards signals) must leave nothing to a later test's ranks,
+    which are forked from this process (an inherited SIGUSR1 handler keeps Lightning from installing
+    SLURM's requeue handler, say)."""
     saved = dict(os.environ)
+    handlers = {signum: signal.getsignal(signum) for signum in _SIGNALS}
     yield
     os.environ.clear()
     os.environ.update(saved)
+    for signum, handler in handlers.items():
+        if signal.getsignal(signum) is not handler:
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 #: 4 CPU workers, 40 ms steps, rank 0 slowed 5x, 4 epochs of digits

@@ -134,9 +134,16 @@ class Keeper:
 
     def run(self) -> int:
         """Keep the rank's process running until it succeeds, the launcher stops it, or the restarts
-        are used up; the last process's status (`-N`: killed by signal N)."""
-        for signum in FORWARDED:
-            signal.signal(signum, self._forward)
+        are used up; the last process's status (`-N`: killed by signal N). The signal handlers it
+        forwards with are the previous ones again when it returns."""
+        previous = {signum: signal.signal(signum, self._forward) for signum in FORWARDED}
+        try:
+            return self._keep()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    def _keep(self) -> int:
         if self.pid is None:
             self.pid = self._start()
         while True:

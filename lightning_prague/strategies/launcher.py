@@ -293,12 +293,13 @@ class RankAgent:
 
     def run(self) -> int:
         """Watch the ranks until every one's last process exited; the agent's exit status."""
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._forward)
+        previous = {signum: signal.signal(signum, self._forward) for signum in (signal.SIGTERM, signal.SIGINT)}
         try:
             return self._watch()
         finally:
             self._end_spare()
+            for signum, handler in previous.items():  # as they were before
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
     def _watch(self) -> int:
         due: dict[int, float] = {}  # local rank -> when its next process starts

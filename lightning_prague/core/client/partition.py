@@ -30,7 +30,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,21 @@ def connections_to(addresses: Iterable[str]) -> list[tuple[int, str, int]]:
         return []
     inodes = _socket_inodes()
     found = []
+    for fields in _tcp_rows():
+        remote, inode = fields[2], int(fields[9])
+        address_hex, port_hex = remote.rsplit(":", 1)
+        fd = inodes.get(inode)
+        if fd is None or inode == 0:
+            continue
+        address = _decode(address_hex)
+        if address in wanted:
+            found.append((fd, address, int(port_hex, 16)))
+    return found
+
+
+def _tcp_rows() -> Iterator[list[str]]:
+    """The rows of this network namespace's TCP tables (IPv4 and IPv6), split into fields; an
+    unreadable table (no IPv6, no /proc) and a short row are skipped."""
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
             with open(table) as lines:
@@ -145,17 +160,8 @@ def connections_to(addresses: Iterable[str]) -> list[tuple[int, str, int]]:
             continue
         for row in rows:
             fields = row.split()
-            if len(fields) < 10:
-                continue
-            remote, inode = fields[2], int(fields[9])
-            address_hex, port_hex = remote.rsplit(":", 1)
-            fd = inodes.get(inode)
-            if fd is None or inode == 0:
-                continue
-            address = _decode(address_hex)
-            if address in wanted:
-                found.append((fd, address, int(port_hex, 16)))
-    return found
+            if len(fields) >= 10:
+                yield fields
 
 
 def drop_connections(addresses: Iterable[str], rank: int, why: str) -> int:
@@ -192,16 +198,9 @@ def established_connections() -> dict[int, int]:
     file descriptors. Compared before and after a step that connects, it names that step's connections."""
     inodes = _socket_inodes()
     found: dict[int, int] = {}
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        try:
-            with open(table) as lines:
-                rows = lines.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if len(fields) >= 10 and fields[3] == _ESTABLISHED and int(fields[9]) in inodes:
-                found[int(fields[9])] = inodes[int(fields[9])]
+    for fields in _tcp_rows():
+        if fields[3] == _ESTABLISHED and int(fields[9]) in inodes:
+            found[int(fields[9])] = inodes[int(fields[9])]
     return found
 
 
