@@ -68,7 +68,7 @@ class RejoinInPlace:
                 log.warning("%s: its fit ends here", moved_on)
                 end_attempt(self.trainer, moved_on)
                 return None
-            except BaseException as error:
+            except Exception as error:  # (an interrupt, a SystemExit: never a comeback)
                 reason = left_out_reason(self.trainer)
                 if reason is None or comebacks >= MAX_COMEBACKS:
                     raise
