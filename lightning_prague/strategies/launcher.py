@@ -66,7 +66,14 @@ from lightning_prague.core.client.partition import EXCLUDED_EXIT_VARIABLE, FENCE
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.job import RESTARTS_VARIABLE, look_for_running_fit, rejoining
 from lightning_prague.strategies.in_place import RejoinInPlace
-from lightning_prague.strategies.keeper import KEEPER_VARIABLE, child_environment, die_with_parent, keeper_argv, kept
+from lightning_prague.strategies.keeper import (
+    BACKOFF,
+    KEEPER_VARIABLE,
+    child_environment,
+    die_with_parent,
+    keeper_argv,
+    kept,
+)
 from lightning_prague.strategies.rejoin import PEER_CHECKPOINT, with_checkpoint
 from lightning_prague.strategies.spare import spare_environment
 
@@ -218,7 +225,7 @@ def resume_from_last(function: Callable, args: tuple, kwargs: dict[str, Any]) ->
 
 
 #: seconds before a rank's first restart; each further one waits twice as long
-RESTART_BACKOFF = 1.0
+RESTART_BACKOFF = BACKOFF  # the keeper's, which restarts a rank under other launchers
 #: seconds after a restart took the warm spare before a new one starts (its imports would slow the
 #: restarted rank's own start)
 SPARE_DELAY = 5.0
