@@ -37,6 +37,14 @@ class ControlPlaneLost(ControlPlaneError, CoordinationTimeout):
     `CoordinationTimeout` as a wait on the control plane used to fail; the message says why."""
 
 
+class FitEnded(ControlPlaneError):
+    """A process that would rejoin a running fit found none: nothing listens at the job's store any
+    more (its supervisor exited when the others finished the fit, or its node is gone). A process a
+    restarter started for a lost rank ends its fit quietly on this (the others trained its part);
+    one started by hand to rejoin fails with it. The message names the address and how long this
+    process looked."""
+
+
 class SyncMismatchError(PragueError):
     """Ranks arrived at different synchronization points and would otherwise deadlock."""
 

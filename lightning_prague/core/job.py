@@ -29,6 +29,8 @@ import atexit
 import json
 import logging
 import os
+import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
@@ -49,7 +51,7 @@ from lightning_prague.core.auth import (
 from lightning_prague.core.client.control import ControlClient, Session
 from lightning_prague.core.client.partition import established_connections
 from lightning_prague.core.discovery import find_running_fit, publish_running
-from lightning_prague.core.errors import ConfigurationError, ControlPlaneError, CoordinationTimeout
+from lightning_prague.core.errors import ConfigurationError, ControlPlaneError, CoordinationTimeout, FitEnded
 from lightning_prague.core.membership import (  # noqa: F401  (re-exported: where they used to live)
     GROUPS_PREFIX,
     Admission,
@@ -315,9 +317,16 @@ def look_for_running_fit(rank: int, host: str, port: int) -> bool:
     return _found_running_fit == os.getpid()
 
 
+#: seconds a joining process lets the job's store refuse its connections before it concludes that
+#: nothing serves the job any more: a live store accepts at once, even when its process is busy
+STORE_GONE_SECONDS = 5.0
+
+
 def _joiner_store(rank: int, host: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
-    """The running job's store, for a process that joins it; a `ControlPlaneError` that says so if
-    nothing answers at `host:port` within `timeout` (the job ended, or the address is not its)."""
+    """The running job's store, for a process that joins it. `FitEnded` if `host:port` refuses
+    connections for `STORE_GONE_SECONDS` (its supervisor exited: the others finished the fit, or the
+    address is not the job's); a `ControlPlaneError` that says so if it does not answer within `timeout`."""
+    _wait_for_listener(rank, host, port, timeout.total_seconds())
     try:
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False)
     except (RuntimeError, TimeoutError) as err:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
@@ -325,6 +334,29 @@ def _joiner_store(rank: int, host: str, port: int, world_size: int, timeout: tim
             f"rank {rank} cannot join the running job: no job's store answered at {host}:{port} within "
             f"{timeout.total_seconds():.0f}s (the job ended, or MASTER_ADDR / MASTER_PORT are not the job's): {err}"
         ) from None
+
+
+def _wait_for_listener(rank: int, host: str, port: int, timeout: float) -> None:
+    """Return once something accepts a connection at `host:port`; `FitEnded` once it refused every
+    attempt for `STORE_GONE_SECONDS`. Other failures (a timeout, an unreachable network: a partition,
+    not proof that the job is gone) are left to the store's own connection, which waits `timeout`."""
+    start = time.monotonic()
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(2.0, timeout)):
+                return
+        except ConnectionRefusedError:
+            waited = time.monotonic() - start
+            if waited >= min(STORE_GONE_SECONDS, timeout):
+                log.debug("rank %d: %s:%d refused connections for %.1fs", rank, host, port, waited)
+                raise FitEnded(
+                    f"rank {rank} found no running fit to rejoin: nothing listens at the job's store at {host}:{port} "
+                    f"(refused for {waited:.0f}s): the job's supervisor exited, because the others finished the fit "
+                    "or its node is gone, or MASTER_ADDR / MASTER_PORT are not the job's"
+                ) from None
+            time.sleep(0.2)
+        except OSError:
+            return  # not a refusal: the store's connection waits, and fails by its own timeout
 
 
 def _init_local_world(rank: int, world_size: int) -> None:

@@ -19,11 +19,12 @@ to them). It then comes back as a new process for its rank would, without a new 
 
 Nobody fences it, the launcher restarts nothing, and nothing runs the user's script again. If the
 others finished the fit while it was left out, its fit ends when it wakes, without an error; so does
-that of a rank of lock-step shards (`decent_adam`, `grouping="static"`) that comes back in a later
-epoch than the one it was left out in (it would have nothing to train there; in the same epoch it
-trains the rest of its shard). A rank
-that keeps being left out comes back at most `MAX_COMEBACKS` times per process; after that its
-fit fails with the last `LeftOut` (the others go on). Any other error ends the fit as before.
+that of a process a restarter started for a lost rank that finds the fit ended (`FitEnded`: the
+others trained its part before it was up), and that of a rank of lock-step shards (`decent_adam`,
+`grouping="static"`) that comes back in a later epoch than the one it was left out in (it would have
+nothing to train there; in the same epoch it trains the rest of its shard). A rank that keeps being
+left out comes back at most `MAX_COMEBACKS` times per process; after that its fit fails with the
+last `LeftOut` (the others go on). Any other error ends the fit as before.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from typing import Any
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from typing_extensions import override
 
+from lightning_prague.core.errors import FitEnded
+from lightning_prague.core.job import restarts
 from lightning_prague.strategies.rejoin import PEER_CHECKPOINT, with_checkpoint
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,14 @@ class RejoinInPlace:
             except EpochMovedOn as moved_on:
                 log.warning("%s: its fit ends here", moved_on)
                 end_attempt(self.trainer, moved_on)
+                return None
+            except FitEnded as ended:
+                if restarts() == 0:  # started by hand to rejoin: the address may be wrong
+                    raise
+                log.warning(
+                    "%s; this process, started again for its rank, has nothing to train: its fit ends here", ended
+                )
+                end_attempt(self.trainer, ended)
                 return None
             except Exception as error:  # (an interrupt, a SystemExit: never a comeback)
                 reason = left_out_reason(self.trainer)

@@ -60,6 +60,7 @@ from lightning_prague.core.errors import (
     ControlPlaneError,
     ControlPlaneLost,
     CoordinationTimeout,
+    FitEnded,
     LeftOut,
     MemberLost,
     PragueError,
@@ -550,10 +551,12 @@ class Session:
         next batch boundary, or an epoch's end), and return the admission item: `sync`, the meeting
         where they admit it (`<meeting>/admit`), and `position`, where its rank stood in its shard of
         the epoch if it reported it. Raises `ControlPlaneError` with the control plane's reason if it
-        cannot rejoin (the fit ended, is stopping, runs another configuration) and
+        cannot rejoin (`FitEnded` if the fit ended; it is stopping, runs another configuration) and
         `CoordinationTimeout` if the members did not meet in time."""
         item = self._next(f"the members' admission meeting of the fit it rejoins (up to {timeout:.0f}s)", timeout)
         while item["t"] != "admit":
+            if item["t"] == "error" and item.get("ended") is True:
+                raise FitEnded(f"rank {self.rank}: {item.get('message')}")
             if item["t"] == "error":
                 raise ControlPlaneError(f"rank {self.rank}: {item.get('message')}")
             item = self._next("its admission to the fit", timeout)

@@ -295,6 +295,11 @@ class CoordinatorSession:
         out.setdefault(rank, []).append({"t": "reply", "req": req, "value": value})
 
 
+class FitGone(ValueError):
+    """A new process asks to rejoin a fit that ended (or that every rank left): its error item says
+    `ended`, and it ends its fit without one (`lightning_prague.core.errors.FitEnded`)."""
+
+
 class ControlPlane:
     """The message handler of the supervisor's `MessageServer` (see the module docstring)."""
 
@@ -320,6 +325,8 @@ class ControlPlane:
             log.exception("control plane rejected a message of rank %d: %.300s", rank, message)
             error = f"the control plane rejected {message.get('op')!r}: {type(err).__name__}: {err}"
             item: Item = {"t": "error", "source": CONTROL_PLANE, "message": error}
+            if isinstance(err, FitGone):  # the joiner's fit ends quietly (`FitEnded`)
+                item["ended"] = True
             if "req" in message:
                 item = {"t": "reply", "req": message["req"], "error": error, "source": CONTROL_PLANE}
             elif "s" in message:
@@ -510,9 +517,7 @@ class ControlPlane:
         admit it at their next batch boundary (`GroupGenerator.request_join`, the items in `out`);
         refused, to it alone, where that cannot be."""
         if session is None:
-            raise ValueError(
-                f"rank {rank} cannot rejoin fit {number}: no such fit runs (it ended, or every rank left it)"
-            )
+            raise FitGone(f"rank {rank} cannot rejoin fit {number}: no such fit runs (it ended, or every rank left it)")
         if rank not in session.departed:
             raise ValueError(f"rank {rank} cannot rejoin fit {number}: that rank is a live member of it")
         config = SessionConfig.from_wire(message["config"])
@@ -565,7 +570,7 @@ class ControlPlane:
         if session.over and session.generator.joining:  # nobody is left to admit them
             for rank in session.generator.joining:
                 message = f"rank {rank} cannot rejoin fit {session.number}: the fit ended"
-                out.setdefault(rank, []).append({"t": "error", "message": message, "s": session.number})
+                out.setdefault(rank, []).append({"t": "error", "message": message, "s": session.number, "ended": True})
             session.generator.joining = []
         if session.over and self.sessions.get(session.number) is session:
             del self.sessions[session.number]
