@@ -7,6 +7,7 @@ import gc
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -463,3 +464,16 @@ def process_alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def dump_stacks(job: subprocess.Popen, log: Path, seconds: float = 3.0) -> str:
+    """The end of the log of a demo job (`python -m lightning_prague.demo.run`, started with
+    `start_new_session=True`) a test gives up on, after every process of it printed its threads'
+    stacks there (SIGQUIT: the demo's `faulthandler`; its supervisor runs in a session of its own)."""
+    try:
+        os.killpg(job.pid, signal.SIGQUIT)
+    except ProcessLookupError:
+        pass
+    time.sleep(seconds)
+    planes = [p.read_text(errors="replace")[-4000:] for p in sorted(log.parent.glob("lightning_prague_logs/*.log"))]
+    return "\n".join([log.read_text(errors="replace")[-20000:], *(f"supervisor log:\n{p}" for p in planes)])

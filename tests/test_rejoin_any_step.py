@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import dump_stacks, free_port
 
 #: the digits' training samples and the batch size: one long epoch of 719 batches
 SAMPLES, BATCH = 1438, 2
@@ -43,17 +44,22 @@ def long_epoch_jobs(tmp_path_factory) -> dict[str, tuple[int, dict[int, dict], s
         env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         log = open(out / "log.txt", "w")  # noqa: SIM115  (a pipe could fill up)
-        runs[strategy] = (out, log, subprocess.Popen(_command(strategy, rank, out), cwd=out, env=env, stderr=log))
+        job = subprocess.Popen(_command(strategy, rank, out), cwd=out, env=env, stderr=log, start_new_session=True)
+        runs[strategy] = (out, log, job)
     results = {}
     try:
         for strategy, (out, log, job) in runs.items():
-            job.wait(timeout=240)
+            try:
+                job.wait(timeout=240)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the {strategy} job did not end within 240 s:\n{dump_stacks(job, out / 'log.txt')}")
             log.close()
             ranks = {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("result*.json"))}
             results[strategy] = (job.returncode, ranks, (out / "log.txt").read_text())
     finally:
         for _, log, job in runs.values():
-            job.kill()
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
             log.close()
     return results
 

@@ -7,9 +7,11 @@ this module (Lightning's launcher), rank 0 prints the result and can write it as
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
+import signal
 import time
 from functools import partial
 from pathlib import Path
@@ -434,5 +436,7 @@ def run_logged(
 
 
 if __name__ == "__main__":
+    # `kill -QUIT PID` prints every thread's stack to stderr and the run goes on (a test dumps a job it gave up on)
+    faulthandler.register(signal.SIGQUIT, all_threads=True)
     torch.set_num_threads(1)
     main()
