@@ -151,6 +151,7 @@ def test_a_joiner_is_told_when_the_fit_ends_without_it():
     generator.request_join(2)
     out = meet(generator, [0, 1, 3], "fit_end")
     assert out[2][0]["t"] == "error" and "fit ended" in out[2][0]["message"]
+    assert out[2][0]["ended"] is True  # its fit ends quietly (`FitEnded`)
     with pytest.raises(ValueError, match="live member"):
         generator.request_join(1)
 

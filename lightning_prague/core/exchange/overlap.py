@@ -92,6 +92,11 @@ class Exchanger:
     def take_up(self, release: dict[str, Any]) -> None:
         """On a rank that rejoined: take up the members' counters from its admission's release."""
 
+    def serves_parked_claim(self) -> bool:
+        """Whether the training thread, while its claim waits at the work queue's end, must run the
+        groups peers drew this rank into itself: here, when it is the thread that runs them."""
+        return self.serves_inbox
+
     def serve(self) -> None:
         """While waiting at a meeting in idle mode: serve the neighbours that still step (one round)."""
 
@@ -143,6 +148,11 @@ class _ThreadedExchanger(Exchanger):
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def serves_parked_claim(self) -> bool:
+        # between phases (a fresh joiner's first claim, the first claim after a meeting) no thread runs
+        # this rank's groups: the training thread owns the worker then, and a peer's group must not wait
+        return not self.running
 
     def start(self) -> None:
         if self.running:

@@ -81,7 +81,14 @@ class TrainingSession:
         if self.admission is not None:  # rejoined: go on from the members' counters
             self.exchanger.take_up(self.admission.release)
         # a claim that waits at the work queue's end keeps running the groups peers drew this rank into
-        session.counters.serve = self.worker.serve_inbox if self.exchanger.serves_inbox else None
+        session.counters.serve = self._serve_while_parked
+
+    def _serve_while_parked(self) -> None:
+        """While a claim waits at the work queue's end: run the groups peers drew this rank into, unless
+        a communication thread runs them (a joiner is drawn into groups from its first claim on, before
+        its first batch started any thread)."""
+        if self.worker is not None and self.exchanger is not None and self.exchanger.serves_parked_claim():
+            self.worker.serve_inbox()
 
     @property
     def started(self) -> bool:

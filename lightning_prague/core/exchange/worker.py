@@ -266,7 +266,8 @@ class GroupWorker:
         """Carry out what is in this rank's inbox now, without waiting: while the training thread waits
         elsewhere (a claim at the work queue's end), the groups its peers drew it into still run."""
         while (item := self.poll_item(0.0)) is not None:
-            self.execute(item)  # a group of others: its version is not adopted (as in `partial_sync`)
+            if item["t"] != "pause":  # (one left over from a communication thread that ended)
+                self.execute(item)  # a group of others: its version is not adopted (as in `partial_sync`)
 
     def execute(self, item: dict[str, Any], target: AverageTarget | None = None) -> int | None:
         """Carry out one inbox item, a group average on `target` (default: the live tensors); returns an

@@ -587,7 +587,7 @@ class GroupGenerator:
         """The fit ends (or stops) before the joiners could be admitted: each is told so."""
         for r in [*self.joining, *sorted(self._admitting)]:
             message = f"rank {r} cannot rejoin: the fit ended (or is stopping) before it was admitted"
-            self._push(out, r, {"t": "error", "message": message})
+            self._push(out, r, {"t": "error", "message": message, "ended": True})  # its fit ends quietly
         self.joining, self._admitting, self._admit_parked = [], set(), set()
 
     def _admit(self, release: Item) -> None:
