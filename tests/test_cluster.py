@@ -526,12 +526,6 @@ def test_a_node_cut_off_beyond_the_bound_fences_itself_and_the_other_finishes(jo
         assert ended or failed, f"{launcher}\n{job.logs()}"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known race, open (issue 46): when new workers are admitted and another rank's join request "
-    "calls the members to a new admission while they take up their first groups, the members' groups with "
-    "the new workers wait out their 60 s timeout (failed in 3 of 6 full-suite runs, never alone)",
-)
 def test_a_rank_started_again_rejoins_and_two_new_workers_join_on_the_cluster(jobs):
     """SLURM-style: rank 2 (node2) is killed; a new step of the job starts it again with its old
     variables and nothing added, and it rejoins; ranks 4 and 5 join the 4-worker job; every fit

@@ -349,13 +349,13 @@ def test_a_joiner_with_another_model_is_told_which_parameters_differ():
 
 
 def test_a_joiner_with_no_job_at_its_address_is_told_so_soon(monkeypatch):
-    from lightning_prague.core.errors import ControlPlaneError
+    from lightning_prague.core.errors import FitEnded
     from lightning_prague.core.job import init_job
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nothing listens there
     start = time.monotonic()
-    with pytest.raises(ControlPlaneError, match=r"rank 2 cannot join the running job: no job's store answered at"):
+    with pytest.raises(FitEnded, match=r"rank 2 found no running fit to rejoin: nothing listens at the job's store at"):
         init_job(2, 4, "gloo", timeout=2.0, pg_timeout=timedelta(seconds=1800), rejoin=True)
     assert time.monotonic() - start < 30  # bounded by the operation timeout, not the process group's
     torch.distributed.destroy_process_group()  # the local stand-in world it set up first

@@ -571,7 +571,8 @@ class Session:
             if item["t"] == "release" and item["sync"] == name:
                 return item
             if item["t"] == "error":
-                raise ControlPlaneError(f"rank {self.rank}: {item.get('message')} (at {name!r})")
+                error = FitEnded if item.get("ended") is True else ControlPlaneError
+                raise error(f"rank {self.rank}: {item.get('message')} (at {name!r})")
 
     def _next(self, what: str, timeout: float) -> Message:
         with self.beacon.waiting():
