@@ -71,6 +71,13 @@ def test_a_joiner_raises_fit_ended_for_an_ended_fit_and_a_control_plane_error_fo
     session.deliver({"t": "error", "message": "rank 2 cannot rejoin fit 1: the fit ended", "ended": True, "s": 1})
     with pytest.raises(FitEnded, match="the fit ended"):
         session.await_admission(5.0)
+    # the control plane's own refusal of the join (no such fit runs), come before the joiner waits
+    refusal = ControlPlane().handle(
+        {"op": "join", "s": 1, "rank": 2, "config": config_wire(), "pid": 7, "host": "h", "rejoin": True}
+    )[2][0]
+    session.deliver(refusal)
+    with pytest.raises(FitEnded, match="no such fit runs"):
+        session.await_admission(5.0)
     session.deliver({"t": "error", "message": "rank 2 cannot rejoin fit 1: the fit is stopping", "s": 1})
     with pytest.raises(ControlPlaneError) as refused:
         session.await_admission(5.0)

@@ -282,7 +282,8 @@ class Session:
                     del self._verdicts[next(iter(self._verdicts))]
                 self._verdict_ready.notify_all()
             return
-        if kind == "error" and item.get("source") == CONTROL_PLANE:
+        if kind == "error" and item.get("source") == CONTROL_PLANE and item.get("ended") is not True:
+            # (a joiner's "the fit ended" is taken from the inbox where it waits: `FitEnded`, no failure)
             with self._verdict_ready:
                 self._rejected = str(item.get("message", "a message was rejected"))
                 self._verdict_ready.notify_all()
