@@ -92,10 +92,12 @@ class Exchanger:
     def take_up(self, release: dict[str, Any]) -> None:
         """On a rank that rejoined: take up the members' counters from its admission's release."""
 
-    def serves_parked_claim(self) -> bool:
-        """Whether the training thread, while its claim waits at the work queue's end, must run the
-        groups peers drew this rank into itself: here, when it is the thread that runs them."""
-        return self.serves_inbox
+    def serve_while_parked(self) -> None:
+        """While the training thread's claim waits at the work queue's end (called at every poll of
+        it): run the groups peers drew this rank into, unless a thread of this exchanger runs them. A
+        peer's group must not wait for this rank's next step, which comes only once the claim returns."""
+        if self.serves_inbox:
+            self.worker.serve_inbox()
 
     def serve(self) -> None:
         """While waiting at a meeting in idle mode: serve the neighbours that still step (one round)."""
@@ -149,10 +151,11 @@ class _ThreadedExchanger(Exchanger):
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def serves_parked_claim(self) -> bool:
+    def serve_while_parked(self) -> None:
         # between phases (a fresh joiner's first claim, the first claim after a meeting) no thread runs
         # this rank's groups: the training thread owns the worker then, and a peer's group must not wait
-        return not self.running
+        if not self.running:
+            self.worker.serve_inbox()
 
     def start(self) -> None:
         if self.running:
@@ -264,6 +267,16 @@ class BackgroundAverager(_ThreadedExchanger):
     def busy(self) -> bool:
         """An exchange is in flight (a thread that died with a job queued is not busy: its error is due)."""
         return not self._idle.is_set() and self.running
+
+    def serve_while_parked(self) -> None:
+        # the thread reads the inbox only inside this rank's own request (`partial_sync`): one that is
+        # idle, waiting for the next step's job, serves nobody, and the training thread, parked in a
+        # claim, posts no job, so the thread cannot turn busy meanwhile. A finished exchange not folded
+        # in yet keeps its result in `SnapshotAverages.change`; the live average overwrites only the
+        # spare copy (its snapshot, taken anew at the next step), once the thread's stream is done with it.
+        if not self.busy:
+            self.streams.wait(self._done)
+            self.worker.serve_inbox()
 
     def _fold_in(self) -> None:
         if not self._in_flight:

@@ -86,9 +86,9 @@ class TrainingSession:
     def _serve_while_parked(self) -> None:
         """While a claim waits at the work queue's end: run the groups peers drew this rank into, unless
         a communication thread runs them (a joiner is drawn into groups from its first claim on, before
-        its first batch started any thread)."""
-        if self.worker is not None and self.exchanger is not None and self.exchanger.serves_parked_claim():
-            self.worker.serve_inbox()
+        its first batch started any thread; a background exchanger's idle thread reads no inbox)."""
+        if self.worker is not None and self.exchanger is not None:
+            self.exchanger.serve_while_parked()
 
     @property
     def started(self) -> bool:
