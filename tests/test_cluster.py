@@ -584,6 +584,7 @@ def test_a_server_on_the_own_names_address_is_unreachable_from_other_nodes(clust
 LISTEN = """
 import socket, sys
 server = socket.create_server(("0.0.0.0", 7070))
+print("listening", flush=True)
 while True:
     conn, _ = server.accept()
     while conn.recv(1 << 16):
@@ -610,9 +611,12 @@ def send_seconds(cluster: Cluster, source: str, target: str, size: int, timeout:
 
 @pytest.fixture(scope="module")
 def listeners(cluster):
-    """A TCP sink on port 7070 of every node."""
-    procs = [cluster.run(node, [sys.executable, "-c", LISTEN]) for node in cluster.nodes]
-    time.sleep(0.5)
+    """A TCP sink on port 7070 of every node, once each listens (a loaded machine may take seconds to
+    start an interpreter: a fixed pause was too short in CI)."""
+    procs = [cluster.run(node, [sys.executable, "-c", LISTEN], stdout=subprocess.PIPE) for node in cluster.nodes]
+    for node, proc in zip(cluster.nodes, procs):
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"listening\n", f"the listener on {node.name} did not start"
     yield
     for proc in procs:
         proc.kill()

@@ -276,7 +276,8 @@ def test_the_readme_names_every_shared_option():
 
 def test_the_pages_quote_the_control_plane_connection_error_as_the_code_words_it():
     """A rank that cannot reach the control plane fails with `ControlClient`'s message, which names
-    the address twice (its link's peer is "the control plane at HOST:PORT"): the pages quote it so."""
+    the address once (its link's peer, "the control plane at HOST:PORT", already holds it): the pages
+    quote it so."""
     import socket
 
     from lightning_prague.core import ControlClient
@@ -290,7 +291,7 @@ def test_the_pages_quote_the_control_plane_connection_error_as_the_code_words_it
         ControlClient("127.0.0.1", port, 7, timeout=2.0, credentials=Credentials.derive(b"secret", "launch"))
     message = str(caught.value).replace(f"127.0.0.1:{port}", "HOST:PORT").replace("rank 7", "rank R")
     quoted = re.sub(r" \([^()]*\)$", " (...)", message)  # the OS's reason, abridged
-    assert quoted.startswith("rank R: cannot connect to the control plane at HOST:PORT"), message
+    assert quoted == "rank R: cannot connect to the control plane at HOST:PORT (...)", message
     for page in ("troubleshooting.md", "multi_node.md"):
         assert quoted in " ".join((DOCS / page).read_text().split()), f"docs/{page} does not quote {quoted!r}"
 

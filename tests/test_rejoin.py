@@ -179,6 +179,64 @@ def test_the_control_plane_refuses_a_rejoin_it_cannot_take():
     assert plane.sessions[1].generator.joining == [1]
 
 
+def trained(plane: ControlPlane, rank: int, epoch: int, batches: int = 5) -> None:
+    """A lock-step rank's report of where it stands in its shard (`ShardLoaders.report_position`)."""
+    plane.handle({"op": "trained", "s": 1, "rank": rank, "epoch": epoch, "batches": batches, "shard": rank, "of": 4})
+
+
+def test_a_lock_step_rank_lost_in_an_earlier_epoch_is_admitted_at_the_members_epoch_end_not_inside_it():
+    """Inside the members' epoch its shard holds nothing for the new process (a zero-batch member
+    crashed two survivors' gloo pairs: its idle rounds met a validation collective), so the control
+    plane calls no admission meeting for it and the members' epoch's end admits it."""
+    plane = ControlPlane()
+    for rank in range(4):
+        join(plane, rank, config())
+    for rank in range(4):
+        trained(plane, rank, epoch=0)
+    plane.on_disconnect(2)  # lost in epoch 0
+    for rank in (0, 1, 3):
+        trained(plane, rank, epoch=1)
+    called = join(plane, 2, config(), rejoin=True)
+    assert called == {}, called  # no call inside the epoch: it waits
+    session = plane.sessions[1]
+    assert session.generator.joining == [2] and session.generator.after_epoch == {2}
+    generator = session.generator
+    validation = meet(generator, [0, 1, 3], "validation@epoch1")
+    assert validation[0][-1]["joining"] == [2] and 2 not in validation  # so they meet at the epoch's end
+    released = meet(generator, [0, 1, 3], "epoch_end@epoch1")
+    assert released[2] == [{"t": "admit", "sync": "epoch_end@epoch1/admit"}]
+    assert generator.after_epoch == set()
+
+
+def test_a_rank_lost_in_the_members_epoch_is_called_in_and_one_for_an_epoch_end_waits_beside_it():
+    plane = ControlPlane()
+    for rank in range(4):
+        join(plane, rank, config())
+    for rank in range(4):
+        trained(plane, rank, epoch=0)
+    plane.on_disconnect(1)  # lost in epoch 0
+    for rank in (0, 2, 3):
+        trained(plane, rank, epoch=1)
+    plane.on_disconnect(2)  # lost in epoch 1, the members' epoch
+    assert join(plane, 1, config(), rejoin=True) == {}  # for the epoch's end
+    called = join(plane, 2, config(), rejoin=True)  # it has the rest of its shard: called in now
+    assert called[0] == [{"t": "join", "sync": "admission@1", "joining": [1, 2], "s": 1}]
+    generator = plane.sessions[1].generator
+    released = meet(generator, [0, 3], "admission@1")
+    assert released[2] == [{"t": "admit", "sync": "admission@1/admit"}] and 1 not in released
+    assert released[0][-1]["admit"] == [2] and released[0][-1]["joining"] == [1]
+    assert generator.joining == [1]
+
+
+def test_work_queue_shards_report_no_position_and_every_joiner_is_called_in():
+    plane = ControlPlane()
+    for rank in range(4):
+        join(plane, rank, config())
+    plane.on_disconnect(3)
+    assert join(plane, 3, config(), rejoin=True)[0][0]["sync"] == "admission@1"
+    assert plane.sessions[1].generator.after_epoch == set()
+
+
 # -- options, environment, payload ---------------------------------------------------------------
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
 def test_max_restarts_must_be_a_count(bad):

@@ -111,3 +111,34 @@ def test_a_successor_resumes_the_epoch_where_the_lost_rank_stood_with_its_steps_
     assert checkpoint["global_step"] == 19 and fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] == 19
     with pytest.raises(ConfigurationError, match="no training loop progress"):
         resume_epoch_progress({"loops": "not loops"}, 3)
+
+
+@pytest.mark.timeout(240)
+def test_a_lock_step_rank_restarted_in_a_later_epoch_is_admitted_at_an_epoch_end_and_nothing_crashes(tmp_path):
+    """`decent_adam`, 6 short epochs (13 batches per rank): rank 2 killed at its 20th batch, in epoch
+    1; its new process asks to rejoin epochs later, when its shard holds nothing of the members'
+    epoch. It is admitted at their epoch's end, not inside the epoch: admitted inside it, it trained
+    nothing there, its idle gossip rounds met a survivor's validation collective and two survivors'
+    gloo pairs aborted the job ("Received data size doesn't match")."""
+    command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", "decent_adam", "--devices", "4"]
+    command += ["--epochs", "6", "--step-time", "0.05", "--profile", "homogeneous", "--fault", "2:20:kill"]
+    command += ["--max-restarts", "1", "--hang-timeout", "10", "--json", str(tmp_path / "result.json")]
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    with open(tmp_path / "log.txt", "w") as log:
+        job = subprocess.Popen(command, cwd=tmp_path, env=env, stderr=log, start_new_session=True)
+        try:
+            job.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not end within 180 s:\n{dump_stacks(job, tmp_path / 'log.txt')}")
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    stderr = (tmp_path / "log.txt").read_text()
+    results = {r["rank"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("result*.json"))}
+    assert job.returncode == 0 and "Received data size" not in stderr, stderr[-4000:]
+    assert sorted(results) == [0, 1, 2, 3], stderr[-4000:]
+    assert results[2]["restarts"] == 1
+    assert "rank 2: rejoined the job at 'epoch_end@epoch" in stderr, stderr[-4000:]
+    assert all(results[r]["epochs_run"] == 6 for r in results)
+    assert len({results[r]["params_sha256"] for r in results}) == 1

@@ -327,6 +327,17 @@ def build(
     return trainer, model, data, summary, checkpoint
 
 
+def _metric(trainer: L.Trainer, name: str) -> float | None:
+    """A logged metric of this process, or `None` if it logged none (a process admitted to a running
+    fit at its last epoch's end trains and validates nothing)."""
+    value = trainer.callback_metrics.get(name)
+    return None if value is None else float(value)
+
+
+def _shown(value: float | None) -> str:
+    return "none (this process validated nothing)" if value is None else f"{value:.4f}"
+
+
 def params_digest(model: torch.nn.Module) -> str:
     """SHA-256 of the bytes of `model`'s parameters, in order: equal exactly when the replicas are
     bitwise the same (`params_checksum`, a sum, can round equal-enough values apart or different ones
@@ -361,8 +372,9 @@ def report(
         "fit_seconds": fit_seconds,
         "train_seconds": summary.train_seconds,
         "step_seconds": summary.step_seconds,
-        "val_acc": float(trainer.callback_metrics["val_acc"]),
-        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        # `None` in a process that ran no validation: one admitted at the fit's last epoch's end
+        "val_acc": _metric(trainer, "val_acc"),
+        "val_loss": _metric(trainer, "val_loss"),
         "batches_per_worker": summary.batches_per_worker,
         "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
         "params_sha256": params_digest(model),
@@ -391,7 +403,7 @@ def report(
     result["threads_after_fit"] = communication_threads()
     if trainer.is_global_zero:
         print(
-            f"{args.strategy}: val_acc={result['val_acc']:.4f} train={summary.train_seconds:.2f}s "
+            f"{args.strategy}: val_acc={_shown(result['val_acc'])} train={summary.train_seconds:.2f}s "
             f"fit={fit_seconds:.1f}s epochs={result['epochs_run']}",
             flush=True,
         )

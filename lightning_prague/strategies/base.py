@@ -608,23 +608,24 @@ class DecentralizedStrategy(DDPStrategy):
                     "process did not rejoin one"
                 )
             checkpoint = self.peer_state.checkpoint(admission.payload)
-            if str(admission.release.get("sync", "")).startswith(ADMISSION_CALL):
-                # taken at a batch boundary inside the epoch, perhaps the donor's last batch: this rank
-                # goes on in that epoch (it ends when its data does), as the members do
-                epoch_under_way(checkpoint)
-                self.joined_epoch = int(checkpoint.get("epoch", 0))
+            if not str(admission.release.get("sync", "")).startswith(ADMISSION_CALL):
+                return checkpoint  # at an epoch's end: this rank starts the next epoch with the members
+            # taken at a batch boundary inside the epoch, perhaps the donor's last batch: this rank goes on
+            # in that epoch (it ends when its data does), as the members do
+            epoch_under_way(checkpoint)
+            self.joined_epoch = int(checkpoint.get("epoch", 0))
             if not self.shards_by_work_queue:  # lock-step shards: go on where the lost rank stood in its own
                 resumed = self.loaders.resume_shard(admission.position, int(checkpoint.get("epoch", 0)))
-                if resumed is None and self.comebacks:
-                    # left out in an earlier epoch: the others' shards cover this one, and a lock-step rank
-                    # with nothing to train would wait for them in idle gossip rounds (not supported yet)
+                if resumed is None:
+                    # its rank stood in an earlier epoch, which the control plane admits at an epoch's end
+                    # only (`CoordinatorSession.lost_in_earlier_epoch`): a lock-step rank with nothing of
+                    # this epoch to train would wait for the others in idle gossip rounds (not supported)
                     raise EpochMovedOn(
-                        f"rank {self.global_rank} was left out in epoch {(admission.position or {}).get('epoch')} "
-                        f"and the others are in epoch {checkpoint.get('epoch')}: its part of the fit is done"
+                        f"rank {self.global_rank} stood in epoch {(admission.position or {}).get('epoch')} and "
+                        f"the others are in epoch {checkpoint.get('epoch')}: it has nothing of this epoch to train"
                     )
-                if resumed is not None:
-                    accumulate = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
-                    resume_epoch_progress(checkpoint, resumed, accumulate)
+                accumulate = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
+                resume_epoch_progress(checkpoint, resumed, accumulate)
             return checkpoint
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 

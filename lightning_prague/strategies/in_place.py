@@ -20,9 +20,10 @@ to them). It then comes back as a new process for its rank would, without a new 
 Nobody fences it, the launcher restarts nothing, and nothing runs the user's script again. If the
 others finished the fit while it was left out, its fit ends when it wakes, without an error; so does
 that of a process a restarter started for a lost rank that finds the fit ended (`FitEnded`: the
-others trained its part before it was up), and that of a rank of lock-step shards (`decent_adam`,
-`grouping="static"`) that comes back in a later epoch than the one it was left out in (it would have
-nothing to train there; in the same epoch it trains the rest of its shard). A rank that keeps being
+others trained its part before it was up). A rank of lock-step shards (`decent_adam`,
+`grouping="static"`) that comes back in a later epoch than the one it was left out in is admitted
+at the members' epoch's end, as a new process for a rank lost in an earlier epoch is (inside that
+epoch its shard holds nothing for it; in the same epoch it trains the rest of its shard). A rank that keeps being
 left out comes back at most `MAX_COMEBACKS` times per process; after that its fit fails with the
 last `LeftOut` (the others go on). Any other error ends the fit as before.
 """
@@ -47,9 +48,11 @@ MAX_COMEBACKS = 3
 
 
 class EpochMovedOn(Exception):
-    """A rank of lock-step shards (`decent_adam`, `grouping="static"`) came back in place in a later
-    epoch than the one it was left out in: it has nothing to train there, and its fit ends (the
-    others trained its part). Raised while its admission's state is loaded."""
+    """A rank of lock-step shards (`decent_adam`, `grouping="static"`) was admitted inside a later epoch
+    than the one its rank stood in: it has nothing to train there, and its fit ends (the others trained
+    its part). The control plane admits such a rank at the members' epoch's end instead, so this only
+    guards against an admission that raced with the members' epoch's end. Raised while its
+    admission's state is loaded."""
 
 
 class RejoinInPlace:

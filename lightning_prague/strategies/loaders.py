@@ -168,10 +168,10 @@ class StrategyLoaders:
         """This rank takes a lost rank's place in `epoch` (a rejoin): its training loader goes on from
         where that rank stood (`position`, as the control plane last heard it). Returns the batches
         of the epoch already trained in that shard (the loop's count to resume from), or `None` where
-        there is nothing to resume (the rank was lost in an earlier epoch: the others' shards cover
-        this one without it, and this rank reads nothing more of it)."""
+        there is nothing to resume (the rank stood in an earlier epoch, or nowhere: the others' shards
+        cover this one without it; the control plane admits such a rank at an epoch's end)."""
         if position is None or position.get("epoch") != epoch:
-            self._resume = {"epoch": epoch, "batches": 1 << 40, "shard": 0, "of": 1}  # nothing left this epoch
+            self._resume = None
             return None
         self._resume = dict(position)
         return int(position["batches"])

@@ -67,7 +67,8 @@ class MessageLink:
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as err:
-            raise CoordinationTimeout(f"rank {rank}: cannot connect to {peer} at {host}:{port} ({err})") from None
+            where = peer if f"{host}:{port}" in peer else f"{peer} at {host}:{port}"  # the address once
+            raise CoordinationTimeout(f"rank {rank}: cannot connect to {where} ({err})") from None
         tune_socket(self._sock)
         # the reader blocks in recv without a timeout (a quiet control plane is no error: a gossiping
         # worker may hear nothing for a long time); only sends are bounded, by the kernel

@@ -124,6 +124,17 @@ class CoordinatorSession:
             self.hangs.forget(rank)
             log.warning("session %d: rank %d, which was left out, woke: it comes back in place", self.number, rank)
 
+    def lost_in_earlier_epoch(self, rank: int) -> bool:
+        """Under lock-step shards (the members report where they stand: `positions`), `rank` stood in
+        an earlier epoch than a live member does, or never reported where: inside the members' epoch its
+        shard holds nothing for a new process of it, which is then admitted at their epoch's end.
+        Work-queue shards report no positions: never."""
+        current = [position["epoch"] for member, position in self.positions.items() if member in self.members]
+        if not current:
+            return False
+        own = self.positions.get(rank)
+        return own is None or own["epoch"] < max(current)
+
     @property
     def over(self) -> bool:
         """Every rank closed the session or departed: it can be deleted."""
@@ -532,8 +543,13 @@ class ControlPlane:
         session.came_back(rank)
         session.processes[rank] = (message["pid"], message["host"])
         session.addresses[rank] = list(message.get("addresses", ()))
-        generator.request_join(rank, out)
-        log.warning("session %d: a new process for rank %d asks to rejoin (pid %d)", number, rank, message["pid"])
+        after_epoch = session.lost_in_earlier_epoch(rank)
+        generator.request_join(rank, out, after_epoch=after_epoch)
+        later = "; its shard holds nothing of the members' epoch: it is admitted at their epoch's end"
+        log.warning(
+            "session %d: a new process for rank %d asks to rejoin (pid %d)%s",
+            number, rank, message["pid"], later if after_epoch else "",
+        )  # fmt: skip
 
     @staticmethod
     def _take_joined(session: CoordinatorSession) -> None:

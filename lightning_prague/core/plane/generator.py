@@ -186,6 +186,8 @@ class GroupGenerator:
         #: ranks told to meet at `<meeting>/admit`, and those of them that arrived there
         self._admitting: set[int] = set()
         self._admit_parked: set[int] = set()
+        #: joiners admitted at an epoch's end only, never at a call inside the epoch (`request_join`)
+        self.after_epoch: set[int] = set()
         #: ranks admitted by the latest release, until the control plane takes them (`take_joined`)
         self._joined: list[int] = []
         #: the fit's end (`fit_end`) or a stop was released: no admission is called from here
@@ -197,20 +199,25 @@ class GroupGenerator:
         self.calling: str | None = None
         self._calls = 0
 
-    def request_join(self, rank: int, out: dict[int, list[Item]] | None = None) -> None:
+    def request_join(self, rank: int, out: dict[int, list[Item]] | None = None, after_epoch: bool = False) -> None:
         """`rank`, which left the job, has a new process that asks to rejoin (see the module docstring):
-        the members are called to an admission meeting at their next batch boundary (`out`)."""
+        the members are called to an admission meeting at their next batch boundary (`out`).
+        `after_epoch`: it is admitted at the members' next epoch's end instead, with nothing of the
+        current epoch left to it (a lock-step shard of a rank lost in an earlier epoch: inside this one
+        it would have no batch to train, and could only wait for the others)."""
         if rank not in self.left:
             raise ValueError(f"rank {rank} cannot rejoin: it is a live member of the fit")
         if rank not in self.joining and rank not in self._admitting:
             self.joining.append(rank)
+            if after_epoch:
+                self.after_epoch.add(rank)
         if out is not None:
             self._call_admission(out)
 
     def _call_admission(self, out: dict[int, list[Item]]) -> None:
         """Call every member to `admission@<n>` at its next batch boundary, unless a call is out, the
         members meet now (their release calls again), or the fit is stopping."""
-        if not self.joining or self.calling is not None or self.parked or self.stopping or self.stop_requested:
+        if not self._callable() or self.calling is not None or self.parked or self.stopping or self.stop_requested:
             return
         if self.ended or not self.live:
             return
@@ -218,6 +225,10 @@ class GroupGenerator:
         self.calling = f"{ADMISSION_CALL}{self._calls}"
         for r in self.live:
             self._push(out, r, {"t": "join", "sync": self.calling, "joining": sorted(self.joining)})
+
+    def _callable(self) -> list[int]:
+        """The joiners an admission call inside the epoch may admit."""
+        return [r for r in self.joining if r not in self.after_epoch]
 
     def _cancel_call(self, out: dict[int, list[Item]]) -> None:
         """The members meet elsewhere (an epoch's end, validation, the fit's end) before all answered
@@ -247,6 +258,7 @@ class GroupGenerator:
         admission meeting that waited for it goes on without it."""
         if rank in self.joining:
             self.joining.remove(rank)
+        self.after_epoch.discard(rank)
         if rank in self._admitting:
             self._admitting.discard(rank)
             self._admit_parked.discard(rank)
@@ -575,11 +587,15 @@ class GroupGenerator:
         stopping = release["stop"] or sync == STOP_SYNC or sync.startswith(f"{STOP_SYNC}/")
         admitting = sync.startswith(ADMITTING_AT) or sync.startswith(ADMISSION_CALL)
         if admitting and "/" not in sync and not stopping:
-            release["admit"] = sorted(self.joining)
-            self._admitting = set(self.joining)
-            for r in self.joining:
+            admit = self.joining if sync.startswith(ADMITTING_AT) else self._callable()
+            if not admit:
+                return  # only joiners for an epoch's end wait: they go on waiting
+            release["admit"] = sorted(admit)
+            self._admitting = set(admit)
+            for r in admit:
                 self._push(out, r, {"t": "admit", "sync": f"{sync}{ADMIT}"})
-            self.joining = []
+            self.joining = [r for r in self.joining if r not in self._admitting]
+            self.after_epoch -= self._admitting
         elif sync == "fit_end" or stopping:
             self._turn_away(out)
 
@@ -589,6 +605,7 @@ class GroupGenerator:
             message = f"rank {r} cannot rejoin: the fit ended (or is stopping) before it was admitted"
             self._push(out, r, {"t": "error", "message": message, "ended": True})  # its fit ends quietly
         self.joining, self._admitting, self._admit_parked = [], set(), set()
+        self.after_epoch.clear()
 
     def _admit(self, release: Item) -> None:
         """The admission meeting's release: the joiners that arrived are live workers from here."""
