@@ -184,18 +184,30 @@ def trained(plane: ControlPlane, rank: int, epoch: int, batches: int = 5) -> Non
     plane.handle({"op": "trained", "s": 1, "rank": rank, "epoch": epoch, "batches": batches, "shard": rank, "of": 4})
 
 
+def plane_that_lost(losses: list[tuple[int, int]]) -> ControlPlane:
+    """A control plane of 4 lock-step ranks that all trained in epoch 0; each `(rank, epoch)` of
+    `losses` in turn: the live ranks report a batch of `epoch`, then `rank`'s process ends."""
+    plane = ControlPlane()
+    for rank in range(4):
+        join(plane, rank, config())
+    live = set(range(4))
+    for rank in sorted(live):
+        trained(plane, rank, epoch=0)
+    for lost, epoch in losses:
+        for rank in sorted(live):
+            trained(plane, rank, epoch=epoch)
+        plane.on_disconnect(lost)
+        live.discard(lost)
+    return plane
+
+
 def test_a_lock_step_rank_lost_in_an_earlier_epoch_is_admitted_at_the_members_epoch_end_not_inside_it():
     """Inside the members' epoch its shard holds nothing for the new process (a zero-batch member
     crashed two survivors' gloo pairs: its idle rounds met a validation collective), so the control
     plane calls no admission meeting for it and the members' epoch's end admits it."""
-    plane = ControlPlane()
-    for rank in range(4):
-        join(plane, rank, config())
-    for rank in range(4):
-        trained(plane, rank, epoch=0)
-    plane.on_disconnect(2)  # lost in epoch 0
+    plane = plane_that_lost([(2, 0)])
     for rank in (0, 1, 3):
-        trained(plane, rank, epoch=1)
+        trained(plane, rank, epoch=1)  # the members moved on
     called = join(plane, 2, config(), rejoin=True)
     assert called == {}, called  # no call inside the epoch: it waits
     session = plane.sessions[1]
@@ -209,15 +221,7 @@ def test_a_lock_step_rank_lost_in_an_earlier_epoch_is_admitted_at_the_members_ep
 
 
 def test_a_rank_lost_in_the_members_epoch_is_called_in_and_one_for_an_epoch_end_waits_beside_it():
-    plane = ControlPlane()
-    for rank in range(4):
-        join(plane, rank, config())
-    for rank in range(4):
-        trained(plane, rank, epoch=0)
-    plane.on_disconnect(1)  # lost in epoch 0
-    for rank in (0, 2, 3):
-        trained(plane, rank, epoch=1)
-    plane.on_disconnect(2)  # lost in epoch 1, the members' epoch
+    plane = plane_that_lost([(1, 0), (2, 1)])  # rank 2 lost in epoch 1, the members' epoch
     assert join(plane, 1, config(), rejoin=True) == {}  # for the epoch's end
     called = join(plane, 2, config(), rejoin=True)  # it has the rest of its shard: called in now
     assert called[0] == [{"t": "join", "sync": "admission@1", "joining": [1, 2], "s": 1}]
