@@ -79,7 +79,9 @@ them). A call is out at most once at a time (`calling`). If a member meets the o
 first (it reached its epoch's end, validation, the fit's end, a stop), the call is off: the members
 waiting at it get a release that says `cancel` (they train on), a member that comes to it later gets
 one at once, and the joiners are admitted at that other meeting if it is an epoch's end, or called
-again after its release. Every release while joiners wait names them in `joining`: the members then
+again after its release. A joiner with nothing of the members' epoch to train (`after_epoch`: a
+lock-step shard whose rank stood in an earlier epoch) is never called in: an epoch's end admits it.
+Every release while joiners wait names them in `joining`: the members then
 meet at their next epoch's end even where they would skip that meeting. A joiner that departs, or
 closes its session, before its admission is withdrawn (`withdraw`): nobody waits for it at
 `<meeting>/admit`. A fit that ends (`fit_end`, a stop) before admitting it sends it an `error` item
