@@ -179,9 +179,10 @@ def test_the_control_plane_refuses_a_rejoin_it_cannot_take():
     assert plane.sessions[1].generator.joining == [1]
 
 
-def trained(plane: ControlPlane, rank: int, epoch: int, batches: int = 5) -> None:
+def trained(plane: ControlPlane, rank: int, epoch: int, batches: int = 5, total: int = 13) -> None:
     """A lock-step rank's report of where it stands in its shard (`ShardLoaders.report_position`)."""
-    plane.handle({"op": "trained", "s": 1, "rank": rank, "epoch": epoch, "batches": batches, "shard": rank, "of": 4})
+    message = {"op": "trained", "s": 1, "rank": rank, "epoch": epoch, "batches": batches, "shard": rank, "of": 4}
+    plane.handle({**message, "total": total})
 
 
 def plane_that_lost(losses: list[tuple[int, int]]) -> ControlPlane:
@@ -230,6 +231,16 @@ def test_a_rank_lost_in_the_members_epoch_is_called_in_and_one_for_an_epoch_end_
     assert released[2] == [{"t": "admit", "sync": "admission@1/admit"}] and 1 not in released
     assert released[0][-1]["admit"] == [2] and released[0][-1]["joining"] == [1]
     assert generator.joining == [1]
+
+
+def test_a_lock_step_rank_that_trained_its_whole_shard_of_the_epoch_waits_for_its_end():
+    """Lost after its epoch's last batch (in validation, say): the members' epoch holds nothing more
+    for it either, though they are still in it."""
+    plane = plane_that_lost([])
+    trained(plane, 2, epoch=0, batches=13)  # all 13 of its shard
+    plane.on_disconnect(2)
+    assert join(plane, 2, config(), rejoin=True) == {}
+    assert plane.sessions[1].generator.after_epoch == {2}
 
 
 def test_work_queue_shards_report_no_position_and_every_joiner_is_called_in():

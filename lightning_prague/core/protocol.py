@@ -380,9 +380,11 @@ RECORDS: dict[str, Record] = {
         key=_KEY,
     ),
     # where this rank stands in its own shard of the epoch (lock-step shards, not the work queue): it has
-    # trained `batches` batches of shard `shard` of `of` in epoch `epoch`; a new process for it goes on
-    # from there (`lightning_prague.strategies.loaders`)
-    "trained": _session_record("trained", epoch=_COUNT, batches=_COUNT, shard=_RANK, of=integer(1, MAX_RANK + 1)),
+    # trained `batches` batches of shard `shard` of `of` in epoch `epoch` (`total`: of that many, where the
+    # loader has a length); a new process for it goes on from there (`lightning_prague.strategies.loaders`)
+    "trained": _session_record(
+        "trained", {"total": _COUNT}, epoch=_COUNT, batches=_COUNT, shard=_RANK, of=integer(1, MAX_RANK + 1)
+    ),
     # this rank's completeness of a group collective, before it writes anything back (`GroupVerdicts`)
     "summed": _session_record("summed", key=text(128), members=list_of(_RANK, MAX_RANK + 1), ok=BOOLEAN),
     "parked": _session_record("parked", request=True),

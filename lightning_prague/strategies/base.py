@@ -618,7 +618,7 @@ class DecentralizedStrategy(DDPStrategy):
                 resumed = self.loaders.resume_shard(admission.position, int(checkpoint.get("epoch", 0)))
                 if resumed is None:
                     # its rank stood in an earlier epoch, which the control plane admits at an epoch's end
-                    # only (`CoordinatorSession.lost_in_earlier_epoch`): a lock-step rank with nothing of
+                    # only (`CoordinatorSession.nothing_left_in_epoch`): a lock-step rank with nothing of
                     # this epoch to train would wait for the others in idle gossip rounds (not supported)
                     raise EpochMovedOn(
                         f"rank {self.global_rank} stood in epoch {(admission.position or {}).get('epoch')} and "

@@ -27,6 +27,7 @@ trained again; one whose report went out is not.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -176,13 +177,15 @@ class StrategyLoaders:
         self._resume = dict(position)
         return int(position["batches"])
 
-    def report_position(self, epoch: int, batches: int) -> None:
-        """After a batch (lock-step shards): tell the control plane where this rank stands in its shard."""
+    def report_position(self, epoch: int, batches: int, total: float | int | None = None) -> None:
+        """After a batch (lock-step shards): tell the control plane where this rank stands in its shard
+        (`total`: the epoch's batches, where the loader has a length)."""
         session = self.strategy.session
         if self.shard_layout is None or session is None or self.strategy.shards_by_work_queue:
             return
         shard, of = self.shard_layout
-        session.send("trained", epoch=epoch, batches=batches, shard=shard, of=of)
+        extra = {"total": int(total)} if isinstance(total, int) or (total is not None and math.isfinite(total)) else {}
+        session.send("trained", epoch=epoch, batches=batches, shard=shard, of=of, **extra)
 
     # -- Lightning's shards among the live ranks -------------------------------------------------
     def sampler_kwargs(self) -> Optional[dict[str, Any]]:

@@ -78,7 +78,8 @@ class SyncPoints(Callback):
     ) -> None:
         if self.strategy.progress is not None:
             self.strategy.progress.after_batch()  # a boundary: meet before step-based callbacks run
-        self.strategy.loaders.report_position(trainer.current_epoch, batch_idx + 1)  # lock-step shards
+        # lock-step shards
+        self.strategy.loaders.report_position(trainer.current_epoch, batch_idx + 1, trainer.num_training_batches)
         self._batches_in_epoch += 1
         self.strategy.synchronizer.answer_admission_call()  # joiners wait: meet the others to admit them
 

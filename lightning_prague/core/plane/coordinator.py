@@ -124,16 +124,18 @@ class CoordinatorSession:
             self.hangs.forget(rank)
             log.warning("session %d: rank %d, which was left out, woke: it comes back in place", self.number, rank)
 
-    def lost_in_earlier_epoch(self, rank: int) -> bool:
+    def nothing_left_in_epoch(self, rank: int) -> bool:
         """Under lock-step shards (the members report where they stand: `positions`), `rank` stood in
-        an earlier epoch than a live member does, or never reported where: inside the members' epoch its
-        shard holds nothing for a new process of it, which is then admitted at their epoch's end.
-        Work-queue shards report no positions: never."""
+        an earlier epoch than a live member does, had trained its whole shard of the epoch, or never
+        reported where: inside the members' epoch its shard holds nothing for a new process of it,
+        which is then admitted at their epoch's end. Work-queue shards report no positions: never."""
         current = [position["epoch"] for member, position in self.positions.items() if member in self.members]
         if not current:
             return False
         own = self.positions.get(rank)
-        return own is None or own["epoch"] < max(current)
+        if own is None or own["epoch"] < max(current):
+            return True
+        return "total" in own and own["batches"] >= own["total"]
 
     @property
     def over(self) -> bool:
@@ -479,7 +481,9 @@ class ControlPlane:
             session.report_work(rank, message)
             session.settle_queues(out)
         elif op == "trained":
-            session.positions[rank] = {k: int(message[k]) for k in ("epoch", "batches", "shard", "of")}
+            session.positions[rank] = {
+                k: int(message[k]) for k in ("epoch", "batches", "shard", "of", "total") if k in message
+            }
         elif op == "summed":
             members = message["members"]
             if any(m >= session.world_size for m in members):
@@ -543,7 +547,7 @@ class ControlPlane:
         session.came_back(rank)
         session.processes[rank] = (message["pid"], message["host"])
         session.addresses[rank] = list(message.get("addresses", ()))
-        after_epoch = session.lost_in_earlier_epoch(rank)
+        after_epoch = session.nothing_left_in_epoch(rank)
         generator.request_join(rank, out, after_epoch=after_epoch)
         later = "; its shard holds nothing of the members' epoch: it is admitted at their epoch's end"
         log.warning(
