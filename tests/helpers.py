@@ -111,6 +111,7 @@ def _run_script_in_child(
     _write_to_the_log()
     _warnings_to_stderr()
     faulthandler.enable()  # a crash of a forked rank leaves its stacks in its log
+    faulthandler.register(signal.SIGQUIT, all_threads=True)  # and so does a rank a test gives up on
     if "torch" in sys.modules:  # the parent's OpenMP threads do not exist here: one compute thread
         sys.modules["torch"].set_num_threads(1)
     os.environ.clear()
@@ -434,9 +435,14 @@ def run_script_ranks(
     for p in procs:
         p.join(max(0.1, deadline - time.monotonic()))
         codes.append(p.exitcode)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:  # each prints its threads' stacks into its log first (`_run_script_in_child`)
+        os.kill(p.pid, signal.SIGQUIT)
+    if hung:
+        time.sleep(1.0)
+    for p in hung:
+        p.kill()
+        p.join()
     return codes, [log.read_text() for log in logs]
 
 
