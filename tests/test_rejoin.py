@@ -34,7 +34,7 @@ from lightning_prague.core.plane.generator import GroupGenerator
 from lightning_prague.core.protocol import SessionConfig
 from lightning_prague.strategies import PartialAllReduceStrategy
 from lightning_prague.strategies.launcher import RankAgent
-from lightning_prague.strategies.rejoin import PeerState, readable
+from lightning_prague.strategies.rejoin import MAX_METRICS, PeerState, members_metrics, readable, scalar_metrics
 from lightning_prague.strategies.spare import read_environment, spare_environment
 
 
@@ -250,6 +250,17 @@ def test_work_queue_shards_report_no_position_and_every_joiner_is_called_in():
     plane.on_disconnect(3)
     assert join(plane, 3, config(), rejoin=True)[0][0]["sync"] == "admission@1"
     assert plane.sessions[1].generator.after_epoch == set()
+
+
+def test_a_joiner_takes_the_donors_scalar_metrics_and_nothing_else_it_sent():
+    sent = scalar_metrics({"val_acc": torch.tensor(0.9), "step": 3, "hist": torch.ones(4), "flag": True})
+    assert sent == {"val_acc": pytest.approx(0.9), "step": 3.0}  # one number each
+    taken = members_metrics(sent)
+    assert set(taken) == {"val_acc", "step"} and float(taken["val_acc"]) == pytest.approx(0.9)
+    hostile = {"x" * 500: 1.0, 7: 2.0, "ok": 1.5, "list": [1.0], "text": "1.0", "nested": {"a": 1.0}, "b": True}
+    assert list(members_metrics(hostile)) == ["ok"]
+    assert members_metrics(["val_acc", 1.0]) == {} and members_metrics(None) == {}
+    assert len(members_metrics({f"m{i}": 1.0 for i in range(10 * MAX_METRICS)})) == MAX_METRICS
 
 
 # -- options, environment, payload ---------------------------------------------------------------

@@ -328,14 +328,14 @@ def build(
 
 
 def _metric(trainer: L.Trainer, name: str) -> float | None:
-    """A logged metric of this process, or `None` if it logged none (a process admitted to a running
-    fit at its last epoch's end trains and validates nothing)."""
+    """A logged metric of this process, or `None` if it has none (a process that rejoined a running
+    fit has the members' latest ones until it validates itself)."""
     value = trainer.callback_metrics.get(name)
     return None if value is None else float(value)
 
 
 def _shown(value: float | None) -> str:
-    return "none (this process validated nothing)" if value is None else f"{value:.4f}"
+    return "none (no validation metrics in this process)" if value is None else f"{value:.4f}"
 
 
 def params_digest(model: torch.nn.Module) -> str:
@@ -372,7 +372,7 @@ def report(
         "fit_seconds": fit_seconds,
         "train_seconds": summary.train_seconds,
         "step_seconds": summary.step_seconds,
-        # `None` in a process that ran no validation: one admitted at the fit's last epoch's end
+        # `None` in a process that logged none (a rank that rejoins takes the members' metrics)
         "val_acc": _metric(trainer, "val_acc"),
         "val_loss": _metric(trainer, "val_loss"),
         "batches_per_worker": summary.batches_per_worker,

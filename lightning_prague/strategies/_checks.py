@@ -252,6 +252,13 @@ LIGHTNING_INTERNALS: tuple[LightningInternal, ...] = (
     LightningInternal(
         _VAL_LOOP, "run", "called", "a rank that joined an epoch with no batch left validates at its end, as the others"
     ),
+    # -- the logged metrics a joiner takes from the members (`strategies.rejoin.members_metrics`)
+    LightningInternal(
+        "trainer._logger_connector",
+        "_callback_metrics",
+        "written",
+        "a rank that rejoins takes the members' latest metrics into `trainer.callback_metrics` (that dict)",
+    ),
     # -- ModelCheckpoint
     LightningInternal(
         _CHECKPOINT, "_train_time_interval", "read", "time-based checkpoints are rejected (check_trainer)"

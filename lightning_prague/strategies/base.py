@@ -78,7 +78,14 @@ from lightning_prague.strategies.in_place import ComebackMultiProcessingLauncher
 from lightning_prague.strategies.launcher import SurvivingScriptLauncher
 from lightning_prague.strategies.loaders import StrategyLoaders
 from lightning_prague.strategies.options import DDP_TIMEOUT, Option, StrategyOptions, watchdog_margin
-from lightning_prague.strategies.rejoin import PEER_CHECKPOINT, PeerState, epoch_under_way, resume_epoch_progress
+from lightning_prague.strategies.rejoin import (
+    MEMBERS_METRICS,
+    PEER_CHECKPOINT,
+    PeerState,
+    epoch_under_way,
+    members_metrics,
+    resume_epoch_progress,
+)
 from lightning_prague.strategies.stops import Stops
 from lightning_prague.strategies.survivors import Survivors
 from lightning_prague.strategies.sync_points import Synchronizer, SyncPoints
@@ -608,6 +615,9 @@ class DecentralizedStrategy(DDPStrategy):
                     "process did not rejoin one"
                 )
             checkpoint = self.peer_state.checkpoint(admission.payload)
+            if self._trainer is not None:  # the members' latest metrics, where this process logged none yet
+                for name, value in members_metrics(checkpoint.pop(MEMBERS_METRICS, None)).items():
+                    self._trainer.callback_metrics.setdefault(name, value)
             if not str(admission.release.get("sync", "")).startswith(ADMISSION_CALL):
                 return checkpoint  # at an epoch's end: this rank starts the next epoch with the members
             # taken at a batch boundary inside the epoch, perhaps the donor's last batch: this rank goes on

@@ -23,7 +23,9 @@ collectives run among themselves (`GroupWorker.fresh`). The checkpoint travels a
 hold that such a load cannot read (objects of the user's classes in the hyperparameters or a
 callback's state) are left out, each named in a warning. The joiner checks that the model it was
 given has its own model's parameters (names, shapes, dtypes) before anything is restored; another
-model is a `ConfigurationError` that names the differences.
+model is a `ConfigurationError` that names the differences. The donor's latest logged metrics
+(`trainer.callback_metrics`, scalars only) come with it (`MEMBERS_METRICS`): the joiner holds the
+members' model, and one admitted at the fit's last epoch's end validates nothing of its own.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ log = logging.getLogger(__name__)
 
 #: the `ckpt_path` a rejoining process's `fit` resumes from: the state a live member sends it
 PEER_CHECKPOINT = "lightning-prague://peer"
+#: the key of the donor's latest logged metrics in the state it sends (`members_metrics`)
+MEMBERS_METRICS = "lightning_prague_members_metrics"
+#: at most this many metrics, each name at most this long, are taken from a donor
+MAX_METRICS, MAX_METRIC_NAME = 256, 200
 
 _PLAIN = (type(None), torch.Tensor, pathlib.PurePath)
 _SCALARS = (bool, int, float, str)  # subclasses (numpy's float64) become the plain type: a safe load reads only those
@@ -105,6 +111,7 @@ class PeerState:
             self.dumping = False
             if loader is not None:
                 loader.for_joiner = False
+        checkpoint[MEMBERS_METRICS] = scalar_metrics(trainer.callback_metrics)
         kept = self._readable(checkpoint)
         copied = _copied(kept)
         return lambda: _saved(copied)
@@ -149,6 +156,30 @@ class PeerState:
                 f"({'; '.join(differences[:8])}{'; ...' if len(differences) > 8 else ''})"
             )
         return checkpoint
+
+
+def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The donor's side: its logged metrics that are one number each, as floats."""
+    scalars: dict[str, float] = {}
+    for name, value in list(metrics.items())[:MAX_METRICS]:
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            scalars[str(name)] = float(value.detach().cpu())
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            scalars[str(name)] = float(value)
+    return scalars
+
+
+def members_metrics(value: Any) -> dict[str, torch.Tensor]:
+    """The joiner's side: the donor's logged metrics (untrusted input): a mapping of at most
+    `MAX_METRICS` names, each at most `MAX_METRIC_NAME` characters, to numbers; anything else is
+    dropped. Tensors, as Lightning's own logged metrics are."""
+    if not isinstance(value, Mapping):
+        return {}
+    taken: dict[str, torch.Tensor] = {}
+    for name, number in list(value.items())[:MAX_METRICS]:
+        if isinstance(name, str) and len(name) <= MAX_METRIC_NAME and type(number) in (int, float):
+            taken[name] = torch.tensor(float(number))
+    return taken
 
 
 def _fit_loop(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
