@@ -184,7 +184,7 @@ class StrategyLoaders:
         if self.shard_layout is None or session is None or self.strategy.shards_by_work_queue:
             return
         shard, of = self.shard_layout
-        extra = {"total": int(total)} if isinstance(total, int) or (total is not None and math.isfinite(total)) else {}
+        extra = {"total": int(total)} if total is not None and math.isfinite(total) else {}
         session.send("trained", epoch=epoch, batches=batches, shard=shard, of=of, **extra)
 
     # -- Lightning's shards among the live ranks -------------------------------------------------

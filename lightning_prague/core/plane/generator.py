@@ -80,7 +80,7 @@ first (it reached its epoch's end, validation, the fit's end, a stop), the call 
 waiting at it get a release that says `cancel` (they train on), a member that comes to it later gets
 one at once, and the joiners are admitted at that other meeting if it is an epoch's end, or called
 again after its release. A joiner with nothing of the members' epoch to train (`after_epoch`: a
-lock-step shard whose rank stood in an earlier epoch) is never called in: an epoch's end admits it.
+lock-step shard, `CoordinatorSession.nothing_left_in_epoch`) is never called in: an epoch's end admits it.
 Every release while joiners wait names them in `joining`: the members then
 meet at their next epoch's end even where they would skip that meeting. A joiner that departs, or
 closes its session, before its admission is withdrawn (`withdraw`): nobody waits for it at
@@ -205,8 +205,8 @@ class GroupGenerator:
         """`rank`, which left the job, has a new process that asks to rejoin (see the module docstring):
         the members are called to an admission meeting at their next batch boundary (`out`).
         `after_epoch`: it is admitted at the members' next epoch's end instead, with nothing of the
-        current epoch left to it (a lock-step shard of a rank lost in an earlier epoch: inside this one
-        it would have no batch to train, and could only wait for the others)."""
+        current epoch left to it (a lock-step shard: inside this epoch it would have no batch to train,
+        and could only wait for the others)."""
         if rank not in self.left:
             raise ValueError(f"rank {rank} cannot rejoin: it is a live member of the fit")
         if rank not in self.joining and rank not in self._admitting:
