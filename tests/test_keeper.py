@@ -128,3 +128,58 @@ def test_a_torchrun_restart_across_nodes_is_refused_with_what_to_do(torchrun_env
     torchrun_env.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     with pytest.warns(UserWarning, match="max_restarts=2 restarts a lost rank in place already"):
         check_torchrun_restarts(2, 1)
+
+
+class _MPI:
+    """A stand-in for `mpi4py.MPI` with an initialised (or finalised) library."""
+
+    def __init__(self, finalized: bool = False) -> None:
+        self.finalized = finalized
+
+    def Is_initialized(self) -> bool:  # noqa: N802  (mpi4py's names)
+        return True
+
+    def Is_finalized(self) -> bool:  # noqa: N802
+        return self.finalized
+
+
+def test_state_that_does_not_survive_a_fork_is_named(monkeypatch):
+    """CUDA initialised, or an MPI library that mpi4py initialised (Lightning's MPI detection imports
+    it wherever mpi4py is installed): a forked training process could not use the first and hangs at
+    its exit in the second's finalisation (seen with Open MPI 5 under a keeper)."""
+    import torch
+
+    from lightning_prague.core.forking import unforkable_state
+
+    monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)
+    assert unforkable_state() is None  # this process: no CUDA, no MPI
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _MPI(finalized=True))
+    assert unforkable_state() is None  # finalised already: nothing left to hang on
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _MPI())
+    assert "MPI library is initialised" in (unforkable_state() or "")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert unforkable_state() == "CUDA is initialised"
+
+
+def test_the_keeper_starts_the_training_process_anew_where_a_fork_is_unsafe(monkeypatch, caplog):
+    """With an MPI library initialised, the task's process forks nothing: it becomes the keeper
+    (`exec`), which starts the training process as a new process of the same command."""
+    from lightning_prague.strategies import launcher
+
+    class Became(Exception):
+        pass
+
+    def execv(path, argv):
+        raise Became(argv)
+
+    def fork():
+        raise AssertionError("a training process was forked from a process with MPI initialised")
+
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", _MPI())
+    monkeypatch.setattr(launcher.os, "fork", fork)
+    monkeypatch.setattr(launcher.os, "execv", execv)
+    with caplog.at_level("WARNING", logger=launcher.__name__), pytest.raises(Became) as became:
+        launcher.keep_this_rank(2)
+    (argv,) = became.value.args
+    assert argv[argv.index("--max-restarts") + 1] == "2" and "--child" not in argv, argv
+    assert "MPI library is initialised" in caplog.text and "starts its training process anew" in caplog.text

@@ -64,6 +64,7 @@ from typing_extensions import override
 from lightning_prague.core.auth import LAUNCH_VARIABLE, known_launch_id, new_launch_id
 from lightning_prague.core.client.partition import EXCLUDED_EXIT_VARIABLE, FENCED_EXIT_STATUS
 from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.forking import unforkable_state
 from lightning_prague.core.job import RESTARTS_VARIABLE, look_for_running_fit, rejoining
 from lightning_prague.strategies.in_place import RejoinInPlace
 from lightning_prague.strategies.keeper import (
@@ -135,14 +136,15 @@ class SurvivingScriptLauncher(_SubprocessScriptLauncher):
 def keep_this_rank(max_restarts: int) -> None:
     """Give this rank a keeper (`lightning_prague.strategies.keeper`): fork the training process, which
     returns from here and trains, and make this process, the one the launcher started, its keeper
-    (`exec`: same pid, a small interpreter). Where the training process cannot be forked (CUDA is
-    initialised already: a forked child cannot use it), the keeper starts it as a new process of the
-    same command instead."""
+    (`exec`: same pid, a small interpreter). Where the training process cannot be forked (CUDA or an
+    MPI library is initialised already: `lightning_prague.core.forking`), the keeper starts it as a new
+    process of the same command instead."""
     command = list(_basic_subprocess_cmd())
     sys.stdout.flush()
     sys.stderr.flush()
-    if _cuda_initialized():
-        log.warning("CUDA is initialised before fit: this rank's keeper starts its training process anew")
+    hazard = unforkable_state()
+    if hazard is not None:
+        log.warning("%s before fit: this rank's keeper starts its training process anew", hazard)
         os.execv(sys.executable, keeper_argv(command, max_restarts, None))
     keeper = os.getpid()
     child = os.fork()
@@ -152,12 +154,6 @@ def keep_this_rank(max_restarts: int) -> None:
         log.info("rank's keeper (pid %d) restarts this process (pid %d) if it is lost", keeper, os.getpid())
         return
     os.execv(sys.executable, keeper_argv(command, max_restarts, child))
-
-
-def _cuda_initialized() -> bool:
-    """Whether this process has initialised CUDA (then a forked child could not use it)."""
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 #: what to do instead of torchrun's restarts on several nodes

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from lightning_prague.core.auth import SECRET_VARIABLE
 from lightning_prague.core.errors import CoordinationTimeout
+from lightning_prague.core.forking import cuda_initialized
 from lightning_prague.core.plane.supervisor import main
 from lightning_prague.core.protocol import resolve_control_port
 
@@ -120,7 +121,9 @@ def launch(
     argv += ["--keep-log"] if log_dir is not None else []  # a folder of the user's: the log outlives the job
     argv += ["--control-port", str(control_port or 0), "--launch", launch_id, "--parent", str(os.getpid())]
     argv += ["--wait", str(timeout if wait is None else wait)] + (["--publish-secret"] if publish_secret else [])
-    if hasattr(os, "fork") and not _cuda_initialized():
+    # (an initialised MPI library is no reason not to fork here: the supervisor ends with `os._exit`, so
+    # MPI's finalisation, which hangs in a forked child, never runs in it)
+    if hasattr(os, "fork") and not cuda_initialized():
         handle = _fork(argv, log_file, secret)
     else:
         package = str(Path(__file__).resolve().parents[2])
@@ -145,11 +148,6 @@ def launch(
         control_port or "free",
     )
     return handle
-
-
-def _cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.cuda.is_initialized()
 
 
 def _fork(argv: list[str], log_file: Path, secret: bytes) -> Supervisor:
