@@ -445,6 +445,31 @@ def test_a_joiner_with_no_job_at_its_address_is_told_so_soon(monkeypatch):
     torch.distributed.destroy_process_group()  # the local stand-in world it set up first
 
 
+def test_a_joiner_whose_jobs_control_plane_is_gone_finds_the_fit_ended(monkeypatch):
+    """torchrun: the job's store is the agent's, which outlives the fit (and the address the supervisor
+    published in it), while the control plane ends with the fit: a process its keeper started again
+    after the others finished finds the fit ended, instead of failing at the refused connection."""
+    import json
+
+    from lightning_prague.core.errors import FitEnded
+    from lightning_prague.core.job import init_job
+    from lightning_prague.core.protocol import address_key
+
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    gone = free_port()  # where the control plane listened
+    store.set(address_key(), json.dumps({"host": "127.0.0.1", "port": gone, "pid": 4321, "launch": "tests"}))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("LIGHTNING_PRAGUE_SECRET", "ab" * 32)
+    monkeypatch.setenv("LIGHTNING_PRAGUE_LAUNCH_ID", "tests")
+    start = time.monotonic()
+    with pytest.raises(FitEnded, match=rf"nothing listens at the job's control plane at 127.0.0.1:{gone} \(refused"):
+        init_job(1, 2, "gloo", timeout=30.0, pg_timeout=timedelta(seconds=1800), rejoin=True)
+    assert time.monotonic() - start < 20  # the store answered at once; the control plane refused for 5 s
+    torch.distributed.destroy_process_group()  # the local stand-in world it set up first
+
+
 def test_a_torch_without_the_local_stand_in_cannot_rejoin(monkeypatch):
     from lightning_prague.core.job import _init_local_world
 

@@ -119,10 +119,14 @@ def test_a_lock_step_rank_restarted_in_a_later_epoch_is_admitted_at_an_epoch_end
     1; its new process asks to rejoin epochs later, when its shard holds nothing of the members'
     epoch. It is admitted at their epoch's end, not inside the epoch: admitted inside it, it trained
     nothing there, its idle gossip rounds met a survivor's validation collective and two survivors'
-    gloo pairs aborted the job ("Received data size doesn't match")."""
+    gloo pairs aborted the job ("Received data size doesn't match"). A checkpoint written at that
+    epoch's end, right after the admission, averages the others' optimizer states without the joiner."""
     command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", "decent_adam", "--devices", "4"]
     command += ["--epochs", "8", "--step-time", "0.05", "--profile", "homogeneous", "--fault", "2:20:kill"]
     command += ["--max-restarts", "1", "--hang-timeout", "10", "--json", str(tmp_path / "result.json")]
+    # checkpoints at every epoch's end, right after the admission there: the others average their optimizer
+    # states among themselves, not with the joiner, which writes none there (it did, and gloo aborted)
+    command += ["--checkpoint-dir", str(tmp_path / "checkpoints")]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     with open(tmp_path / "log.txt", "w") as log:
@@ -143,4 +147,5 @@ def test_a_lock_step_rank_restarted_in_a_later_epoch_is_admitted_at_an_epoch_end
     assert all(results[r]["epochs_run"] == 8 for r in results)
     # admitted at the fit's last epoch's end (a slow start) it validates nothing: it has the members' metrics
     assert results[2]["val_acc"] is not None
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
     assert len({results[r]["params_sha256"] for r in results}) == 1

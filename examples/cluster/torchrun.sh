@@ -22,11 +22,13 @@ export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}
 # A fixed port for the control plane (on the node of global rank 0), to open in a firewall.
 export LIGHTNING_PRAGUE_CONTROL_PORT=${LIGHTNING_PRAGUE_CONTROL_PORT:-29501}
 
-# --max-restarts 0: a worker that fails makes its agent stop that node's other workers (torchrun's
-# rule; they leave the job) and the other nodes' workers finish the fit; rerun the job to resume
-# from the last checkpoint. Restarts across nodes do not work yet (docs/multi_node.md, Exit
-# statuses and the job's status). A rank the control plane excludes, because it hung, exits 0, so
-# its agent keeps the node's other workers and the job SUCCEEDED when the others finished the fit.
+# --max-restarts 0: torchrun's own restart restarts every worker of a node and cannot heal a job of
+# several nodes (docs/multi_node.md, Exit statuses and the job's status). The library restarts a lost
+# worker instead: train.py's --max-restarts (3 by default) makes each worker the keeper of its training
+# process, which it starts again in place when it dies (a crash, kill -9, an out-of-memory kill); the
+# new process rejoins the running fit and torchrun's agent sees nothing. A rank the control plane
+# excludes, because it hung, exits 0, so its agent keeps the node's other workers and the job
+# SUCCEEDED when the others finished the fit.
 exec torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$JOB_ID" --max-restarts 0 \
     "$HERE/train.py" --num-nodes "$NNODES" --devices "$NPROC_PER_NODE" --root-dir "$ROOT_DIR" "$@"

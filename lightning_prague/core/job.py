@@ -207,7 +207,7 @@ def init_job(
     if joins:
         _init_local_world(rank, world_size)  # first: a torch without the stand-in fails before anything connects
         store = _joiner_store(rank, host, port, world_size, min(pg_timeout, timedelta(seconds=timeout)))
-        control = _connect(store, rank, timeout, None, secret, launch_id)
+        control = _connect(store, rank, timeout, None, secret, launch_id, joining=True)
         _JOB = Job(
             rank, world_size, backend, control, None, pg_timeout=pg_timeout, store=store, device_id=device_id,
             joining=True,
@@ -336,10 +336,10 @@ def _joiner_store(rank: int, host: str, port: int, world_size: int, timeout: tim
         ) from None
 
 
-def _wait_for_listener(rank: int, host: str, port: int, timeout: float) -> None:
-    """Return once something accepts a connection at `host:port`; `FitEnded` once it refused every
-    attempt for `STORE_GONE_SECONDS`. Other failures (a timeout, an unreachable network: a partition,
-    not proof that the job is gone) are left to the store's own connection, which waits `timeout`."""
+def _wait_for_listener(rank: int, host: str, port: int, timeout: float, what: str = "the job's store") -> None:
+    """Return once something accepts a connection at `host:port` (`what`); `FitEnded` once it refused
+    every attempt for `STORE_GONE_SECONDS`. Other failures (a timeout, an unreachable network: a
+    partition, not proof that the job is gone) are left to the connection itself, which waits `timeout`."""
     start = time.monotonic()
     while True:
         try:
@@ -350,7 +350,7 @@ def _wait_for_listener(rank: int, host: str, port: int, timeout: float) -> None:
             if waited >= min(STORE_GONE_SECONDS, timeout):
                 log.debug("rank %d: %s:%d refused connections for %.1fs", rank, host, port, waited)
                 raise FitEnded(
-                    f"rank {rank} found no running fit to rejoin: nothing listens at the job's store at {host}:{port} "
+                    f"rank {rank} found no running fit to rejoin: nothing listens at {what} at {host}:{port} "
                     f"(refused for {waited:.0f}s): the job's supervisor exited, because the others finished the fit "
                     "or its node is gone, or MASTER_ADDR / MASTER_PORT are not the job's"
                 ) from None
@@ -385,12 +385,16 @@ def _connect(
     proc: Optional[Supervisor],
     secret: Optional[bytes],
     launch_id: Optional[str],
+    joining: bool = False,
 ) -> ControlClient:
     """Connect to the control plane whose address the supervisor published in the store.
 
     What the store holds is checked as untrusted input (`ADDRESS_RECORD`). Rank 0 checks that the
     address is its own supervisor's, every rank that the launch is its own (when it knows its own):
-    a job never attaches to an earlier launch's supervisor that still holds a fixed port.
+    a job never attaches to an earlier launch's supervisor that still holds a fixed port. A process
+    `joining` a running fit whose control plane refuses it for `STORE_GONE_SECONDS` finds the fit
+    ended (`FitEnded`): under torchrun the job's store is the agent's, which outlives the fit and its
+    running mark, while the control plane ends with the fit.
     """
     key = address_key()
     try:
@@ -426,6 +430,8 @@ def _connect(
             )
         secret = record["secret"].encode()
     credentials = Credentials.derive(secret, record["launch"])
+    if joining:
+        _wait_for_listener(rank, record["host"], record["port"], timeout, "the job's control plane")
     client = ControlClient(record["host"], record["port"], rank, timeout, credentials)
     client.supervisor_pid = record["pid"]
     return client

@@ -250,13 +250,19 @@ class Synchronizer:
         worker = strategy.worker
         if worker is None or strategy.failed or not strategy.controller.aligned or not state:
             return state
-        averaged, complete = averaged_optimizer_state(
-            state,
-            worker.comm,
-            worker.members,
-            operation="optimizer state average for a checkpoint",
-            decide=worker.agree,
-        )
+        operation = "optimizer state average for a checkpoint"
+        members, decide = tuple(worker.members), worker.agree
+        if worker.fresh:  # ranks admitted at this point (an epoch's end) hold the donor's state and write no
+            # checkpoint here: the others average among themselves, deciding among themselves, as Lightning's
+            # collectives do then (`collectives.RoutedCollectives.members`)
+            if strategy.global_rank in worker.fresh:
+                return state
+            members = tuple(m for m in worker.members if m not in worker.fresh)
+
+            def decide(complete: bool) -> bool:
+                return worker.comm.agree_among(members, complete, operation)
+
+        averaged, complete = averaged_optimizer_state(state, worker.comm, members, operation=operation, decide=decide)
         if not complete:
             log.warning(
                 "rank %d: the checkpoint holds this rank's own optimizer state, not the mean", strategy.global_rank
