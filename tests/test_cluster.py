@@ -8,7 +8,7 @@ address), joined by 1 Gbit/s links shaped with ``tc``; gloo is told each node's 
 inside it and both nodes' at the same time; every rank of a job must end its fit with the same
 model.
 
-What runs (about a minute on two cores):
+What runs (about 70 s on two cores):
 
 - **The example job scripts** (`examples/cluster`), each as its launcher runs it, the same
   ``train.py`` for 2 epochs, at once:
@@ -21,7 +21,11 @@ What runs (about a minute on two cores):
     environment its manifest gives it, the completion index as ``NODE_RANK`` and the cluster's own
     names and sizes where a real cluster's differ (`pod_environment`).
   Every launcher exits 0, every rank reports the end of the fit with one model, and the job's root
-  directory holds the last checkpoint, the ``workers/live`` metric and the supervisor's log.
+  directory holds the last checkpoint, the ``workers/live`` metric and the supervisor's log. Each
+  example restarts a lost worker through ``train.py --max-restarts`` (its keeper); in two of them rank
+  1 (node2) is lost once the first epoch is over (`lose_rank_1`): torchrun's training process is
+  killed and its keeper's new process rejoins, Kubernetes' pod 1 is lost and a replacement pod with
+  the same index (nothing kept) rejoins; both train again and finish with the others' model.
 - **srun-style jobs of the demo** (``lightning_prague.tools.cluster.srun``, forked from one import):
   - ``prague`` with ``max_workers=6``: rank 2 kills itself, a new process with its old SLURM
     variables as a new step of the job (``SLURM_STEP_ID=1``, ``LIGHTNING_PRAGUE_REJOIN=1``) rejoins,
@@ -47,6 +51,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,7 +92,12 @@ REJOIN, REJOIN_EPOCHS = "prague", 12
 #: each example's launcher and strategy: with the rejoin job's prague every strategy finishes a fit
 #: on several nodes (2 workers, one per node, are too few for partial_reduce's default group size)
 EXAMPLE_STRATEGIES = {"slurm": "partial_reduce", "torchrun": "adpsgd", "kubernetes": "decent_adam"}
-EXAMPLE_EPOCHS = 2
+#: the examples whose rank 1 (node2) is lost once their first epoch is over, each as its launcher
+#: loses one: torchrun's training process is killed (its keeper starts it again), Kubernetes' pod is
+#: lost (a replacement pod with the same index, nothing kept, starts); their fits last long enough for
+#: a fresh interpreter to start and rejoin on two loaded cores
+LOSES_RANK_1 = ("torchrun", "kubernetes")
+EXAMPLE_EPOCHS = {"slurm": 2, "torchrun": 90, "kubernetes": 60}
 
 
 @pytest.fixture(scope="module")
@@ -156,10 +166,15 @@ class Example:
     world: int = NODES * WORKERS
     procs: list[subprocess.Popen] = field(default_factory=list)
     codes: list[int | None] = field(default_factory=list)
+    lost: str = ""  # how its rank 1 was lost (`lose_rank_1`), or why that did not happen
 
     @property
     def strategy(self) -> str:
         return EXAMPLE_STRATEGIES[self.launcher]
+
+    @property
+    def epochs(self) -> int:
+        return EXAMPLE_EPOCHS[self.launcher]
 
     @property
     def root_dir(self) -> Path:
@@ -175,14 +190,14 @@ class Example:
     def output(self) -> str:
         return "\n".join(p.read_text(errors="replace") for p in sorted(self.directory.glob("*.log")))
 
-    def start(self, cluster: Cluster, node, argv: list[str], env: dict[str, str]) -> None:
-        with open(self.log(node.name), "w") as log:  # the process keeps its own copy
+    def start(self, cluster: Cluster, node, argv: list[str], env: dict[str, str], name: str = "") -> None:
+        with open(self.log(name or node.name), "w") as log:  # the process keeps its own copy
             self.procs.append(cluster.run(node, argv, env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
 
 
 def train_args(example: Example) -> list[str]:
     """What the test adds to each example's train.py command line: its strategy, a short fit, the CPU."""
-    return ["--strategy", example.strategy, "--max-epochs", str(EXAMPLE_EPOCHS), "--accelerator", "cpu"]
+    return ["--strategy", example.strategy, "--max-epochs", str(example.epochs), "--accelerator", "cpu"]
 
 
 def start_slurm(cluster: Cluster, example: Example) -> None:
@@ -242,25 +257,89 @@ def pod_environment(container: dict, index: int, cluster_values: dict[str, str])
 
 
 def start_kubernetes(cluster: Cluster, example: Example) -> None:
-    """One pod per node: its container's command, in the working directory the image has the
-    repository in, with the manifest's environment."""
+    """One pod per node (`start_pod`)."""
+    for index in range(len(cluster.nodes)):
+        start_pod(cluster, example, index)
+
+
+def start_pod(cluster: Cluster, example: Example, index: int, name: str = "") -> None:
+    """Pod `index` on node `index + 1`: its container's command, in the working directory the image
+    has the repository in, with the manifest's environment (a replacement pod: the same, nothing kept)."""
     job = manifest_job()
     container = job["spec"]["template"]["spec"]["containers"][0]
     command = [*container["command"], *container["args"]]
-    for index, node in enumerate(cluster.nodes):
-        cluster_values = {
-            "WORLD_SIZE": str(example.world), "MASTER_ADDR": "node1", "MASTER_PORT": "29410",
-            "LIGHTNING_PRAGUE_CONTROL_PORT": "29631", "NCCL_SOCKET_IFNAME": node.ifname,
-            "GLOO_SOCKET_IFNAME": node.ifname, "ROOT_DIR": str(example.root_dir),
-            "TRAIN_ARGS": " ".join(train_args(example)),
-        }  # fmt: skip
-        env = node_env(node, example.directory)
-        env.update(pod_environment(container, index, cluster_values))
-        example.start(cluster, node, command, env)
+    node = cluster.nodes[index]
+    cluster_values = {
+        "WORLD_SIZE": str(example.world), "MASTER_ADDR": "node1", "MASTER_PORT": "29410",
+        "LIGHTNING_PRAGUE_CONTROL_PORT": "29631", "NCCL_SOCKET_IFNAME": node.ifname,
+        "GLOO_SOCKET_IFNAME": node.ifname, "ROOT_DIR": str(example.root_dir),
+        "TRAIN_ARGS": " ".join(train_args(example)),
+    }  # fmt: skip
+    env = node_env(node, example.directory)
+    env.update(pod_environment(container, index, cluster_values))
+    example.start(cluster, node, command, env, name)
 
 
-#: what train.py prints at the end of each rank's fit
-FINISHED = re.compile(r"train\.py: rank (\d+) finished the fit at epoch (\d+), step \d+, .*parameters (\w+)")
+def _environ(pid: int) -> set[str]:
+    try:
+        return set(Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0"))
+    except OSError:
+        return set()
+
+
+def kept_training_process(variables: set[str]) -> int | None:
+    """The training process that a keeper started with ``variables`` in its environment keeps (the
+    keeper's child), or ``None``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"keeper.py" not in cmdline or not variables <= _environ(int(entry.name)):
+            continue
+        for child in Path("/proc").iterdir():
+            try:
+                if child.name.isdigit() and (child / "stat").read_text().rsplit(")", 1)[1].split()[1] == entry.name:
+                    return int(child.name)
+            except (OSError, IndexError):
+                continue
+    return None
+
+
+def lose_rank_1(cluster: Cluster, examples: dict[str, Example], deadline: float) -> None:
+    """Once each of `LOSES_RANK_1`'s first epoch is over (its first checkpoint): torchrun's rank 1
+    training process is killed (SIGKILL; its keeper starts it again), Kubernetes' pod 1 is lost (its
+    processes SIGKILLed) and a replacement pod with the same index starts."""
+    waiting = list(LOSES_RANK_1)
+    while waiting and time.monotonic() < deadline:
+        for launcher in list(waiting):
+            example = examples[launcher]
+            if not any((example.root_dir / "checkpoints").glob("epoch=*.ckpt")):
+                continue
+            if launcher == "torchrun":
+                pid = kept_training_process({"TORCHELASTIC_RUN_ID=example-torchrun", "RANK=1"})
+                if pid is None:
+                    example.lost = "no kept training process of rank 1 was found"
+                else:
+                    os.kill(pid, signal.SIGKILL)
+                    example.lost = f"killed rank 1's training process (pid {pid})"
+            else:
+                os.killpg(example.procs[1].pid, signal.SIGKILL)
+                start_pod(cluster, example, 1, "node2-replacement")
+                example.lost = "pod 1 lost; a replacement pod started"
+            waiting.remove(launcher)
+        time.sleep(0.1)
+    for launcher in waiting:
+        examples[launcher].lost = "its first epoch did not end in time"
+
+
+#: what train.py prints at the end of each rank's fit: rank, epoch, parameters, restart, batches trained
+FINISHED = re.compile(
+    r"train\.py: rank (\d+) finished the fit at epoch (\d+), step \d+, .*parameters (\w+); "
+    r"this process \(restart (\d+)\) trained (\d+) batches"
+)
 
 
 # -- the demo's srun-style jobs
@@ -423,6 +502,8 @@ def jobs(cluster, tmp_path_factory) -> Jobs:
     start_slurm(cluster, examples["slurm"])
     start_torchrun(cluster, examples["torchrun"])
     start_kubernetes(cluster, examples["kubernetes"])
+    losing = threading.Thread(target=lose_rank_1, args=(cluster, examples, time.monotonic() + JOB_TIMEOUT / 2))
+    losing.start()
     made: dict[tuple[str, str], Job] = {}
     for path, strategies in (("torchrun", TORCHRUN), ("srun", SRUN)):
         for strategy in strategies:
@@ -437,6 +518,7 @@ def jobs(cluster, tmp_path_factory) -> Jobs:
     srun_procs = start_srun(cluster, srun_jobs, root / "srun", gate)
     deadline = time.monotonic() + JOB_TIMEOUT
     rejoin_and_grow(cluster, made["srun-rejoin", REJOIN])
+    losing.join()
     for example in examples.values():
         example.codes = wait(example.procs, deadline)
     for strategy in TORCHRUN:
@@ -459,15 +541,31 @@ def test_each_example_job_script_trains_to_the_end_of_the_fit(jobs, launcher):
     whole world at every synchronization point) and the supervisor's log, whose path rank 0 printed."""
     example = jobs.examples[launcher]
     logs = tail(example.logs())
-    assert example.codes == [0] * NODES, f"{launcher}'s processes exited with {example.codes}\n{logs}"
-    finished = {int(rank): (int(epoch), digest) for rank, epoch, digest in FINISHED.findall(example.output())}
+    # a lost pod's status is SIGKILL's (what Kubernetes records for it); its replacement's is 0
+    expected = [0, -signal.SIGKILL, 0] if launcher == "kubernetes" else [0] * NODES
+    assert example.codes == expected, f"{launcher}'s processes exited with {example.codes}\n{logs}"
+    lines = FINISHED.findall(example.output())
+    finished = {
+        int(rank): (int(epoch), digest, int(restart), int(batches)) for rank, epoch, digest, restart, batches in lines
+    }
+    assert len(lines) == len(finished), f"a rank finished twice: {lines}"
     assert sorted(finished) == list(range(example.world)), f"ranks that finished: {sorted(finished)}\n{logs}"
-    assert {epoch for epoch, _ in finished.values()} == {EXAMPLE_EPOCHS}, finished
-    assert len({digest for _, digest in finished.values()}) == 1, f"the ranks' models differ: {finished}"
+    assert {epoch for epoch, *_ in finished.values()} == {example.epochs}, finished
+    assert len({digest for _, digest, *_ in finished.values()}) == 1, f"the ranks' models differ: {finished}"
     assert (example.root_dir / "checkpoints" / "last.ckpt").is_file(), sorted(example.root_dir.rglob("*"))
     (metrics,) = example.root_dir.glob("metrics/version_*/metrics.csv")
-    live = [row["workers/live"] for row in csv.DictReader(metrics.open()) if row.get("workers/live")]
-    assert live and {float(v) for v in live} == {example.world}, live
+    live = [float(row["workers/live"]) for row in csv.DictReader(metrics.open()) if row.get("workers/live")]
+    if launcher in LOSES_RANK_1:
+        assert example.lost.startswith(("killed", "pod 1 lost")), example.lost
+        # rank 1 came back and trained: its keeper's new process (torchrun), a new pod (nothing kept)
+        _, _, restart, batches = finished[1]
+        assert restart == (1 if launcher == "torchrun" else 0) and batches > 0, (finished, example.lost, logs)
+        if launcher == "kubernetes":
+            assert "train.py: rank 1 finished" in example.log("node2-replacement").read_text(), logs
+        # the workers at each synchronization point: one fewer for a while, the whole world at the end
+        assert live and min(live) >= example.world - 1 and live[-1] == example.world, live
+    else:
+        assert live and set(live) == {example.world}, live
     (supervisor_log,) = (example.root_dir / "lightning_prague_logs").glob("supervisor-*.log")
     assert f"logs to {supervisor_log}" in example.output(), logs
 
