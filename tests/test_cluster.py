@@ -22,10 +22,11 @@ What runs (about 70 s on two cores):
     names and sizes where a real cluster's differ (`pod_environment`).
   Every launcher exits 0, every rank reports the end of the fit with one model, and the job's root
   directory holds the last checkpoint, the ``workers/live`` metric and the supervisor's log. Each
-  example restarts a lost worker through ``train.py --max-restarts`` (its keeper); in two of them rank
-  1 (node2) is lost once the first epoch is over (`lose_rank_1`): torchrun's training process is
-  killed and its keeper's new process rejoins, Kubernetes' pod 1 is lost and a replacement pod with
-  the same index (nothing kept) rejoins; both train again and finish with the others' model.
+  example restarts a lost worker through ``train.py --max-restarts`` (its keeper); in two of them a
+  rank is lost once the first epoch is over (`lose_a_rank`): torchrun's rank 0 training process (on
+  the node of the control plane, which lives in a process of its own) is killed and its keeper's new
+  process rejoins, Kubernetes' pod 1 is lost and a replacement pod with the same index (nothing kept)
+  rejoins; both train again and finish with the others' model.
 - **srun-style jobs of the demo** (``lightning_prague.tools.cluster.srun``, forked from one import):
   - ``prague`` with ``max_workers=6``: rank 2 kills itself, a new process with its old SLURM
     variables as a new step of the job (``SLURM_STEP_ID=1``, ``LIGHTNING_PRAGUE_REJOIN=1``) rejoins,
@@ -60,6 +61,7 @@ import pytest
 import yaml
 from helpers import run_forked
 
+from lightning_prague.strategies.keeper import SPARE_VARIABLE
 from lightning_prague.tools.cluster import Cluster, ClusterUnavailable, clean_environment
 from lightning_prague.tools.cluster.batch import batch_environment, write_srun
 from lightning_prague.tools.cluster.emulate import cluster_ids, namespaces
@@ -92,11 +94,12 @@ REJOIN, REJOIN_EPOCHS = "prague", 12
 #: each example's launcher and strategy: with the rejoin job's prague every strategy finishes a fit
 #: on several nodes (2 workers, one per node, are too few for partial_reduce's default group size)
 EXAMPLE_STRATEGIES = {"slurm": "partial_reduce", "torchrun": "adpsgd", "kubernetes": "decent_adam"}
-#: the examples whose rank 1 (node2) is lost once their first epoch is over, each as its launcher
-#: loses one: torchrun's training process is killed (its keeper starts it again), Kubernetes' pod is
-#: lost (a replacement pod with the same index, nothing kept, starts); their fits last long enough for
-#: a fresh interpreter to start and rejoin on two loaded cores
-LOSES_RANK_1 = ("torchrun", "kubernetes")
+#: the examples that lose a rank once their first epoch is over, and which, each as its launcher
+#: loses one: torchrun's rank 0 training process is killed (its keeper starts it again; the control
+#: plane, a process of its own, lives on), Kubernetes' pod 1 is lost (a replacement pod with the same
+#: index, nothing kept, starts); their fits last long enough for a fresh interpreter to start and
+#: rejoin on two loaded cores
+LOST_RANK = {"torchrun": 0, "kubernetes": 1}
 EXAMPLE_EPOCHS = {"slurm": 2, "torchrun": 90, "kubernetes": 60}
 
 
@@ -166,7 +169,7 @@ class Example:
     world: int = NODES * WORKERS
     procs: list[subprocess.Popen] = field(default_factory=list)
     codes: list[int | None] = field(default_factory=list)
-    lost: str = ""  # how its rank 1 was lost (`lose_rank_1`), or why that did not happen
+    lost: str = ""  # how its rank was lost (`lose_a_rank`), or why that did not happen
 
     @property
     def strategy(self) -> str:
@@ -210,6 +213,7 @@ def start_slurm(cluster: Cluster, example: Example) -> None:
         base = node_env(node, example.directory, {"LIGHTNING_PRAGUE_CONTROL_PORT": "29611"})
         env = batch_environment(base, layout, "25101", ROOT, srun_dir)
         env["ROOT_DIR"] = str(example.root_dir)
+        env[SPARE_VARIABLE] = "0"  # no rank of it is lost: no warm spare's imports on the loaded cores
         example.start(cluster, node, ["bash", str(EXAMPLES / "slurm.sbatch"), *train_args(example)], env)
 
 
@@ -277,6 +281,7 @@ def start_pod(cluster: Cluster, example: Example, index: int, name: str = "") ->
     }  # fmt: skip
     env = node_env(node, example.directory)
     env.update(pod_environment(container, index, cluster_values))
+    env[SPARE_VARIABLE] = "0"  # a lost pod takes its keeper and spare along: a replacement pod starts afresh
     example.start(cluster, node, command, env, name)
 
 
@@ -308,23 +313,24 @@ def kept_training_process(variables: set[str]) -> int | None:
     return None
 
 
-def lose_rank_1(cluster: Cluster, examples: dict[str, Example], deadline: float) -> None:
-    """Once each of `LOSES_RANK_1`'s first epoch is over (its first checkpoint): torchrun's rank 1
+def lose_a_rank(cluster: Cluster, examples: dict[str, Example], deadline: float) -> None:
+    """Once each of `LOST_RANK`'s first epoch is over (its first checkpoint): torchrun's rank 0
     training process is killed (SIGKILL; its keeper starts it again), Kubernetes' pod 1 is lost (its
     processes SIGKILLed) and a replacement pod with the same index starts."""
-    waiting = list(LOSES_RANK_1)
+    waiting = list(LOST_RANK)
     while waiting and time.monotonic() < deadline:
         for launcher in list(waiting):
             example = examples[launcher]
             if not any((example.root_dir / "checkpoints").glob("epoch=*.ckpt")):
                 continue
             if launcher == "torchrun":
-                pid = kept_training_process({"TORCHELASTIC_RUN_ID=example-torchrun", "RANK=1"})
+                rank = LOST_RANK[launcher]
+                pid = kept_training_process({"TORCHELASTIC_RUN_ID=example-torchrun", f"RANK={rank}"})
                 if pid is None:
-                    example.lost = "no kept training process of rank 1 was found"
+                    example.lost = f"no kept training process of rank {rank} was found"
                 else:
                     os.kill(pid, signal.SIGKILL)
-                    example.lost = f"killed rank 1's training process (pid {pid})"
+                    example.lost = f"killed rank {rank}'s training process (pid {pid})"
             else:
                 os.killpg(example.procs[1].pid, signal.SIGKILL)
                 start_pod(cluster, example, 1, "node2-replacement")
@@ -502,7 +508,7 @@ def jobs(cluster, tmp_path_factory) -> Jobs:
     start_slurm(cluster, examples["slurm"])
     start_torchrun(cluster, examples["torchrun"])
     start_kubernetes(cluster, examples["kubernetes"])
-    losing = threading.Thread(target=lose_rank_1, args=(cluster, examples, time.monotonic() + JOB_TIMEOUT / 2))
+    losing = threading.Thread(target=lose_a_rank, args=(cluster, examples, time.monotonic() + JOB_TIMEOUT / 2))
     losing.start()
     made: dict[tuple[str, str], Job] = {}
     for path, strategies in (("torchrun", TORCHRUN), ("srun", SRUN)):
@@ -555,10 +561,10 @@ def test_each_example_job_script_trains_to_the_end_of_the_fit(jobs, launcher):
     assert (example.root_dir / "checkpoints" / "last.ckpt").is_file(), sorted(example.root_dir.rglob("*"))
     (metrics,) = example.root_dir.glob("metrics/version_*/metrics.csv")
     live = [float(row["workers/live"]) for row in csv.DictReader(metrics.open()) if row.get("workers/live")]
-    if launcher in LOSES_RANK_1:
+    if launcher in LOST_RANK:
         assert example.lost.startswith(("killed", "pod 1 lost")), example.lost
-        # rank 1 came back and trained: its keeper's new process (torchrun), a new pod (nothing kept)
-        _, _, restart, batches = finished[1]
+        # the rank came back and trained: its keeper's new process (torchrun), a new pod (nothing kept)
+        _, _, restart, batches = finished[LOST_RANK[launcher]]
         assert restart == (1 if launcher == "torchrun" else 0) and batches > 0, (finished, example.lost, logs)
         if launcher == "kubernetes":
             assert "train.py: rank 1 finished" in example.log("node2-replacement").read_text(), logs

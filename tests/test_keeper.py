@@ -183,3 +183,36 @@ def test_the_keeper_starts_the_training_process_anew_where_a_fork_is_unsafe(monk
     (argv,) = became.value.args
     assert argv[argv.index("--max-restarts") + 1] == "2" and "--child" not in argv, argv
     assert "MPI library is initialised" in caplog.text and "starts its training process anew" in caplog.text
+
+
+#: a training script's stand-in for the warm spare: records its pid, restart count, whether torch was
+#: imported before it ran (in a spare it was) and its keeper; its first run dies after `argv[2]` seconds
+SPARE_STAND_IN = """
+import os, sys
+path = sys.argv[1]
+with open(path, "a") as out:
+    out.write(f"{os.getpid()} {os.environ.get('LIGHTNING_PRAGUE_RESTART_COUNT', '-')} {'torch' in sys.modules} "
+              f"{os.environ.get('LIGHTNING_PRAGUE_KEEPER')}\\n")
+if len(open(path).read().splitlines()) == 1:
+    import time
+    time.sleep(float(sys.argv[2]))
+    os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_keepers_restart_runs_in_its_warm_spare(tmp_path):
+    """Under srun, torchrun or a container the keeper keeps a warm spare, as the node's agent does:
+    the restart runs the rank's command in a process that imported torch and Lightning already."""
+    from lightning_prague.strategies.keeper import SPARE_VARIABLE, spare_wanted
+
+    script, runs = tmp_path / "train.py", tmp_path / "runs"
+    script.write_text(SPARE_STAND_IN)
+    command = [sys.executable, str(script), str(runs), "0.5"]
+    keeper = Keeper(command, max_restarts=1, backoff=0.01, environment=dict(os.environ), spare=True, spare_delay=0)
+    assert keeper.run() == 0
+    first, second = (line.split() for line in runs.read_text().splitlines())
+    assert first[1:3] == ["-", "False"], first  # a new process: nothing imported before the script
+    assert second[1:] == ["1", "True", str(os.getpid())], second  # the spare: torch was there already
+    assert keeper.spares_taken == 1 and keeper.spare is None  # no restart left: no new spare
+    assert spare_wanted({}) and not spare_wanted({SPARE_VARIABLE: "0"})
+    assert "--spare" in keeper_argv(command, 1, None, spare=True) and "--spare" not in keeper_argv(command, 1, None)

@@ -10,9 +10,10 @@ import, on 127.0.0.1 with gloo), run side by side:
   with `LIGHTNING_PRAGUE_REJOIN=1`. Every fit returns, with one model, and each new process trains
   at least 50 batches.
 - `prague` with `max_restarts=1`: every task's process becomes its rank's keeper
-  (`lightning_prague.strategies.keeper`); rank 1's training process kills itself at its 10th batch and
-  its keeper starts it again in place. The new process rejoins and trains; every task (keeper)
-  exits 0, as the fit finished.
+  (`lightning_prague.strategies.keeper`), which keeps a warm spare; rank 1's training process kills
+  itself at its 250th batch (its spare stands ready by then) and its keeper starts it again in
+  place, in the spare. The new process rejoins and trains; every task (keeper) exits 0, as the fit
+  finished.
 
 About 20 s on two cores.
 """
@@ -37,7 +38,7 @@ TASKS = 4
 #: kills itself at, its new step's id, what the step exports on top of the job's environment)
 NEW_STEPS = {2: (10, 1, {}), 1: (40, 2, {"LIGHTNING_PRAGUE_REJOIN": "1"})}
 #: the rank the keeper of the `max_restarts` job restarts, and the batch it kills itself at
-KEPT, KEPT_AT = 1, 10
+KEPT, KEPT_AT = 1, 250
 EPOCHS = 2
 #: the fewest batches a new process trains
 MIN_BATCHES = 50
@@ -144,8 +145,8 @@ def test_a_new_srun_step_of_the_job_rejoins_its_running_fit(srun_jobs, strategy)
 
 
 def test_the_keeper_of_max_restarts_restarts_a_killed_rank_under_srun(srun_jobs):
-    """`max_restarts=1` under srun: rank 1's keeper starts its killed training process again, which
-    rejoins and trains; every task exits 0 (the keeper exits as its last process did)."""
+    """`max_restarts=1` under srun: rank 1's keeper starts its killed training process again in its warm
+    spare, which rejoins and trains; every task exits 0 (the keeper exits as its last process did)."""
     directory, output = srun_jobs["kept"]
     found = results(directory)
     assert sorted(found) == list(range(TASKS)), f"results of ranks {sorted(found)}\n{output[-12000:]}"
@@ -153,7 +154,9 @@ def test_the_keeper_of_max_restarts_restarts_a_killed_rank_under_srun(srun_jobs)
     assert found[KEPT]["restarts"] == 1 and found[KEPT]["batches_this_process"] > 0, found[KEPT]
     assert all(found[r]["restarts"] == 0 for r in range(TASKS) if r != KEPT)
     assert launcher_lines(output, "4803") == [], output[-8000:]  # every task (a keeper) exited 0
-    assert "starting it again in 1s (restart 1 of 1)" in (directory.parent / "job4803.rank1.log").read_text()
+    log = (directory.parent / "job4803.rank1.log").read_text()
+    assert "starting it again in 1s (restart 1 of 1)" in log, log[-3000:]
+    assert "the rank's new process is its warm spare" in log, log[-3000:]  # it stood ready: no new interpreter
 
 
 def test_srun_sets_the_variables_of_a_step_of_a_requeued_job():

@@ -16,6 +16,12 @@ keeper
 - forwards the signals a launcher sends its task (SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2) to the
   training process, and restarts nothing after a SIGTERM, SIGINT or SIGHUP (the launcher stops the
   job);
+- keeps a *warm spare* (as the node's agent does under Lightning's launcher): `SPARE_DELAY` seconds
+  after it starts, and after a restart took one, it starts `python -m lightning_prague.strategies.spare`
+  with the rank's command, a process that imports torch and Lightning and waits; a restart hands the
+  spare the new process's environment, and it runs the command in itself, without the seconds of
+  imports. It costs one idle interpreter per rank (a few hundred MB of host memory, no GPU memory);
+  `LIGHTNING_PRAGUE_WARM_SPARE=0` turns it off;
 - exits as its last training process did: with its exit status, or killed by the same signal, so
   the launcher reports what it would have without a keeper (docs/fault_tolerance.md, "Exit
   statuses"). A training process dies with its keeper (`PR_SET_PDEATHSIG` on Linux): a launcher
@@ -53,7 +59,35 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signa
 STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: seconds before a rank's first restart; each further one waits twice as long
 BACKOFF = 1.0
+#: environment variable: `0` turns the keeper's warm spare off
+SPARE_VARIABLE = "LIGHTNING_PRAGUE_WARM_SPARE"
+#: seconds after the keeper starts, and after a restart took the spare, before a new spare starts (its
+#: imports would slow the training process's own start)
+SPARE_DELAY = 5.0
+#: how often the keeper looks at its training process and its spare, seconds
+POLL_SECONDS = 0.1
 _PR_SET_PDEATHSIG = 1
+
+
+def spare_environment(command: Sequence[str], environment: dict[str, str]) -> dict[str, str]:
+    """The environment a spare for `command` (`[-m module | script] args...`) starts with:
+    `environment`, and for a script its folder first on `PYTHONPATH`, where `python script.py` puts it
+    (the rank's own environment replaces this one before the script runs; the path stays)."""
+    if not command or command[0] == "-m":
+        return dict(environment)
+    folder = os.path.dirname(os.path.abspath(command[0]))
+    rest = environment.get("PYTHONPATH")
+    return {**environment, "PYTHONPATH": folder + (os.pathsep + rest if rest else "")}
+
+
+def spare_command(command: Sequence[str]) -> list[str]:
+    """The command line of a warm spare for the training process's `command` (its interpreter first)."""
+    return [command[0], "-m", "lightning_prague.strategies.spare", *command[1:]]
+
+
+def spare_wanted(environment: dict[str, str]) -> bool:
+    """Whether a keeper keeps a warm spare: unless `SPARE_VARIABLE` is `0`."""
+    return environment.get(SPARE_VARIABLE, "1").strip() != "0"
 
 
 def kept() -> bool:
@@ -96,6 +130,8 @@ class Keeper:
         child: Optional[int] = None,
         backoff: float = BACKOFF,
         environment: Optional[dict[str, str]] = None,
+        spare: bool = False,
+        spare_delay: float = SPARE_DELAY,
     ) -> None:
         if not command:
             raise ValueError("the keeper needs the training process's command")
@@ -110,6 +146,14 @@ class Keeper:
         self.restarts = 0
         self.stopping = False
         self._procs: dict[int, subprocess.Popen] = {}  # the processes it started (kept: no finalizer reaps them)
+        #: whether it keeps a warm spare, the spare (a process that imported torch and Lightning and
+        #: waits on its standard input) and when the next one starts
+        self.keeps_spare = spare and len(self.command) >= 2
+        self.spare: Optional[subprocess.Popen] = None
+        self.spare_delay = spare_delay
+        self._spare_due = time.monotonic() + spare_delay
+        #: how many restarts the spare took
+        self.spares_taken = 0
 
     def _forward(self, signum: int, frame: Any) -> None:
         if signum in STOPPING:
@@ -122,13 +166,61 @@ class Keeper:
 
     def _start(self) -> int:
         env = child_environment(self.environment, os.getpid(), self.restarts)
+        spare, self.spare = self.spare, None
+        if self.restarts and spare is not None:
+            self._spare_due = time.monotonic() + self.spare_delay
+            if spare.poll() is None and spare.stdin is not None:
+                try:
+                    spare.stdin.write(json.dumps(env).encode() + b"\n")
+                    spare.stdin.close()
+                except OSError:  # it died meanwhile: a new process, as without a spare
+                    pass
+                else:
+                    self.spares_taken += 1
+                    _say(f"the rank's new process is its warm spare (pid {spare.pid})")
+                    return spare.pid
         proc = subprocess.Popen(self.command, env=env, preexec_fn=die_with_parent)  # noqa: PLW1509  (no threads here)
         self._procs[proc.pid] = proc
         return proc.pid
 
+    def _keep_spare(self) -> None:
+        """Start a warm spare where none stands ready and one is due (`SPARE_DELAY`)."""
+        if not self.keeps_spare or self.stopping or time.monotonic() < self._spare_due:
+            return
+        if self.spare is not None and self.spare.poll() is None:
+            return
+        if self.restarts >= self.max_restarts:
+            return  # no restart left to take it
+        self.spare = subprocess.Popen(  # noqa: PLW1509  (no threads here)
+            spare_command(self.command),
+            stdin=subprocess.PIPE,
+            env=spare_environment(self.command[1:], self.environment),
+            preexec_fn=die_with_parent,
+        )
+        self._procs[self.spare.pid] = self.spare
+
+    def _end_spare(self) -> None:
+        """End the spare, which holds nothing (it may still be importing: it is not waited for)."""
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return
+        if spare.stdin is not None:
+            try:
+                spare.stdin.close()
+            except OSError:
+                pass
+        spare.kill()
+        spare.wait()
+
     def _wait(self, pid: int) -> int:
-        """`pid`'s exit status, as `os.waitstatus_to_exitcode` gives it (`-N`: killed by signal N)."""
-        _, status = os.waitpid(pid, 0)  # a signal runs its handler and the wait goes on (PEP 475)
+        """`pid`'s exit status, as `os.waitstatus_to_exitcode` gives it (`-N`: killed by signal N); the
+        warm spare is kept meanwhile."""
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            self._keep_spare()
+            time.sleep(POLL_SECONDS)  # a signal runs its handler and the sleep goes on (PEP 475)
         self._procs.pop(pid, None)
         return os.waitstatus_to_exitcode(status)
 
@@ -140,6 +232,7 @@ class Keeper:
         try:
             return self._keep()
         finally:
+            self._end_spare()
             for signum, handler in previous.items():
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
@@ -183,11 +276,13 @@ def exit_as(code: int) -> None:
     os._exit(code)
 
 
-def keeper_argv(command: Sequence[str], max_restarts: int, child: Optional[int], backoff: float = BACKOFF) -> list[str]:
+def keeper_argv(
+    command: Sequence[str], max_restarts: int, child: Optional[int], backoff: float = BACKOFF, spare: bool = False
+) -> list[str]:
     """The command line a task's process `exec`s to become its rank's keeper (this file, run by path);
-    `child`: the training process it forked (`None`: the keeper starts it)."""
+    `child`: the training process it forked (`None`: the keeper starts it); `spare`: it keeps a warm spare."""
     argv = [sys.executable, "-P", os.path.abspath(__file__), "--max-restarts", str(max_restarts)]
-    argv += ["--backoff", str(backoff), "--command", json.dumps(list(command))]
+    argv += ["--backoff", str(backoff), "--command", json.dumps(list(command))] + (["--spare"] if spare else [])
     return argv if child is None else [*argv, "--child", str(child)]
 
 
@@ -201,11 +296,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--child", type=int, help="the training process this process forked (else: start one)")
     parser.add_argument("--backoff", type=float, default=BACKOFF, help="seconds before the first restart")
     parser.add_argument("--command", required=True, help="the training process's command, a JSON list of strings")
+    parser.add_argument("--spare", action="store_true", help="keep a warm spare for the restarts")
     args = parser.parse_args(argv)
     command = json.loads(args.command)
     if not isinstance(command, list) or not command or not all(isinstance(part, str) for part in command):
         parser.error("--command must be a JSON list of strings")
-    exit_as(Keeper(command, args.max_restarts, args.child, args.backoff).run())
+    exit_as(Keeper(command, args.max_restarts, args.child, args.backoff, spare=args.spare).run())
 
 
 if __name__ == "__main__":

@@ -74,9 +74,11 @@ from lightning_prague.strategies.keeper import (
     die_with_parent,
     keeper_argv,
     kept,
+    spare_command,
+    spare_environment,
+    spare_wanted,
 )
 from lightning_prague.strategies.rejoin import PEER_CHECKPOINT, with_checkpoint
-from lightning_prague.strategies.spare import spare_environment
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +147,8 @@ def keep_this_rank(max_restarts: int) -> None:
     hazard = unforkable_state()
     if hazard is not None:
         log.warning("%s before fit: this rank's keeper starts its training process anew", hazard)
-        os.execv(sys.executable, keeper_argv(command, max_restarts, None))
+        os.execv(sys.executable, keeper_argv(command, max_restarts, None, spare=spare_wanted(dict(os.environ))))
+    spare = spare_wanted(dict(os.environ))
     keeper = os.getpid()
     child = os.fork()
     if child == 0:  # the training process
@@ -153,7 +156,7 @@ def keep_this_rank(max_restarts: int) -> None:
         os.environ.update(child_environment(dict(os.environ), keeper, 0))
         log.info("rank's keeper (pid %d) restarts this process (pid %d) if it is lost", keeper, os.getpid())
         return
-    os.execv(sys.executable, keeper_argv(command, max_restarts, child))
+    os.execv(sys.executable, keeper_argv(command, max_restarts, child, spare=spare))
 
 
 #: what to do instead of torchrun's restarts on several nodes
@@ -273,7 +276,7 @@ class RankAgent:
             return
         command = _basic_subprocess_cmd()
         self.spare = subprocess.Popen(
-            [command[0], "-m", "lightning_prague.strategies.spare", *command[1:]],
+            spare_command(command),
             stdin=subprocess.PIPE,
             env=spare_environment(command[1:], dict(os.environ)),
         )

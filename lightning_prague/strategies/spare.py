@@ -2,9 +2,10 @@
 
 Most of the time a restarted rank needs before it can rejoin is its interpreter importing torch and
 Lightning (4-5 s on a free CPU core, more next to busy ranks). With `max_restarts` the node's agent
-(`lightning_prague.strategies.launcher.RankAgent`) keeps one such process ready: started as
+(`lightning_prague.strategies.launcher.RankAgent`) keeps one such process ready, and so does each
+rank's keeper under other launchers (`lightning_prague.strategies.keeper`): started as
 `python -m lightning_prague.strategies.spare <the rank's command>`, it imports the heavy modules
-and then blocks on its standard input. When a rank is lost the agent writes it one line, the
+and then blocks on its standard input. When a rank is lost the agent (or keeper) writes it one line, the
 environment of the rank's new process as a JSON object of strings; the spare takes that
 environment and runs the rank's command in itself (`runpy`, as `python -m` or `python script.py`
 would: the script's `__main__`, its arguments in `sys.argv`). End of input (the agent is gone)
@@ -19,6 +20,10 @@ import os
 import runpy
 import sys
 import threading
+
+from lightning_prague.strategies.keeper import spare_environment
+
+__all__ = ["MAX_ENVIRONMENT_BYTES", "read_environment", "run_command", "spare_environment"]
 
 #: the longest line the spare reads (the environment of a rank), bytes
 MAX_ENVIRONMENT_BYTES = 1 << 20
@@ -48,17 +53,6 @@ def run_command(command: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")  # its folder is on the path (`spare_environment`)
     else:
         raise ValueError("no command to run")
-
-
-def spare_environment(command: list[str], environment: dict[str, str]) -> dict[str, str]:
-    """The environment a spare for `command` starts with: `environment`, and for a script its folder
-    first on `PYTHONPATH`, where `python script.py` puts it (the rank's own environment replaces
-    this one before the script runs; the path stays)."""
-    if not command or command[0] == "-m":
-        return dict(environment)
-    folder = os.path.dirname(os.path.abspath(command[0]))
-    rest = environment.get("PYTHONPATH")
-    return {**environment, "PYTHONPATH": folder + (os.pathsep + rest if rest else "")}
 
 
 def _import_heavy_modules() -> None:
