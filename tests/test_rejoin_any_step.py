@@ -1,6 +1,6 @@
 """A lost worker comes back inside one long epoch, and every batch is trained once.
 
-Two real jobs, run side by side (the slow part): four CPU workers under the strategy's launcher with
+Two real jobs, run side by side with a third (the slow part): four CPU workers under the strategy's launcher with
 `max_restarts=1`, one epoch of 719 batches (the digits in batches of 2), 50 ms steps. In each job one
 rank kills itself with SIGKILL at its 20th batch: rank 2 under `prague` (the work queue), rank 0 (the
 leader) under `decent_adam` (lock-step shards). The agent starts the rank again, and the new process
@@ -28,6 +28,11 @@ KILLED_AT = 20  # the killed process trained the 19 batches before it
 CASES = {"prague": 2, "decent_adam": 0}
 
 
+#: the third job, alongside: `decent_adam` over 8 short epochs, rank 2 killed at its 20th batch (in
+#: epoch 1), with checkpoints at every epoch's end (`test_a_lock_step_rank_restarted_in_a_later_epoch...`)
+LATER_EPOCH = "decent_adam-later-epoch"
+
+
 def _command(strategy: str, rank: int, out: Path) -> list[str]:
     command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", strategy, "--devices", "4"]
     command += ["--epochs", "1", "--batch-size", str(BATCH), "--step-time", "0.05", "--profile", "homogeneous"]
@@ -35,27 +40,38 @@ def _command(strategy: str, rank: int, out: Path) -> list[str]:
     return [*command, "--json", str(out / "result.json")]
 
 
+def _later_epoch_command(out: Path) -> list[str]:
+    command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", "decent_adam", "--devices", "4"]
+    command += ["--epochs", "8", "--step-time", "0.05", "--profile", "homogeneous", "--fault", "2:20:kill"]
+    command += ["--max-restarts", "1", "--hang-timeout", "10", "--json", str(out / "result.json")]
+    # checkpoints at every epoch's end, right after the admission there: the others average their optimizer
+    # states among themselves, not with the joiner, which writes none there (it did, and gloo aborted)
+    return [*command, "--checkpoint-dir", str(out / "checkpoints")]
+
+
 @pytest.fixture(scope="module")
-def long_epoch_jobs(tmp_path_factory) -> dict[str, tuple[int, dict[int, dict], str]]:
-    """Both jobs at once: strategy -> (exit status, each rank's last result, the job's stderr)."""
+def long_epoch_jobs(tmp_path_factory) -> dict[str, tuple[int, dict[int, dict], str, Path]]:
+    """The three jobs at once: name -> (exit status, each rank's last result, the job's stderr, its folder)."""
     runs = {}
-    for strategy, rank in CASES.items():
-        out = tmp_path_factory.mktemp(strategy)
+    commands = {strategy: (lambda out, s=strategy, r=rank: _command(s, r, out)) for strategy, rank in CASES.items()}
+    commands[LATER_EPOCH] = _later_epoch_command
+    for name, command in commands.items():
+        out = tmp_path_factory.mktemp(name)
         env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         log = open(out / "log.txt", "w")  # noqa: SIM115  (a pipe could fill up)
-        job = subprocess.Popen(_command(strategy, rank, out), cwd=out, env=env, stderr=log, start_new_session=True)
-        runs[strategy] = (out, log, job)
+        job = subprocess.Popen(command(out), cwd=out, env=env, stderr=log, start_new_session=True)
+        runs[name] = (out, log, job)
     results = {}
     try:
-        for strategy, (out, log, job) in runs.items():
+        for name, (out, log, job) in runs.items():
             try:
                 job.wait(timeout=240)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"the {strategy} job did not end within 240 s:\n{dump_stacks(job, out / 'log.txt')}")
+                pytest.fail(f"the {name} job did not end within 240 s:\n{dump_stacks(job, out / 'log.txt')}")
             log.close()
             ranks = {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("result*.json"))}
-            results[strategy] = (job.returncode, ranks, (out / "log.txt").read_text())
+            results[name] = (job.returncode, ranks, (out / "log.txt").read_text(), out)
     finally:
         for _, log, job in runs.values():
             if job.poll() is None:
@@ -67,7 +83,7 @@ def long_epoch_jobs(tmp_path_factory) -> dict[str, tuple[int, dict[int, dict], s
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", list(CASES))
 def test_a_killed_rank_rejoins_inside_one_long_epoch_and_every_batch_is_trained_once(long_epoch_jobs, strategy):
-    status, results, stderr = long_epoch_jobs[strategy]
+    status, results, stderr, _ = long_epoch_jobs[strategy]
     killed = CASES[strategy]
     assert status == 0, stderr[-4000:]  # the agent: every rank's last process exited 0
     assert sorted(results) == [0, 1, 2, 3], stderr[-4000:]
@@ -114,38 +130,20 @@ def test_a_successor_resumes_the_epoch_where_the_lost_rank_stood_with_its_steps_
 
 
 @pytest.mark.timeout(240)
-def test_a_lock_step_rank_restarted_in_a_later_epoch_is_admitted_at_an_epoch_end_and_nothing_crashes(tmp_path):
+def test_a_lock_step_rank_restarted_in_a_later_epoch_is_admitted_at_an_epoch_end_and_nothing_crashes(long_epoch_jobs):
     """`decent_adam`, 8 short epochs (13 batches per rank): rank 2 killed at its 20th batch, in epoch
     1; its new process asks to rejoin epochs later, when its shard holds nothing of the members'
     epoch. It is admitted at their epoch's end, not inside the epoch: admitted inside it, it trained
     nothing there, its idle gossip rounds met a survivor's validation collective and two survivors'
     gloo pairs aborted the job ("Received data size doesn't match"). A checkpoint written at that
     epoch's end, right after the admission, averages the others' optimizer states without the joiner."""
-    command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", "decent_adam", "--devices", "4"]
-    command += ["--epochs", "8", "--step-time", "0.05", "--profile", "homogeneous", "--fault", "2:20:kill"]
-    command += ["--max-restarts", "1", "--hang-timeout", "10", "--json", str(tmp_path / "result.json")]
-    # checkpoints at every epoch's end, right after the admission there: the others average their optimizer
-    # states among themselves, not with the joiner, which writes none there (it did, and gloo aborted)
-    command += ["--checkpoint-dir", str(tmp_path / "checkpoints")]
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    with open(tmp_path / "log.txt", "w") as log:
-        job = subprocess.Popen(command, cwd=tmp_path, env=env, stderr=log, start_new_session=True)
-        try:
-            job.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the job did not end within 180 s:\n{dump_stacks(job, tmp_path / 'log.txt')}")
-        finally:
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
-    stderr = (tmp_path / "log.txt").read_text()
-    results = {r["rank"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("result*.json"))}
-    assert job.returncode == 0 and "Received data size" not in stderr, stderr[-4000:]
+    status, results, stderr, out = long_epoch_jobs[LATER_EPOCH]
+    assert status == 0 and "Received data size" not in stderr, stderr[-4000:]
     assert sorted(results) == [0, 1, 2, 3], stderr[-4000:]
     assert results[2]["restarts"] == 1
     assert "rank 2: rejoined the job at 'epoch_end@epoch" in stderr, stderr[-4000:]
     assert all(results[r]["epochs_run"] == 8 for r in results)
     # admitted at the fit's last epoch's end (a slow start) it validates nothing: it has the members' metrics
     assert results[2]["val_acc"] is not None
-    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
     assert len({results[r]["params_sha256"] for r in results}) == 1
+    assert (out / "checkpoints" / "last.ckpt").is_file()
