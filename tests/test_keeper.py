@@ -216,3 +216,16 @@ def test_a_keepers_restart_runs_in_its_warm_spare(tmp_path):
     assert keeper.spares_taken == 1 and keeper.spare is None  # no restart left: no new spare
     assert spare_wanted({}) and not spare_wanted({SPARE_VARIABLE: "0"})
     assert "--spare" in keeper_argv(command, 1, None, spare=True) and "--spare" not in keeper_argv(command, 1, None)
+
+
+def test_a_spare_that_dies_at_once_is_not_replaced_in_a_loop(tmp_path, monkeypatch):
+    """A spare that cannot start (a broken install) is started again once per spare delay, not at every look."""
+    from lightning_prague.strategies import keeper as keeper_module
+
+    monkeypatch.setattr(keeper_module, "spare_command", lambda command: [sys.executable, "-c", "raise SystemExit(3)"])
+    command = [sys.executable, "-c", "import time; time.sleep(1.5)"]
+    keeper = Keeper(command, max_restarts=1, backoff=0.01, environment=dict(os.environ), spare=True, spare_delay=0.5)
+    assert keeper.run() == 0
+    spares = [proc for proc in keeper._procs.values() if proc.args[-1] == "raise SystemExit(3)"]
+    assert 1 <= len(spares) <= 4, len(spares)  # 1.5 s at one per 0.5 s, not one per look (0.1 s)
+    assert keeper.spares_taken == 0

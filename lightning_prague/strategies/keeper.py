@@ -191,6 +191,7 @@ class Keeper:
             return
         if self.restarts >= self.max_restarts:
             return  # no restart left to take it
+        self._spare_due = time.monotonic() + self.spare_delay  # one that dies at once is not replaced in a loop
         self.spare = subprocess.Popen(  # noqa: PLW1509  (no threads here)
             spare_command(self.command),
             stdin=subprocess.PIPE,

@@ -275,6 +275,7 @@ class RankAgent:
         if self.spare is not None and self.spare.poll() is None:
             return
         command = _basic_subprocess_cmd()
+        self._spare_due = time.monotonic() + SPARE_DELAY  # one that dies at once is not replaced in a loop
         self.spare = subprocess.Popen(
             spare_command(command),
             stdin=subprocess.PIPE,
