@@ -144,11 +144,11 @@ def keep_this_rank(max_restarts: int) -> None:
     command = list(_basic_subprocess_cmd())
     sys.stdout.flush()
     sys.stderr.flush()
+    spare = spare_wanted(dict(os.environ))
     hazard = unforkable_state()
     if hazard is not None:
         log.warning("%s before fit: this rank's keeper starts its training process anew", hazard)
-        os.execv(sys.executable, keeper_argv(command, max_restarts, None, spare=spare_wanted(dict(os.environ))))
-    spare = spare_wanted(dict(os.environ))
+        os.execv(sys.executable, keeper_argv(command, max_restarts, None, spare=spare))
     keeper = os.getpid()
     child = os.fork()
     if child == 0:  # the training process
