@@ -107,3 +107,47 @@ def test_phases_of_uneven_length_end_at_one_round_in_the_meeting_and_write_no_co
     assert len({tuple(p["ended_at"]) for p in phases}) == 1, [p["ended_at"] for p in phases]
     assert sum(p["idle_rounds"] for p in phases) > 0
     assert all(p["counter_keys"] == 0 for p in phases), "the end of a phase writes nothing to the counters"
+
+
+def test_idle_rounds_that_take_no_effect_are_paced_and_the_others_run_back_to_back(monkeypatch):
+    """A waiting worker's meeting polls every millisecond and serves an idle round at each poll whose
+    round in flight is done. A round that took no effect (a member gone, no partner left) ends at once:
+    the next one waits `IDLE_PAUSE_SECONDS`, instead of a round and a verdict per poll; a round that
+    took effect (a live partner took part) is followed at once, so nobody waits on the pause."""
+    from concurrent.futures import Future
+
+    from lightning_prague.core.exchange import gossip
+    from lightning_prague.core.exchange.gossip import IDLE_PAUSE_SECONDS, LaggedGossip, _InFlight
+
+    class Group:  # a round's group: its members
+        def __init__(self, members):
+            self.members = members
+
+    now = [100.0]
+    monkeypatch.setattr(gossip.time, "monotonic", lambda: now[0])
+    exchanger = object.__new__(LaggedGossip)
+    exchanger._idle_issued, exchanger.idle_rounds = 0.0, 0
+    done: Future = Future()
+    done.set_result(None)
+    effect = [False]
+
+    def idle_round():
+        members = [0, 1] if effect[0] is not None else [0]
+        exchanger._flight = _InFlight(0, Group(members), applied=bool(effect[0]), future=done)  # type: ignore[arg-type]
+        exchanger.idle_rounds += 1
+
+    monkeypatch.setattr(exchanger, "_idle_round", idle_round)
+    exchanger._flight = None
+
+    def polls(count: int) -> int:
+        before = exchanger.idle_rounds
+        for _ in range(count):
+            exchanger.serve()
+            now[0] += 0.001
+        return exchanger.idle_rounds - before
+
+    assert polls(200) == round(0.2 / IDLE_PAUSE_SECONDS)  # rounds a member left: one per pause
+    effect[0] = None  # no partner left in the group: the same
+    assert polls(200) == round(0.2 / IDLE_PAUSE_SECONDS)
+    effect[0] = True  # rounds with a live partner: one per poll, as before
+    assert polls(200) == 200

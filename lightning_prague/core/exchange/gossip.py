@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 LEAVE_WAIT = 10.0
 #: seconds a worker waits at the meeting that ends a phase before it asks for idle rounds (`LaggedGossip`)
 IDLE_AFTER = 1.0
+#: seconds between a waiting worker's idle rounds while they take no effect (a member of its group is
+#: gone, or no partner is left in it): such a round ends at once, and without a pause a waiting worker
+#: would run one, and send the control plane its verdict, at every poll of the meeting (1 kHz)
+IDLE_PAUSE_SECONDS = 0.05
 
 
 @dataclass
@@ -123,6 +127,7 @@ class LaggedGossip(Exchanger):
         self._waited_before = 0.0
         self.phases = 0  #: phases ended by `drain`
         self.idle_rounds = 0  #: rounds run without a gradient step while waiting for slower workers
+        self._idle_issued = 0.0  # when the last idle round was issued (`serve`)
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # the communication thread's
 
     def _thread(self) -> ThreadPoolExecutor:
@@ -261,11 +266,16 @@ class LaggedGossip(Exchanger):
 
     def serve(self) -> None:
         """An idle round, if the round in flight is done (else nothing: the meeting goes on reading
-        its inbox, so a release is never missed while a partner is elsewhere)."""
+        its inbox, so a release is never missed while a partner is elsewhere), and, where the last
+        one took no effect, once `IDLE_PAUSE_SECONDS` have passed since it was issued."""
         flight = self._flight
         if flight is not None and flight.future is not None and not flight.future.done():
             return
+        took_no_effect = flight is not None and (not flight.exchanges or not flight.applied)
+        if took_no_effect and time.monotonic() - self._idle_issued < IDLE_PAUSE_SECONDS:
+            return  # nobody waits for such rounds: pace them
         self._idle_round()
+        self._idle_issued = time.monotonic()
 
     def _idle_round(self) -> None:
         """Mix the round in flight and issue the next, without a gradient step."""
