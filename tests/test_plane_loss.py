@@ -93,7 +93,9 @@ def test_a_rank_stuck_in_an_exchange_when_the_plane_is_lost_ends_itself(tmp_path
     logs = [(tmp_path / f"r{r}.log").read_text() for r in range(2)]
     assert [p.exitcode for p in procs] == [partition.FENCED_EXIT_STATUS] * 2, logs
     killed = json.loads((tmp_path / "plane_killed.json").read_text())["time"]
-    assert ended - killed < 2.0 + 5, "within its bound (2 s) and a few checks of the watch thread"
+    # ended by the last resort (its bound is 2 s, and a few checks of the watch thread), not by the sum's own
+    # 60 s timeout: a bound that tells the two apart without counting on this machine's speed
+    assert ended - killed < 30, ended - killed
     for rank, log in enumerate(logs):
         assert f"lightning_prague: rank {rank}: the control plane at" in log and "closed the connection" in log
         assert "did not get to a contact with the control plane" in log and "exit status 75" in log
