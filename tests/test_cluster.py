@@ -95,8 +95,8 @@ REJOIN, REJOIN_EPOCHS = "prague", 12
 #: each example's launcher and strategy: with the rejoin job's prague every strategy finishes a fit
 #: on several nodes (2 workers, one per node, are too few for partial_reduce's default group size)
 EXAMPLE_STRATEGIES = {"slurm": "partial_reduce", "torchrun": "adpsgd", "kubernetes": "decent_adam"}
-#: the examples that lose a rank once their first epoch is over, and which, each as its launcher
-#: loses one: torchrun's rank 0 training process is killed (its keeper starts it again; the control
+#: the examples that lose a rank once their first epoch is over, and the rank, each lost as its
+#: launcher loses one: torchrun's rank 0 training process is killed (its keeper starts it again; the control
 #: plane, a process of its own, lives on), Kubernetes' pod 1 is lost (a replacement pod with the same
 #: index, nothing kept, starts); their fits last long enough for the new process to rejoin and train
 LOST_RANK = {"torchrun": 0, "kubernetes": 1}
