@@ -229,3 +229,19 @@ def test_a_spare_that_dies_at_once_is_not_replaced_in_a_loop(tmp_path, monkeypat
     spares = [proc for proc in keeper._procs.values() if proc.args[-1] == "raise SystemExit(3)"]
     assert 1 <= len(spares) <= 4, len(spares)  # 1.5 s at one per 0.5 s, not one per look (0.1 s)
     assert keeper.spares_taken == 0
+
+
+def test_a_restart_whose_spare_died_starts_a_new_process(tmp_path, monkeypatch):
+    """A spare that is gone when the rank is lost (it crashed, or was killed): the keeper starts the
+    rank's new process as it does without a spare."""
+    from lightning_prague.strategies import keeper as keeper_module
+
+    monkeypatch.setattr(keeper_module, "spare_command", lambda command: [sys.executable, "-c", "raise SystemExit(3)"])
+    script, runs = tmp_path / "train.py", tmp_path / "runs"
+    script.write_text(SPARE_STAND_IN)
+    command = [sys.executable, str(script), str(runs), "1.0"]
+    keeper = Keeper(command, max_restarts=1, backoff=0.01, environment=dict(os.environ), spare=True, spare_delay=0)
+    assert keeper.run() == 0
+    first, second = (line.split() for line in runs.read_text().splitlines())
+    assert second[1:3] == ["1", "False"], second  # a new process, not the (dead) spare
+    assert keeper.spares_taken == 0

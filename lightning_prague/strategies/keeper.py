@@ -85,6 +85,26 @@ def spare_command(command: Sequence[str]) -> list[str]:
     return [command[0], "-m", "lightning_prague.strategies.spare", *command[1:]]
 
 
+def start_spare(command: Sequence[str], environment: dict[str, str], **popen: Any) -> subprocess.Popen:
+    """A warm spare for the training process's `command`, reading its orders from a pipe (`hand_over`)."""
+    return subprocess.Popen(  # noqa: PLW1509  (`preexec_fn` where given: the keeper runs no threads)
+        spare_command(command), stdin=subprocess.PIPE, env=spare_environment(command[1:], environment), **popen
+    )
+
+
+def hand_over(spare: Optional[subprocess.Popen], environment: dict[str, str]) -> bool:
+    """Make `spare` the new process of a rank: send it the process's `environment`; whether it took
+    it (`False`: none, or it died meanwhile: start a new process as without a spare)."""
+    if spare is None or spare.poll() is not None or spare.stdin is None:
+        return False
+    try:
+        spare.stdin.write(json.dumps(environment).encode() + b"\n")
+        spare.stdin.close()
+    except OSError:
+        return False
+    return True
+
+
 def spare_wanted(environment: dict[str, str]) -> bool:
     """Whether a keeper keeps a warm spare: unless `SPARE_VARIABLE` is `0`."""
     return environment.get(SPARE_VARIABLE, "1").strip() != "0"
@@ -169,16 +189,10 @@ class Keeper:
         spare, self.spare = self.spare, None
         if self.restarts and spare is not None:
             self._spare_due = time.monotonic() + self.spare_delay
-            if spare.poll() is None and spare.stdin is not None:
-                try:
-                    spare.stdin.write(json.dumps(env).encode() + b"\n")
-                    spare.stdin.close()
-                except OSError:  # it died meanwhile: a new process, as without a spare
-                    pass
-                else:
-                    self.spares_taken += 1
-                    _say(f"the rank's new process is its warm spare (pid {spare.pid})")
-                    return spare.pid
+            if hand_over(spare, env):
+                self.spares_taken += 1
+                _say(f"the rank's new process is its warm spare (pid {spare.pid})")
+                return spare.pid
         proc = subprocess.Popen(self.command, env=env, preexec_fn=die_with_parent)  # noqa: PLW1509  (no threads here)
         self._procs[proc.pid] = proc
         return proc.pid
@@ -192,12 +206,7 @@ class Keeper:
         if self.restarts >= self.max_restarts:
             return  # no restart left to take it
         self._spare_due = time.monotonic() + self.spare_delay  # one that dies at once is not replaced in a loop
-        self.spare = subprocess.Popen(  # noqa: PLW1509  (no threads here)
-            spare_command(self.command),
-            stdin=subprocess.PIPE,
-            env=spare_environment(self.command[1:], self.environment),
-            preexec_fn=die_with_parent,
-        )
+        self.spare = start_spare(self.command, self.environment, preexec_fn=die_with_parent)
         self._procs[self.spare.pid] = self.spare
 
     def _end_spare(self) -> None:

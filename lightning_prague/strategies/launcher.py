@@ -44,7 +44,6 @@ the user's script after `fit` runs in the ranks' processes (in rank 0's, as usua
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import signal
@@ -72,11 +71,11 @@ from lightning_prague.strategies.keeper import (
     KEEPER_VARIABLE,
     child_environment,
     die_with_parent,
+    hand_over,
     keeper_argv,
     kept,
-    spare_command,
-    spare_environment,
     spare_wanted,
+    start_spare,
 )
 from lightning_prague.strategies.rejoin import PEER_CHECKPOINT, with_checkpoint
 
@@ -258,15 +257,11 @@ class RankAgent:
             return subprocess.Popen(_basic_subprocess_cmd(), env=env)
         spare, self.spare = self.spare, None
         self._spare_due = time.monotonic() + SPARE_DELAY
-        if spare is not None and spare.poll() is None and spare.stdin is not None:
-            try:
-                spare.stdin.write(json.dumps(env).encode() + b"\n")
-                spare.stdin.close()
-                log.debug("local rank %d: its new process is the warm spare (pid %d)", local_rank, spare.pid)
-                return spare
-            except OSError:  # the spare died: start the rank as usual
-                pass
-        return subprocess.Popen(_basic_subprocess_cmd(), env=env)
+        if hand_over(spare, env):
+            assert spare is not None
+            log.debug("local rank %d: its new process is the warm spare (pid %d)", local_rank, spare.pid)
+            return spare
+        return subprocess.Popen(_basic_subprocess_cmd(), env=env)  # no spare, or it died: as usual
 
     def _keep_spare(self) -> None:
         """Start a warm spare when none is ready: with the ranks, and `SPARE_DELAY` after a restart took one."""
@@ -274,13 +269,8 @@ class RankAgent:
             return
         if self.spare is not None and self.spare.poll() is None:
             return
-        command = _basic_subprocess_cmd()
         self._spare_due = time.monotonic() + SPARE_DELAY  # one that dies at once is not replaced in a loop
-        self.spare = subprocess.Popen(
-            spare_command(command),
-            stdin=subprocess.PIPE,
-            env=spare_environment(command[1:], dict(os.environ)),
-        )
+        self.spare = start_spare(_basic_subprocess_cmd(), dict(os.environ))
         log.debug("a warm spare (pid %d) stands ready to replace a lost rank", self.spare.pid)
 
     def _end_spare(self) -> None:
