@@ -200,29 +200,40 @@ if len(open(path).read().splitlines()) == 1:
 """
 
 
+def kept_stand_in(tmp_path: Path, dies_after: float) -> tuple[Keeper, list[list[str]]]:
+    """A keeper with a warm spare (started at once) runs `SPARE_STAND_IN`, whose first process dies
+    after `dies_after` seconds: the keeper, and what each process recorded."""
+    script, runs = tmp_path / "train.py", tmp_path / "runs"
+    script.write_text(SPARE_STAND_IN)
+    command = [sys.executable, str(script), str(runs), str(dies_after)]
+    keeper = Keeper(command, max_restarts=1, backoff=0.01, environment=dict(os.environ), spare=True, spare_delay=0)
+    assert keeper.run() == 0
+    return keeper, [line.split() for line in runs.read_text().splitlines()]
+
+
+def _dying_spare(command: list[str]) -> list[str]:
+    return [sys.executable, "-c", "raise SystemExit(3)"]
+
+
 def test_a_keepers_restart_runs_in_its_warm_spare(tmp_path):
     """Under srun, torchrun or a container the keeper keeps a warm spare, as the node's agent does:
     the restart runs the rank's command in a process that imported torch and Lightning already."""
     from lightning_prague.strategies.keeper import SPARE_VARIABLE, spare_wanted
 
-    script, runs = tmp_path / "train.py", tmp_path / "runs"
-    script.write_text(SPARE_STAND_IN)
-    command = [sys.executable, str(script), str(runs), "0.5"]
-    keeper = Keeper(command, max_restarts=1, backoff=0.01, environment=dict(os.environ), spare=True, spare_delay=0)
-    assert keeper.run() == 0
-    first, second = (line.split() for line in runs.read_text().splitlines())
+    keeper, (first, second) = kept_stand_in(tmp_path, 0.5)
     assert first[1:3] == ["-", "False"], first  # a new process: nothing imported before the script
     assert second[1:] == ["1", "True", str(os.getpid())], second  # the spare: torch was there already
     assert keeper.spares_taken == 1 and keeper.spare is None  # no restart left: no new spare
     assert spare_wanted({}) and not spare_wanted({SPARE_VARIABLE: "0"})
-    assert "--spare" in keeper_argv(command, 1, None, spare=True) and "--spare" not in keeper_argv(command, 1, None)
+    assert "--spare" in keeper_argv(keeper.command, 1, None, spare=True)
+    assert "--spare" not in keeper_argv(keeper.command, 1, None)
 
 
 def test_a_spare_that_dies_at_once_is_not_replaced_in_a_loop(tmp_path, monkeypatch):
     """A spare that cannot start (a broken install) is started again once per spare delay, not at every look."""
     from lightning_prague.strategies import keeper as keeper_module
 
-    monkeypatch.setattr(keeper_module, "spare_command", lambda command: [sys.executable, "-c", "raise SystemExit(3)"])
+    monkeypatch.setattr(keeper_module, "spare_command", _dying_spare)
     command = [sys.executable, "-c", "import time; time.sleep(1.5)"]
     keeper = Keeper(command, max_restarts=1, backoff=0.01, environment=dict(os.environ), spare=True, spare_delay=0.5)
     assert keeper.run() == 0
@@ -236,12 +247,7 @@ def test_a_restart_whose_spare_died_starts_a_new_process(tmp_path, monkeypatch):
     rank's new process as it does without a spare."""
     from lightning_prague.strategies import keeper as keeper_module
 
-    monkeypatch.setattr(keeper_module, "spare_command", lambda command: [sys.executable, "-c", "raise SystemExit(3)"])
-    script, runs = tmp_path / "train.py", tmp_path / "runs"
-    script.write_text(SPARE_STAND_IN)
-    command = [sys.executable, str(script), str(runs), "1.0"]
-    keeper = Keeper(command, max_restarts=1, backoff=0.01, environment=dict(os.environ), spare=True, spare_delay=0)
-    assert keeper.run() == 0
-    first, second = (line.split() for line in runs.read_text().splitlines())
+    monkeypatch.setattr(keeper_module, "spare_command", _dying_spare)
+    keeper, (_, second) = kept_stand_in(tmp_path, 1.0)
     assert second[1:3] == ["1", "False"], second  # a new process, not the (dead) spare
     assert keeper.spares_taken == 0
