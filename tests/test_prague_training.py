@@ -197,3 +197,27 @@ def test_torchrun_restarts_after_a_kill_and_resumes_from_the_last_checkpoint(tmp
     trained = sum(result["batches_per_worker"])
     assert 45 <= trained < 4 * 45, result["batches_per_worker"]
     assert "Restoring states from the checkpoint path at" in proc.stderr + proc.stdout
+
+
+def test_an_error_after_the_torchrun_agents_sigterm_is_this_ranks_leave_not_a_failure(monkeypatch, caplog):
+    """torchrun's agent signals the node's processes together: a DataLoader worker may die of the
+    SIGTERM before the rank's next batch checks its flag, and the fit fails with that worker's error.
+    The rank then leaves the job as on the SIGTERM itself (what the torchrun test above saw once)."""
+    import logging
+
+    from lightning_prague import PartialAllReduceStrategy
+
+    error = RuntimeError("DataLoader worker (pid 4242) is killed by signal: Terminated.")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    strategy = PartialAllReduceStrategy()
+    strategy.controller.sigterm = True
+    strategy.on_exception(error)
+    assert strategy.failed  # no torchrun: a SIGTERM stops every rank, and an error is a failure
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    with caplog.at_level(logging.WARNING, logger="lightning_prague.strategies.stops"):
+        strategy.on_exception(error)
+    assert not strategy.failed
+    assert "SIGTERM from its torchrun agent, which stops this node's workers" in caplog.text
+    strategy.controller.sigterm = False
+    strategy.on_exception(error)
+    assert strategy.failed  # no SIGTERM came: a failure

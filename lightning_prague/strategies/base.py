@@ -498,8 +498,14 @@ class DecentralizedStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """The fit failed on this rank: its teardown leaves the session, so the others are told at once
-        (a coordinated SIGTERM stop is no failure: every rank met at the stop point)."""
+        (a coordinated SIGTERM stop is no failure: every rank met at the stop point). Under torchrun
+        an error that follows the agent's SIGTERM is that SIGTERM's doing (the agent signals the
+        node's processes together, so a DataLoader worker may die of it before the next batch's
+        check): this rank leaves the job, as on the SIGTERM itself."""
         self.failed = not isinstance(exception, SIGTERMException)
+        if self.failed and self.stops.leaving_on_agents_sigterm():
+            self.stops.say_leaving()
+            self.failed = False
         if self.session is not None:  # its exception path (a checkpoint) may outlast a lost control plane
             self.session.fit_failed()
         super().on_exception(exception)

@@ -114,7 +114,7 @@ class Stops:
                 log.debug("rank %d: the job is stopping; ending this epoch", strategy.global_rank)
                 trainer.should_stop = True
         self.request_signal_stop()
-        if strategy.controller.sigterm and strategy.controller.requeue_signal is None and sigterm_is_the_agents():
+        if self.leaving_on_agents_sigterm():
             self.leave()
         if session.stop_reason in (SIGTERM, REQUEUE):  # announced: stop at this batch, whatever reads the inbox
             worker.stop_seen = True
@@ -123,15 +123,23 @@ class Stops:
             worker.drain_for_stop(strategy.exchanger)
             self.raise_stop()
 
+    def leaving_on_agents_sigterm(self) -> bool:
+        """Whether this rank got its torchrun agent's SIGTERM (not a requeue signal): it leaves the job."""
+        controller = self.strategy.controller
+        return controller.sigterm and controller.requeue_signal is None and sigterm_is_the_agents()
+
     def leave(self) -> None:
         """Under torchrun: the agent is stopping this node's workers; this rank leaves the job now
         (its teardown leaves the session mid-phase, as a lost rank's would) and the others go on."""
+        self.say_leaving()
+        raise SIGTERMException()
+
+    def say_leaving(self) -> None:
         log.warning(
             "rank %d: SIGTERM from its torchrun agent, which stops this node's workers (one of them "
             "failed, or the job restarts or ends): this rank leaves the job; the others go on",
             self.strategy.global_rank,
         )
-        raise SIGTERMException()
 
     def raise_stop(self) -> None:
         """Every rank met at the stop point: make the replicas one model (so any checkpoint written
