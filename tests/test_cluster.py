@@ -100,7 +100,7 @@ EXAMPLE_STRATEGIES = {"slurm": "partial_reduce", "torchrun": "adpsgd", "kubernet
 #: plane, a process of its own, lives on), Kubernetes' pod 1 is lost (a replacement pod with the same
 #: index, nothing kept, starts); their fits last long enough for the new process to rejoin and train
 LOST_RANK = {"torchrun": 0, "kubernetes": 1}
-EXAMPLE_EPOCHS = {"slurm": 2, "torchrun": 55, "kubernetes": 35}
+EXAMPLE_EPOCHS = {"slurm": 2, "torchrun": 55, "kubernetes": 28}
 
 
 @pytest.fixture(scope="module")

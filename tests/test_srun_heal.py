@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, free_port, process_alive, run_forked
 
+from lightning_prague.strategies.keeper import SPARE_VARIABLE
 from lightning_prague.tools.cluster.srun import Layout, expand_nodelist, slurm_variables
 
 pytestmark = pytest.mark.timeout(300)
@@ -91,7 +92,14 @@ def srun_jobs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
         else:
             faults = [f"{rank}:{batch}:kill" for rank, (batch, _, _) in NEW_STEPS.items()]
         argv = demo_args(strategy, directory / "result.json", faults, restarts)
-        steps.append({"job_id": job_id, "argv": argv, "export": {"MASTER_PORT": port}})
+        if restarts:  # the keepers of the ranks never lost keep no spare (a spare's imports cost the loaded cores)
+            others = [t for t in range(TASKS) if t != KEPT]
+            steps.append({"job_id": job_id, "argv": argv, "tasks": [KEPT], "export": {"MASTER_PORT": port}})
+            steps.append(
+                {"job_id": job_id, "argv": argv, "tasks": others, "export": {"MASTER_PORT": port, SPARE_VARIABLE: "0"}}
+            )
+        else:
+            steps.append({"job_id": job_id, "argv": argv, "export": {"MASTER_PORT": port}})
         for rank, (_, step_id, export) in NEW_STEPS.items() if not restarts else ():
             gate = directory / f"srun.step{step_id}"
             gates.append((directory, rank, gate))
