@@ -248,6 +248,61 @@ def test_connections_that_never_prove_who_they_are_are_dropped_and_bounded(monke
         rank.close()
 
 
+def _serve_out_of_descriptors(address, ready, stop) -> None:
+    """In a forked child: a control plane whose descriptors run out long before its bound on unproven
+    connections does (40 descriptors left to it under its soft and hard limit, the bound raised past
+    them), so `accept` meets EMFILE."""
+    import resource
+
+    limit = len(os.listdir("/proc/self/fd")) + 40  # what this fork inherited from pytest, and 40 more
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    control = ControlPlane()
+    server = MessageServer(control.handle, "127.0.0.1", CREDENTIALS, on_disconnect=control.on_disconnect)
+    server.max_unproven = 10_000
+    server.start()
+    address.send(server.address)
+    ready.wait(60)
+    stop.wait(60)
+    address.send((server.alive, server.error is None, server.refused))
+    server.close()
+
+
+def test_a_flood_past_the_descriptor_limit_costs_the_flood_and_never_the_plane():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    ready, stop = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_serve_out_of_descriptors, args=(child_end, ready, stop), daemon=True)
+    child.start()
+    flood: list[socket.socket] = []
+    try:
+        assert parent_end.poll(30)
+        address = tuple(parent_end.recv())
+        rank = MessageLink(*address, 0, timeout=10, credentials=CREDENTIALS)
+        ready.set()
+        for _ in range(300):  # past the plane's 40 descriptors left, never a byte
+            flood.append(socket.create_connection(address, timeout=10))
+        time.sleep(0.5)
+        rank.send({"op": "echo", "rank": 0, "item": {"t": "still-here"}})
+        assert rank.receive(timeout=10) == {"t": "still-here"}
+        late = MessageLink(*address, 1, timeout=10, credentials=CREDENTIALS)  # a rank that comes now gets in
+        late.send({"op": "echo", "rank": 1, "item": {"t": "in"}})
+        assert late.receive(timeout=10) == {"t": "in"}
+        stop.set()
+        assert parent_end.poll(30)
+        alive, no_error, refused = parent_end.recv()
+        assert alive and no_error and refused > 0  # the oldest unproven connections made room
+        late.close()
+        rank.close()
+    finally:
+        stop.set()
+        for sock in flood:
+            sock.close()
+        child.join(10)
+        child.kill()
+
+
 def test_an_error_in_the_planes_periodic_work_is_logged_not_fatal():
     calls = []
 
@@ -409,3 +464,14 @@ def test_a_rank_whose_message_breaks_the_protocol_learns_why_its_connection_was_
         link.receive(timeout=10)
     link.close()
     assert server.refused == 1 and server.alive
+
+
+def test_a_fenced_process_that_never_closes_its_connection_holds_its_rank_no_longer(fencing_plane):
+    sock = _join_and_fall_silent(fencing_plane, 1, 1 << 30)  # a remote-looking process: told to end itself
+    fenced = _line(sock)
+    while fenced["t"] != "fenced":
+        fenced = _line(sock)
+    assert _closed_by_server(sock)  # it stays frozen (never reads on, never closes): the plane closes it
+    replacement = _proven(fencing_plane, 1)  # a new process for the rank is welcome at once
+    replacement.close()
+    sock.close()

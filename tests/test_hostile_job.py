@@ -4,8 +4,12 @@ While the job trains, a thread of the test connects to its control plane (the po
 `LIGHTNING_PRAGUE_CONTROL_PORT`, as a port scanner or another user's job finds it) and, over and over
 until the job ends, sends what a port scanner, a monitoring probe or an attacker would: an HTTP
 request line, 64 KiB of random bytes, a hello for a live rank, a `join` whose config is a pickle
-that would create a file if it were loaded, while 200 connections opened at once are held without
+that would create a file if it were loaded, while `FLOOD` connections opened at once are held without
 a byte. Each hostile connection must be closed by the plane; the job must finish as it would alone.
+
+The job runs under a descriptor limit of `JOB_DESCRIPTORS` (soft and hard), and the idle
+connections are `FLOOD`, more than that: the plane sheds the flood's oldest connections, never
+the ranks' (a flood past the limit once ended the supervisor, and every fit with it).
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port, run_training
+from helpers import NOFILE_VARIABLE, free_port, run_training
 
+from lightning_prague.core.plane.server import raise_descriptor_limit
 from lightning_prague.core.protocol import PORT_VARIABLE, encode_line
 
 pytestmark = pytest.mark.timeout(240)
 
-IDLE_CONNECTIONS = 200
+#: the job's soft and hard limit of open descriptors, and the idle connections held against it
+JOB_DESCRIPTORS, FLOOD = 512, 1200
 
 
 class _TouchesAFile:
@@ -65,7 +71,7 @@ class Attacker(threading.Thread):
                 break
             except OSError:
                 time.sleep(0.05)
-        self.idle = [self._connect() for _ in range(IDLE_CONNECTIONS)]  # opened at once, never a byte
+        self.idle = [self._connect() for _ in range(FLOOD)]  # opened at once, never a byte
         while not self.stop.is_set():
             for what, data in self.attacks.items():
                 try:
@@ -100,6 +106,7 @@ def _closed_by_plane(sock: socket.socket, timeout: float = 15.0) -> bool:
 
 @pytest.mark.parametrize("strategy", ["prague", "decent_adam"])
 def test_every_rank_of_a_job_under_attack_finishes_and_nothing_runs(tmp_path, strategy):
+    raise_descriptor_limit()  # this process holds the flood: its own soft limit may be lower
     port = free_port()
     marker = tmp_path / "pickle-ran"
     attacker = Attacker(port, marker)
@@ -116,7 +123,7 @@ def test_every_rank_of_a_job_under_attack_finishes_and_nothing_runs(tmp_path, st
             "--profile",
             "homogeneous",
             timeout=200,
-            **{PORT_VARIABLE: str(port)},
+            **{PORT_VARIABLE: str(port), NOFILE_VARIABLE: str(JOB_DESCRIPTORS)},
         )
     finally:
         attacker.close()

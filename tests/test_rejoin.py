@@ -41,13 +41,15 @@ from lightning_prague.strategies.spare import read_environment, spare_environmen
 
 @pytest.mark.timeout(300)
 def test_a_killed_rank_0_rejoins_and_two_new_workers_join_the_running_fit(tmp_path):
-    """One job for both: rank 0 is killed and started again by the agent; ranks 4 and 5 (`max_workers=6`)
+    """One job for both: rank 0 is killed and forked again by the agent; ranks 4 and 5 (`max_workers=6`)
     are started by hand once the four are training, as a user adds workers to a running job."""
     out = tmp_path / "result.json"
     command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", "prague", "--devices", "4"]
     command += ["--epochs", "15", "--step-time", "0.1", "--profile", "homogeneous", "--fault", "0:20:kill"]
-    command += ["--max-restarts", "1", "--max-workers", "6", "--hang-timeout", "10", "--json", str(out)]
+    command += ["--max-workers", "6", "--hang-timeout", "10", "--json", str(out)]
     command += ["--csv-dir", str(tmp_path / "csv")]
+    joiner_command = [*command, "--max-restarts", "0"]  # each a process of its own, as a user starts one
+    command += ["--max-restarts", "1", "--start-method", "fork"]  # the agent forks the ranks and the restart
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **{LAUNCH_VARIABLE: "scale-up-test"})
     logs = [open(tmp_path / f"log{i}.txt", "w") for i in range(3)]  # noqa: SIM115  (pipes would fill up)
@@ -61,7 +63,7 @@ def test_a_killed_rank_0_rejoins_and_two_new_workers_join_the_running_fit(tmp_pa
             joiner_env = {**env, "NODE_RANK": "1", "LOCAL_RANK": str(local), REJOIN_VARIABLE: "1"}
             joiners.append(
                 subprocess.Popen(
-                    command, cwd=tmp_path, env=joiner_env, stdout=subprocess.DEVNULL, stderr=logs[1 + local]
+                    joiner_command, cwd=tmp_path, env=joiner_env, stdout=subprocess.DEVNULL, stderr=logs[1 + local]
                 )
             )
         for proc in [job, *joiners]:

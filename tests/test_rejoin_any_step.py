@@ -1,10 +1,11 @@
 """A lost worker comes back inside one long epoch, and every batch is trained once.
 
-Two real jobs, run side by side with a third (the slow part): four CPU workers under the strategy's launcher with
-`max_restarts=1`, one epoch of 719 batches (the digits in batches of 2), 50 ms steps. In each job one
-rank kills itself with SIGKILL at its 20th batch: rank 2 under `prague` (the work queue), rank 0 (the
-leader) under `decent_adam` (lock-step shards). The agent starts the rank again, and the new process
-is admitted at the members' next batch boundary (an admission call, `admission@<n>`), not at an
+Two real jobs, run side by side with a third (the slow part): four CPU workers under the strategy's
+launcher with `max_restarts=1` (new interpreters under `prague`, forked ranks under `decent_adam`),
+one epoch of 719 batches (the digits in batches of 2), 50 ms steps. In each job one rank kills
+itself with SIGKILL at its 20th batch: rank 2 under `prague` (the work queue), rank 0 (the leader)
+under `decent_adam` (lock-step shards). The agent starts the rank again, and the new process is
+admitted at the members' next batch boundary (an admission call, `admission@<n>`), not at an
 epoch's end that would come too late, gets the fit's state from a live member, and trains the rest
 of the epoch with the others: the work queue's batches, or the rest of the lost rank's own shard.
 """
@@ -26,6 +27,9 @@ from helpers import dump_stacks, free_port
 SAMPLES, BATCH = 1438, 2
 KILLED_AT = 20  # the killed process trained the 19 batches before it
 CASES = {"prague": 2, "decent_adam": 0}
+#: how the agent starts the ranks: new interpreters (the default), or forks of itself (no import per
+#: rank: restarts within a second)
+START_METHOD = {"prague": "popen", "decent_adam": "fork"}
 
 
 #: the third job, alongside: `decent_adam` over 8 short epochs, rank 2 killed at its 20th batch (in
@@ -37,11 +41,13 @@ def _command(strategy: str, rank: int, out: Path) -> list[str]:
     command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", strategy, "--devices", "4"]
     command += ["--epochs", "1", "--batch-size", str(BATCH), "--step-time", "0.05", "--profile", "homogeneous"]
     command += ["--fault", f"{rank}:{KILLED_AT}:kill", "--max-restarts", "1", "--hang-timeout", "10"]
+    command += ["--start-method", START_METHOD[strategy]]
     return [*command, "--json", str(out / "result.json")]
 
 
 def _later_epoch_command(out: Path) -> list[str]:
     command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", "decent_adam", "--devices", "4"]
+    command += ["--start-method", "fork"]
     command += ["--epochs", "8", "--step-time", "0.05", "--profile", "homogeneous", "--fault", "2:20:kill"]
     command += ["--max-restarts", "1", "--hang-timeout", "10", "--json", str(out / "result.json")]
     # checkpoints at every epoch's end, right after the admission there: the others average their optimizer

@@ -1,6 +1,6 @@
 """The rejoin path's own faults, each a `kill -9` at its chosen instant in real processes: none costs the job.
 
-One real job (the slow part): four CPU workers under the strategy's launcher with `max_restarts=2`,
+One real job (the slow part): four CPU workers forked by the strategy's launcher with `max_restarts=2`,
 `decent_adam` (lock-step shards, whose gossip rounds take a joiner in at once, before it trains),
 one epoch of 360 batches per rank (1438 samples of the digits 4 times over, in batches of 4), 100 ms
 steps. Faults strike chosen processes of a rank (`RANK@PROCESS`, `lightning_prague.demo.faults`):
@@ -45,12 +45,13 @@ FAULTS = ["2:20:kill", "2@1:1:kill-before-training", "1:40:kill", "1@1:1:other-m
 
 @pytest.fixture(scope="module")
 def kill_job(tmp_path_factory) -> tuple[int, dict[int, dict], str, list[str]]:
-    """The job, its agent forked from this process (its ranks are new processes): the agent's exit
+    """The job, its agent forked from this process (and its ranks from the agent): the agent's exit
     status, each rank's last process's result, the job's output, and the faults that struck (their files)."""
     out = tmp_path_factory.mktemp("rejoin_path_kills")
     argv = ["--strategy", "decent_adam", "--devices", "4", "--epochs", "1", "--batch-size", str(BATCH)]
     argv += ["--epoch-repeats", str(REPEATS), "--step-time", "0.1", "--profile", "homogeneous"]
     argv += ["--max-restarts", "2", "--hang-timeout", "10", "--json", str(out / "result.json")]
+    argv += ["--start-method", "fork"]  # the agent forks each rank and each restart: no import per process
     argv += [arg for fault in FAULTS for arg in ("--fault", fault)]
     environ = {k: v for k, v in env().items() if k not in ("NODE_RANK", "WORLD_SIZE")}
     (job,) = run_forked_together([("lightning_prague.demo.run", argv, environ, out)], timeout=270)

@@ -107,10 +107,9 @@ def process_number() -> int | None:
 
 def inject_faults(model: Any, faults: list[Fault], directory: Path) -> None:
     """Wrap `model`'s hooks so that each fault of this process (`Fault.process`) strikes its rank at its batch."""
-    number = process_number()
-    plan = _Plan({f.rank: f for f in faults if f.process == number})
-    if not plan:
-        return  # no fault for this process (a restarted one: the fault struck its predecessor)
+    if not faults:
+        return
+    plan = _Plan(faults)
     step, validation_step, batch_end = model.training_step, model.validation_step, model.on_train_batch_end
     train_start, setup = model.on_train_start, model.setup
     seen = [0]
@@ -154,12 +153,19 @@ def inject_faults(model: Any, faults: list[Fault], directory: Path) -> None:
     model.setup = setting_up
 
 
-class _Plan(dict):
-    """Rank -> its fault; none in a process that learns in its fit that it rejoins a running one (it found
-    the fit by itself, `lightning_prague.core.job.look_for_running_fit`): the fault struck its predecessor."""
+class _Plan:
+    """The faults, by rank and process of the rank. Which process this one is, is asked when a fault
+    would strike (`process_number`), not when the hooks are wrapped: a rank forked again from the
+    process that wrapped them (`start_method="fork"`) is a later process of its rank, and one that
+    learns in its fit that it rejoins a running one (it found the fit by itself,
+    `lightning_prague.core.job.look_for_running_fit`) is struck by none: the fault struck its predecessor."""
 
-    def get(self, rank: Any, default: Any = None) -> Any:  # type: ignore[override]
-        return default if process_number() is None else super().get(rank, default)
+    def __init__(self, faults: list[Fault]) -> None:
+        self.faults = {(f.rank, f.process): f for f in faults}
+
+    def get(self, rank: Any, default: Any = None) -> Any:
+        number = process_number()
+        return default if number is None else self.faults.get((rank, number), default)
 
 
 def strike(fault: Fault, directory: Path) -> None:

@@ -319,6 +319,18 @@ LIGHTNING_INTERNALS: tuple[LightningInternal, ...] = (
         "ComebackMultiProcessingLauncher runs each rank's fit so that a rank left out comes back in place",
     ),
     LightningInternal(
+        "lightning.pytorch.strategies.launchers:_MultiProcessingLauncher",
+        "_wrapping_function",
+        "called",
+        "SurvivingForkLauncher runs each forked rank's fit as Lightning's launcher does (rank 0's results come back)",
+    ),
+    LightningInternal(
+        "lightning.pytorch.strategies.launchers:_MultiProcessingLauncher",
+        "_recover_results_in_main_process",
+        "called",
+        "SurvivingForkLauncher takes rank 0's results into the process that called fit, as Lightning's launcher does",
+    ),
+    LightningInternal(
         "lightning.pytorch.strategies.launchers:_SubprocessScriptLauncher",
         "_call_children_scripts",
         "called",

@@ -75,7 +75,7 @@ from lightning_prague.strategies.collectives import RoutedCollectives
 from lightning_prague.strategies.ddp_options import check_ddp_options, strategy_options
 from lightning_prague.strategies.global_progress import GlobalProgress
 from lightning_prague.strategies.in_place import ComebackMultiProcessingLauncher, EpochMovedOn
-from lightning_prague.strategies.launcher import SurvivingScriptLauncher
+from lightning_prague.strategies.launcher import SurvivingForkLauncher, SurvivingScriptLauncher
 from lightning_prague.strategies.loaders import StrategyLoaders
 from lightning_prague.strategies.options import DDP_TIMEOUT, Option, StrategyOptions, watchdog_margin
 from lightning_prague.strategies.rejoin import (
@@ -161,9 +161,10 @@ class DecentralizedStrategy(DDPStrategy):
             precision_plugin: Lightning's; the Trainer sets it from its `precision`, leave it unset.
             process_group_backend: `"gloo"`, `"nccl"`, ...; unset: the device's default (`nccl` on CUDA, `gloo` on CPU).
             start_method: how Lightning starts the ranks of one node: `"popen"` (a new interpreter
-                per rank), `"spawn"`, `"fork"` (forked from this process, the fastest start) or
-                `"forkserver"`. Only `"popen"` lets the other ranks go on when one fails (the
-                others run on `torch.multiprocessing`, which ends every process).
+                per rank), `"spawn"`, `"fork"` (forked from this process, the fastest start; CPU only,
+                Linux and macOS) or `"forkserver"`. `"popen"` and `"fork"` let the other ranks go on
+                when one fails, and restart a lost rank with `max_restarts` (`"spawn"` and
+                `"forkserver"` run on `torch.multiprocessing`, which ends every process).
             min_workers: stop the job (every rank at its next synchronization point, as when
                 `trainer.should_stop` is set) when fewer workers than this remain.
             hang_timeout: the shortest time without training progress and without any sign of life
@@ -192,15 +193,16 @@ class DecentralizedStrategy(DDPStrategy):
                 address, or at the one `LIGHTNING_PRAGUE_CONTROL_HOST` names; on every interface only
                 if that variable says so (`0.0.0.0`), or if `MASTER_ADDR` is a host name that resolves
                 to a loopback address there or is not an address of that node at all.
-            max_restarts: how many times the strategy's launcher (`start_method="popen"`, one node)
-                starts the process of a lost rank again, for each rank, rank 0 included. It acts only
-                where Lightning's own launcher starts the ranks: under srun, torchrun, a container
-                per rank, or on several nodes, it does nothing (restart the rank yourself with
-                `LIGHTNING_PRAGUE_REJOIN=1`). The new
-                process rejoins the running fit at the others' next batch boundary with the state of
-                a live worker (`lightning_prague.strategies.rejoin`). With it above 0 the process you start
-                trains nothing itself: it starts every rank and restarts the lost ones. 0: a lost
-                rank stays lost, and the others finish the fit.
+            max_restarts: how many times a lost rank's process is started again, for each rank,
+                rank 0 included. Under Lightning's launcher (`start_method="popen"` or `"fork"`) the
+                process you start becomes the node's agent: it trains nothing itself, starts every
+                rank (a new interpreter, or a fork) and restarts the lost ones. Under srun, torchrun
+                or a container per rank, each rank's process becomes its rank's keeper, which forks
+                the training process and restarts it in place (`lightning_prague.strategies.keeper`).
+                The new process rejoins the running fit at the others' next batch boundary with the
+                state of a live worker (`lightning_prague.strategies.rejoin`). 0: a lost rank stays
+                lost (restart it yourself with `LIGHTNING_PRAGUE_REJOIN=1`), and the others finish
+                the fit.
             max_workers: the most workers the job may grow to while it runs: a process started
                 with a rank from the launched number on (and `LIGHTNING_PRAGUE_REJOIN=1`) joins the
                 running fit as a lost rank's new process does (see `docs/fault_tolerance.md`, "Scale
@@ -433,11 +435,14 @@ class DecentralizedStrategy(DDPStrategy):
             self._launcher = SurvivingScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes, max_restarts=self.max_restarts
             )
+        elif self._start_method == "fork":  # forked ranks: the survivors go on, a lost one is forked again
+            self._launcher = SurvivingForkLauncher(self, start_method="fork")
         else:  # its ranks come back in place when left out, as the script launcher's do
             if self.max_restarts > 0:  # torch.multiprocessing ends every rank when one dies: nothing to restart
                 warnings.warn(
                     f"max_restarts={self.max_restarts} is ignored with start_method={self._start_method!r}: "
-                    "torch.multiprocessing ends every rank when one dies. Use start_method='popen' (the default)",
+                    "torch.multiprocessing ends every rank when one dies. Use start_method='popen' (the default) "
+                    "or 'fork'",
                     stacklevel=2,
                 )
             self._launcher = ComebackMultiProcessingLauncher(self, start_method=self._start_method)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -65,7 +66,7 @@ from lightning_prague.core.client.partition import EXCLUDED_EXIT_VARIABLE, FENCE
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.forking import unforkable_state
 from lightning_prague.core.job import RESTARTS_VARIABLE, look_for_running_fit, rejoining
-from lightning_prague.strategies.in_place import RejoinInPlace
+from lightning_prague.strategies.in_place import ComebackMultiProcessingLauncher, RejoinInPlace
 from lightning_prague.strategies.keeper import (
     BACKOFF,
     KEEPER_VARIABLE,
@@ -132,6 +133,121 @@ class SurvivingScriptLauncher(_SubprocessScriptLauncher):
         if trainer is not None:  # a rank left out of the fit comes back in place
             function = RejoinInPlace(function, trainer)
         return function(*args, **kwargs)
+
+
+class ForkedRank:
+    """A rank's process forked by `SurvivingForkLauncher`, as `RankAgent` watches one (`subprocess.Popen`'s
+    `pid`, `poll`, `returncode` and `send_signal`)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self.process = process
+        assert process.pid is not None
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.process.exitcode
+
+    def poll(self) -> Optional[int]:
+        return self.process.exitcode  # (reaps it once it ended: `waitpid` without blocking)
+
+    def send_signal(self, signum: int) -> None:
+        try:
+            os.kill(self.pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+class SurvivingForkLauncher(ComebackMultiProcessingLauncher):
+    """`start_method="fork"` whose survivors go on: each rank of the node is forked from the process
+    that called `fit`, which becomes the node's agent (`RankAgent`) as under the script launcher.
+
+    Lightning's launcher for forked ranks (`torch.multiprocessing`) ends every rank when one fails.
+    Here a rank that fails is only logged, the others finish the fit, and with `max_restarts` a lost
+    rank is forked again from the same point, as a new process for its rank (`RESTARTS_VARIABLE`),
+    which rejoins the running fit from a live member's state: no interpreter start and no import, so
+    it trains again within about a second of its loss. After the ranks ended, the process that called
+    `fit` takes rank 0's results as Lightning's launcher does (the trained weights, the best
+    checkpoint's path, the logged metrics); if rank 0's last process failed, there are none and `fit`
+    raises. Forking is refused where CUDA or an MPI library is initialised already."""
+
+    #: the exit statuses of each local rank's last process, once the ranks ended
+    status: dict[int, int]
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+        hazard = unforkable_state()
+        if hazard is not None:
+            raise ConfigurationError(
+                f"{hazard} before fit: the ranks cannot be forked from this process (start_method='fork'). "
+                "Use start_method='popen' (the default), or initialise it only inside the fit"
+            )
+        fitting = trainer is not None and getattr(trainer.state.fn, "value", None) == "fit"
+        if self._already_fit and fitting:
+            raise ConfigurationError(
+                "trainer.fit() was called twice on one Trainer with start_method='fork': create a new Trainer, "
+                "and pass fit(ckpt_path=...) to go on from a checkpoint"
+            )
+        assert self._strategy.cluster_environment is not None
+        os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)  # one port for every rank
+        launch_id = known_launch_id() or new_launch_id()  # every process of the launch, restarts included
+        wrapped = RejoinInPlace(function, trainer) if trainer is not None else function
+        context = multiprocessing.get_context("fork")
+        results = context.SimpleQueue()
+
+        def start(local_rank: int, restarts: int) -> ForkedRank:
+            process = context.Process(
+                target=self._run_rank,
+                args=(local_rank, restarts if fitting else 0, launch_id, trainer, function, wrapped, args, kwargs),
+                kwargs={"results": results},
+                name=f"prague-rank-{local_rank}",
+            )
+            sys.stdout.flush()
+            sys.stderr.flush()
+            process.start()
+            return ForkedRank(process)
+
+        max_restarts = getattr(self._strategy, "max_restarts", 0)
+        children = [start(local, 0) for local in range(1, self._strategy.num_processes)]
+        agent = RankAgent(children, max_restarts, start=start)
+        agent.run()
+        self.status = dict(agent.status)
+        self.procs = [rank.process for rank in agent.procs.values()]
+        lost = {local: code for local, code in sorted(self.status.items()) if code}
+        if results.empty():
+            raise ConfigurationError(
+                f"local rank 0's last process exited with status {self.status.get(0)} (ranks lost: {lost}): "
+                "there is no result of the fit to take into this process"
+            )
+        output = results.get()
+        if lost:
+            log.warning("local ranks %s ended with statuses %s; the others finished the fit", list(lost), lost)
+        if trainer is None:
+            return output
+        self._already_fit |= fitting
+        self._recover_results_in_main_process(output, trainer)
+        return output.trainer_results
+
+    def _run_rank(
+        self,
+        local_rank: int,
+        restarts: int,
+        launch_id: str,
+        trainer: Optional[Any],
+        function: Callable,
+        wrapped: Callable,
+        args: Any,
+        kwargs: Any,
+        results: Any,
+    ) -> None:
+        """A forked rank's process: its launch, its restarts (a restarted one resumes from a live
+        member's state, `PEER_CHECKPOINT`), then Lightning's own wrapper of the fit."""
+        os.environ[LAUNCH_VARIABLE] = launch_id
+        os.environ.setdefault(EXCLUDED_EXIT_VARIABLE, str(FENCED_EXIT_STATUS))  # an excluded rank is a lost one
+        if restarts:
+            os.environ[RESTARTS_VARIABLE] = str(restarts)
+            args, kwargs = with_checkpoint(function, args, kwargs, PEER_CHECKPOINT, force=True)
+        self._wrapping_function(local_rank, trainer, wrapped, args, kwargs, results)
 
 
 def keep_this_rank(max_restarts: int) -> None:
@@ -230,16 +346,29 @@ SPARE_DELAY = 5.0
 
 
 class RankAgent:
-    """Starts every rank of one node and restarts the lost ones (see the module docstring)."""
+    """Starts every rank of one node and restarts the lost ones (see the module docstring).
 
-    def __init__(self, children: list[subprocess.Popen], max_restarts: int, period: float = 0.2) -> None:
+    `start(local_rank, restarts)`: how a rank's process starts (anything with `pid`, `poll()`,
+    `returncode` and `send_signal`); by default a new interpreter of the script, as Lightning starts
+    ranks 1.., with a warm spare kept for the restarts (`start_method="popen"`). The fork launcher
+    (`SurvivingForkLauncher`) passes its own: a fork needs no spare."""
+
+    def __init__(
+        self,
+        children: list[Any],
+        max_restarts: int,
+        period: float = 0.2,
+        start: Optional[Callable[[int, int], Any]] = None,
+    ) -> None:
         self.max_restarts = max_restarts
         self.period = period
         #: a process that imported torch and Lightning, ready to become a lost rank (see `_start`)
         self.spare: Optional[subprocess.Popen] = None
         self._spare_due = time.monotonic()  # it imports alongside the ranks: ready by the first loss
-        #: local rank -> its running process (rank 0's started here; Lightning started the others)
-        self.procs: dict[int, subprocess.Popen] = {0: self._start(0, 0)}
+        self.keeps_spare = start is None
+        self._start_rank = start if start is not None else self._start
+        #: local rank -> its running process (rank 0's started here; the others before: `children`)
+        self.procs: dict[int, Any] = {0: self._start_rank(0, 0)}
         self.procs.update({local: proc for local, proc in enumerate(children, start=1)})
         self.restarts: dict[int, int] = dict.fromkeys(self.procs, 0)
         self.status: dict[int, int] = {}
@@ -265,7 +394,7 @@ class RankAgent:
 
     def _keep_spare(self) -> None:
         """Start a warm spare when none is ready: with the ranks, and `SPARE_DELAY` after a restart took one."""
-        if self._stopping or self.max_restarts == 0 or time.monotonic() < self._spare_due:
+        if not self.keeps_spare or self._stopping or self.max_restarts == 0 or time.monotonic() < self._spare_due:
             return
         if self.spare is not None and self.spare.poll() is None:
             return
@@ -324,7 +453,7 @@ class RankAgent:
                 )  # fmt: skip
             for local, when in list(due.items()):
                 if time.monotonic() >= when and not self._stopping:
-                    self.procs[local] = self._start(local, self.restarts[local])
+                    self.procs[local] = self._start_rank(local, self.restarts[local])
                     del due[local]
                 elif self._stopping:
                     self.status[local] = self.procs[local].returncode or 1

@@ -344,7 +344,7 @@ class Session:
         try:
             self.client.send({"op": op, "s": self.number, "rank": self.rank, **fields})
         except PragueError as err:
-            if self._gone():
+            if self._gone() or isinstance(err, ControlPlaneLost):  # a failed send is a lost plane
                 raise self.plane_lost(f"sending {op!r}") from err
             raise
 

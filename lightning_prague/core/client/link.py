@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from lightning_prague.core.auth import Credentials, new_nonce, proof_holds
-from lightning_prague.core.errors import ControlPlaneError, CoordinationTimeout, PragueError
+from lightning_prague.core.errors import ControlPlaneError, ControlPlaneLost, CoordinationTimeout, PragueError
 from lightning_prague.core.protocol import (
     CHALLENGE,
     FAILED,
@@ -167,9 +167,10 @@ class MessageLink:
         with self._send_lock:
             try:
                 self._sock.sendall(line)
-            except OSError as err:
-                raise CoordinationTimeout(
-                    f"rank {self.rank}: cannot send {message.get('op')!r} to {self.peer} ({err}); it may have stopped"
+            except OSError as err:  # lost is lost, whether the reader or a sender sees it first
+                raise ControlPlaneLost(
+                    f"rank {self.rank}: cannot send {message.get('op')!r} to {self.peer} ({err}); its connection "
+                    "is broken (it stopped, or this rank is cut off from it)"
                 ) from None
             self.sent += 1
 

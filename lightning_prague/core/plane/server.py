@@ -28,7 +28,9 @@ handler's business.
 
 from __future__ import annotations
 
+import errno
 import logging
+import resource
 import selectors
 import socket
 import threading
@@ -70,12 +72,48 @@ MAX_LINE_BYTES = 1 << 20
 MAX_PENDING_BYTES = 256 << 20
 #: seconds a connection may take to prove it belongs to the job (`lightning_prague.core.auth`)
 HELLO_SECONDS = 10.0
-#: connections that have not proved it yet, at most: past it the oldest of them is dropped
+#: connections that have not proved it yet, at most: past it the oldest of them is dropped (a quarter
+#: of the process's descriptor limit, if that is less: `unproven_bound`)
 MAX_UNPROVEN = 1024
+#: connections accepted per pass of the event loop, at most: a flood of connections cannot starve the
+#: ranks' beats and messages
+ACCEPTS_PER_PASS = 64
+#: seconds the server stops accepting when this process is out of descriptors and no unproven
+#: connection is left to drop (the connections already there are served meanwhile)
+ACCEPT_PAUSE_SECONDS = 0.1
+#: the most bytes of items queued for a rank that has not connected yet: past it they are dropped
+MAX_WAITING_BYTES = 4 << 20
+#: items after which the server closes the rank's connection once they are written (best effort): a
+#: fenced process, which may be frozen and never close it, holds its rank no longer
+CLOSING_ITEMS = frozenset({"fenced"})
+#: `accept` errors that mean this process (or the machine) is out of descriptors or memory for now
+_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 #: dropped connections logged as warnings per window of seconds (the rest at debug level, then counted)
 REFUSALS_LOGGED, REFUSALS_WINDOW = 20, 60.0
 
-__all__ = ["MAX_RANK", "BadMessage", "MessageServer", "decode_message"]
+__all__ = ["MAX_RANK", "BadMessage", "MessageServer", "decode_message", "raise_descriptor_limit", "unproven_bound"]
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's soft limit of open descriptors to its hard limit (a plane serves many
+    connections; the common soft limit, 1024, is what a flood exhausts first). Returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as err:
+            log.debug("could not raise the descriptor limit from %d to %d: %s", soft, hard, err)
+    return soft
+
+
+def unproven_bound() -> int:
+    """How many unproven connections the server keeps at once: `MAX_UNPROVEN`, or a quarter of the
+    descriptor limit if that is less (the rest stays for the ranks' connections, the store and files)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return MAX_UNPROVEN
+    return max(4, min(MAX_UNPROVEN, soft // 4))
 
 
 @dataclass
@@ -93,6 +131,7 @@ class _Connection:
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     writing: bool = False  # registered for EVENT_WRITE because the kernel buffer was full
+    closing: bool = False  # closed once what is queued for it is written (`CLOSING_ITEMS`)
 
 
 class MessageServer:
@@ -150,6 +189,8 @@ class MessageServer:
         self._waiting: dict[int, bytearray] = {}  # items for ranks that have not connected yet
         self._dropped: list[int] = []  # ranks whose connection closed in this pass of the loop
         self._unproven: OrderedDict[int, _Connection] = OrderedDict()  # by id, oldest first
+        self.max_unproven = unproven_bound()
+        self._accept_paused_until = 0.0  # out of descriptors: the listener is not watched until then
         self._refusals_since, self._refusals_logged, self._refusals_unlogged = 0.0, 0, 0
 
     def ends(self, rank: int) -> tuple[tuple[str, int], tuple[str, int]] | None:
@@ -206,6 +247,7 @@ class MessageServer:
                         if mask & selectors.EVENT_READ and not conn.closed:
                             self._read(selector, conn, arrived)
                 self._expire_unproven(selector)
+                self._resume_accepting(selector)
                 touched: dict[int, _Connection] = {}
                 for conn, message in arrived:
                     self._dispatch(selector, conn, message, touched)
@@ -246,10 +288,23 @@ class MessageServer:
                 pass
 
     def _accept(self, selector: selectors.BaseSelector) -> None:
-        while True:
+        """Accept what waits, at most `ACCEPTS_PER_PASS` connections. Out of descriptors, the oldest
+        unproven connection makes room; with none, accepting pauses a moment. No accept error stops
+        the server: a flood costs the flood's connections, never the ranks'."""
+        for _ in range(ACCEPTS_PER_PASS):
             try:
                 sock, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:
+                if err.errno not in _EXHAUSTED:  # e.g. ECONNABORTED: that connection is gone, not the server
+                    log.debug("%s: accept failed: %s", self.name, err)
+                    continue
+                if self._unproven:
+                    _, oldest = self._unproven.popitem(last=False)
+                    self._refuse(selector, oldest, f"the server is out of descriptors ({err.strerror})")
+                    continue
+                self._pause_accepting(selector, err)
                 return
             sock.setblocking(False)
             tune_socket(sock)
@@ -260,13 +315,36 @@ class MessageServer:
             except OSError:  # reset already
                 sock.close()
                 continue
-            if len(self._unproven) >= MAX_UNPROVEN:
+            if len(self._unproven) >= self.max_unproven:
                 _, oldest = self._unproven.popitem(last=False)
-                self._refuse(selector, oldest, f"more than {MAX_UNPROVEN} connections had not proved who they are")
+                self._refuse(selector, oldest, f"more than {self.max_unproven} connections had not proved who they are")
             self._unproven[id(conn)] = conn
             selector.register(sock, selectors.EVENT_READ, conn)
             conn.outbuf += encode_line({"t": CHALLENGE, "nonce": conn.nonce, "launch": self.credentials.launch})
             self._flush(selector, conn)
+
+    def _pause_accepting(self, selector: selectors.BaseSelector, err: OSError) -> None:
+        """Out of descriptors with no unproven connection to drop: stop watching the listener for
+        `ACCEPT_PAUSE_SECONDS` (the waiting connections stay in its backlog) instead of spinning on it."""
+        if self._accept_paused_until:
+            return
+        log.warning(
+            "%s: out of descriptors (%s, %d connections of ranks): not accepting for %.1fs",
+            self.name,
+            err.strerror,
+            len(self._by_rank),
+            ACCEPT_PAUSE_SECONDS,
+        )
+        self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE_SECONDS
+        try:
+            selector.unregister(self._listener)
+        except (KeyError, ValueError):
+            pass
+
+    def _resume_accepting(self, selector: selectors.BaseSelector) -> None:
+        if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            selector.register(self._listener, selectors.EVENT_READ, None)
 
     def _expire_unproven(self, selector: selectors.BaseSelector) -> None:
         now = time.monotonic()
@@ -445,7 +523,10 @@ class MessageServer:
                 log.debug("%s: dropped %d items for rank %d, which is not connected", self.name, len(items), rank)
                 continue
             target = buffer.outbuf if buffer is not None else self._waiting.setdefault(rank, bytearray())
-            if buffer is None and len(target) > MAX_PENDING_BYTES:  # a rank that never connects
+            if buffer is None and len(target) > MAX_WAITING_BYTES:  # a rank that never connects
+                if not self.messages_dropped:
+                    log.warning("%s: more than %d bytes queued for rank %d, which never connected: "
+                                "dropping its items", self.name, MAX_WAITING_BYTES, rank)  # fmt: skip
                 self.messages_dropped += len(items)
                 continue
             for item in items:
@@ -453,6 +534,8 @@ class MessageServer:
                 if line is None:
                     line = encoded[id(item)] = encode_line(item)
                 target += line
+                if buffer is not None and item.get("t") in CLOSING_ITEMS:
+                    buffer.closing = True
             self.messages_out += len(items)
             if buffer is not None:
                 touched[rank] = buffer
@@ -472,6 +555,10 @@ class MessageServer:
             except OSError:  # the worker is gone; its items have no reader
                 self._drop(selector, conn)
                 return
+        if conn.closing:  # written as far as the kernel takes it now: its process holds the rank no longer
+            log.debug("%s: closing rank %s's connection after its last item", self.name, conn.rank)
+            self._drop(selector, conn)
+            return
         wants_write = bool(conn.outbuf)
         if wants_write != conn.writing:
             conn.writing = wants_write
