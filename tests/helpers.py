@@ -242,12 +242,13 @@ def _run_script_on_pipes(
     """Body of a child of `run_forked`: stdout and stderr on the write ends of its two pipes (``pipes``:
     read and write end of stdout's, then of stderr's), which only file descriptors 1 and 2 hold, and
     ``sys.path[0]`` as the interpreter would set it (the script's folder; for a module, ``cwd``).
-    ``environ[NOFILE_VARIABLE]``, if set, is the run's soft and hard limit of open descriptors."""
+    ``environ[NOFILE_VARIABLE]``, if set, is the run's soft and hard limit of open descriptors (``SOFT:HARD``)."""
     limit = environ.pop(NOFILE_VARIABLE, None)
     if limit is not None:
         import resource
 
-        resource.setrlimit(resource.RLIMIT_NOFILE, (int(limit), int(limit)))
+        soft, hard = (int(n) for n in limit.split(":"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     sys.path.insert(0, str(cwd if isinstance(script, str) else Path(script).resolve().parent))
     read_out, write_out, read_err, write_err = pipes
     os.close(read_out)

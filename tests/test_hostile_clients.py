@@ -303,6 +303,26 @@ def test_a_flood_past_the_descriptor_limit_costs_the_flood_and_never_the_plane()
         child.kill()
 
 
+def _limits_raised(report) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (100, 200))
+    raised = server_module.raise_descriptor_limit()
+    report.send((raised, resource.getrlimit(resource.RLIMIT_NOFILE), server_module.unproven_bound()))
+
+
+def test_the_plane_raises_its_soft_descriptor_limit_and_bounds_unproven_connections_by_it():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=_limits_raised, args=(child_end,))
+    child.start()
+    assert parent_end.poll(30)
+    assert parent_end.recv() == (200, (200, 200), 50)  # a quarter of the limit stays for unproven ones
+    child.join(10)
+
+
 def test_an_error_in_the_planes_periodic_work_is_logged_not_fatal():
     calls = []
 

@@ -7,9 +7,10 @@ request line, 64 KiB of random bytes, a hello for a live rank, a `join` whose co
 that would create a file if it were loaded, while `FLOOD` connections opened at once are held without
 a byte. Each hostile connection must be closed by the plane; the job must finish as it would alone.
 
-The job runs under a descriptor limit of `JOB_DESCRIPTORS` (soft and hard), and the idle
-connections are `FLOOD`, more than that: the plane sheds the flood's oldest connections, never
-the ranks' (a flood past the limit once ended the supervisor, and every fit with it).
+The job runs under descriptor limits of `JOB_DESCRIPTORS` (soft and hard; the supervisor raises its
+soft limit to the hard one), and the idle connections are `FLOOD`, more than either: the plane sheds
+the flood's oldest connections, never the ranks' (a flood past the limit once ended the supervisor,
+and every fit with it).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from lightning_prague.core.protocol import PORT_VARIABLE, encode_line
 
 pytestmark = pytest.mark.timeout(240)
 
-#: the job's soft and hard limit of open descriptors, and the idle connections held against it
-JOB_DESCRIPTORS, FLOOD = 512, 1200
+#: the job's soft and hard limits of open descriptors, and the idle connections held against them
+JOB_DESCRIPTORS, FLOOD = "256:512", 1200
 
 
 class _TouchesAFile:
@@ -123,7 +124,7 @@ def test_every_rank_of_a_job_under_attack_finishes_and_nothing_runs(tmp_path, st
             "--profile",
             "homogeneous",
             timeout=200,
-            **{PORT_VARIABLE: str(port), NOFILE_VARIABLE: str(JOB_DESCRIPTORS)},
+            **{PORT_VARIABLE: str(port), NOFILE_VARIABLE: JOB_DESCRIPTORS},
         )
     finally:
         attacker.close()

@@ -132,3 +132,18 @@ def test_fewer_than_min_workers_stop_the_job_with_a_checkpoint(tmp_path):
     assert last.stat().st_mtime > struck
     step = torch.load(last, map_location="cpu", weights_only=False)["global_step"]
     assert step == ranks[0]["global_step"] > 0
+
+
+def test_forked_ranks_go_on_without_a_lost_one_and_fit_says_when_rank_0_left_no_result(tmp_path):
+    """`start_method="fork"`: the process that called `fit` forks the ranks and watches them. Rank 0 is
+    killed and rank 2 fails in a step: rank 1 finishes the fit alone (torch.multiprocessing would have
+    ended it), and `fit` in the calling process fails, naming rank 0's status: no result came back."""
+    args = ["--strategy", "prague", "--epochs", "1", "--step-time", "0.05", "--devices", "3", "--start-method", "fork"]
+    args += ["--hang-timeout", str(HANG_TIMEOUT), "--fault", "0:3:kill", "--fault", "2:4:raise"]
+    proc, _ = run_training(tmp_path, *args, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "local rank 0's last process exited with status -9" in proc.stderr, proc.stderr[-3000:]
+    assert "there is no result of the fit to take into this process" in proc.stderr
+    ranks = results(tmp_path)
+    assert sorted(ranks) == [1] and ranks[1]["epochs_run"] == 1
+    assert sorted(int(r) for r in ranks[1]["lost_workers"]) == [0, 2]

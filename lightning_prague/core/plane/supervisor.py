@@ -69,7 +69,10 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     from lightning_prague.core.plane.coordinator import ControlPlane
-    from lightning_prague.core.plane.server import MessageServer
+    from lightning_prague.core.plane.server import MessageServer, raise_descriptor_limit
+
+    descriptors = raise_descriptor_limit()  # a flood of connections meets this limit first
+    log.debug("descriptor limit %d", descriptors)
 
     timeout = timedelta(seconds=args.timeout)
     store = dist.TCPStore(
