@@ -34,6 +34,7 @@ SUBCOMMANDS = """subcommands:
   fit, validate, test, predict   LightningCLI (lightning-prague fit --help for their options)
   plan                           predict which strategy trains fastest on a cluster (plan --help)
   bench                          measure every strategy against DDP (bench --help)
+  plane                          serve a job's store and control plane on this host (plane --help)
 
 options:
   --version                      print the version and exit
@@ -87,12 +88,19 @@ def main(args: list[str] | None = None) -> None:
         print(f"lightning-prague {lightning_prague.__version__}")
         return
     if argv[:1] in (["-h"], ["--help"]) or not argv:
-        print(f"usage: lightning-prague {{fit,validate,test,predict,plan,bench}} ... | --version\n\n{SUBCOMMANDS}")
+        print(
+            f"usage: lightning-prague {{fit,validate,test,predict,plan,bench,plane}} ... | --version\n\n{SUBCOMMANDS}"
+        )
         return
     if argv and argv[0] == "plan":
         from lightning_prague.tools import plan
 
         plan.main(argv[1:])
+        return
+    if argv and argv[0] == "plane":
+        from lightning_prague.core.plane import service
+
+        service.main(argv[1:])
         return
     if argv and argv[0] == "bench":
         from lightning_prague.tools import bench

@@ -178,3 +178,17 @@ def test_the_supervisor_goes_when_the_process_that_launched_it_is_gone(tmp_path)
     while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not process_alive(pid)
+
+
+def test_a_job_of_several_nodes_without_a_secret_of_its_own_is_told_which_setting_to_use(monkeypatch, tmp_path):
+    monkeypatch.delenv(auth.SECRET_VARIABLE, raising=False)
+    monkeypatch.delenv(auth.SECRET_FILE_VARIABLE, raising=False)
+    assert auth.secret_advice(1) is None  # one node: the store is on this machine's loopback by default
+    advice = auth.secret_advice(4)
+    assert advice is not None and "4 nodes" in advice
+    assert auth.SECRET_FILE_VARIABLE in advice and auth.SECRET_VARIABLE in advice
+    secret = tmp_path / "secret"
+    secret.write_text("x" * 44)
+    secret.chmod(0o600)
+    monkeypatch.setenv(auth.SECRET_FILE_VARIABLE, str(secret))
+    assert auth.secret_advice(4) is None

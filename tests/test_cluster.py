@@ -101,6 +101,10 @@ EXAMPLE_STRATEGIES = {"slurm": "partial_reduce", "torchrun": "adpsgd", "kubernet
 #: index, nothing kept, starts); their fits last long enough for the new process to rejoin and train
 LOST_RANK = {"torchrun": 0, "kubernetes": 1}
 EXAMPLE_EPOCHS = {"slurm": 2, "torchrun": 55, "kubernetes": 28}
+#: the job scripts that make a secret file per job in its root directory
+SECRET_FILES = ("slurm", "torchrun")
+#: the Kubernetes Secret's value, as `kubectl create secret` made it for the manifest's job
+JOB_SECRET = "a-secret-made-for-one-job-by-kubectl"
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +255,10 @@ def pod_environment(container: dict, index: int, cluster_values: dict[str, str])
     for variable in container["env"]:
         if "value" in variable:
             env[variable["name"]] = str(variable["value"])
+        elif "secretKeyRef" in variable["valueFrom"]:  # the Secret made per job, as `kubectl create secret` would
+            reference = variable["valueFrom"]["secretKeyRef"]
+            assert (reference["name"], reference["key"]) == ("prague-digits-secret", "secret"), reference
+            env[variable["name"]] = JOB_SECRET
         else:
             field_path = variable["valueFrom"]["fieldRef"]["fieldPath"]
             assert field_path in from_pod, field_path
@@ -602,6 +610,10 @@ def test_each_example_job_script_trains_to_the_end_of_the_fit(jobs, launcher):
         assert live and set(live) == {example.world}, live
     (supervisor_log,) = (example.root_dir / "lightning_prague_logs").glob("supervisor-*.log")
     assert f"logs to {supervisor_log}" in example.output(), logs
+    if launcher in SECRET_FILES:  # the script made the job's secret: one file, only its owner may read it
+        (secret,) = example.root_dir.glob(".secret-*")
+        assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_text().strip()) >= 40
+    assert "without a secret of its own" not in example.output(), logs  # (the manifest's comes from a Secret)
 
 
 def test_the_kubernetes_manifest_runs_as_many_pods_as_its_world_size():

@@ -21,6 +21,15 @@ export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-eth0}
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}
 # A fixed port for the control plane (on the node of global rank 0), to open in a firewall.
 export LIGHTNING_PRAGUE_CONTROL_PORT=${LIGHTNING_PRAGUE_CONTROL_PORT:-29501}
+# The job's secret, the same on every node (torchrun passes the variable to its workers). Without
+# one, rank 0 generates it and hands it out through the job's store, which anyone who reaches the
+# store can read (docs/security.md, The secret). One per job id, in a file only you can read in
+# ROOT_DIR, which must be on a file system every node shares: the first node to get here writes it.
+if [ -z "${LIGHTNING_PRAGUE_SECRET:-}${LIGHTNING_PRAGUE_SECRET_FILE:-}" ]; then
+    mkdir -p "$ROOT_DIR"
+    export LIGHTNING_PRAGUE_SECRET_FILE="$ROOT_DIR/.secret-$JOB_ID"
+    (umask 077 && set -C && head -c 32 /dev/urandom | base64 > "$LIGHTNING_PRAGUE_SECRET_FILE") 2> /dev/null || true
+fi
 
 # --max-restarts 0: torchrun's own restart restarts every worker of a node and cannot heal a job of
 # several nodes (docs/multi_node.md, Exit statuses and the job's status). The library restarts a lost

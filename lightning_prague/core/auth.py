@@ -80,6 +80,19 @@ def user_secret() -> bytes | None:
     return value.encode()
 
 
+def secret_advice(nodes: int) -> str | None:
+    """What to say at the start of a job of `nodes` nodes whose user set no secret (`None`: nothing):
+    the generated one travels through the job's store, which has no authentication, across a network."""
+    if nodes < 2 or user_secret() is not None:
+        return None
+    return (
+        f"this job runs on {nodes} nodes without a secret of its own: the one rank 0 generates travels through "
+        f"the job's store, which anyone who reaches MASTER_PORT can read. Set {SECRET_FILE_VARIABLE} (a file "
+        f"only you can read, on every node) or {SECRET_VARIABLE} in every rank's environment (docs/security.md, "
+        "The secret; the example job scripts make one per job)"
+    )
+
+
 def generated_secret() -> str:
     """A fresh secret for a job whose user set none (rank 0 hands it out through the store)."""
     return secrets.token_hex(32)

@@ -64,7 +64,7 @@ from lightning_prague.core.membership import (  # noqa: F401  (re-exported: wher
     _new_group,
 )
 from lightning_prague.core.plane.launch import Supervisor, launch, wait_until_listening
-from lightning_prague.core.protocol import ADDRESS_RECORD, SessionConfig, address_key
+from lightning_prague.core.protocol import ADDRESS_RECORD, SERVICE_ADDRESS_KEY, SessionConfig, address_key
 from lightning_prague.core.records import BadRecord
 from lightning_prague.core.torch_internals import (  # noqa: F401  (re-exported)
     SUPPORTED_TORCH,
@@ -157,6 +157,7 @@ def init_job(
     rejoin: Optional[bool] = None,
     launched: Optional[int] = None,
     log_dir: Optional[str] = None,
+    plane: Optional[tuple[str, int]] = None,
 ) -> Job:
     """Join the job (see the module docstring); returns this process's `Job` (the same one when called again).
 
@@ -176,6 +177,11 @@ def init_job(
 
     `control_port`: where global rank 0's supervisor serves the control plane (unset:
     `LIGHTNING_PRAGUE_CONTROL_PORT`, else a free port; see `supervisor.resolve_control_port`).
+
+    `plane`: `(host, port)` of a plane service (`lightning_prague.core.plane.service`) that hosts the
+    job's store and control plane: no rank starts a supervisor, every rank is their client (the
+    process group meets in that store, not at MASTER_ADDR:MASTER_PORT), and the job's secret must be
+    set on every rank (the service never hands one out).
     """
     global _JOB
     job = current_job()
@@ -183,7 +189,7 @@ def init_job(
         return job
     check_torch_internals()  # before anything uses them
     try:
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        host, port = plane if plane is not None else (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     except KeyError as err:
         raise CoordinationTimeout(
             f"rank {rank}: environment variable {err.args[0]} is not set; launch with torchrun or Lightning, or set "
@@ -204,10 +210,17 @@ def init_job(
             f"{LAUNCH_VARIABLE}) or {REJOIN_VARIABLE}=1"
         )
     secret, launch_id = user_secret(), known_launch_id()
+    if plane is not None and secret is None:
+        raise ConfigurationError(
+            f"rank {rank}: the plane service at {host}:{port} needs the job's secret on every rank: set "
+            f"{SECRET_VARIABLE} or {SECRET_FILE_VARIABLE} to the secret it was started with"
+        )
+    # a plane service publishes its own launch's record under a key of its own: the user named it
+    key, checked_launch = (SERVICE_ADDRESS_KEY, None) if plane is not None else (address_key(), launch_id)
     if joins:
         _init_local_world(rank, world_size)  # first: a torch without the stand-in fails before anything connects
         store = _joiner_store(rank, host, port, world_size, min(pg_timeout, timedelta(seconds=timeout)))
-        control = _connect(store, rank, timeout, None, secret, launch_id, joining=True)
+        control = _connect(store, rank, timeout, None, secret, checked_launch, joining=True, key=key)
         _JOB = Job(
             rank, world_size, backend, control, None, pg_timeout=pg_timeout, store=store, device_id=device_id,
             joining=True,
@@ -223,7 +236,14 @@ def init_job(
         # ranks connect only once the process group exists: wait for them as long as its rendezvous may take
         wait=pg_timeout.total_seconds() + timeout,
     )
-    if not dist.is_initialized():
+    if plane is not None:  # the service's store: the process group meets there, whatever the launcher's
+        store = _joiner_store(rank, host, port, starting, pg_timeout)
+        if not dist.is_initialized():
+            kwargs = {"device_id": device_id} if device_id is not None else {}
+            dist.init_process_group(backend, store=store, rank=rank, world_size=starting, timeout=pg_timeout, **kwargs)
+            if "nccl" in backend:
+                atexit.register(_destroy_process_group)
+    elif not dist.is_initialized():
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
         if rank == 0:
             proc = launch(host, port, starting, timeout, not agent_store, control_port, **start)
@@ -244,13 +264,15 @@ def init_job(
         if rank == 0:
             proc = launch(store.host, store.port, starting, timeout, False, control_port, **start)
     launch_id = launch_id if proc is None else str(start["launch_id"])
-    control = _connect(raw_store(), rank, timeout, proc, secret, launch_id)
+    if plane is None:
+        store, checked_launch = raw_store(), launch_id
+    control = _connect(store, rank, timeout, proc, secret, checked_launch, key=key)
     connected = set(established_connections())
     group = dist.new_group(list(range(starting)), backend=backend, timeout=pg_timeout)
     if launch_id is not None:  # every rank that starts the job has met: a later process of it rejoins the fit
-        publish_running(raw_store(), launch_id, rank)
+        publish_running(store, launch_id, rank)
     _JOB = Job(
-        rank, world_size, backend, control, group, proc, pg_timeout=pg_timeout, store=raw_store(), device_id=device_id,
+        rank, world_size, backend, control, group, proc, pg_timeout=pg_timeout, store=store, device_id=device_id,
         members=tuple(range(starting)), connections=set(established_connections()) - connected,
     )  # fmt: skip
     atexit.register(control.close)
@@ -386,6 +408,7 @@ def _connect(
     secret: Optional[bytes],
     launch_id: Optional[str],
     joining: bool = False,
+    key: Optional[str] = None,
 ) -> ControlClient:
     """Connect to the control plane whose address the supervisor published in the store.
 
@@ -396,7 +419,7 @@ def _connect(
     ended (`FitEnded`): under torchrun the job's store is the agent's, which outlives the fit and its
     running mark, while the control plane ends with the fit.
     """
-    key = address_key()
+    key = key or address_key()
     try:
         store.wait([key], timedelta(seconds=timeout))
     except (RuntimeError, dist.DistStoreError) as err:

@@ -312,6 +312,11 @@ ADDRESS_RECORD = Record(
 )
 
 
+#: the key under which a plane service (`lightning_prague.core.plane.service`) publishes its record: one
+#: job's, whatever a rank's launcher counts (`address_key` counts torchrun's restarts)
+SERVICE_ADDRESS_KEY = f"{ADDRESS_KEY}/service"
+
+
 def address_key() -> str:
     """The key of this launch attempt (torchrun restarts workers under the same agent store)."""
     return f"{ADDRESS_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"

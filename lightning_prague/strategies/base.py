@@ -52,12 +52,13 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_prague.core.auth import secret_advice
 from lightning_prague.core.client.control import Session
 from lightning_prague.core.comm.averaging import BucketedTensors, averaged_state
 from lightning_prague.core.errors import ConfigurationError
@@ -68,6 +69,7 @@ from lightning_prague.core.exchange.worker import GroupWorker
 from lightning_prague.core.grouping.policies import GroupingPolicy
 from lightning_prague.core.job import Job, init_job
 from lightning_prague.core.plane.launch import LOG_DIR_VARIABLE
+from lightning_prague.core.plane.service import plane_address
 from lightning_prague.core.protocol import ADMISSION_CALL, HangRule
 from lightning_prague.strategies import _patches
 from lightning_prague.strategies._checks import check_layer_sync, check_lightning_internals, check_trainer
@@ -134,6 +136,7 @@ class DecentralizedStrategy(DDPStrategy):
         coordinator_port: Optional[int] = None,
         max_restarts: int = 0,
         max_workers: Optional[int] = None,
+        plane: Optional[str] = None,
         **ddp_kwargs: Any,
     ) -> None:
         """Options every asynchronous strategy shares.
@@ -207,6 +210,11 @@ class DecentralizedStrategy(DDPStrategy):
                 with a rank from the launched number on (and `LIGHTNING_PRAGUE_REJOIN=1`) joins the
                 running fit as a lost rank's new process does (see `docs/fault_tolerance.md`, "Scale
                 up"). Unset: the workers the job was launched with.
+            plane: `HOST:PORT` of a plane service (`lightning-prague plane`) that hosts the job's store
+                and control plane on a host of your choice; unset: `LIGHTNING_PRAGUE_PLANE`, else
+                global rank 0 starts them on its node, and the job ends with that node. With a
+                service, rank 0's node can be lost like any other (`docs/fault_tolerance.md`, "The
+                control plane as a service"); every rank needs the job's secret.
             **ddp_kwargs: options of Lightning's `DDPStrategy` / `DistributedDataParallel`, for code
                 moved from DDP. The model is not wrapped in `DistributedDataParallel` (replicas
                 average parameters in groups, not gradients), so `find_unused_parameters`,
@@ -222,7 +230,7 @@ class DecentralizedStrategy(DDPStrategy):
             sync_every=sync_every, seed=seed, timeout=timeout, average_at_sync=average_at_sync, bucket_mb=bucket_mb,
             min_workers=min_workers, hang_timeout=hang_timeout, hang_factor=hang_factor,
             leave_out_after=leave_out_after, sync_timeout=sync_timeout, coordinator_port=coordinator_port,
-            max_restarts=max_restarts, max_workers=max_workers,
+            max_restarts=max_restarts, max_workers=max_workers, plane=plane,
         )  # fmt: skip
         super().__init__(
             accelerator=accelerator,
@@ -285,6 +293,8 @@ class DecentralizedStrategy(DDPStrategy):
     #: the control plane's port; `None`: `LIGHTNING_PRAGUE_CONTROL_PORT` or a free one
     coordinator_port = Option[Optional[int]]()
     max_restarts = Option[int]()
+    #: a plane service's `HOST:PORT`; `None`: `LIGHTNING_PRAGUE_PLANE`, else rank 0 starts the supervisor
+    plane = Option[Optional[str]]()
     hang_rule = Option[HangRule]()
 
     # -- this fit's session (None outside an asynchronous fit) ------------------------------------
@@ -399,6 +409,9 @@ class DecentralizedStrategy(DDPStrategy):
         assert self.cluster_environment is not None
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
         os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        advice = secret_advice(self.num_nodes)
+        if advice is not None:
+            rank_zero_warn(advice)
         self.job = init_job(
             self.global_rank,
             self.capacity,
@@ -409,6 +422,7 @@ class DecentralizedStrategy(DDPStrategy):
             control_port=self.coordinator_port,
             launched=self.world_size,
             log_dir=self._supervisor_log_dir(),
+            plane=plane_address(self.plane),
         )
         supervisor = self.job.supervisor
         if supervisor is not None:

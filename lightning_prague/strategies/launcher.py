@@ -66,6 +66,7 @@ from lightning_prague.core.client.partition import EXCLUDED_EXIT_VARIABLE, FENCE
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.forking import unforkable_state
 from lightning_prague.core.job import RESTARTS_VARIABLE, look_for_running_fit, rejoining
+from lightning_prague.core.plane.service import plane_address
 from lightning_prague.strategies.in_place import ComebackMultiProcessingLauncher, RejoinInPlace
 from lightning_prague.strategies.keeper import (
     BACKOFF,
@@ -106,7 +107,8 @@ class SurvivingScriptLauncher(_SubprocessScriptLauncher):
             keep_this_rank(self.max_restarts)  # returns in the training process; this one becomes its keeper
         if fitting and external:  # a lost rank's new process finds its job's running fit by itself
             environment = self.cluster_environment
-            look_for_running_fit(environment.global_rank(), environment.main_address, environment.main_port)
+            store = plane_address() or (environment.main_address, environment.main_port)  # a plane service's, if any
+            look_for_running_fit(environment.global_rank(), *store)
         if fitting and rejoining():  # a new process for a lost rank: the fit's state comes from a live member
             args, kwargs = with_checkpoint(function, args, kwargs, PEER_CHECKPOINT, force=True)
         elif self.resume_on_restart and restarted and fitting:
@@ -190,7 +192,9 @@ class SurvivingForkLauncher(ComebackMultiProcessingLauncher):
             )
         assert self._strategy.cluster_environment is not None
         os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)  # one port for every rank
-        launch_id = known_launch_id() or new_launch_id()  # every process of the launch, restarts included
+        launch_id = known_launch_id()
+        if launch_id is None and self._strategy.num_nodes == 1:  # every process of the launch, restarts included
+            launch_id = new_launch_id()  # (on several nodes each would make its own: the supervisor's is taken)
         wrapped = RejoinInPlace(function, trainer) if trainer is not None else function
         context = multiprocessing.get_context("fork")
         results = context.SimpleQueue()
@@ -232,7 +236,7 @@ class SurvivingForkLauncher(ComebackMultiProcessingLauncher):
         self,
         local_rank: int,
         restarts: int,
-        launch_id: str,
+        launch_id: Optional[str],
         trainer: Optional[Any],
         function: Callable,
         wrapped: Callable,
@@ -242,7 +246,8 @@ class SurvivingForkLauncher(ComebackMultiProcessingLauncher):
     ) -> None:
         """A forked rank's process: its launch, its restarts (a restarted one resumes from a live
         member's state, `PEER_CHECKPOINT`), then Lightning's own wrapper of the fit."""
-        os.environ[LAUNCH_VARIABLE] = launch_id
+        if launch_id is not None:
+            os.environ[LAUNCH_VARIABLE] = launch_id
         os.environ.setdefault(EXCLUDED_EXIT_VARIABLE, str(FENCED_EXIT_STATUS))  # an excluded rank is a lost one
         if restarts:
             os.environ[RESTARTS_VARIABLE] = str(restarts)

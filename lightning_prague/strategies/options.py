@@ -17,6 +17,7 @@ from typing import Any, Generic, Optional, TypeVar
 
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.grouping.policies import GroupingPolicy
+from lightning_prague.core.plane.service import plane_address
 from lightning_prague.core.protocol import HangRule, SessionConfig, resolve_control_port
 
 T = TypeVar("T")
@@ -58,6 +59,9 @@ class StrategyOptions:
     max_restarts: int = 0
     #: the most workers the job may grow to while it runs (new workers join it); `None`: the launched ones
     max_workers: Optional[int] = None
+    #: a plane service's `HOST:PORT` (`lightning_prague.core.plane.service`); `None`: `LIGHTNING_PRAGUE_PLANE`,
+    #: else global rank 0 starts the job's supervisor
+    plane: Optional[str] = None
 
     def __post_init__(self) -> None:
         timeout = self.timeout
@@ -65,6 +69,9 @@ class StrategyOptions:
             timeout = timeout.total_seconds()
             object.__setattr__(self, "timeout", timeout)
         resolve_control_port(self.coordinator_port)  # validated here; global rank 0's environment decides at launch
+        if self.plane is not None and not isinstance(self.plane, str):
+            raise ConfigurationError(f"plane={self.plane!r} is invalid: it must be the plane service's 'HOST:PORT'")
+        plane_address(self.plane)  # validated here; each rank's environment decides at set-up
         if self.sync_every < 1:
             raise ConfigurationError(f"sync_every={self.sync_every} is invalid: it must be at least 1 local step")
         if timeout <= 0:

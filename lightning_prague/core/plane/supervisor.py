@@ -34,6 +34,7 @@ import os
 import socket
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from lightning_prague.core.auth import SECRET_VARIABLE, Credentials
 from lightning_prague.core.protocol import PORT_VARIABLE, address_key
@@ -41,6 +42,9 @@ from lightning_prague.core.protocol import PORT_VARIABLE, address_key
 #: environment variable: the address the control plane listens on (an address of this node, or
 #: `0.0.0.0` / `::` for every interface); default: MASTER_ADDR's
 CONTROL_HOST_VARIABLE = "LIGHTNING_PRAGUE_CONTROL_HOST"
+
+if TYPE_CHECKING:
+    from lightning_prague.core.plane.server import MessageServer
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     import torch.distributed as dist
 
-    from lightning_prague.core.plane.coordinator import ControlPlane
-    from lightning_prague.core.plane.server import MessageServer, raise_descriptor_limit
+    from lightning_prague.core.plane.server import raise_descriptor_limit
 
     descriptors = raise_descriptor_limit()  # a flood of connections meets this limit first
     log.debug("descriptor limit %d", descriptors)
@@ -83,23 +86,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"the supervisor needs the job's secret in {SECRET_VARIABLE}")
     credentials = Credentials.derive(secret.encode(), args.launch)
     port = args.control_port if args.control_port is not None else int(os.environ.get(PORT_VARIABLE, "0"))
-    plane = ControlPlane()
     listen, published = listen_address(args.host)
-
-    def serve(host: str) -> MessageServer:
-        return MessageServer(
-            plane.handle,
-            host,
-            credentials,
-            name="prague-control-plane",
-            port=port,
-            on_connect=plane.on_connect,
-            on_disconnect=plane.on_disconnect,
-            on_tick=plane.tick,
-        )
-
     try:
-        server = serve(listen)
+        server = serve_plane(listen, port, credentials)
     except OSError as err:
         if os.environ.get(CONTROL_HOST_VARIABLE):
             raise SystemExit(f"{CONTROL_HOST_VARIABLE}={listen}: cannot listen there ({err})") from None
@@ -111,9 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             err,
             CONTROL_HOST_VARIABLE,
         )
-        server = serve("")
-    plane.ends = server.ends
-    server.start()
+        server = serve_plane("", port, credentials)
     record = {"host": published, "port": server.address[1], "pid": os.getpid(), "launch": args.launch}
     if args.publish_secret:
         record["secret"] = secret
@@ -144,6 +131,28 @@ def main(argv: list[str] | None = None) -> None:
         except OSError:
             pass
     os._exit(0 if server.error is None else 1)  # the store's threads must not hold the exit
+
+
+def serve_plane(host: str, port: int, credentials: Credentials) -> MessageServer:
+    """The control plane (`ControlPlane`) served on `host:port` (0: a free port), started; `OSError`
+    if it cannot listen there. The supervisor's and the plane service's (`lightning_prague.core.plane.service`)."""
+    from lightning_prague.core.plane.coordinator import ControlPlane
+    from lightning_prague.core.plane.server import MessageServer
+
+    plane = ControlPlane()
+    server = MessageServer(
+        plane.handle,
+        host,
+        credentials,
+        name="prague-control-plane",
+        port=port,
+        on_connect=plane.on_connect,
+        on_disconnect=plane.on_disconnect,
+        on_tick=plane.tick,
+    )
+    plane.ends = server.ends
+    server.start()
+    return server
 
 
 def listen_address(master_addr: str) -> tuple[str, str]:
