@@ -14,7 +14,9 @@ What runs (about a minute on two cores):
   ``train.py`` for 2 epochs, at once:
   - ``slurm.sbatch`` (``partial_reduce``), run on each node as ``sbatch`` would with SLURM's batch
     variables and an emulated ``srun`` on its ``PATH`` (`lightning_prague.tools.cluster.batch`)
-    that starts the node's 2 tasks, forked from one import of Lightning (``--preload``);
+    that starts the node's 2 tasks, forked from one import of Lightning (``--preload``); its store
+    and control plane are a plane service (``lightning-prague plane``) on node2, not on rank 0's
+    node1, as on preemptible nodes;
   - ``torchrun.sh`` (``adpsgd``), one torchrun agent per node, rendezvous at node1 (c10d),
     one worker per node (fresh interpreters: the costliest start here);
   - ``kubernetes.yaml`` (``decent_adam``), one pod per node: each pod's container command with the
@@ -101,8 +103,10 @@ EXAMPLE_STRATEGIES = {"slurm": "partial_reduce", "torchrun": "adpsgd", "kubernet
 #: index, nothing kept, starts); their fits last long enough for the new process to rejoin and train
 LOST_RANK = {"torchrun": 0, "kubernetes": 1}
 EXAMPLE_EPOCHS = {"slurm": 2, "torchrun": 55, "kubernetes": 28}
-#: the job scripts that make a secret file per job in its root directory
-SECRET_FILES = ("slurm", "torchrun")
+#: the job scripts that make a secret file per job in its root directory (slurm's is given the plane's)
+SECRET_FILES = ("torchrun",)
+#: the examples whose store and control plane are a plane service on the second node, at this port
+PLANE_SERVICE, PLANE_PORT = ("slurm",), 29631
 #: the Kubernetes Secret's value, as `kubectl create secret` made it for the manifest's job
 JOB_SECRET = "a-secret-made-for-one-job-by-kubectl"
 
@@ -172,6 +176,8 @@ class Example:
     directory: Path
     world: int = NODES * WORKERS
     procs: list[subprocess.Popen] = field(default_factory=list)
+    #: processes that serve the job until it ends (a plane service), stopped then
+    services: list[subprocess.Popen] = field(default_factory=list)
     codes: list[int | None] = field(default_factory=list)
     lost: str = ""  # how its rank was lost (`lose_a_rank`), or why that did not happen
 
@@ -207,14 +213,31 @@ def train_args(example: Example) -> list[str]:
     return ["--strategy", example.strategy, "--max-epochs", str(example.epochs), "--accelerator", "cpu"]
 
 
+def start_plane_service(cluster: Cluster, example: Example, node) -> dict[str, str]:
+    """A plane service (`lightning-prague plane`) on `node`, with a secret file of the job's made for
+    it; returns what a job's environment needs to use it (its address and the secret's file)."""
+    secret = example.directory / "plane-secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    env = node_env(node, example.directory, {"LIGHTNING_PRAGUE_SECRET_FILE": str(secret)})
+    argv = [sys.executable, "-m", "lightning_prague.cli", "plane", "--port", str(PLANE_PORT)]
+    argv += ["--log-dir", str(example.directory / "plane")]
+    with open(example.log(f"plane-{node.name}"), "w") as log:
+        example.services.append(cluster.run(node, argv, env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+    return {"LIGHTNING_PRAGUE_PLANE": f"{node.name}:{PLANE_PORT}", "LIGHTNING_PRAGUE_SECRET_FILE": str(secret)}
+
+
 def start_slurm(cluster: Cluster, example: Example) -> None:
     """``slurm.sbatch`` on every node with SLURM's batch variables and an ``srun`` that starts the
-    node's tasks (forked from one import), as ``sbatch`` runs it on the job's first node."""
+    node's tasks (forked from one import), as ``sbatch`` runs it on the job's first node; its store
+    and control plane are a plane service on the second node, not rank 0's (the layout for
+    preemptible nodes)."""
+    plane = start_plane_service(cluster, example, cluster.nodes[-1])
     for node in cluster.nodes:
         layout = Layout(NODES, node.index, WORKERS, f"node[1-{NODES}]", job_name="prague-digits")
         srun_dir = example.directory / f"bin-{node.name}"
         write_srun(srun_dir, preload=True, log_dir=example.directory, timeout=JOB_TIMEOUT)
-        base = node_env(node, example.directory, {"LIGHTNING_PRAGUE_CONTROL_PORT": "29611"})
+        base = node_env(node, example.directory, {"LIGHTNING_PRAGUE_CONTROL_PORT": "29611", **plane})
         env = batch_environment(base, layout, "25101", ROOT, srun_dir)
         env["ROOT_DIR"] = str(example.root_dir)
         env[SPARE_VARIABLE] = "0"  # no rank of it is lost: no warm spare's imports on the loaded cores
@@ -394,6 +417,8 @@ class Job:
     directory: Path
     job_id: str = ""  # srun-style: SLURM_JOB_ID (its tasks log to the launchers' directory, the parent)
     procs: list[subprocess.Popen] = field(default_factory=list)
+    #: processes that serve the job until it ends (a plane service), stopped then
+    services: list[subprocess.Popen] = field(default_factory=list)
     codes: list[int | None] = field(default_factory=list)
     rejoin: bool = False  # the job a rank rejoins and two new workers join (`REJOIN`)
 
@@ -563,6 +588,9 @@ def jobs(cluster, tmp_path_factory) -> Jobs:
     losing.join()
     for example in examples.values():
         example.codes = wait(example.procs, deadline)
+        for service in example.services:
+            service.terminate()
+            service.wait(30)
     for strategy in TORCHRUN:
         made["torchrun", strategy].codes = wait(made["torchrun", strategy].procs, deadline)
     gate.touch()  # the examples are over: the partitioned job starts, and the cut touches none of them
@@ -608,8 +636,14 @@ def test_each_example_job_script_trains_to_the_end_of_the_fit(jobs, launcher):
         assert live and min(live) >= example.world - 1 and live[-1] == example.world, live
     else:
         assert live and set(live) == {example.world}, live
-    (supervisor_log,) = (example.root_dir / "lightning_prague_logs").glob("supervisor-*.log")
-    assert f"logs to {supervisor_log}" in example.output(), logs
+    if launcher in PLANE_SERVICE:  # no rank started a supervisor: the service on the other node served the job
+        assert "the supervisor (pid" not in example.output(), logs
+        assert not list(example.root_dir.glob("lightning_prague_logs/supervisor-*.log")), logs
+        plane_log = (example.directory / "plane" / "plane.log").read_text()
+        assert "serving" in example.log("plane-node2").read_text() and "store" in plane_log, logs
+    else:
+        (supervisor_log,) = (example.root_dir / "lightning_prague_logs").glob("supervisor-*.log")
+        assert f"logs to {supervisor_log}" in example.output(), logs
     if launcher in SECRET_FILES:  # the script made the job's secret: one file, only its owner may read it
         (secret,) = example.root_dir.glob(".secret-*")
         assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_text().strip()) >= 40

@@ -310,3 +310,18 @@ def test_a_router_that_fails_ends_the_link_with_its_error_not_a_silent_reader():
     finally:
         link.close()
         server.close()
+
+
+def test_control_plane_connections_probe_an_idle_peer_and_give_up_on_a_silent_one():
+    """Keepalive probes find a peer host that vanished while the connection was idle, and the user
+    timeout bounds both them and unacknowledged data (15 minutes), so a lost node's connection ends."""
+    import socket
+
+    from lightning_prague.core.protocol import KEEPALIVE, USER_TIMEOUT_MS, tune_socket
+
+    with socket.create_server(("127.0.0.1", 0)) as listener, socket.create_connection(listener.getsockname()) as sock:
+        tune_socket(sock)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE["TCP_KEEPIDLE"]
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == USER_TIMEOUT_MS
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1

@@ -21,6 +21,16 @@ export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-eth0}
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}
 # A fixed port for the control plane (on the node of global rank 0), to open in a firewall.
 export LIGHTNING_PRAGUE_CONTROL_PORT=${LIGHTNING_PRAGUE_CONTROL_PORT:-29501}
+# Where the job's store and control plane run: by default on the node of global rank 0, and the job
+# ends if that node is lost. On preemptible nodes, run them as a service on a host that is not
+# (lightning-prague plane; docs/fault_tolerance.md, The control plane as a service) and set its
+# address and the secret it was started with on every node:
+#   LIGHTNING_PRAGUE_PLANE=planehost:29400 LIGHTNING_PRAGUE_SECRET_FILE=/shared/prague-secret bash torchrun.sh
+# (the workers then meet in its store; torchrun's own rendezvous stays at MASTER_ADDR).
+if [ -n "${LIGHTNING_PRAGUE_PLANE:-}" ] && [ -z "${LIGHTNING_PRAGUE_SECRET:-}${LIGHTNING_PRAGUE_SECRET_FILE:-}" ]; then
+    echo "LIGHTNING_PRAGUE_PLANE=$LIGHTNING_PRAGUE_PLANE: set the plane's secret too (LIGHTNING_PRAGUE_SECRET_FILE)" >&2
+    exit 2
+fi
 # The job's secret, the same on every node (torchrun passes the variable to its workers). Without
 # one, rank 0 generates it and hands it out through the job's store, which anyone who reaches the
 # store can read (docs/security.md, The secret). One per job id, in a file only you can read in

@@ -237,7 +237,13 @@ def init_job(
         wait=pg_timeout.total_seconds() + timeout,
     )
     if plane is not None:  # the service's store: the process group meets there, whatever the launcher's
-        store = _joiner_store(rank, host, port, starting, pg_timeout)
+        try:  # (the client retries until the service listens, within the rendezvous' bound)
+            store = dist.TCPStore(host, port, starting, is_master=False, timeout=pg_timeout, wait_for_workers=False)
+        except (RuntimeError, TimeoutError) as err:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
+            raise ControlPlaneError(
+                f"rank {rank}: no plane service answered at {host}:{port} within {pg_timeout.total_seconds():.0f}s "
+                f"(start it first: lightning-prague plane): {err}"
+            ) from None
         if not dist.is_initialized():
             kwargs = {"device_id": device_id} if device_id is not None else {}
             dist.init_process_group(backend, store=store, rank=rank, world_size=starting, timeout=pg_timeout, **kwargs)

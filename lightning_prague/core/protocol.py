@@ -51,6 +51,9 @@ TCP_RTO_MAX_MS = 44
 #: is 120 s): after a network partition heals, the connection carries messages again within about
 #: this long, instead of waiting for a retransmission backed off to about the partition's own length
 RTO_MAX_MS = 1000
+#: keepalive probes of an idle control-plane connection: the first after 30 s of silence, then every
+#: 10 s (its end is `USER_TIMEOUT_MS`'s, which bounds unanswered probes too)
+KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 9}
 #: how long a control-plane connection may carry unacknowledged data before the kernel gives it up,
 #: milliseconds: about what the kernel's default retries (`tcp_retries2`) allow with its default backoff
 USER_TIMEOUT_MS = 15 * 60 * 1000
@@ -62,6 +65,12 @@ def tune_socket(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except OSError:  # not a TCP socket (e.g. a socketpair): nothing to tune
         return
+    try:  # an idle connection to a host that vanished (no reset ever comes) is probed, and ends by the timeout below
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in KEEPALIVE.items():
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    except (OSError, AttributeError):
+        pass
     try:  # best effort: older kernels and other systems keep their default backoff
         sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, RTO_MAX_MS)
     except OSError:

@@ -202,7 +202,7 @@ class SurvivingForkLauncher(ComebackMultiProcessingLauncher):
         def start(local_rank: int, restarts: int) -> ForkedRank:
             process = context.Process(
                 target=self._run_rank,
-                args=(local_rank, restarts if fitting else 0, launch_id, trainer, function, wrapped, args, kwargs),
+                args=(local_rank, restarts, launch_id, trainer, function, wrapped, args, kwargs),
                 kwargs={"results": results},
                 name=f"prague-rank-{local_rank}",
             )
@@ -211,7 +211,7 @@ class SurvivingForkLauncher(ComebackMultiProcessingLauncher):
             process.start()
             return ForkedRank(process)
 
-        max_restarts = getattr(self._strategy, "max_restarts", 0)
+        max_restarts = getattr(self._strategy, "max_restarts", 0) if fitting else 0  # only a fit can be rejoined
         children = [start(local, 0) for local in range(1, self._strategy.num_processes)]
         agent = RankAgent(children, max_restarts, start=start)
         agent.run()
@@ -221,7 +221,8 @@ class SurvivingForkLauncher(ComebackMultiProcessingLauncher):
         if results.empty():
             raise ConfigurationError(
                 f"local rank 0's last process exited with status {self.status.get(0)} (ranks lost: {lost}): "
-                "there is no result of the fit to take into this process"
+                "there is no result of the fit to take into this process (a rank's own error, if it raised one, "
+                "is printed above)"
             )
         output = results.get()
         if lost:
