@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -207,3 +208,23 @@ def test_a_fit_that_failed_otherwise_gets_the_long_bound_for_its_exception_path(
     session.cut("rank 2: the control plane at node1:4242 closed the connection; it stopped or failed")
     session._cut_since -= 100.0
     session.check_reachable()  # beyond its grace (10 s), within the long bound (300 s)
+
+
+@pytest.mark.parametrize("contact", ["send", "request"])
+def test_a_send_that_fails_before_the_reader_sees_the_close_is_the_same_lost_plane(exits, contact):
+    """The sender may see the broken connection before the reader thread does (a broken pipe while the
+    end of file is still unread): its error is the plane lost, with the same words, not a timeout."""
+    from lightning_prague.core.client.link import MessageLink
+
+    link = object.__new__(MessageLink)  # a link whose socket the plane has closed; its reader has not seen it yet
+    link.rank, link.timeout, link.peer, link.sent = 2, 300.0, "the control plane at node1:4242", 0
+    link._send_lock = threading.Lock()
+    link._sock = types.SimpleNamespace(sendall=lambda data: (_ for _ in ()).throw(BrokenPipeError(32, "Broken pipe")))
+    session = stepping_session()
+    session.client.send = link.send  # type: ignore[attr-defined]
+    session.client.request = lambda message, *args, **kwargs: link.send(message)  # type: ignore[attr-defined]
+    with pytest.raises(ControlPlaneLost) as raised:
+        session.send("beat") if contact == "send" else session.request("kv", "a counter")
+    text = str(raised.value)
+    assert "rank 2: the control plane at node1:4242 closed the connection" in text, text
+    assert "the job cannot go on without its control plane" in text and session.cut_off is not None

@@ -344,9 +344,10 @@ class Session:
         try:
             self.client.send({"op": op, "s": self.number, "rank": self.rank, **fields})
         except PragueError as err:
-            if self._gone() or isinstance(err, ControlPlaneLost):  # a failed send is a lost plane
-                raise self.plane_lost(f"sending {op!r}") from err
-            raise
+            lost = self._lost_plane(err, f"sending {op!r}")
+            if lost is err:
+                raise
+            raise lost from err
 
     # -- losing the control plane (see the module docstring) ----------------------------------------
     def start_watch(self, name: str) -> None:
@@ -384,13 +385,21 @@ class Session:
             max(0.0, self._cut_since + self._grace - time.monotonic()),
         )
 
+    def _lost_plane(self, err: PragueError, during: str) -> PragueError:
+        """What a failed contact with the control plane raises: the plane-lost error once the plane is
+        gone (a send that failed is a lost plane, whichever of the sender and the reader thread sees
+        it first), else `err` itself."""
+        if isinstance(err, ControlPlaneLost):
+            self.cut(str(err))
+        return self.plane_lost(during) if self._gone() else err
+
     def plane_lost(self, during: str) -> ControlPlaneLost:
         """The error for a contact with the control plane once it is lost (`cut_off`); raised by the
         training thread, it stands the process's last resort down (see the module docstring)."""
         reason = self.cut_off
         if reason is None:  # the connection closed a moment ago: the reader thread is about to say so
             link = self.client.link
-            reason = link.close_error or f"rank {self.rank}: the connection to {link.peer} closed"
+            reason = link.close_error or f"rank {self.rank}: {link.peer} closed the connection; it stopped or failed"
             self.cut(reason)
         if threading.get_ident() == self._trainer:
             self._raised = True
@@ -490,9 +499,10 @@ class Session:
         try:
             return self.client.request({"op": op, "s": self.number, **fields}, what, timeout, serve)
         except PragueError as err:
-            if self._gone():
-                raise self.plane_lost(what) from err
-            raise
+            lost = self._lost_plane(err, what)
+            if lost is err:
+                raise
+            raise lost from err
 
     def receive(self, timeout: float | None = None) -> Message | None:
         """The next item of this session's inbox, or `None` if none came within `timeout`."""

@@ -168,10 +168,11 @@ class MessageLink:
             try:
                 self._sock.sendall(line)
             except OSError as err:  # lost is lost, whether the reader or a sender sees it first
-                raise ControlPlaneLost(
-                    f"rank {self.rank}: cannot send {message.get('op')!r} to {self.peer} ({err}); its connection "
-                    "is broken (it stopped, or this rank is cut off from it)"
-                ) from None
+                if isinstance(err, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
+                    what = f"closed the connection (this rank could not send {message.get('op')!r}: {err})"
+                else:  # the kernel's buffer stayed full for the link's timeout: it reads nothing
+                    what = f"took nothing this rank sent for {self.timeout:.0f}s ({message.get('op')!r}: {err})"
+                raise ControlPlaneLost(f"rank {self.rank}: {self.peer} {what}; it stopped or failed") from None
             self.sent += 1
 
     def _read_forever(self) -> None:

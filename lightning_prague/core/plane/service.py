@@ -33,10 +33,14 @@ import socket
 import threading
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from lightning_prague.core.auth import SECRET_FILE_VARIABLE, SECRET_VARIABLE, Credentials, new_launch_id, user_secret
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.protocol import SERVICE_ADDRESS_KEY
+
+if TYPE_CHECKING:
+    from lightning_prague.core.plane.server import MessageServer
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    server, address = serve(args.host, args.advertise, args.port, args.control_port, secret, args.launch)
+    server, address, store = serve(args.host, args.advertise, args.port, args.control_port, secret, args.launch)
     print(
         f"lightning-prague plane: serving the job's store at {address}:{args.port} and its control plane at "
         f"{address}:{server.address[1]} (pid {os.getpid()}); on every rank: {PLANE_VARIABLE}={address}:{args.port}",
@@ -113,13 +117,17 @@ def main(argv: list[str] | None = None) -> None:
         pass
     failed = server.error
     server.close()
+    del store  # served until here
     log.info("stopped%s", f" after an error: {failed}" if failed else "")
     os._exit(0 if failed is None else 1)  # the store's threads must not hold the exit
 
 
-def serve(host: str, advertise: str | None, port: int, control_port: int, secret: bytes, launch: str | None):
+def serve(
+    host: str, advertise: str | None, port: int, control_port: int, secret: bytes, launch: str | None
+) -> tuple[MessageServer, str, Any]:
     """Host the store at `host:port` and the control plane at `host:control_port`, and publish the
-    plane's record in the store; returns `(the plane's server, the address published)`."""
+    plane's record in the store; returns `(the plane's server, the address published, the store)`:
+    the store serves as long as its object lives."""
     import torch.distributed as dist
 
     from lightning_prague.core.plane.server import raise_descriptor_limit
@@ -138,9 +146,8 @@ def serve(host: str, advertise: str | None, port: int, control_port: int, secret
     published = advertise or (socket.gethostname() if wildcard else host)
     record = {"host": published, "port": server.address[1], "pid": os.getpid(), "launch": launch}
     store.set(SERVICE_ADDRESS_KEY, json.dumps(record))
-    serve.store = store  # type: ignore[attr-defined]  (kept alive as long as the service runs)
     log.info("store %s:%d, control plane %s:%d, launch %s", published, port, published, server.address[1], launch)
-    return server, published
+    return server, published, store
 
 
 if __name__ == "__main__":
