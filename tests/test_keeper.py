@@ -251,3 +251,33 @@ def test_a_restart_whose_spare_died_starts_a_new_process(tmp_path, monkeypatch):
     keeper, (_, second) = kept_stand_in(tmp_path, 1.0)
     assert second[1:3] == ["1", "False"], second  # a new process, not the (dead) spare
     assert keeper.spares_taken == 0
+
+
+def test_a_restarted_training_process_learns_how_its_predecessor_ended():
+    from lightning_prague.strategies.keeper import PREVIOUS_EXIT_VARIABLE, child_environment
+
+    first = child_environment({PREVIOUS_EXIT_VARIABLE: "stale"}, 42, 0, None)
+    assert PREVIOUS_EXIT_VARIABLE not in first  # a first start has no predecessor
+    assert child_environment({}, 42, 2, 1)[PREVIOUS_EXIT_VARIABLE] == "1"
+    assert child_environment({}, 42, 1, -9)[PREVIOUS_EXIT_VARIABLE] == "-9"
+
+
+@pytest.mark.parametrize(
+    "previous,excluded,fails",
+    [(None, None, None), ("-9", None, None), ("75", None, None), ("1", None, 1), ("3", None, 3), ("0", "0", None)],
+)
+def test_a_restart_that_finds_no_job_fails_only_after_a_predecessor_whose_fit_failed(
+    monkeypatch, previous, excluded, fails
+):
+    """Killed (a signal) or excluded (fenced, cut off): the others may have finished the fit. A fit
+    that failed (an exception: exit status 1, or the script's own) left no fit that ended."""
+    from lightning_prague.core.job import PREVIOUS_EXIT_VARIABLE
+    from lightning_prague.strategies.in_place import predecessor_failed
+    from lightning_prague.strategies.keeper import EXCLUDED_EXIT_VARIABLE
+
+    for name, value in ((PREVIOUS_EXIT_VARIABLE, previous), (EXCLUDED_EXIT_VARIABLE, excluded)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert predecessor_failed() == fails

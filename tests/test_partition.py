@@ -138,6 +138,7 @@ def test_the_agent_tells_its_ranks_to_report_exclusion_as_a_failure(monkeypatch)
     monkeypatch.setattr(launcher.subprocess, "Popen", lambda cmd, env: seen.append(env) or "proc")
     monkeypatch.setattr(launcher, "_basic_subprocess_cmd", lambda: ["python", "train.py"])
     agent = object.__new__(launcher.RankAgent)
-    agent.spare, agent._spare_due = None, 0.0
+    agent.spare, agent._spare_due, agent.previous = None, 0.0, {1: -9}
     assert agent._start(1, 1) == "proc"
     assert seen[0][partition.EXCLUDED_EXIT_VARIABLE] == str(partition.FENCED_EXIT_STATUS)
+    assert seen[0][launcher.PREVIOUS_EXIT_VARIABLE] == "-9"  # the restart knows how its predecessor ended

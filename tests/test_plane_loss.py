@@ -16,7 +16,7 @@ import types
 
 import pytest
 import torch
-from helpers import SCRIPTS, _run_script_in_child, _start_forked, env, free_port, run_script_ranks
+from helpers import SCRIPTS, _run_script_in_child, _start_forked, env, free_port, run_script_ranks, run_training
 
 import lightning_prague.demo.run  # noqa: F401  (imported once here: the ranks are forked from this process)
 from lightning_prague.core.client import partition
@@ -228,3 +228,25 @@ def test_a_send_that_fails_before_the_reader_sees_the_close_is_the_same_lost_pla
     text = str(raised.value)
     assert "rank 2: the control plane at node1:4242 closed the connection" in text, text
     assert "the job cannot go on without its control plane" in text and session.cut_off is not None
+
+
+def test_restarts_after_a_lost_plane_fail_the_fit_instead_of_reporting_it_ended(tmp_path, monkeypatch):
+    """`max_restarts` with forked ranks: the supervisor is SIGKILLed mid-fit, every rank's fit fails with
+    `ControlPlaneLost` (exit status 1), and each is restarted. A restart that finds nothing at the
+    job's store once ended its fit quietly, as if the others had finished it, and `fit` returned as if
+    it had trained (a fit of 0 steps). Its predecessor's failure says otherwise: it fails too, and
+    `fit` in the process that called it fails, naming the lost rank 0."""
+    from lightning_prague.core import job
+
+    monkeypatch.setattr(job, "STORE_GONE_SECONDS", 0.5)  # the forked ranks inherit it
+    argv = ["--strategy", "prague", "--epochs", "30", "--step-time", "0.02", "--group-size", "2", "--devices", "2"]
+    argv += ["--start-method", "fork", "--max-restarts", "1", "--kill-plane-batch", "3"]
+    argv += ["--exception-checkpoint", str(tmp_path / "on_exception"), "--checkpoint-dir", str(tmp_path / "ckpt")]
+    proc, _ = run_training(tmp_path, *argv, script="plane_loss.py", timeout=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]  # the fit raised in the process that called it
+    report = json.loads((tmp_path / "result.rank0.json").read_text())
+    assert (
+        report["type"] == "ConfigurationError" and "local rank 0's last process exited with status 1" in report["error"]
+    )
+    assert proc.stderr.count("this rank's previous process failed its fit (exit status 1)") == 2, proc.stderr[-3000:]
+    assert "has nothing to train: its fit ends here" not in proc.stderr

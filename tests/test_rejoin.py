@@ -323,6 +323,7 @@ def test_the_agent_restarts_a_lost_rank_within_its_budget_then_leaves_it_lost(mo
     agent = RankAgent([FakeProcess([None, 0])], max_restarts=2, period=0.0)
     assert agent.run() == 1  # rank 0 stays lost after its two restarts: the job did not end well
     assert started == [(0, 0), (0, 1), (0, 2)] and agent.status == {0: -9, 1: 0}
+    assert agent.previous == {0: -9}  # what each restart was told of its predecessor's end
 
 
 # -- the warm spare ------------------------------------------------------------------------------

@@ -42,7 +42,12 @@ class FitEnded(ControlPlaneError):
     more (its supervisor exited when the others finished the fit, or its node is gone). A process a
     restarter started for a lost rank ends its fit quietly on this (the others trained its part);
     one started by hand to rejoin fails with it. The message names the address and how long this
-    process looked."""
+    process looked. `nothing_listens`: it is only known that nothing listens there (the fit may also
+    have failed: its control plane lost), not that the control plane said the fit ended."""
+
+    def __init__(self, message: str, nothing_listens: bool = False) -> None:
+        super().__init__(message)
+        self.nothing_listens = nothing_listens
 
 
 class SyncMismatchError(PragueError):

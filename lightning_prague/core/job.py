@@ -289,6 +289,10 @@ def init_job(
 #: environment variable: how many times this rank's process was started again (set by the strategies'
 #: launcher with `max_restarts`; 0 or unset: the first start)
 RESTARTS_VARIABLE = "LIGHTNING_PRAGUE_RESTART_COUNT"
+#: environment variable: the exit status of a restarted rank's previous process (set by its keeper or
+#: agent; `-N`: killed by signal N): a restart whose predecessor's fit failed, and which then finds
+#: nothing of the job, was not left behind by a fit that ended but by one that failed
+PREVIOUS_EXIT_VARIABLE = "LIGHTNING_PRAGUE_PREVIOUS_EXIT_STATUS"
 #: environment variable: `1` makes a process rejoin the running job as the rank its environment names,
 #: `0` makes it start with the job's ranks without looking for a running fit; unset: it looks
 #: (`look_for_running_fit`)
@@ -305,6 +309,16 @@ def _rejoin_flag() -> str:
     if flag not in ("", "0", "1"):
         raise ConfigurationError(f"{REJOIN_VARIABLE}={flag!r}: set it to 1 (rejoin the running job) or 0")
     return flag
+
+
+def previous_exit() -> Optional[int]:
+    """The exit status of this rank's previous process, as its keeper or agent passed it to this
+    restarted one (`PREVIOUS_EXIT_VARIABLE`), or `None` (a first start, or unknown)."""
+    value = os.environ.get(PREVIOUS_EXIT_VARIABLE, "").strip()
+    try:
+        return int(value) if value else None
+    except ValueError:
+        return None
 
 
 def restarts() -> int:
@@ -380,7 +394,8 @@ def _wait_for_listener(rank: int, host: str, port: int, timeout: float, what: st
                 raise FitEnded(
                     f"rank {rank} found no running fit to rejoin: nothing listens at {what} at {host}:{port} "
                     f"(refused for {waited:.0f}s): the job's supervisor exited, because the others finished the fit "
-                    "or its node is gone, or MASTER_ADDR / MASTER_PORT are not the job's"
+                    "or its node is gone, or MASTER_ADDR / MASTER_PORT are not the job's",
+                    nothing_listens=True,
                 ) from None
             time.sleep(0.2)
         except OSError:

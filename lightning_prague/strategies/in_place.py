@@ -20,7 +20,9 @@ to them). It then comes back as a new process for its rank would, without a new 
 Nobody fences it, the launcher restarts nothing, and nothing runs the user's script again. If the
 others finished the fit while it was left out, its fit ends when it wakes, without an error; so does
 that of a process a restarter started for a lost rank that finds the fit ended (`FitEnded`: the
-others trained its part before it was up). A rank of lock-step shards (`decent_adam`,
+others trained its part before it was up), unless its predecessor's fit had failed and it finds
+nothing of the job at all (`predecessor_failed`): the job's control plane was lost, and it fails with
+`ControlPlaneLost` rather than report a fit that ended. A rank of lock-step shards (`decent_adam`,
 `grouping="static"`) that comes back in a later epoch than the one it was left out in is admitted
 at the members' epoch's end, as a new process for a rank lost in an earlier epoch is (inside that
 epoch its shard holds nothing for it; in the same epoch it trains the rest of its shard). A rank that keeps being
@@ -31,14 +33,16 @@ last `LeftOut` (the others go on). Any other error ends the fit as before.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from typing_extensions import override
 
-from lightning_prague.core.errors import FitEnded
-from lightning_prague.core.job import restarts
+from lightning_prague.core.client.partition import EXCLUDED_EXIT_VARIABLE, FENCED_EXIT_STATUS
+from lightning_prague.core.errors import ControlPlaneLost, FitEnded
+from lightning_prague.core.job import previous_exit, restarts
 from lightning_prague.strategies.rejoin import PEER_CHECKPOINT, with_checkpoint
 
 log = logging.getLogger(__name__)
@@ -77,6 +81,13 @@ class RejoinInPlace:
             except FitEnded as ended:
                 if restarts() == 0:  # started by hand to rejoin: the address may be wrong
                     raise
+                failed = predecessor_failed()
+                if ended.nothing_listens and failed is not None:
+                    raise ControlPlaneLost(
+                        f"{ended}; this rank's previous process failed its fit (exit status {failed}), and "
+                        "nothing of the job is left to rejoin: its control plane was lost (or the fit failed "
+                        "everywhere), so this restart fails too instead of reporting a fit that ended"
+                    ) from None
                 log.warning(
                     "%s; this process, started again for its rank, has nothing to train: its fit ends here", ended
                 )
@@ -101,6 +112,18 @@ class RejoinInPlace:
                 end_attempt(self.trainer, error)
                 self.trainer.strategy.leave_in_place()
                 args, kwargs = with_checkpoint(self.function, args, kwargs, PEER_CHECKPOINT, force=True)
+
+
+def predecessor_failed() -> int | None:
+    """The exit status of this restarted process's predecessor if its fit failed (it exited with a
+    status of its own, an uncaught exception's 1 say), else `None`: a first start, a predecessor
+    killed by a signal, or one that ended itself as excluded (`EXCLUDED_EXIT_VARIABLE`'s status: fenced
+    or cut off), after which the others may well have finished the fit."""
+    status = previous_exit()
+    excluded = os.environ.get(EXCLUDED_EXIT_VARIABLE, str(FENCED_EXIT_STATUS)).strip()
+    if status is None or status <= 0 or str(status) == excluded:
+        return None
+    return status
 
 
 def left_out_reason(trainer: Any) -> str | None:

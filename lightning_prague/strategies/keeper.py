@@ -51,6 +51,8 @@ KEEPER_VARIABLE = "LIGHTNING_PRAGUE_KEEPER"
 RESTARTS_VARIABLE = "LIGHTNING_PRAGUE_RESTART_COUNT"
 #: environment variable: the exit status of an excluded rank (as `lightning_prague.core.client.partition`'s)
 EXCLUDED_EXIT_VARIABLE = "LIGHTNING_PRAGUE_EXCLUDED_EXIT_STATUS"
+#: environment variable: a restarted process's predecessor's exit status (as `lightning_prague.core.job`'s)
+PREVIOUS_EXIT_VARIABLE = "LIGHTNING_PRAGUE_PREVIOUS_EXIT_STATUS"
 #: the exit status a kept rank reports an exclusion with, so that its keeper starts it again
 EXCLUDED_STATUS = 75
 #: the signals forwarded to the training process
@@ -127,14 +129,20 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def child_environment(base: dict[str, str], keeper: int, restarts: int) -> dict[str, str]:
-    """A training process's environment: `base`, its keeper's pid, its restart count (none on the
-    first start) and the exit status of an exclusion (`EXCLUDED_STATUS` unless the user set one)."""
+def child_environment(
+    base: dict[str, str], keeper: int, restarts: int, previous: Optional[int] = None
+) -> dict[str, str]:
+    """A training process's environment: `base`, its keeper's pid, its restart count and its previous
+    process's exit status (none on the first start) and the exit status of an exclusion
+    (`EXCLUDED_STATUS` unless the user set one)."""
     env = dict(base)
     env[KEEPER_VARIABLE] = str(keeper)
     env.setdefault(EXCLUDED_EXIT_VARIABLE, str(EXCLUDED_STATUS))
+    env.pop(PREVIOUS_EXIT_VARIABLE, None)
     if restarts:
         env[RESTARTS_VARIABLE] = str(restarts)
+        if previous is not None:
+            env[PREVIOUS_EXIT_VARIABLE] = str(previous)
     else:
         env.pop(RESTARTS_VARIABLE, None)
     return env
@@ -164,6 +172,8 @@ class Keeper:
         #: the running training process's pid (`child`: one this process forked before it became the keeper)
         self.pid: Optional[int] = child
         self.restarts = 0
+        #: the exit status of the last training process that ended (passed to the next one)
+        self.previous: Optional[int] = None
         self.stopping = False
         self._procs: dict[int, subprocess.Popen] = {}  # the processes it started (kept: no finalizer reaps them)
         #: whether it keeps a warm spare, the spare (a process that imported torch and Lightning and
@@ -185,7 +195,7 @@ class Keeper:
                 pass
 
     def _start(self) -> int:
-        env = child_environment(self.environment, os.getpid(), self.restarts)
+        env = child_environment(self.environment, os.getpid(), self.restarts, self.previous)
         spare, self.spare = self.spare, None
         if self.restarts and spare is not None:
             self._spare_due = time.monotonic() + self.spare_delay
@@ -260,6 +270,7 @@ class Keeper:
                     )
                 return code
             self.restarts += 1
+            self.previous = code
             wait = self.backoff * 2 ** (self.restarts - 1)
             _say(
                 f"rank's process exited with status {code}: starting it again in {wait:.0f}s "

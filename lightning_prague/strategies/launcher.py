@@ -65,7 +65,7 @@ from lightning_prague.core.auth import LAUNCH_VARIABLE, known_launch_id, new_lau
 from lightning_prague.core.client.partition import EXCLUDED_EXIT_VARIABLE, FENCED_EXIT_STATUS
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.forking import unforkable_state
-from lightning_prague.core.job import RESTARTS_VARIABLE, look_for_running_fit, rejoining
+from lightning_prague.core.job import PREVIOUS_EXIT_VARIABLE, RESTARTS_VARIABLE, look_for_running_fit, rejoining
 from lightning_prague.core.plane.service import plane_address
 from lightning_prague.strategies.in_place import ComebackMultiProcessingLauncher, RejoinInPlace
 from lightning_prague.strategies.keeper import (
@@ -199,10 +199,13 @@ class SurvivingForkLauncher(ComebackMultiProcessingLauncher):
         context = multiprocessing.get_context("fork")
         results = context.SimpleQueue()
 
+        agent: Optional[RankAgent] = None
+
         def start(local_rank: int, restarts: int) -> ForkedRank:
+            previous = agent.previous.get(local_rank) if agent is not None and restarts else None
             process = context.Process(
                 target=self._run_rank,
-                args=(local_rank, restarts, launch_id, trainer, function, wrapped, args, kwargs),
+                args=(local_rank, restarts, previous, launch_id, trainer, function, wrapped, args, kwargs),
                 kwargs={"results": results},
                 name=f"prague-rank-{local_rank}",
             )
@@ -237,6 +240,7 @@ class SurvivingForkLauncher(ComebackMultiProcessingLauncher):
         self,
         local_rank: int,
         restarts: int,
+        previous: Optional[int],
         launch_id: Optional[str],
         trainer: Optional[Any],
         function: Callable,
@@ -252,6 +256,8 @@ class SurvivingForkLauncher(ComebackMultiProcessingLauncher):
         os.environ.setdefault(EXCLUDED_EXIT_VARIABLE, str(FENCED_EXIT_STATUS))  # an excluded rank is a lost one
         if restarts:
             os.environ[RESTARTS_VARIABLE] = str(restarts)
+            if previous is not None:
+                os.environ[PREVIOUS_EXIT_VARIABLE] = str(previous)
             args, kwargs = with_checkpoint(function, args, kwargs, PEER_CHECKPOINT, force=True)
         self._wrapping_function(local_rank, trainer, wrapped, args, kwargs, results)
 
@@ -372,6 +378,8 @@ class RankAgent:
         self.spare: Optional[subprocess.Popen] = None
         self._spare_due = time.monotonic()  # it imports alongside the ranks: ready by the first loss
         self.keeps_spare = start is None
+        #: local rank -> the exit status of its last process that ended (passed to the next one)
+        self.previous: dict[int, int] = {}
         self._start_rank = start if start is not None else self._start
         #: local rank -> its running process (rank 0's started here; the others before: `children`)
         self.procs: dict[int, Any] = {0: self._start_rank(0, 0)}
@@ -386,6 +394,9 @@ class RankAgent:
         env = os.environ.copy()
         env["LOCAL_RANK"] = str(local_rank)
         env[RESTARTS_VARIABLE] = str(restarts)
+        env.pop(PREVIOUS_EXIT_VARIABLE, None)
+        if local_rank in self.previous:
+            env[PREVIOUS_EXIT_VARIABLE] = str(self.previous[local_rank])
         env.setdefault(EXCLUDED_EXIT_VARIABLE, str(FENCED_EXIT_STATUS))  # an excluded rank is a lost one: restart it
         if restarts == 0:
             env.pop(RESTARTS_VARIABLE)
@@ -451,6 +462,7 @@ class RankAgent:
                         )  # fmt: skip
                     continue
                 self.restarts[local] += 1
+                self.previous[local] = code
                 wait = RESTART_BACKOFF * 2 ** (self.restarts[local] - 1)
                 due[local] = time.monotonic() + wait
                 log.warning(
