@@ -495,3 +495,15 @@ def test_a_fenced_process_that_never_closes_its_connection_holds_its_rank_no_lon
     replacement = _proven(fencing_plane, 1)  # a new process for the rank is welcome at once
     replacement.close()
     sock.close()
+
+
+def test_items_queued_for_a_rank_that_never_connects_are_bounded(monkeypatch):
+    monkeypatch.setattr(server_module, "MAX_WAITING_BYTES", 1000)
+    server = MessageServer(lambda message: {}, "127.0.0.1", CREDENTIALS)  # (its loop is not needed here)
+    try:
+        item = {"t": "pad", "data": "x" * 600}
+        for _ in range(5):
+            server._route({5: [item]}, {})
+        assert len(server._waiting[5]) < 2 * 1000 and server.messages_dropped == 3
+    finally:
+        server._listener.close()

@@ -187,6 +187,7 @@ class MessageServer:
         self._thread: threading.Thread | None = None
         self._by_rank: dict[int, _Connection] = {}
         self._waiting: dict[int, bytearray] = {}  # items for ranks that have not connected yet
+        self._overflowed: set[int] = set()  # ranks whose waiting items passed `MAX_WAITING_BYTES` (logged once)
         self._dropped: list[int] = []  # ranks whose connection closed in this pass of the loop
         self._unproven: OrderedDict[int, _Connection] = OrderedDict()  # by id, oldest first
         self.max_unproven = unproven_bound()
@@ -524,7 +525,8 @@ class MessageServer:
                 continue
             target = buffer.outbuf if buffer is not None else self._waiting.setdefault(rank, bytearray())
             if buffer is None and len(target) > MAX_WAITING_BYTES:  # a rank that never connects
-                if not self.messages_dropped:
+                if rank not in self._overflowed:
+                    self._overflowed.add(rank)
                     log.warning("%s: more than %d bytes queued for rank %d, which never connected: "
                                 "dropping its items", self.name, MAX_WAITING_BYTES, rank)  # fmt: skip
                 self.messages_dropped += len(items)
