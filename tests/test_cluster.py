@@ -35,10 +35,12 @@ What runs (about a minute on two cores):
     variables as a new step of the job (``SLURM_STEP_ID=1``, ``LIGHTNING_PRAGUE_REJOIN=1``) rejoins,
     and ranks 4 and 5 join (from the start, with the examples). The cut below is short for it (a
     15 s bound): every rank finishes;
-  - ``decent_adam`` **cut off**: once the examples are over, its ranks start, and node2's link is
-    cut for ``CUT_SECONDS`` (10 s), beyond its 3 s detection bound: node2's ranks are counted lost,
-    node1's finish with one model, and node2's fence themselves (exit status 75, a message that
-    says they were cut off). It starts after the examples, so that the cut touches none of them.
+  - ``decent_adam`` **cut off**: its store and control plane are a plane service on node2
+    (``--plane``); once the examples are over, its ranks start, and node1's link (rank 0's node) is
+    cut for ``CUT_SECONDS`` (10 s), beyond its 3 s detection bound: node1's ranks are counted lost,
+    node2's finish with one model, and node1's fence themselves (exit status 75, a message that
+    says they were cut off): rank 0's node is lost like any other. It starts after the examples, so
+    that the cut touches none of them.
 
 ``LPC_CLUSTER_ALL=1`` also runs every strategy's demo both ways, torchrun and srun-style.
 
@@ -81,11 +83,13 @@ TORCHRUN = STRATEGIES if EVERY_WAY else ()
 #: the srun-style job whose ranks on node2 are cut off for longer than its detection bound
 PARTITIONED = "decent_adam"
 SRUN = STRATEGIES if EVERY_WAY else (PARTITIONED,)
-#: node2's link is down this long once the partitioned job's ranks have set up: longer than its
+#: node1's link is down this long once the partitioned job's ranks have set up: longer than its
 #: detection bound (`PARTITION_HANG` s, or 5 times its longest recent step if longer, as a loaded
 #: machine may stretch them), well under every other job's (`HANG` s), whose cut is short
 CUT_SECONDS = 10.0
 PARTITION_HANG, HANG = 3.0, 30.0
+#: the partitioned job's plane service, on node2: node1, where its rank 0 runs, is the node cut off
+PARTITION_PLANE_PORT = 29641
 NODES, WORKERS = 2, 2
 #: a test prefix of our own, so that a left-over check never mistakes another user's cluster for ours
 PREFIX = "lpcltest-"
@@ -130,9 +134,9 @@ def demo_args(strategy: str, out: Path, partitioned: bool = False, rejoin: bool 
     if rejoin:  # silent bound max(10 s, 150 x 0.1 s)
         timing = ["--epochs", str(REJOIN_EPOCHS), "--step-time", "0.1", "--hang-timeout", str(HANG)]
         timing += ["--hang-factor", "150", "--profile", "homogeneous", "--fault", "2:20:kill", "--max-workers", "6"]
-    elif partitioned:
+    elif partitioned:  # its store and control plane: a plane service on node2 (`PARTITION_PLANE`)
         timing = ["--epochs", "6", "--step-time", "0.05", "--hang-timeout", str(PARTITION_HANG), "--hang-factor", "5"]
-        timing += ["--profile", "homogeneous"]
+        timing += ["--profile", "homogeneous", "--plane", f"node2:{PARTITION_PLANE_PORT}"]
     return [
         "--strategy", strategy, "--devices", str(WORKERS), "--num-nodes", str(NODES), *timing,
         "--grouping-timeout", "60", "--json", str(out),
@@ -213,18 +217,21 @@ def train_args(example: Example) -> list[str]:
     return ["--strategy", example.strategy, "--max-epochs", str(example.epochs), "--accelerator", "cpu"]
 
 
-def start_plane_service(cluster: Cluster, example: Example, node) -> dict[str, str]:
-    """A plane service (`lightning-prague plane`) on `node`, with a secret file of the job's made for
-    it; returns what a job's environment needs to use it (its address and the secret's file)."""
-    secret = example.directory / "plane-secret"
+def start_plane_service(
+    cluster: Cluster, node, directory: Path, port: int, services: list[subprocess.Popen]
+) -> dict[str, str]:
+    """A plane service (`lightning-prague plane`) on `node` at `port`, logging in `directory`, with a
+    secret file of the job's made for it (appended to `services`); returns what a job's environment
+    needs to use it (its address and the secret's file)."""
+    secret = directory / "plane-secret"
     secret.write_text(os.urandom(32).hex())
     secret.chmod(0o600)
-    env = node_env(node, example.directory, {"LIGHTNING_PRAGUE_SECRET_FILE": str(secret)})
-    argv = [sys.executable, "-m", "lightning_prague.cli", "plane", "--port", str(PLANE_PORT)]
-    argv += ["--log-dir", str(example.directory / "plane")]
-    with open(example.log(f"plane-{node.name}"), "w") as log:
-        example.services.append(cluster.run(node, argv, env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-    return {"LIGHTNING_PRAGUE_PLANE": f"{node.name}:{PLANE_PORT}", "LIGHTNING_PRAGUE_SECRET_FILE": str(secret)}
+    env = node_env(node, directory, {"LIGHTNING_PRAGUE_SECRET_FILE": str(secret)})
+    argv = [sys.executable, "-m", "lightning_prague.cli", "plane", "--port", str(port), "--control-port", str(port + 1)]
+    argv += ["--log-dir", str(directory / "plane")]
+    with open(directory / f"plane-{node.name}.log", "w") as log:
+        services.append(cluster.run(node, argv, env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+    return {"LIGHTNING_PRAGUE_PLANE": f"{node.name}:{port}", "LIGHTNING_PRAGUE_SECRET_FILE": str(secret)}
 
 
 def start_slurm(cluster: Cluster, example: Example) -> None:
@@ -232,7 +239,7 @@ def start_slurm(cluster: Cluster, example: Example) -> None:
     node's tasks (forked from one import), as ``sbatch`` runs it on the job's first node; its store
     and control plane are a plane service on the second node, not rank 0's (the layout for
     preemptible nodes)."""
-    plane = start_plane_service(cluster, example, cluster.nodes[-1])
+    plane = start_plane_service(cluster, cluster.nodes[-1], example.directory, PLANE_PORT, example.services)
     for node in cluster.nodes:
         layout = Layout(NODES, node.index, WORKERS, f"node[1-{NODES}]", job_name="prague-digits")
         srun_dir = example.directory / f"bin-{node.name}"
@@ -463,9 +470,12 @@ def start_demo_torchrun(cluster: Cluster, job: Job, port: int) -> None:
             )
 
 
-def start_srun(cluster: Cluster, jobs: list[Job], directory: Path, gate: Path) -> list[subprocess.Popen]:
+def start_srun(
+    cluster: Cluster, jobs: list[Job], directory: Path, gate: Path, secret: dict[str, str]
+) -> list[subprocess.Popen]:
     """One srun-style launcher per node for all ``jobs`` (job ids 25001, ...): each forks its node's
-    ranks of every job from one import of Lightning; the partitioned job's once ``gate`` exists."""
+    ranks of every job from one import of Lightning; the partitioned job's once ``gate`` exists.
+    ``secret``: the variable of the secret every job's ranks share (the partitioned job's plane's)."""
     for i, job in enumerate(jobs):
         job.job_id = str(25001 + i)
     steps = []
@@ -485,7 +495,9 @@ def start_srun(cluster: Cluster, jobs: list[Job], directory: Path, gate: Path) -
         ]  # fmt: skip
         with open(directory / f"srun-{node.name}.log", "w") as log:
             procs.append(
-                cluster.run(node, argv, node_env(node, directory), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                cluster.run(
+                    node, argv, node_env(node, directory, secret), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+                )
             )
     return procs
 
@@ -494,19 +506,20 @@ def start_srun(cluster: Cluster, jobs: list[Job], directory: Path, gate: Path) -
 READY = "SLURM auto-requeueing"
 
 
-def cut_node2(cluster: Cluster, job: Job, procs: list[subprocess.Popen], deadline: float) -> None:
-    """Once every rank of the partitioned ``job`` has set up: node2's link down for `CUT_SECONDS`."""
+def cut_node1(cluster: Cluster, job: Job, procs: list[subprocess.Popen], deadline: float) -> None:
+    """Once every rank of the partitioned ``job`` has set up: node1's link down for `CUT_SECONDS` (the
+    node of its rank 0; its plane service runs on node2)."""
     logs = [job.directory.parent / f"job{job.job_id}.rank{rank}.log" for rank in range(NODES * WORKERS)]
     while not all(log.exists() and READY in log.read_text(errors="replace") for log in logs):
         if time.monotonic() > deadline or any(proc.poll() is not None for proc in procs):
             return  # the jobs' own checks report what went wrong
         time.sleep(0.2)
     time.sleep(1.0)
-    cluster.cut("node2")
+    cluster.cut("node1")
     try:
         time.sleep(CUT_SECONDS)
     finally:
-        cluster.heal("node2")
+        cluster.heal("node1")
 
 
 #: a process that imports the demo, waits for a file, then runs the demo (`sys.argv[2:]`): a new
@@ -523,7 +536,7 @@ runpy.run_module("lightning_prague.demo.run", run_name="__main__", alter_sys=Tru
 """
 
 
-def rejoin_and_grow(cluster: Cluster, job: Job) -> None:
+def rejoin_and_grow(cluster: Cluster, job: Job, secret: dict[str, str]) -> None:
     """Processes that start once the rejoin job's rank 2 killed itself (`GATED_DEMO`), each as a new
     step of the job (`SLURM_STEP_ID` 1, 2, 3) with `LIGHTNING_PRAGUE_REJOIN=1`: a new one for rank 2
     on node2 with the variables srun gave it, and two new workers, ranks 4 and 5 (`SLURM_PROCID`; the
@@ -532,7 +545,7 @@ def rejoin_and_grow(cluster: Cluster, job: Job) -> None:
     starts = [(cluster.nodes[1], 1, 0), (cluster.nodes[0], 2, 0), (cluster.nodes[1], 2, 1)]  # node, node id, local id
     for step, (node, node_id, local) in enumerate(starts, start=1):
         layout = Layout(NODES, node_id, WORKERS, f"node[1-{NODES}]")
-        env = task_environment(node_env(node, job.directory.parent), layout, job.job_id, local, step_id=step)
+        env = task_environment(node_env(node, job.directory.parent, secret), layout, job.job_id, local, step_id=step)
         env.update(MASTER_ADDR="node1", MASTER_PORT=port)
         # every one is told: started together, they are admitted together (a process that finds the fit by
         # itself asks later, and a join request that reaches the members while the first joiners take up
@@ -582,9 +595,13 @@ def jobs(cluster, tmp_path_factory) -> Jobs:
     made["srun-rejoin", REJOIN].directory.mkdir(parents=True)
     srun_jobs = [made["srun", strategy] for strategy in SRUN] + [made["srun-rejoin", REJOIN]]
     gate = root / "srun" / "partition.gate"
-    srun_procs = start_srun(cluster, srun_jobs, root / "srun", gate)
+    (root / "srun").mkdir(exist_ok=True)
+    services: list[subprocess.Popen] = []  # the partitioned job's plane service, on node2
+    plane = start_plane_service(cluster, cluster.nodes[-1], root / "srun", PARTITION_PLANE_PORT, services)
+    secret = {"LIGHTNING_PRAGUE_SECRET_FILE": plane["LIGHTNING_PRAGUE_SECRET_FILE"]}
+    srun_procs = start_srun(cluster, srun_jobs, root / "srun", gate, secret)
     deadline = time.monotonic() + JOB_TIMEOUT
-    rejoin_and_grow(cluster, made["srun-rejoin", REJOIN])
+    rejoin_and_grow(cluster, made["srun-rejoin", REJOIN], secret)  # (the job's secret, as its first tasks')
     losing.join()
     for example in examples.values():
         example.codes = wait(example.procs, deadline)
@@ -595,9 +612,12 @@ def jobs(cluster, tmp_path_factory) -> Jobs:
         made["torchrun", strategy].codes = wait(made["torchrun", strategy].procs, deadline)
     gate.touch()  # the examples are over: the partitioned job starts, and the cut touches none of them
     deadline = time.monotonic() + JOB_TIMEOUT
-    cut_node2(cluster, made["srun", PARTITIONED], srun_procs, deadline)
+    cut_node1(cluster, made["srun", PARTITIONED], srun_procs, deadline)
     made["srun-rejoin", REJOIN].codes = wait(made["srun-rejoin", REJOIN].procs, deadline)
     srun_codes = wait(srun_procs, deadline)
+    for service in services:
+        service.terminate()
+        service.wait(30)
     for job in srun_jobs:
         if not job.rejoin:
             job.codes = srun_codes  # the launchers' worst task of all jobs; each job is judged by its results
@@ -640,7 +660,7 @@ def test_each_example_job_script_trains_to_the_end_of_the_fit(jobs, launcher):
         assert "the supervisor (pid" not in example.output(), logs
         assert not list(example.root_dir.glob("lightning_prague_logs/supervisor-*.log")), logs
         plane_log = (example.directory / "plane" / "plane.log").read_text()
-        assert "serving" in example.log("plane-node2").read_text() and "store" in plane_log, logs
+        assert "serving" in (example.directory / "plane-node2.log").read_text() and "store" in plane_log, logs
     else:
         (supervisor_log,) = (example.root_dir / "lightning_prague_logs").glob("supervisor-*.log")
         assert f"logs to {supervisor_log}" in example.output(), logs
@@ -680,19 +700,21 @@ if CASES:  # LPC_CLUSTER_ALL=1: every strategy's demo through torchrun and srun-
         assert sum(results[0]["batches_per_worker"]) > 0
 
 
-def test_a_node_cut_off_beyond_the_bound_fences_itself_and_the_other_finishes(jobs):
-    """Node2's ranks of the partitioned job are silent beyond its bound: the control plane counts them
-    lost, node1's ranks finish with one model, and node2's end themselves with exit status 75, or fail
-    their fit with `ControlPlaneLost`, with a message that says why (they never finish a fit of their own)."""
+def test_rank_0s_node_cut_off_beyond_the_bound_fences_itself_and_the_other_finishes_on_a_plane_service(jobs):
+    """The partitioned job's store and control plane are a plane service on node2, and node1, where its
+    rank 0 runs, is cut off: node1's ranks are silent beyond their bound, the control plane counts
+    them lost, node2's ranks finish with one model (rank 2 leads now), and node1's end themselves
+    with exit status 75, or fail their fit with `ControlPlaneLost`, with a message that says why (they
+    never finish a fit of their own). Rank 0's node was lost like any other."""
     job = jobs.demo["srun", PARTITIONED]
     results = job.results()
-    survivors, cut = list(range(WORKERS)), list(range(WORKERS, NODES * WORKERS))
+    cut, survivors = list(range(WORKERS)), list(range(WORKERS, NODES * WORKERS))
     assert sorted(results) == survivors, f"results of ranks {sorted(results)}\n{job.logs()}"
     assert len({results[r]["params_sha256"] for r in survivors}) == 1, job.logs()
     for rank in survivors:
         assert sorted(map(int, results[rank]["lost_workers"])) == cut, (rank, results[rank]["lost_workers"])
         assert results[rank]["epochs_run"] == 6, (rank, results[rank]["epochs_run"], job.logs())
-    launcher = (job.directory.parent / "srun-node2.log").read_text()
+    launcher = (job.directory.parent / "srun-node1.log").read_text()
     for rank in cut:
         log = (job.directory.parent / f"job{job.job_id}.rank{rank}.log").read_text()
         assert "cut off from the control plane" in log or "the control plane fenced this rank" in log, log[-3000:]

@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-restarts", type=int, default=0, help="start a lost rank's process again (at most this often per rank)"
     )
     parser.add_argument(
+        "--plane", help="HOST:PORT of a plane service (lightning-prague plane) that hosts the store and control plane"
+    )
+    parser.add_argument(
         "--hang-timeout",
         type=float,
         default=60.0,
@@ -132,6 +135,7 @@ def build_strategy(args: argparse.Namespace) -> Any:
         "min_workers": args.min_workers,
         "max_restarts": args.max_restarts,
         "max_workers": args.max_workers,
+        "plane": args.plane,
         "hang_timeout": args.hang_timeout,
         "hang_factor": args.hang_factor,
         "leave_out_after": args.leave_out_after,
