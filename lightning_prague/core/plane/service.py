@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 #: environment variable: the plane service's address, `HOST:PORT` (its store's port), on every rank
 PLANE_VARIABLE = "LIGHTNING_PRAGUE_PLANE"
+#: `--host` values that listen on every interface
+WILDCARDS = ("0.0.0.0", "::", "*", "")
 #: the service's default ports: its store, and its control plane
 STORE_PORT, CONTROL_PORT = 29400, 29401
 
@@ -135,14 +137,12 @@ def serve(
 
     raise_descriptor_limit()
     launch = launch or new_launch_id()
+    wildcard = host in WILDCARDS
     store = dist.TCPStore(
         "0.0.0.0" if host in ("", "*") else host, port, 1, is_master=True, timeout=timedelta(seconds=300),
         wait_for_workers=False,
     )  # fmt: skip
-    server = serve_plane(
-        "" if host in ("0.0.0.0", "::", "*") else host, control_port, Credentials.derive(secret, launch)
-    )
-    wildcard = host in ("0.0.0.0", "::", "*", "")
+    server = serve_plane("" if wildcard else host, control_port, Credentials.derive(secret, launch))
     published = advertise or (socket.gethostname() if wildcard else host)
     record = {"host": published, "port": server.address[1], "pid": os.getpid(), "launch": launch}
     store.set(SERVICE_ADDRESS_KEY, json.dumps(record))
