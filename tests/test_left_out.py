@@ -182,7 +182,7 @@ def test_a_left_out_rank_that_never_wakes_is_fenced_at_its_long_bound_after_the_
     assert 1 not in plane.sessions  # then the session is over
 
 
-def test_a_left_out_rank_that_wakes_asks_to_rejoin_and_the_members_are_called(plane):
+def test_a_left_out_rank_that_wakes_asks_to_rejoin_and_is_admitted_at_once(plane):
     plane, clock = plane
     session = plane.sessions[1]
     beat_all(plane, clock, 3)
@@ -190,8 +190,9 @@ def test_a_left_out_rank_that_wakes_asks_to_rejoin_and_the_members_are_called(pl
     send(plane, 2, "leave")
     send(plane, 2, "close", failed=True)
     out = send(plane, 2, "join", config=config_wire(), pid=1002, host="elsewhere", rejoin=True)
-    assert 2 in session.generator.joining and 2 not in session.left_out
-    assert all(any(i["t"] == "join" for i in out[rank]) for rank in (0, 1, 3)), out
+    assert 2 in session.generator.live and 2 in session.members and 2 not in session.left_out
+    assert all(any(i["t"] == "members" for i in out[rank]) for rank in (0, 1, 3)), out
+    assert [i["t"] for i in out[2]] == ["admit"]
 
 
 def test_a_left_out_worker_drops_its_groups_connections_and_raises_left_out_at_its_next_contact_and_in_any_wait():
@@ -292,6 +293,6 @@ def test_a_blocked_worker_is_left_out_and_comes_back_in_place_and_a_hung_one_is_
         lost = results[rank]["lost_workers"]
         assert list(lost) == ["2"] and lost["2"]["why"].startswith(LEFT_OUT), (rank, lost)
     assert set(results[1]["lost_workers"]) <= {"2"}  # (it came back after rank 2 had left)
-    assert "it rejoins the fit in place" in logs[1] and "rejoined the job at" in logs[1], logs[1][-3000:]
+    assert "it rejoins the fit in place" in logs[1] and "rejoined the job inside the epoch" in logs[1], logs[1][-3000:]
     assert results[1]["batches_this_process"] > 5  # it trained on after the step that blocked
     assert len({result["params_sha256"] for result in results.values()}) == 1  # one model at the end

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from helpers import run_core_ranks
 
 from lightning_prague.core.exchange.gossip import surviving
 from lightning_prague.core.grouping.bipartite import BipartiteGraph
@@ -95,3 +96,16 @@ def test_a_lost_workers_untrained_chunks_go_back_to_the_queue_with_their_tickets
     assert claim(session, 0, held=[0]) == (4, 1)
     assert claim(session, 3, held=[3]) == (6, 3)
     assert claim(session, 0, held=[4]) == (7, 4)
+
+
+def test_a_membership_epochs_group_is_made_by_each_member_alone_and_a_pair_connects_without_the_others(tmp_path):
+    """An admission's group (`Membership.epoch_group`) on gloo: no member waits for another to make it,
+    and two members exchange on it while a third has not made it yet."""
+    results = run_core_ranks(tmp_path, 3, "2", script="epoch_group_worker.py", timeout=60)
+    for result in results:
+        assert result["created"] < 1.0, result  # nobody waited for the late rank
+        assert result["everyone"] == [6.0] * 4  # every member's sum, once the late one made it too
+        assert result["epochs"] == [1] and result["epochs_after_retire"] == []
+    for rank in (0, 1):
+        assert results[rank]["pair"] == [3.0] * 4
+        assert results[rank]["pair_seconds"] < 1.5, results[rank]  # the late rank (3 s) held nobody

@@ -83,7 +83,7 @@ def test_a_killed_rank_0_rejoins_and_two_new_workers_join_the_running_fit(tmp_pa
     assert results[0]["restarts"] == 1 and all(results[r]["restarts"] == 0 for r in (1, 2, 3))
     for rank in (0, 4, 5):  # the new rank 0 and the two new workers trained after they joined
         assert results[rank]["batches_this_process"] > 0, rank
-    assert "rejoined the job at 'admission@" in stderr  # at the members' next batch boundary
+    assert "rejoined the job inside the epoch" in stderr  # at once, with no meeting of the members
     for result in results.values():  # every fit ran to its end, on one consensus model
         assert result["epochs_run"] == 15
         assert result["params_sha256"] == results[1]["params_sha256"]
@@ -121,42 +121,96 @@ def meet(generator: GroupGenerator, ranks, sync: str) -> dict:
     return out
 
 
-def test_a_joiner_is_admitted_at_the_next_epoch_end_and_only_the_admission_waits_for_it():
+def test_a_joiner_is_admitted_at_once_in_a_membership_epoch_of_its_own_with_no_meeting():
     generator = generator_without(2)
-    generator.request_join(2)
+    out: dict = {}
+    generator.request_join(2, out)
+    news = {"epoch": 1, "members": [0, 1, 2, 3], "joined": [2], "donor": 0, "leader": 0}
+    for rank in (0, 1, 3):  # nobody meets: each follows the epoch where the item stands in its inbox
+        assert out[rank] == [{"t": "members", **news}]
+    assert out[2] == [{"t": "admit", **news, "base": [0, 1, 3]}]
+    assert generator.take_joined() == [2] and generator.live == [0, 1, 2, 3] and generator.epoch == 1
+    # a group issued from here comes after the epoch in every inbox, and draws the joiner once it trains
+    generator.handle({"op": "ready", "rank": 2, "req": 1})
+    later = generator.handle({"op": "ready", "rank": 0, "req": 1})
+    assert later[0][-1]["t"] == "answer"
+
+
+def test_a_joiner_is_held_while_the_members_meet_and_until_they_all_trained_again():
+    generator = generator_without(2)
+    meet(generator, [0], "epoch_end@epoch0")
+    out: dict = {}
+    generator.request_join(2, out)
+    assert out == {}  # rank 0 waits at a meeting
+    released = meet(generator, [1, 3], "epoch_end@epoch0")
+    assert released[0][-1]["members"] == [0, 1, 3] and 2 not in released
+    # sub-meetings may follow the release (a global average's commit): nobody is admitted before every
+    # member trains again
+    assert 2 not in meet(generator, [0, 1, 3], "epoch_end@epoch0/commit")
+    assert generator.handle({"op": "resume", "rank": 0}) == {} and generator.handle({"op": "resume", "rank": 1}) == {}
+    admitted = generator.handle({"op": "resume", "rank": 3})
+    assert admitted[2][0]["t"] == "admit" and "at" not in admitted[2][0]
+    assert [i["t"] for i in admitted[0]] == ["members"] and generator.live == [0, 1, 2, 3]
+
+
+def test_a_joiner_with_nothing_left_in_the_epoch_is_admitted_in_its_ends_release_and_skips_its_sub_meetings():
+    generator = generator_without(2)
+    generator.request_join(2, {}, after_epoch=True)
     validation = meet(generator, [0, 1, 3], "validation@epoch1")
     assert validation[0][-1]["joining"] == [2] and 2 not in validation  # not admitted at validation
+    assert meet(generator, [0, 1, 3], "validation@epoch1/commit")[0][-1]["sync"] == "validation@epoch1/commit"
+    for rank in (0, 1, 3):
+        assert generator.handle({"op": "resume", "rank": rank, "s": 1}) == {}  # still for the epoch's end
     released = meet(generator, [0, 1, 3], "epoch_end@epoch1")
-    assert released[2] == [{"t": "admit", "sync": "epoch_end@epoch1/admit"}]
-    assert released[0][-1]["admit"] == [2] and released[0][-1]["members"] == [0, 1, 3]
+    members = [i for i in released[0] if i["t"] == "members"]
+    release = [i for i in released[0] if i["t"] == "release"][-1]
+    assert released[0].index(members[0]) < released[0].index(release)  # the epoch before the release
+    assert members[0]["at"] == "epoch_end@epoch1" and members[0]["joined"] == [2]
+    assert release["joined"] == [2] and release["members"] == [0, 1, 2, 3] and release["epoch"] == 1
+    assert [i["t"] for i in released[2]] == ["admit"] and released[2][0]["at"] == "epoch_end@epoch1"
     commit = meet(generator, [0, 1, 3], "epoch_end@epoch1/commit")  # the members' own global average
     assert commit[0][-1]["sync"] == "epoch_end@epoch1/commit" and 2 not in commit
-    assert meet(generator, [0, 1, 3], "epoch_end@epoch1/admit") == {}  # waits for the joiner
-    admitted = meet(generator, [2], "epoch_end@epoch1/admit")
-    for rank in (0, 1, 2, 3):
-        assert admitted[rank][-1]["joined"] == [2] and admitted[rank][-1]["members"] == [0, 1, 2, 3]
-    assert generator.take_joined() == [2] and generator.live == [0, 1, 2, 3]
-
-
-def test_a_joiner_lost_before_its_admission_does_not_hold_the_members():
-    generator = generator_without(2)
-    generator.request_join(2)
-    meet(generator, [0, 1, 3], "epoch_end@epoch1")
-    assert meet(generator, [0, 1, 3], "epoch_end@epoch1/admit") == {}
-    out: dict = {}
-    generator.depart(2, out)
-    assert out[0][-1]["sync"] == "epoch_end@epoch1/admit" and out[0][-1]["joined"] == []
-    assert generator.live == [0, 1, 3]
+    # the joiner meets the others at the next meeting like any member
+    assert meet(generator, [0, 1, 3], "epoch_end@epoch2") == {}
+    assert meet(generator, [2], "epoch_end@epoch2")[2][-1]["sync"] == "epoch_end@epoch2"
 
 
 def test_a_joiner_is_told_when_the_fit_ends_without_it():
     generator = generator_without(2)
-    generator.request_join(2)
+    generator.request_join(2, {}, after_epoch=True)
     out = meet(generator, [0, 1, 3], "fit_end")
     assert out[2][0]["t"] == "error" and "fit ended" in out[2][0]["message"]
     assert out[2][0]["ended"] is True  # its fit ends quietly (`FitEnded`)
     with pytest.raises(ValueError, match="live member"):
         generator.request_join(1)
+
+
+def ask_round(generator: GroupGenerator, rank: int, round_index: int, slots, start: bool = False) -> dict:
+    message = {"op": "round", "rank": rank, "key": f"m{round_index}.{min(slots or [rank])}", "round": round_index}
+    out: dict = {}
+    generator.round_members(rank, message["key"], round_index, slots, start, out)
+    return out[rank][0]
+
+
+def test_every_member_of_a_gossip_round_gets_the_same_members_whenever_it_asks():
+    """A lost rank drops out of the rounds after those decided with it; its new process comes in at a
+    round after every round decided so far, on every member of its groups alike, with no meeting."""
+    generator = GroupGenerator(4, make_policy("random", 4, 2, seed=1))
+    assert ask_round(generator, 0, 5, [0, 2]) == {"t": "round", "key": "m5.0", "members": [0, 2], "epoch": 0}
+    generator.depart(2, {})
+    assert ask_round(generator, 1, 5, [1, 2])["members"] == [1, 2]  # decided with it before: the same answer
+    assert ask_round(generator, 0, 6, [0, 2])["members"] == [0]  # after: without it
+    out: dict = {}
+    generator.request_join(2, out)
+    assert ask_round(generator, 0, 7, [0, 2])["members"] == [0]  # admitted, not training yet: not drawn
+    start = ask_round(generator, 2, 0, [], start=True)
+    assert start["round"] == 8  # after every round decided so far
+    for rank in (0, 2):  # round 7 was decided without it, on everyone; from round 8 on it takes part
+        assert ask_round(generator, rank, 7, [0, 2])["members"] == [0]
+        assert ask_round(generator, rank, 8, [0, 2]) == {
+            "t": "round", "key": "m8.0", "members": [0, 2], "epoch": 1,
+        }  # fmt: skip
+    assert ask_round(generator, 3, 9, [2, 3])["epoch"] == 1  # its process group: the joiner's epoch's
 
 
 # -- the control plane: who may rejoin ----------------------------------------------------------
@@ -177,9 +231,9 @@ def test_the_control_plane_refuses_a_rejoin_it_cannot_take():
     assert "live member" in join(plane, 1, config(), rejoin=True)[1][0]["message"]
     plane.on_disconnect(1)
     assert "another configuration" in join(plane, 1, config(seed=2), rejoin=True)[1][0]["message"]
-    called = join(plane, 1, config(), rejoin=True)  # accepted: the members are called to admit it
-    assert sorted(called) == [0, 2, 3] and called[0] == [{"t": "join", "sync": "admission@1", "joining": [1], "s": 1}]
-    assert plane.sessions[1].generator.joining == [1]
+    admitted = join(plane, 1, config(), rejoin=True)  # accepted, and admitted at once
+    assert sorted(admitted) == [0, 1, 2, 3] and admitted[0][0]["t"] == "members" and admitted[1][0]["t"] == "admit"
+    assert 1 in plane.sessions[1].members and plane.sessions[1].generator.joining == []
 
 
 def trained(plane: ControlPlane, rank: int, epoch: int, batches: int = 5, total: int = 13) -> None:
@@ -208,32 +262,31 @@ def plane_that_lost(losses: list[tuple[int, int]]) -> ControlPlane:
 def test_a_lock_step_rank_lost_in_an_earlier_epoch_is_admitted_at_the_members_epoch_end_not_inside_it():
     """Inside the members' epoch its shard holds nothing for the new process (a zero-batch member
     crashed two survivors' gloo pairs: its idle rounds met a validation collective), so the control
-    plane calls no admission meeting for it and the members' epoch's end admits it."""
+    plane admits it at the members' epoch's end, in that meeting's release."""
     plane = plane_that_lost([(2, 0)])
     for rank in (0, 1, 3):
         trained(plane, rank, epoch=1)  # the members moved on
-    called = join(plane, 2, config(), rejoin=True)
-    assert called == {}, called  # no call inside the epoch: it waits
+    assert join(plane, 2, config(), rejoin=True) == {}  # not admitted inside the epoch: it waits
     session = plane.sessions[1]
     assert session.generator.joining == [2] and session.generator.after_epoch == {2}
     generator = session.generator
     validation = meet(generator, [0, 1, 3], "validation@epoch1")
     assert validation[0][-1]["joining"] == [2] and 2 not in validation  # so they meet at the epoch's end
+    for rank in (0, 1, 3):
+        generator.handle({"op": "resume", "rank": rank})
     released = meet(generator, [0, 1, 3], "epoch_end@epoch1")
-    assert released[2] == [{"t": "admit", "sync": "epoch_end@epoch1/admit"}]
-    assert generator.after_epoch == set()
+    assert released[2][0]["t"] == "admit" and released[2][0]["at"] == "epoch_end@epoch1"
+    assert generator.after_epoch == set() and generator.live == [0, 1, 2, 3]
 
 
-def test_a_rank_lost_in_the_members_epoch_is_called_in_and_one_for_an_epoch_end_waits_beside_it():
+def test_a_rank_lost_in_the_members_epoch_is_admitted_at_once_and_one_for_an_epoch_end_waits_beside_it():
     plane = plane_that_lost([(1, 0), (2, 1)])  # rank 2 lost in epoch 1, the members' epoch
     assert join(plane, 1, config(), rejoin=True) == {}  # for the epoch's end
-    called = join(plane, 2, config(), rejoin=True)  # it has the rest of its shard: called in now
-    assert called[0] == [{"t": "join", "sync": "admission@1", "joining": [1, 2], "s": 1}]
+    admitted = join(plane, 2, config(), rejoin=True)  # it has the rest of its shard: admitted now
+    assert admitted[2][0]["t"] == "admit" and admitted[2][0]["joined"] == [2] and 1 not in admitted
+    assert admitted[2][0]["position"]["epoch"] == 1  # where its rank stood: its new process reads on from there
     generator = plane.sessions[1].generator
-    released = meet(generator, [0, 3], "admission@1")
-    assert released[2] == [{"t": "admit", "sync": "admission@1/admit"}] and 1 not in released
-    assert released[0][-1]["admit"] == [2] and released[0][-1]["joining"] == [1]
-    assert generator.joining == [1]
+    assert generator.joining == [1] and generator.live == [0, 2, 3]
 
 
 def test_a_lock_step_rank_that_trained_its_whole_shard_of_the_epoch_waits_for_its_end():
@@ -246,12 +299,12 @@ def test_a_lock_step_rank_that_trained_its_whole_shard_of_the_epoch_waits_for_it
     assert plane.sessions[1].generator.after_epoch == {2}
 
 
-def test_work_queue_shards_report_no_position_and_every_joiner_is_called_in():
+def test_work_queue_shards_report_no_position_and_every_joiner_is_admitted_at_once():
     plane = ControlPlane()
     for rank in range(4):
         join(plane, rank, config())
     plane.on_disconnect(3)
-    assert join(plane, 3, config(), rejoin=True)[0][0]["sync"] == "admission@1"
+    assert join(plane, 3, config(), rejoin=True)[3][0]["t"] == "admit"
     assert plane.sessions[1].generator.after_epoch == set()
 
 

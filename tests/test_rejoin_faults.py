@@ -61,44 +61,36 @@ def plane_without_2() -> ControlPlane:
     return plane
 
 
+def admissions(out: dict, rank: int) -> list[dict]:
+    return [i for i in out.get(rank, []) if i["t"] in ("members", "admit")]
+
+
 @pytest.mark.parametrize("how", ["its process ends", "it gives up"])
 def test_a_joiner_gone_before_its_admission_holds_no_meeting(plane_without_2, how):
+    """Held back while the members meet, the joiner dies or gives up: the meeting releases without it,
+    nobody is admitted, and a later process of rank 2 still may be."""
     plane = plane_without_2
-    assert 2 not in join(plane, 2, rejoin=True)  # the members are called to admit it
+    assert arrive(plane, [0], "epoch_end@epoch0") == {}
+    assert join(plane, 2, rejoin=True) == {}  # held: a member is at a meeting
     if how == "its process ends":
         plane.on_disconnect(2)
     else:
         send(plane, 2, "close", failed=True)
-    # the members' call, and their next epoch end, admit nobody
-    out = arrive(plane, [0, 1, 3], "admission@1")
-    assert "admit" not in releases(out, 0, "admission@1")[-1] and 2 not in out
-    out = arrive(plane, [0, 1, 3], "epoch_end@epoch0")
+    out = arrive(plane, [1, 3], "epoch_end@epoch0")
     release = releases(out, 0, "epoch_end@epoch0")[-1]
-    assert "admit" not in release and 2 not in out
-    # and a later process of rank 2 may still rejoin
-    assert join(plane, 2, rejoin=True)[0][0]["t"] == "join"
-    assert plane.sessions[1].generator.joining == [2]
-
-
-def test_a_joiner_gone_on_its_way_to_the_admission_meeting_holds_nobody(plane_without_2):
-    plane = plane_without_2
-    join(plane, 2, rejoin=True)
-    out = arrive(plane, [0, 1, 3], "epoch_end@epoch0")
-    assert out[2][0]["t"] == "admit"
-    assert arrive(plane, [0, 1, 3], "epoch_end@epoch0/admit") == {}  # they wait for the joiner
-    out = send(plane, 2, "close", failed=True)  # its wait for the admission expired: it gives up
-    release = releases(out, 0, "epoch_end@epoch0/admit")[-1]
-    assert release["joined"] == [] and release["members"] == [0, 1, 3]
+    assert release["members"] == [0, 1, 3] and "joined" not in release and 2 not in out
+    for rank in (0, 1, 3):
+        assert admissions(send(plane, rank, "resume"), 0) == []
+    assert plane.sessions[1].generator.joining == []
+    # and a later process of rank 2 may still rejoin, at once
+    assert admissions(join(plane, 2, rejoin=True), 2)[0]["joined"] == [2]
 
 
 @pytest.mark.parametrize("how", ["its process ends", "its state transfer fails"])
 def test_a_joiner_that_fails_after_its_admission_departs_and_may_come_back(plane_without_2, how):
     plane = plane_without_2
-    join(plane, 2, rejoin=True)
-    arrive(plane, [0, 1, 3], "epoch_end@epoch0")
-    arrive(plane, [0, 1, 3], "epoch_end@epoch0/admit")
-    admitted = arrive(plane, [2], "epoch_end@epoch0/admit")
-    assert releases(admitted, 0, "epoch_end@epoch0/admit")[-1]["joined"] == [2]
+    admitted = join(plane, 2, rejoin=True)
+    assert admissions(admitted, 2)[0]["t"] == "admit"
     session = plane.sessions[1]
     assert 2 in session.members and 2 in session.generator.live
     # the joiner fails: its process ends, or its rejoin fails (the donor died mid-transfer) and it closes
@@ -112,8 +104,10 @@ def test_a_joiner_that_fails_after_its_admission_departs_and_may_come_back(plane
             for item in send(plane, rank, "ready", req=1).get(rank, []):
                 assert item["t"] != "group" or 2 not in item["members"]
     assert releases(arrive(plane, [0, 1, 3], "epoch_end@epoch1"), 0, "epoch_end@epoch1")
-    # a new process for rank 2 is not refused as a live member
-    assert join(plane, 2, rejoin=True)[0][0]["t"] == "join"
+    for rank in (0, 1, 3):
+        send(plane, rank, "resume")
+    # a new process for rank 2 is not refused as a live member: admitted, in a new membership epoch
+    assert admissions(join(plane, 2, rejoin=True), 2)[0]["epoch"] == 2
 
 
 def test_a_rank_readmitted_after_an_earlier_process_closed_departs_when_it_crashes(plane_without_2):
@@ -121,9 +115,6 @@ def test_a_rank_readmitted_after_an_earlier_process_closed_departs_when_it_crash
     session = plane.sessions[1]
     session.closed.add(2)  # an earlier process of rank 2 had closed its session before it was lost
     join(plane, 2, rejoin=True)
-    arrive(plane, [0, 1, 3], "epoch_end@epoch0")
-    arrive(plane, [0, 1, 3], "epoch_end@epoch0/admit")
-    arrive(plane, [2], "epoch_end@epoch0/admit")
     assert 2 in session.members and 2 not in session.closed
     out = plane.on_disconnect(2)
     assert any(i["t"] == "departed" and i["rank"] == 2 for i in out[0])
@@ -171,7 +162,7 @@ def test_a_new_process_gets_nothing_meant_for_its_lost_predecessor():
     that proves that rank (which would find them before it opened its session, and drop them)."""
 
     def handler(message: dict) -> dict:  # every message of rank 0 also sends rank 2 an admission
-        admission = {"t": "admit", "sync": "epoch_end@epoch0/admit", "s": 1}
+        admission = {"t": "admit", "epoch": 1, "members": [0, 1, 2], "donor": 0, "s": 1}
         return {2: [admission], 0: [{"t": "reply", "req": message["req"]}]}
 
     server = MessageServer(handler, "127.0.0.1", CREDENTIALS)
@@ -204,45 +195,36 @@ def _wait(condition, timeout: float = 10.0) -> bool:
     return False
 
 
-# -- the admission call: joiners are admitted at the members' next batch boundary ------------------
-def test_a_joiner_is_admitted_at_the_call_between_synchronization_points(plane_without_2):
+# -- admission with no meeting -----------------------------------------------------------------------
+def test_a_joiner_is_admitted_between_two_groups_of_every_members_sequence(plane_without_2):
+    """No meeting: the members get the membership epoch in their inbox order, the joiner its admission
+    (the donor, the members, where its rank stood); every group issued before it comes before it."""
     plane = plane_without_2
-    called = join(plane, 2, rejoin=True)
-    assert {r: items[0]["sync"] for r, items in called.items()} == {
-        0: "admission@1",
-        1: "admission@1",
-        3: "admission@1",
-    }
-    assert arrive(plane, [0, 1], "admission@1") == {}  # the call waits for every member, not for an epoch end
-    out = arrive(plane, [3], "admission@1")
-    release = releases(out, 0, "admission@1")[-1]
-    assert release["admit"] == [2] and out[2] == [{"t": "admit", "sync": "admission@1/admit", "s": 1}]
-    arrive(plane, [0, 1, 3], "admission@1/admit")
-    admitted = arrive(plane, [2], "admission@1/admit")
-    assert releases(admitted, 2, "admission@1/admit")[-1]["members"] == [0, 1, 2, 3]
-    assert 2 in plane.sessions[1].members
+    before = send(plane, 0, "ready", req=1)
+    admitted = join(plane, 2, rejoin=True)
+    after = send(plane, 1, "ready", req=1)
+    assert [i["t"] for i in admissions(admitted, 0)] == ["members"] and admissions(before, 0) == []
+    assert admitted[2][0]["donor"] == 0 and admitted[2][0]["members"] == [0, 1, 2, 3]
+    assert all(i["t"] != "members" for items in after.values() for i in items)
+    assert plane.sessions[1].members == {0, 1, 2, 3}
 
 
-@pytest.mark.parametrize("elsewhere", ["epoch_end@epoch0", "progress@40", "fit_end"])
-def test_a_call_the_members_meet_elsewhere_first_is_called_off_without_an_error(plane_without_2, elsewhere):
-    """A member may reach the epoch's end (or a boundary) before its next batch boundary: the call is off,
-    those at it train on, and the joiner is admitted at that epoch's end or called again after it."""
+def test_a_joiner_and_a_meeting_admitted_after_its_commit_the_sub_meetings_never_wait_for_it(plane_without_2):
     plane = plane_without_2
-    join(plane, 2, rejoin=True)
-    assert arrive(plane, [0], "admission@1") == {}
-    out = arrive(plane, [1], elsewhere)
-    assert out[0] == [{"t": "release", "sync": "admission@1", "cancel": True, "members": [0, 1, 3], "s": 1}]
-    late = arrive(plane, [3], "admission@1")  # it saw the call before the others met elsewhere
-    assert late[3][0]["cancel"] is True
-    out = arrive(plane, [0, 3], elsewhere)
-    assert not any(i["t"] == "error" for r in (0, 1, 3) for i in out.get(r, []))  # no mismatch for the members
-    release = releases(out, 0, elsewhere)[-1]
-    if elsewhere.startswith("epoch_end"):
-        assert release["admit"] == [2]
-    elif elsewhere == "fit_end":
-        assert out[2][0]["t"] == "error" and "fit ended" in out[2][0]["message"]
-    else:  # validation inside the epoch admits nobody: the members are called again
-        assert [i["sync"] for i in out[0] if i["t"] == "join"] == ["admission@2"]
+    arrive(plane, [0, 1], "epoch_end@epoch0")
+    assert join(plane, 2, rejoin=True) == {}
+    arrive(plane, [3], "epoch_end@epoch0")
+    committed = arrive(plane, [0, 1, 3], "epoch_end@epoch0/commit")
+    assert releases(committed, 0, "epoch_end@epoch0/commit") and 2 not in committed
+    assert 2 not in send(plane, 0, "resume") and 2 not in send(plane, 1, "resume")
+    assert admissions(send(plane, 3, "resume"), 2)[0]["t"] == "admit"
+
+
+def test_a_departed_ranks_late_round_question_is_dropped(plane_without_2):
+    plane = plane_without_2
+    assert send(plane, 2, "round", key="m3.2", round=3, slots=[2, 3]) == {}
+    answer = send(plane, 3, "round", key="m3.2", round=3, slots=[2, 3])[3][0]
+    assert answer["members"] == [3]  # (rank 2 was lost before any round was decided with it)
 
 
 def test_an_admitted_rank_is_drawn_into_no_group_until_it_trains(plane_without_2):
@@ -251,9 +233,6 @@ def test_an_admitted_rank_is_drawn_into_no_group_until_it_trains(plane_without_2
     first claim on the work queue or its first group request."""
     plane = plane_without_2
     join(plane, 2, rejoin=True)
-    arrive(plane, [0, 1, 3], "admission@1")
-    arrive(plane, [0, 1, 3], "admission@1/admit")
-    arrive(plane, [2], "admission@1/admit")
     drawn = lambda: [  # noqa: E731
         item["members"]
         for rank in (0, 1, 3)

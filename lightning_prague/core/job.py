@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -109,10 +110,19 @@ class Job(Membership):
     #: the established TCP connections (socket inodes) of `group` on this process (`drop_group_connections`)
     connections: set[int] = field(default_factory=set)
     _connected_before: set[int] = field(default_factory=set, repr=False)
+    #: this process's connections outside the library's groups (`drop_group_connections` keeps them);
+    #: default: those it has when the job is made
+    outside_groups: Optional[set[int]] = None
+    #: membership epoch -> (its process group, its members) (`Membership.epoch_group`)
+    epoch_groups: dict[int, tuple[dist.ProcessGroup, tuple[int, ...]]] = field(default_factory=dict, repr=False)
+    _epoch_stores: dict[int, dist.Store] = field(default_factory=dict, repr=False)
+    _epoch_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if not self.members and not self.joining:
             self.members = tuple(range(self.world_size))
+        if self.outside_groups is None:
+            self.outside_groups = set(established_connections())
         self.control.on_left_out = self.drop_group_connections
 
     @property
@@ -280,6 +290,7 @@ def init_job(
     _JOB = Job(
         rank, world_size, backend, control, group, proc, pg_timeout=pg_timeout, store=store, device_id=device_id,
         members=tuple(range(starting)), connections=set(established_connections()) - connected,
+        outside_groups=set(connected),
     )  # fmt: skip
     atexit.register(control.close)
     log.debug("rank %d: joined the job (%d ranks, supervisor pid %d)", rank, world_size, control.supervisor_pid)

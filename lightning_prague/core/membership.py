@@ -1,15 +1,26 @@
 """A process's membership of the running fit: who the members are, the process group among them, and admission.
 
-The library's process group spans the members of the job (`Membership.members`). When ranks leave
-the job, the survivors rebuild that group among themselves (`regroup`, at a synchronization point's
-release, where every survivor is); when a new process for a lost rank is admitted (`rejoin` on its
-side, `GroupWorker.admit` on the members' side, at an admission call or an epoch's end:
-`lightning_prague.core.plane.generator`), the members and the joiner rebuild it together. Each
-rebuild is a new group under its own store prefix, the *membership epoch*, created by its members
-alone, so no communicator that held a lost rank is used again. The old one is aborted on NCCL (its
-operations with the lost rank would never complete) and dropped on gloo. The world group is left
-alone: collectives on it need every rank, so after a change the strategies run Lightning's
-collectives on this group instead.
+The library's process group spans the members of the job (`Membership.members`). Two things change it:
+
+**An admission opens a membership epoch** (`epoch_group`), with no meeting: the control plane admits
+a joiner at once and announces the epoch to every member, in its inbox order
+(`lightning_prague.core.plane.generator`'s `Rejoining`). Each member and the joiner then create the
+epoch's group under a name they derive alike (the fit, the epoch, its members), on their own, when
+they come to it. On gloo it connects lazily: creating it waits for nobody, and each pair of members
+connects at its first exchange, so only the joiner, its donor and the joiner's first groups or rounds
+ever meet; a peer's address is waited for in the store as in a rebuild (below), giving up when it
+departs. On NCCL a communicator is created collectively: every member creates the epoch's at its
+next batch boundary (`lightning_prague.strategies.sync_points`), the one wait of an admission,
+NCCL's. Work-queue groups switch to the epoch's group between the same two groups on every member
+(the inbox order); gossip rounds take the group the control plane names with each round's members.
+Groups of older epochs are dropped at the next synchronization point, where nothing is in flight
+(`retire_epochs`).
+
+**A loss is followed at a synchronization point's release** (`regroup`): the survivors rebuild the
+group among themselves, and no communicator that held a lost rank is used again. The old one is
+aborted on NCCL (its operations with the lost rank would never complete) and dropped on gloo. The
+world group is left alone: collectives on it need every rank, so after a change the strategies run
+Lightning's collectives on this group instead.
 
 **A rebuild is bounded and abandonable.** Building a group is a rendezvous in the store (every
 member publishes its address and waits for the others') and then connections between every pair.
@@ -27,20 +38,21 @@ nobody left ends with a `CoordinationTimeout` naming the ranks and the operation
 alike.
 
 **A joiner's side** (`rejoin`): it opens the fit's session asking to rejoin, waits for its
-admission item (the members' admission meeting, with where its rank stood in its shard), meets the
-members there, rebuilds the group with them, and receives the fit's state from the donor
+admission item (the epoch, its members, the donor, where its rank stood in its shard), creates the
+epoch's group and receives the fit's state from the donor over it
 (`lightning_prague.core.comm.transfer`). Any failure on the way closes its session as failed (a
-departure, or a withdrawal before its admission): nobody waits for it. Once it built a group with
-the members it first shuts down its own connections of that group (gloo's operations cannot be
-aborted, and its process may live on: a member's gossip round with it would otherwise wait for the
-operation's timeout). A donor that leaves before its state arrived (its receive watches for the
-departure) costs only that admission: the joiner asks again, in a new session of the same fit, and
-the next lowest member sends the state.
+departure, or a withdrawal before its admission): nobody waits for it. Once it connected to a
+member it first shuts down its own connections (gloo's operations cannot be aborted, and its
+process may live on: a member's exchange with it would otherwise wait for the operation's
+timeout). A donor that leaves before its state arrived (its receive watches for the departure)
+costs only that admission: the joiner asks again, in a new session of the same fit, and the next
+lowest member sends the state.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -56,7 +68,7 @@ from lightning_prague.core.client.partition import established_connections, shut
 from lightning_prague.core.comm.groups import GroupComm
 from lightning_prague.core.comm.transfer import receive_payload
 from lightning_prague.core.errors import ControlPlaneError, CoordinationTimeout, MemberLost
-from lightning_prague.core.protocol import SessionConfig, rebuild_meeting
+from lightning_prague.core.protocol import SessionConfig
 
 if TYPE_CHECKING:
     from lightning_prague.core.client.control import ControlClient
@@ -98,6 +110,13 @@ class Membership:
     #: the established TCP connections (socket inodes) of `group` on this process (gloo's pairs)
     connections: set[int]
     _connected_before: set[int]
+    #: this process's connections that belong to no group of the library (the control plane, the
+    #: store, the world group): `drop_group_connections` keeps them
+    outside_groups: Optional[set[int]]
+    #: membership epoch -> (its process group, its members) (`epoch_group`)
+    epoch_groups: dict[int, tuple[dist.ProcessGroup, tuple[int, ...]]]
+    _epoch_stores: dict[int, dist.Store]
+    _epoch_lock: threading.Lock
 
     @property
     def leader(self) -> int:
@@ -255,12 +274,61 @@ class Membership:
         log.debug("rank %d: rebuilt the job's process group among ranks %s", self.rank, list(members))
         return group
 
+    def epoch_group(
+        self, epoch: int, members: Sequence[int], departed: Callable[[], Collection[int]] = frozenset
+    ) -> dist.ProcessGroup:
+        """The process group of membership epoch `epoch` among `members` (see the module docstring),
+        created on the first call: lazily connected on gloo (it waits for nobody), collectively on
+        NCCL. `departed()`: the ranks known to have left (a wait for a peer's address gives up on it)."""
+        with self._epoch_lock:
+            known = self.epoch_groups.get(epoch)
+            if known is not None:
+                return known[0]
+            ranks = tuple(sorted(int(m) for m in members))
+            what = f"the process group of membership epoch {epoch} among ranks {list(ranks)}"
+            base = dist.PrefixStore(GROUPS_PREFIX, self.store) if self.store is not None else _default_store()
+            bound = self._pg_seconds()
+            store = RendezvousStore(base, self.rank, ranks, what, departed, time.monotonic() + bound, bound)
+            store.settle()  # every wait is bounded by its own timeout (and a departure)
+            name = f"lightning_prague-s{self.sessions}-e{epoch}-" + "-".join(map(str, ranks))
+            log.debug("rank %d: creating %s", self.rank, what)
+            group = _new_group(
+                ranks, self.backend, store, name, timedelta(seconds=bound), what, self.device_id, lazy=True
+            )
+            if self.pg_timeout is not None:
+                dist.distributed_c10d._set_pg_timeout(self.pg_timeout, group)
+            self.epoch_groups[epoch] = (group, ranks)
+            self._epoch_stores[epoch] = store  # gloo waits on it at each pair's first operation: kept alive
+            return group
+
+    def adopt_epoch(
+        self, epoch: int, members: Sequence[int], departed: Callable[[], Collection[int]] = frozenset
+    ) -> dist.ProcessGroup:
+        """From now on the job's group is membership epoch `epoch`'s (an admission); the one before
+        stays usable until `retire_epochs`."""
+        group = self.epoch_group(epoch, members, departed)
+        self.group, self.members = group, tuple(sorted(int(m) for m in members))
+        return group
+
+    def retire_epochs(self) -> None:
+        """At a synchronization point, nothing in flight: drop the groups of membership epochs that are
+        not the job's group any more."""
+        with self._epoch_lock:
+            retired = [e for e, (group, _) in self.epoch_groups.items() if group is not self.group]
+            for epoch in retired:
+                group, _ = self.epoch_groups.pop(epoch)
+                _retire(group, self.backend)
+                self._epoch_stores.pop(epoch, None)
+        if retired:
+            log.debug("rank %d: dropped the process groups of membership epochs %s", self.rank, retired)
+
     def drop_group_connections(self) -> None:
         """Shut down this process's side of its process group's connections (the control plane left it
         out of the fit): every peer's exchange with it fails at once, as if it had ended, instead of
         waiting for it (gloo; on NCCL the peers' waits give up on its departure). Called by the
         control client's reader thread: the training thread may be the one that blocks."""
-        shut_down_connections(self.connections, self.rank, "it was left out of the fit")
+        grouped = self.connections | (set(established_connections()) - (self.outside_groups or set()))
+        shut_down_connections(grouped, self.rank, "it was left out of the fit")
 
     def leave_in_place(self) -> None:
         """This process was left out of its running fit (it blocked past its short hang bound, and the
@@ -268,21 +336,24 @@ class Membership:
         would be, so that `rejoin` (with the session's number again) takes it back with a live
         member's state. Its process group, which the others no longer use, is dropped."""
         old, self.group, self.members = self.group, None, ()
-        if old is not None:
+        epochs = [group for group, _ in self.epoch_groups.values()]
+        self.retire_epochs()
+        if old is not None and all(old is not group for group in epochs):
             _drop(old, self.backend)
         self.sessions = max(0, self.sessions - 1)  # `rejoin` opens the same fit's session again
         self.joining, self.rejoined, self.named_leader = True, False, None
         log.warning("rank %d: left out of the running fit; it rejoins it in place", self.rank)
 
     def rejoin(self, config: SessionConfig, wait: float, timeout: float) -> Admission:
-        """A new process for a rank that left the job: join the running fit's session, wait (at
-        most `wait` s) for the members' admission meeting (their next batch boundary, or an epoch's
-        end), meet them there, rebuild the process group with them (`regroup`, tagged with that
-        meeting) and receive the fit's state from the donor (`lightning_prague.core.comm.transfer`);
-        `timeout` bounds each operation. A donor that leaves the job before its state arrived (it
-        died mid-transfer) costs an attempt: this rank gives up on that admission (a departure, so
-        nobody waits for it) and asks again, up to `REJOIN_ATTEMPTS` times, and another member
-        sends the state. Raises `ControlPlaneError` with the reason if the fit cannot take it back."""
+        """A new process for a rank that left the job: join the running fit's session, wait (at most
+        `wait` s) for its admission (at once, or after the members' meeting, or at their epoch's end
+        for a lock-step rank with nothing left in their epoch), create the admission's membership
+        epoch's group (`epoch_group`) and receive the fit's state from the donor over it
+        (`lightning_prague.core.comm.transfer`); `timeout` bounds each operation. A donor that leaves
+        the job before its state arrived (it died mid-transfer) costs an attempt: this rank gives up
+        on that admission (a departure, so nobody waits for it) and asks again, up to
+        `REJOIN_ATTEMPTS` times, and another member sends the state. Raises `ControlPlaneError` with
+        the reason if the fit cannot take it back."""
         self.sessions += 1
         start = time.monotonic()
         for attempt in range(1, REJOIN_ATTEMPTS + 1):
@@ -292,9 +363,7 @@ class Membership:
                 if attempt == REJOIN_ATTEMPTS:
                     raise MemberLost(f"{err}; gave up after {attempt} attempts to rejoin") from err
                 log.warning("%s; it asks to rejoin again (attempt %d of %d)", err, attempt + 1, REJOIN_ATTEMPTS)
-                old, self.group, self.members = self.group, None, ()  # rebuilt at the next admission
-                if old is not None:
-                    _drop(old, self.backend)
+                self.group, self.members = None, ()  # a new epoch at the next admission
         raise AssertionError("unreachable")  # (the loop returns or raises)
 
     def _rejoin_once(self, config: SessionConfig, wait: float, timeout: float, start: float) -> Admission:
@@ -303,29 +372,16 @@ class Membership:
         failed: a withdrawal before the admission, a departure after it."""
         session = self.control.open_session(self.sessions, config, rejoin=True)
         donor: Optional[int] = None
-        connected: Optional[dict[int, int]] = None  # this process's connections before it built a group
+        connected: Optional[dict[int, int]] = None  # this process's connections before it connected to a member
         try:
             admit = session.await_admission(wait)
-            name = str(admit["sync"])
-            release = session.meet(name, wait)
-            joined = [int(r) for r in release.get("joined", [])]
-            if self.rank not in joined:
-                raise MemberLost(f"rank {self.rank}: the fit admitted ranks {joined} at {name!r}, not this one")
-            donor = min(int(m) for m in release["members"] if int(m) not in joined)
-            rebuilds = 0
-
-            def agree(built: bool) -> tuple[Sequence[int], bool]:
-                nonlocal rebuilds
-                rebuilds += 1
-                report = {} if built else {"incomplete": True}
-                decided = session.meet(rebuild_meeting(name, rebuilds), wait, **report)
-                return [int(r) for r in decided["members"]], bool(decided.get("complete", built))
-
+            epoch, members = int(admit["epoch"]), tuple(sorted(int(m) for m in admit["members"]))
+            donor = int(admit["donor"])
+            if self.rank not in members or donor not in members or donor == self.rank:
+                raise MemberLost(f"rank {self.rank}: the fit's admission named members {list(members)}, donor {donor}")
             departed = lambda: session.departed  # noqa: E731
             connected = established_connections()
-            self.regroup(release["members"], departed, agree, timeout=timeout, tag=f"s{session.number}/{name}")
-            if donor not in self.members:
-                raise MemberLost(f"rank {self.rank}: rank {donor}, which was to send the fit's state, left the job")
+            self.adopt_epoch(epoch, members, departed)
             comm = GroupComm(self.rank, self.world_size, timeout, self.group)
             comm.rebind(self.group, self.members)  # type: ignore[arg-type]
             admitted = time.monotonic()
@@ -337,20 +393,21 @@ class Membership:
             lost = donor is not None and failed and _heard_left(session, donor)
             if connected is not None:  # a member's exchange with this process (a gossip round) fails at once
                 built = set(established_connections()) - set(connected)
-                shut_down_connections(built, self.rank, "those of the group it built at an admission it gives up")
+                shut_down_connections(built, self.rank, "those of the group it made at an admission it gives up")
             session.close(failed=True)
             if lost:
                 raise _DonorLost(f"rank {self.rank}: rank {donor} left the job before the fit's state arrived") from err
             raise
         self.joining, self.rejoined = False, True
-        self.follow_leader(release)
+        self.follow_leader(admit)
         done = time.monotonic()
+        where = f"at {admit['at']!r}" if admit.get("at") else "inside the epoch"
         log.warning(
-            "rank %d: rejoined the job at %r after %.1fs; received the fit's state from rank %d (%.1f MB in %.2fs)",
-            self.rank, name, admitted - start, donor, len(payload) / 1e6, done - admitted,
+            "rank %d: rejoined the job %s (membership epoch %d) after %.1fs; received the fit's state from rank %d "
+            "(%.1f MB in %.2fs)", self.rank, where, epoch, admitted - start, donor, len(payload) / 1e6, done - admitted,
         )  # fmt: skip
         position = admit.get("position") if isinstance(admit.get("position"), dict) else None
-        return Admission(session, donor, payload, admitted - start, done - admitted, release, position)
+        return Admission(session, donor, payload, admitted - start, done - admitted, admit, position)
 
 
 class _DonorLost(MemberLost):
@@ -371,9 +428,9 @@ def _heard_left(session: Session, rank: int, within: float = DEPARTURE_NOTICE_SE
 @dataclass(frozen=True)
 class Admission:
     """What a rank that rejoined got: its session, the donor and the fit's state (bytes) it sent,
-    the seconds it waited for its admission and those the state took to arrive, the admission's
-    release (the members' counters it takes up: `Exchanger.take_up`) and where its rank stood in its
-    shard."""
+    the seconds it waited for its admission and those the state took to arrive, the admission item
+    (`release`: the membership epoch, the meeting it was admitted in if any, the members' counters it
+    takes up: `Exchanger.take_up`) and where its rank stood in its shard."""
 
     session: Session
     donor: int
@@ -392,6 +449,11 @@ def _default_store() -> dist.Store:
     return c10d._world.pg_map[c10d._get_default_group()][1]
 
 
+#: the variable that makes torch create a gloo process group that connects each pair at its first use
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+_lazy_lock = threading.Lock()
+
+
 def _new_group(
     members: tuple[int, ...],
     backend: str,
@@ -400,23 +462,44 @@ def _new_group(
     timeout: timedelta,
     what: str,
     device_id: Optional[torch.device] = None,
+    lazy: bool = False,
 ) -> dist.ProcessGroup:
     """`dist.new_group(members, use_local_synchronization=True)` under the group name (its store prefix)
     `name` and on `store`: torch names a group by its ranks and the number of groups this process
-    made, which two members need not agree on, and a failed attempt would reuse it."""
+    made, which two members need not agree on, and a failed attempt would reuse it. `lazy`: on gloo,
+    each pair connects at its first operation (creating the group waits for nobody)."""
     c10d = dist.distributed_c10d
     default = c10d._get_default_group()
-    group, _ = c10d._new_process_group_helper(
-        len(members),
-        members.index(default.rank()),
-        list(members),
-        backend,
-        store,
-        c10d.GroupName(name),
-        timeout=timeout,
-        device_id=device_id if device_id is not None else default.bound_device_id,
-        group_desc=what[:200],
-    )
+    lazily = lazy and "nccl" not in backend
+
+    def create() -> dist.ProcessGroup:
+        group, _ = c10d._new_process_group_helper(
+            len(members),
+            members.index(default.rank()),
+            list(members),
+            backend,
+            store,
+            c10d.GroupName(name),
+            timeout=timeout,
+            device_id=device_id if device_id is not None else default.bound_device_id,
+            group_desc=what[:200],
+        )
+        return group
+
+    if lazily:  # (torch reads the variable when it creates the group; an eager build, which may block
+        # for long in a thread it abandoned, never holds the lock)
+        with _lazy_lock:
+            before = os.environ.get(GLOO_LAZY_INIT)
+            os.environ[GLOO_LAZY_INIT] = "1"
+            try:
+                group = create()
+            finally:
+                if before is None:
+                    os.environ.pop(GLOO_LAZY_INIT, None)
+                else:
+                    os.environ[GLOO_LAZY_INIT] = before
+    else:
+        group = create()
     c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(members)}
     return group
 
@@ -512,6 +595,17 @@ def _drop(group: dist.ProcessGroup, backend: str) -> None:
     """A group built by an attempt the members did not all complete: never used (aborted on NCCL)."""
     if "nccl" in backend:
         _abort(group)
+
+
+def _retire(group: dist.ProcessGroup, backend: str) -> None:
+    """A group nobody uses any more (an older membership epoch's): its connections close."""
+    if "nccl" in backend:
+        _abort(group)
+        return
+    try:
+        dist.destroy_process_group(group)
+    except Exception:  # it is dropped either way
+        log.debug("dropping an older membership epoch's process group failed", exc_info=True)
 
 
 def _abort(group: dist.ProcessGroup) -> None:

@@ -256,11 +256,16 @@ COMMIT = "/commit"
 #: or an epoch's end (`<meeting>/admit`: the members and the joiners meet there; `GroupGenerator`'s
 #: `Rejoining`)
 ADMIT = "/admit"
-#: the prefix of the meetings at which joiners waiting since an earlier call are admitted (every epoch's end)
+#: the prefix of the meetings at which joiners with nothing of the members' epoch to train are admitted
+#: (every epoch's end)
 ADMITTING_AT = "epoch_end@"
-#: the prefix of the meetings the control plane calls, between synchronization points, to admit joiners
-#: at the members' next batch boundary (`admission@<n>`; `GroupGenerator`'s `Rejoining`)
-ADMISSION_CALL = "admission@"
+
+
+def is_synchronization_point(sync: str) -> bool:
+    """Whether meeting `sync` is a synchronization point of its own, not one that follows another's
+    release (`<sync>/commit`, `<sync>/rounds`, a rebuild's), an agreement outside any (`commit`), or the
+    stop: after its release every member tells the control plane when it trains again (`resume`)."""
+    return "/" not in sync and sync not in (COMMIT.lstrip("/"), STOP_SYNC)
 
 
 def rebuild_meeting(sync: str, attempt: int) -> str:
@@ -372,7 +377,7 @@ RECORDS: dict[str, Record] = {
     "join": _session_record(
         "join",
         # `rejoin`: a new process for a rank that left the job, asking to be admitted (`GroupGenerator`'s
-        # `Rejoining`: at the members' next batch boundary)
+        # `Rejoining`: at once, in a new membership epoch)
         {"addresses": list_of(text(64), 1024), "rejoin": BOOLEAN},
         config=json_object(),
         pid=integer(0, 1 << 31),
@@ -385,6 +390,8 @@ RECORDS: dict[str, Record] = {
     "close": _session_record("close", {"failed": BOOLEAN}),
     "leave": _session_record("leave"),
     "idle": _session_record("idle"),
+    # it trains again after a meeting and the sub-meetings that followed it (`GroupGenerator`'s `Rejoining`)
+    "resume": _session_record("resume"),
     "stop": _session_record("stop", {"reason": text(64)}),
     # chunks of the work queue this rank now holds (`tickets`: the claim values of their tickets) or trained;
     # `end`: it claims no more from that queue (`lightning_prague.core.plane.queue_end`)
@@ -398,6 +405,12 @@ RECORDS: dict[str, Record] = {
     # loader has a length); a new process for it goes on from there (`lightning_prague.strategies.loaders`)
     "trained": _session_record(
         "trained", {"total": _COUNT}, epoch=_COUNT, batches=_COUNT, shard=_RANK, of=integer(1, MAX_RANK + 1)
+    ),
+    # which of `slots`, ranks that were no members at the last meeting, take part in gossip round `round`
+    # of the schedule's group `key` (`GroupGenerator.round_members`); `start`: a rank admitted inside a
+    # phase asks at which round it takes up gossip (then `key` names it and `slots` is empty)
+    "round": _session_record(
+        "round", {"slots": list_of(_RANK, MAX_RANK + 1), "start": BOOLEAN}, key=text(128), round=_COUNT
     ),
     # this rank's completeness of a group collective, before it writes anything back (`GroupVerdicts`)
     "summed": _session_record("summed", key=text(128), members=list_of(_RANK, MAX_RANK + 1), ok=BOOLEAN),

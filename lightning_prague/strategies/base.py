@@ -70,7 +70,7 @@ from lightning_prague.core.grouping.policies import GroupingPolicy
 from lightning_prague.core.job import Job, init_job
 from lightning_prague.core.plane.launch import LOG_DIR_VARIABLE
 from lightning_prague.core.plane.service import plane_address
-from lightning_prague.core.protocol import ADMISSION_CALL, HangRule
+from lightning_prague.core.protocol import HangRule
 from lightning_prague.strategies import _patches
 from lightning_prague.strategies._checks import check_layer_sync, check_lightning_internals, check_trainer
 from lightning_prague.strategies.collectives import RoutedCollectives
@@ -83,6 +83,7 @@ from lightning_prague.strategies.options import DDP_TIMEOUT, Option, StrategyOpt
 from lightning_prague.strategies.rejoin import (
     MEMBERS_METRICS,
     PEER_CHECKPOINT,
+    TAKEN_AT_EPOCH_END,
     PeerState,
     epoch_under_way,
     members_metrics,
@@ -367,6 +368,8 @@ class DecentralizedStrategy(DDPStrategy):
             return
         assert self.training is not None
         self.training.start(averaged_state(self.lightning_module))  # the parameters on their final device
+        assert self.training.worker is not None  # a joiner this rank's meeting waits for: its state goes out there
+        self.training.worker.on_admission = lambda: self.synchronizer.follow_admissions(inside_only=True)
         self.loaders.sharded_members = self._require_job().members
         for module in self.lightning_module.modules():  # torchmetrics' syncs survive a lost rank too
             if isinstance(module, Metric) and module.dist_sync_fn is None:
@@ -554,6 +557,8 @@ class DecentralizedStrategy(DDPStrategy):
         if self.exchanger is not None:
             self.controller.batch_starts()
             self.batches_done += 1
+            if self.worker is not None:
+                self.worker.resumed()  # after a meeting: joiners may be admitted again
             self.exchanger.start()
 
     def drain(self) -> None:
@@ -643,7 +648,7 @@ class DecentralizedStrategy(DDPStrategy):
             if self._trainer is not None:  # the members' latest metrics, where this process logged none yet
                 for name, value in members_metrics(checkpoint.pop(MEMBERS_METRICS, None)).items():
                     self._trainer.callback_metrics.setdefault(name, value)
-            if not str(admission.release.get("sync", "")).startswith(ADMISSION_CALL):
+            if checkpoint.pop(TAKEN_AT_EPOCH_END, False) is True:
                 return checkpoint  # at an epoch's end: this rank starts the next epoch with the members
             # taken at a batch boundary inside the epoch, perhaps the donor's last batch: this rank goes on
             # in that epoch (it ends when its data does), as the members do

@@ -6,19 +6,22 @@ runs the user's script from its start. Its `fit` is made to resume from `PEER_CH
 launcher sets `ckpt_path`), and its strategy restores that checkpoint after its setup, where it was
 admitted (`lightning_prague.core.job.Job.rejoin`): the checkpoint is the one a live member, the donor, sent it.
 
-The donor's side (`PeerState`): the members are called to an admission meeting at their next batch
-boundary (or meet at an epoch's end, after their global average); its release admits the joiners,
-every member meets them at `<meeting>/admit`, they rebuild the process group together, and the donor
-(the lowest member) takes Lightning's own checkpoint of that moment (`dump_checkpoint`: the model, the
-optimizer (this replica's state, not a mean: the other members go on training), the LR schedulers,
-the loops' progress, the callbacks' states), copies its tensors off the live ones, and sends it in
-the background while it trains on (`GroupWorker.admit`, `BackgroundTransfer`). The work queue's part
+The donor's side (`PeerState`): the control plane admits a joiner at once, with no meeting, in a
+membership epoch of its own (`lightning_prague.core.membership`); at its next batch boundary (or
+the meeting it waits at, or the end of the epoch's meeting that admitted a joiner with nothing left
+in the epoch) the donor, the lowest member that trains, takes Lightning's own checkpoint of that
+moment (`dump_checkpoint`: the model, the optimizer (this replica's state, not a mean: the other
+members go on training), the LR schedulers, the loops' progress, the callbacks' states), copies its
+tensors off the live ones, and sends it in the background while it trains on (`GroupWorker.donate`,
+`BackgroundTransfer`). The work queue's part
 of it is the epoch's numbering, not the donor's chunks (`ProgressLoader.for_joiner`): the joiner
 claims from the epoch under way. A joiner admitted inside an epoch goes on in that epoch
 (`epoch_under_way`); under lock-step shards it reads the lost rank's own shard on from where that
-rank stood (`resume_epoch_progress`, `lightning_prague.strategies.loaders`). The joiners are not
-aligned with the members until the next synchronization point: until then the members' own
-collectives run among themselves (`GroupWorker.fresh`). The checkpoint travels as bytes that
+rank stood (`resume_epoch_progress`, `lightning_prague.strategies.loaders`); a joiner given a state
+taken at an epoch's end (`TAKEN_AT_EPOCH_END`) starts the next epoch with the members. Joiners
+admitted in an epoch's end's release are not aligned with the members until the next
+synchronization point: until then the members' own collectives run among themselves
+(`GroupWorker.fresh`). The checkpoint travels as bytes that
 `torch.load(weights_only=True)` reads (`encode_object`): never unpickled. Values a checkpoint can
 hold that such a load cannot read (objects of the user's classes in the hyperparameters or a
 callback's state) are left out, each named in a warning. The joiner checks that the model it was
@@ -51,6 +54,8 @@ log = logging.getLogger(__name__)
 PEER_CHECKPOINT = "lightning-prague://peer"
 #: the key of the donor's latest logged metrics in the state it sends (`members_metrics`)
 MEMBERS_METRICS = "lightning_prague_members_metrics"
+#: the key of whether the donor took its state at an epoch's end (else inside the epoch) in the state it sends
+TAKEN_AT_EPOCH_END = "lightning_prague_taken_at_epoch_end"
 #: at most this many metrics, each name at most this long, are taken from a donor
 MAX_METRICS, MAX_METRIC_NAME = 256, 200
 
@@ -95,9 +100,11 @@ class PeerState:
         #: True while the donor dumps its checkpoint: the optimizer state is this replica's own
         self.dumping = False
 
-    def snapshot(self) -> Callable[[], bytes]:
+    def snapshot(self, at_epoch_end: bool = False) -> Callable[[], bytes]:
         """The donor's checkpoint of this moment, copied off the live tensors (the donor trains on);
-        returns what encodes it as bytes (run in the background: `BackgroundTransfer`)."""
+        returns what encodes it as bytes (run in the background: `BackgroundTransfer`). `at_epoch_end`:
+        taken at the end of an epoch, once the members met there (the joiner starts the next epoch);
+        else at a batch boundary inside it (the joiner goes on in that epoch)."""
         trainer = self.strategy._trainer
         assert trainer is not None
         progress = self.strategy.progress
@@ -112,6 +119,7 @@ class PeerState:
             if loader is not None:
                 loader.for_joiner = False
         checkpoint[MEMBERS_METRICS] = scalar_metrics(trainer.callback_metrics)
+        checkpoint[TAKEN_AT_EPOCH_END] = bool(at_epoch_end)
         kept = self._readable(checkpoint)
         copied = _copied(kept)
         return lambda: _saved(copied)

@@ -81,7 +81,7 @@ class SyncPoints(Callback):
         # lock-step shards
         self.strategy.loaders.report_position(trainer.current_epoch, batch_idx + 1, trainer.num_training_batches)
         self._batches_in_epoch += 1
-        self.strategy.synchronizer.answer_admission_call()  # joiners wait: meet the others to admit them
+        self.strategy.synchronizer.follow_admissions()  # a joiner waits for its state (this rank may send it)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
@@ -151,21 +151,25 @@ class Synchronizer:
     def __init__(self, strategy: DecentralizedStrategy) -> None:
         self.strategy = strategy
 
-    def answer_admission_call(self) -> None:
-        """At a batch boundary: if the control plane called the members to admit joiners
-        (`admission@<n>`), meet there, inside the epoch, and admit them (no global average). If the
-        others meet elsewhere first (an epoch's end, validation) the call is off and this rank trains
-        on; the joiners are admitted there or at a later call."""
-        worker = self.strategy.worker
-        if worker is None or not self.strategy.controller.must_meet:
+    def follow_admissions(self, at_epoch_end: bool = False, inside_only: bool = False) -> None:
+        """At a batch boundary, a meeting, or a meeting's end, on the training thread: follow the ranks
+        admitted since the last call (`GroupWorker.donate`: their membership epoch's group, and the
+        fit's state from the donor, taken here; `at_epoch_end`: it is taken at the end of the epoch, so
+        the joiner starts the next one), and share the work queue with them from the next epoch on.
+        No meeting: the others train on."""
+        strategy = self.strategy
+        worker = strategy.worker
+        job = strategy.job
+        if worker is None or job is None:
             return
-        name = worker.session.take_admission_call()
-        if name is None:
+        admitted = worker.donate(lambda: strategy.peer_state.snapshot(at_epoch_end), inside_only)
+        if not admitted:
             return
-        log.debug("rank %d: answering the call to %r", worker.rank, name)
-        if self._meet(name) is None:
-            return  # called off
-        self._after_meeting(progress=None, inside_epoch=True, validate=False, admission_call=True)
+        loader = strategy.progress.loader if strategy.progress is not None else None
+        if loader is not None:
+            loader.set_members(list(job.members))
+        # (Lightning's shards follow the membership at the next meeting, on every member alike)
+        strategy.survivors.assign_rank_zero()
 
     def _meet(self, name: str) -> Optional[dict[str, Any]]:
         """Drain, meet every rank at `name`; the release, or `None` if the meeting was called off."""
@@ -199,14 +203,13 @@ class Synchronizer:
         admitting = name.startswith(ADMITTING_AT) and bool((worker.release or {}).get("joining"))
         if not strategy.controller.must_meet and not admitting:
             return
-        worker.session.take_admission_call()  # a call answered by this meeting (the plane calls again if need be)
+        self.follow_admissions()  # the state a joiner waits for goes out first: the meeting waits for it
         self._meet(name)
         self._after_meeting(progress, inside_epoch, validate)
 
-    def _after_meeting(
-        self, progress: Optional[int], inside_epoch: bool, validate: bool, admission_call: bool = False
-    ) -> None:
-        """What every rank does after a meeting's release: stop, average, admit, follow the membership."""
+    def _after_meeting(self, progress: Optional[int], inside_epoch: bool, validate: bool) -> None:
+        """What every rank does after a meeting's release: stop, average, follow the membership, and the
+        admissions of its release (an epoch's end)."""
         strategy = self.strategy
         worker = strategy.worker
         assert worker is not None and strategy._trainer is not None
@@ -217,26 +220,26 @@ class Synchronizer:
         release = worker.release or {}
         if release.get("stop"):  # some rank decided to stop: every rank stops here, together
             trainer.should_stop = True
-        if strategy.measure_consensus and not admission_call:
+        if strategy.measure_consensus:
             strategy.consensus_error = worker.consensus_error()
-        if strategy.average_at_sync and not admission_call:
+        if strategy.average_at_sync:
             follow_module(strategy)
             average_replicas(worker, name)
-        if release.get("admit"):  # ranks rejoin here: meet them, regroup, the donor sends them its state
-            report = strategy.exchanger.admission_report() if strategy.exchanger is not None else {}
-            worker.admit(strategy.peer_state.snapshot, report)
-        if loader is not None:
-            loader.set_members(list(worker.members))
-        strategy.regrouped = strategy.survivors.follow_membership()
+        # ranks admitted in this release (an epoch's end), or meanwhile: the donor sends them its state
+        self.follow_admissions(at_epoch_end=name.startswith(ADMITTING_AT) and not inside_epoch)
+        if loader is not None:  # (the job's members: ranks admitted in the release too)
+            loader.set_members(list(strategy.job.members) if strategy.job is not None else list(worker.members))
+        strategy.survivors.follow_membership()
+        # (the control plane's word, alike on every member: a joiner's own shards date from its admission)
+        strategy.regrouped = bool(release.get("changed"))
         strategy.survivors.log_membership()
         if loader is not None and strategy.is_global_zero:
             loader.forget_finished_epochs()
         if sampler is not None and "speeds" in release:
             # every rank's time per batch, for the work queue's tail decisions
             sampler.set_speeds(release["speeds"])
-        if not admission_call:  # an admission call aligns nobody: a member may be at its epoch's last batch
-            strategy.controller.met(inside_epoch, validate)  # and go on to its epoch's end while others train
-        if loader is not None and not admission_call:
+        strategy.controller.met(inside_epoch, validate)
+        if loader is not None:
             loader.pending = list(release.get("pending", []))
             if strategy.progress is not None and strategy.progress.schedule is not None:
                 reached = loader.synchronized(progress)

@@ -178,8 +178,8 @@ class ControlClient:
     def open_session(self, number: int, config: SessionConfig, rejoin: bool = False) -> Session:
         """Join session `number` (one fit); every rank of the session must join it with the same config.
 
-        `rejoin`: this is a new process for a rank that left the fit; it asks to be admitted at the
-        next epoch's end (`Session.await_admission`)."""
+        `rejoin`: this is a new process for a rank that left the fit; it asks to be admitted
+        (`Session.await_admission`)."""
         # the control plane's hang detector uses the longer of the two as the bound of a busy worker
         long_bound = max(config.timeout, config.sync_timeout or 0.0)
         session = Session(self, number, config.world_size, Beacon(config.hang), long_bound, config.starting)
@@ -264,8 +264,13 @@ class Session:
         self._verdicts: dict[str, bool] = {}
         self._verdict_ready = threading.Condition()
         self._rejected: str | None = None  # the control plane rejected one of this rank's messages
-        #: the admission meeting the control plane called this member to (`take_admission_call`), if any
-        self.admission_call: str | None = None
+        #: membership epoch -> its members, as the control plane announced it (`members` and `admit`
+        #: items: `lightning_prague.core.membership`); the newest few
+        self.epochs: dict[int, tuple[int, ...]] = {}
+        #: `members` items the training thread has not followed yet (`take_admissions`)
+        self._admissions: list[Message] = []
+        #: key -> the control plane's answer on a gossip round's members (`round_members`)
+        self._round_answers: dict[str, Message] = {}
         #: `None`, or why the control plane left this rank out of the fit (it blocked past its short
         #: hang bound): its training thread raises `LeftOut` at its next contact with the plane
         self.left_out: str | None = None
@@ -282,6 +287,15 @@ class Session:
                     del self._verdicts[next(iter(self._verdicts))]
                 self._verdict_ready.notify_all()
             return
+        if kind == "round":  # not an inbox item either: the thread waiting in `round_members` takes it
+            with self._verdict_ready:
+                self._round_answers[str(item.get("key"))] = item
+                while len(self._round_answers) > MAX_VERDICTS:
+                    del self._round_answers[next(iter(self._round_answers))]
+                self._verdict_ready.notify_all()
+            return
+        if kind in ("members", "admit"):  # a new membership epoch (an admission): in the inbox too
+            self._new_epoch(item)
         if kind == "error" and item.get("source") == CONTROL_PLANE and item.get("ended") is not True:
             # (a joiner's "the fit ended" is taken from the inbox where it waits: `FitEnded`, no failure)
             with self._verdict_ready:
@@ -302,20 +316,7 @@ class Session:
                 node = item.get("node", "its node")
                 drop_connections(item["unreachable"], self.rank, f"every rank of {node} left the job")
             self._departure.set()
-        if kind == "release" and "/" not in str(item.get("sync")) and item.get("sync") != self.admission_call:
-            self.admission_call = None  # the members met elsewhere: that call is off (a new one may follow)
-        if kind == "release" and item.get("joined"):  # ranks that rejoined are members again
-            for rank in item["joined"]:
-                why = self.departed.pop(int(rank), None)
-                when = self.departed_at.pop(int(rank), None)
-                if why is not None:  # (a free place that a new worker took was never a member)
-                    self.rejoined[int(rank)] = (when or 0.0, why)
-            self.members = [int(r) for r in item.get("members", self.members)]
-            log.warning("rank %d: ranks %s rejoined the job; members %s", self.rank, item["joined"], self.members)
-        elif kind == "join":  # the members are called to admit joiners at their next batch boundary
-            self.admission_call = str(item["sync"])
-            log.debug("rank %d: called to %r to admit ranks %s", self.rank, self.admission_call, item.get("joining"))
-        elif kind == "left_out":  # blocked past the short bound: the others went on without this rank
+        if kind == "left_out":  # blocked past the short bound: the others went on without this rank
             with self._verdict_ready:  # a verdict this rank waits for will not come: the wait ends
                 self.left_out = str(item.get("reason", "it blocked"))
                 self._verdict_ready.notify_all()
@@ -551,20 +552,68 @@ class Session:
         log.debug("rank %d: %s (%s): complete here %s, verdict %s", self.rank, operation, key, complete, applied)
         return applied
 
-    def take_admission_call(self) -> str | None:
-        """The admission meeting this member is called to, once (the training thread meets there at
-        its next batch boundary: `GroupWorker.synchronize`)."""
-        call, self.admission_call = self.admission_call, None
-        return call
+    def _new_epoch(self, item: Message) -> None:
+        """The reader thread: a `members` or `admit` item opened membership epoch `epoch`: the ranks it
+        admitted are members again, and the training thread follows it (`take_admissions`)."""
+        epoch, members = int(item["epoch"]), tuple(int(r) for r in item["members"])
+        self.epochs[epoch] = members
+        for old in [e for e in self.epochs if e < epoch - 8]:  # (retired long ago)
+            del self.epochs[old]
+        for rank in item.get("joined", ()):
+            why = self.departed.pop(int(rank), None)
+            when = self.departed_at.pop(int(rank), None)
+            if why is not None:  # (a free place that a new worker took was never a member)
+                self.rejoined[int(rank)] = (when or 0.0, why)
+        self.members = list(members)
+        if item["t"] == "members":
+            with self._verdict_ready:
+                self._admissions.append(item)
+            log.warning("rank %d: ranks %s rejoined the job; members %s", self.rank, item.get("joined"), self.members)
+
+    def take_admissions(self, inside_only: bool = False) -> list[Message]:
+        """The `members` items (admissions) that came since the last call, oldest first; `inside_only`:
+        not those admitted in a meeting's release (`at`), which stay for a later call."""
+        with self._verdict_ready:
+            taken = [item for item in self._admissions if not (inside_only and "at" in item)]
+            self._admissions = [item for item in self._admissions if inside_only and "at" in item]
+        return taken
+
+    def round_members(
+        self, key: str, round_index: int, slots: Sequence[int], operation: str, start: bool = False
+    ) -> Message:
+        """The control plane's answer on gossip round `round_index` of the schedule's group `key`
+        (`slots`): which of them take part and in which membership epoch (`GroupGenerator.round_members`);
+        `start`: the round this rank, admitted inside a phase, takes up gossip at. Bounded as `verdict` is."""
+        self._rejected = None
+        fields: dict[str, Any] = {"start": True} if start else {"slots": [int(r) for r in slots]}
+        self.send("round", key=key, round=int(round_index), **fields)
+        deadline = time.monotonic() + self.timeout
+        with self.beacon.waiting(), self._verdict_ready:
+            while key not in self._round_answers:
+                if self._gone():
+                    raise self.plane_lost(f"the members of {operation}")
+                if self.left_out is not None:
+                    raise self.left_out_error(f"the members of {operation}")
+                if self._rejected is not None:
+                    raise ControlPlaneError(f"rank {self.rank}: {self._rejected}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CoordinationTimeout(
+                        f"rank {self.rank}: the control plane named no members of {operation} "
+                        f"within {self.timeout:.0f}s"
+                    )
+                self._verdict_ready.wait(min(remaining, WATCH_SECONDS))
+            return self._round_answers.pop(key)
 
     def await_admission(self, timeout: float) -> Message:
-        """A rejoining rank: wait (at most `timeout` s) until the members meet to admit it (at their
-        next batch boundary, or an epoch's end), and return the admission item: `sync`, the meeting
-        where they admit it (`<meeting>/admit`), and `position`, where its rank stood in its shard of
-        the epoch if it reported it. Raises `ControlPlaneError` with the control plane's reason if it
+        """A rejoining rank: wait (at most `timeout` s) for its admission (at once, after the members'
+        meeting, or at their epoch's end: `GroupGenerator`'s `Rejoining`), and return the admission
+        item: the membership epoch, its members, the donor, the members of the last meeting (`base`),
+        `at` (the meeting it was admitted in, if any) and `position`, where its rank stood in its shard
+        of the epoch if it reported it. Raises `ControlPlaneError` with the control plane's reason if it
         cannot rejoin (`FitEnded` if the fit ended; it is stopping, runs another configuration) and
         `CoordinationTimeout` if the members did not meet in time."""
-        item = self._next(f"the members' admission meeting of the fit it rejoins (up to {timeout:.0f}s)", timeout)
+        item = self._next(f"its admission to the fit it rejoins (up to {timeout:.0f}s)", timeout)
         while item["t"] != "admit":
             if item["t"] == "error" and item.get("ended") is True:
                 raise FitEnded(f"rank {self.rank}: {item.get('message')}")

@@ -69,6 +69,7 @@ by one, each thread on its own, with no lock (`GroupComm.batched`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -229,6 +230,14 @@ class GroupComm:
         self.pg = process_group
         self.everyone = tuple(members)
         self.broken = False
+
+    def view(self, process_group: dist.ProcessGroup, members: Sequence[int]) -> GroupComm:
+        """This comm's sums on `process_group` among `members` (another membership epoch's group: a
+        gossip round's, a transfer's), leaving this one as it is; the rest is shared."""
+        other = copy.copy(self)
+        other.pg, other.everyone, other.broken = process_group, tuple(members), False
+        other.failed_peers = set()
+        return other
 
     def warm_up(self) -> None:
         """One world-wide all-reduce; every rank must call it, before any group operation.

@@ -29,7 +29,15 @@ Every round is all-or-nothing: after its sums each member reports its own comple
 control plane and mixes the round in only if the verdict says every member completed it
 (`lightning_prague.core.plane.verdicts`), decided in the communication thread, so the overlap
 keeps it hidden. A worker that leaves the job: a round it was in changes nobody's model, on every
-member alike. From the next meeting's release on, each round's groups lose it (`surviving`).
+member alike.
+
+**Who takes part in a round** is the control plane's word, asked by the communication thread before
+the round's sums (`GroupGenerator.round_members`): the same answer to every member of the
+schedule's group, whenever each asks, so a rank that departs drops out of every round after those
+already decided with it (`surviving`), and one admitted inside the phase (a lost rank's new process)
+comes in at a round every member of its groups agrees on, with no meeting: it asks for that round
+when it starts training (`take_up`), and the answer names the membership epoch whose process group
+holds the round's members (`GroupWorker.epoch_comm`).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from typing import Any
 import torch
 
 from lightning_prague.core.comm.averaging import BucketedTensors, FlatBuffers
+from lightning_prague.core.comm.groups import GroupComm
 from lightning_prague.core.comm.norms import Drift
 from lightning_prague.core.comm.streams import Marker
 from lightning_prague.core.errors import CoordinationTimeout
@@ -70,6 +79,8 @@ class _InFlight:
     weighted: WeightedGroup
     #: the round's name at the control plane (its verdict): the same on every member of it
     key: str = ""
+    #: the round's group in the schedule, before the control plane named who takes part in it
+    planned: WeightedGroup | None = None
     #: whether the round took effect on every member (the control plane's verdict)
     applied: bool = True
     #: `||x_i - mean||^2 / ||mean||^2` of the round's group (a tensor, set by the communication thread)
@@ -112,6 +123,7 @@ class LaggedGossip(Exchanger):
         if schedule.world_size != worker.world_size:
             raise ValueError(f"topology for {schedule.world_size} workers used by a world of {worker.world_size}")
         super().__init__(worker, live, timeout)
+        worker.switch_in_order = False  # rounds take the group the control plane names with their members
         self.schedule = schedule
         self.overlap = overlap
         #: `False`: mix each round in as soon as it is issued, so the next gradient is taken at the
@@ -157,13 +169,12 @@ class LaggedGossip(Exchanger):
 
     def issue(self) -> None:
         """Send this worker's current tensors into its group of the next round."""
-        weighted = surviving(self.schedule.group_of(self.worker.rank, self.round), self.worker.members)
+        planned = self.schedule.group_of(self.worker.rank, self.round)
         # rounds are counted from the fit's start alike on every member (a rank that rejoined takes up
         # the members' count, `take_up`) and never repeat; a round's groups are disjoint
-        key = f"r{self.round}.{min(weighted.members)}"
-        flight = _InFlight(self.round, weighted, key=key)
+        flight = _InFlight(self.round, surviving(planned, (self.worker.rank,)), planned=planned)
         self.round += 1
-        if flight.exchanges:
+        if len(planned.members) > 1:  # who takes part is decided in the communication thread
             self._round_buffers().copy_from_live()
             flight.future = self._thread().submit(self._sum, flight, self.streams.mark())
         self._flight = flight
@@ -172,13 +183,37 @@ class LaggedGossip(Exchanger):
         elif not self.overlap:
             self._wait(flight)
 
+    def _decide_members(self, flight: _InFlight) -> GroupComm:
+        """In the communication thread: who takes part in the round (the control plane's word, see the
+        module docstring), set on `flight`; returns the comm whose process group holds them."""
+        planned = flight.planned
+        assert planned is not None
+        key = f"m{flight.round_index}.{min(planned.members)}"
+        answer = self.worker.session.round_members(
+            key, flight.round_index, planned.members, f"gossip round {flight.round_index}"
+        )
+        taking_part = [int(m) for m in answer.get("members", ())]
+        if self.worker.rank not in taking_part:  # (it asked to start later: it sits this round out)
+            taking_part = [self.worker.rank]
+        flight.weighted = surviving(planned, taking_part)
+        flight.key = f"r{flight.round_index}.{min(flight.weighted.members)}"
+        return self.worker.epoch_comm(int(answer.get("epoch", 0)))
+
     def _sum(self, flight: _InFlight, ready: Marker) -> Marker:
-        """In the communication thread: the round's group sums, and from them the round's change
-        `(a - 1) x_i + b sum_j x_j` over the snapshot; zero everywhere if the round does not take effect
-        (a member was lost: the control plane's verdict, the same on every member)."""
+        """In the communication thread: the round's members, its group sums, and from them the round's
+        change `(a - 1) x_i + b sum_j x_j` over the snapshot; zero everywhere if the round does not take
+        effect (nobody else takes part, or a member was lost: the control plane's verdict, the same on
+        every member)."""
         self.streams.wait(ready)
         buffers = self._round_buffers()
         self.streams.keep_for(buffers.flats)
+        comm = self._decide_members(flight)
+        if not flight.exchanges:
+            for flat in buffers.flats:
+                flat.zero_()
+            flight.applied = False
+            flight.error = Drift(self.live.device).error(applied=False)
+            return self.streams.mark()
         operation = flight.operation(self.worker.rank)
         a, b = flight.weighted.coefficients()
         size = len(flight.weighted.members)
@@ -188,7 +223,7 @@ class LaggedGossip(Exchanger):
         for flat in buffers.flats:
             total = self._scratch_for(flat)
             total.copy_(flat)
-            complete &= self.worker.comm.sum_(total, members, operation)
+            complete &= comm.sum_(total, members, operation)
             drift.add_average(total, 1.0 / size)
             drift.add_distance(flat, total, 1.0 / size)
             flat.mul_(a - 1.0).add_(total, alpha=b)
@@ -253,16 +288,18 @@ class LaggedGossip(Exchanger):
             self._waited_before = self.wait_seconds
         return {"round": self.round}
 
-    def admission_report(self) -> dict[str, Any]:
-        return {"round": self.round}
-
-    def take_up(self, release: dict[str, Any]) -> None:
-        """A rank that rejoined goes on from the members' round (its admission's `final`)."""
-        final = release.get("final")
-        if not isinstance(final, int) or final < 0:
-            raise ValueError(f"rank {self.worker.rank}: the admission's release names no gossip round ({final!r})")
-        self.round = final
-        log.debug("rank %d: rejoined gossip at round %d", self.worker.rank, final)
+    def take_up(self, admission: dict[str, Any]) -> None:
+        """A rank that rejoined goes on from the members' round: the one its admission names (at an
+        epoch's end: where the members' next phase starts), or else the one the control plane gives it
+        now that it starts training (see the module docstring)."""
+        first = admission.get("round")
+        if first is None:
+            answer = self.worker.session.round_members("start", 0, (), "the round it takes up gossip at", start=True)
+            first = answer.get("round")
+        if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+            raise ValueError(f"rank {self.worker.rank}: the control plane named no gossip round to take up ({first!r})")
+        self.round = first
+        log.debug("rank %d: rejoined gossip at round %d", self.worker.rank, first)
 
     def serve(self) -> None:
         """An idle round, if the round in flight is done (else nothing: the meeting goes on reading

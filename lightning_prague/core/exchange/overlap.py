@@ -85,12 +85,8 @@ class Exchanger:
         """What this rank tells the coordinator when it arrives at a meeting."""
         return {}
 
-    def admission_report(self) -> dict[str, Any]:
-        """What this rank tells the coordinator when it meets ranks that rejoin (their `take_up`)."""
-        return {}
-
-    def take_up(self, release: dict[str, Any]) -> None:
-        """On a rank that rejoined: take up the members' counters from its admission's release."""
+    def take_up(self, admission: dict[str, Any]) -> None:
+        """On a rank that rejoined: take up the members' counters (its admission item names them)."""
 
     def serve_while_parked(self) -> None:
         """While the training thread's claim waits at the work queue's end (called at every poll of

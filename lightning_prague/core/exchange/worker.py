@@ -34,7 +34,14 @@ from lightning_prague.core.errors import (
     SyncMismatchError,
 )
 from lightning_prague.core.job import Job
-from lightning_prague.core.protocol import ADMIT, COMMIT, REQUEUE, SIGTERM, STOP_SYNC, rebuild_meeting
+from lightning_prague.core.protocol import (
+    COMMIT,
+    REQUEUE,
+    SIGTERM,
+    STOP_SYNC,
+    is_synchronization_point,
+    rebuild_meeting,
+)
 
 log = logging.getLogger(__name__)
 
@@ -179,11 +186,21 @@ class GroupWorker:
         #: where a global average finds the model's state now: `() -> (averaged tensors, exact buffers)`,
         #: e.g. `averaged_state(module)` and `exact_state(module)`; `None`: the tensors of construction
         self.live_state: Callable[[], tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] | None = None
-        #: ranks admitted at the last synchronization point (`admit`): not aligned with the others until
-        #: the next one, so the collectives of this aligned stretch run without them
+        #: ranks admitted in the last synchronization point's release (an epoch's end): not aligned with
+        #: the others until the next one, so the collectives of this aligned stretch run without them
         self.fresh: set[int] = set()
         #: the fit's state on its way to ranks that rejoined, sent by this rank (the donor) in the background
         self.transfer: BackgroundTransfer | None = None
+        #: exchanges switch to a new membership epoch's group where its `members` item stands in the
+        #: inbox (groups the control plane issues); False: at the next synchronization point, the
+        #: rounds in between taking the group the control plane names with their members (gossip)
+        self.switch_in_order = True
+        #: the membership epoch of the last synchronization point's release (`comm`'s group holds its members)
+        self.base_epoch = 0
+        #: called on the training thread when an admission comes while it waits at a meeting (the donor
+        #: sends its state from there: the joiner is a member the meeting waits for)
+        self.on_admission: Callable[[], None] | None = None
+        self._owes_resume = False  # a meeting was released: `resumed` tells the control plane once
         self._warned_layout = False
 
     # -- messaging -------------------------------------------------------------------------
@@ -294,6 +311,9 @@ class GroupWorker:
             raise ExchangeInterrupted(f"rank {self.rank}: exchange interrupted at shutdown")
         if kind == "departed":  # the session noted it; the next release changes the membership
             return None
+        if kind == "members":  # a membership epoch: an admission (see `follow_epoch`)
+            self.follow_epoch(item)
+            return None
         if kind == "stop":
             if item.get("reason", SIGTERM) in (SIGTERM, REQUEUE):
                 self.stop_seen = True
@@ -358,15 +378,27 @@ class GroupWorker:
             self.stats.sync_seconds += time.monotonic() - start
             log.debug("rank %d: the call to %r was called off; training on", self.rank, target)
             return False
+        if is_synchronization_point(target):  # (its sub-meetings keep it)
+            # every member is at this meeting, aligned, but ranks admitted in its release (an epoch's end)
+            self.fresh = {int(r) for r in (self.release or {}).get("joined", ())}
         self.change_members((self.release or {}).get("members"))
         if self.job is not None:
             self.job.follow_leader(self.release or {})
-        self.fresh = set()  # every member, joiners included, is at this meeting: aligned
         self.stats.syncs += 1
         self.stats.sync_seconds += time.monotonic() - start
         if target == STOP_SYNC:
             self._stopped = True
+        elif is_synchronization_point(target):
+            self._owes_resume = True  # (sub-meetings may follow this one: `resumed` at the next exchange)
         return target == STOP_SYNC
+
+    def resumed(self) -> None:
+        """This rank trains again after a meeting and whatever followed it (its global average's
+        commit, a rebuild): tell the control plane, once per meeting, from the training thread at its
+        next batch (it admits nobody in between: `GroupGenerator`'s `Rejoining`)."""
+        if self._owes_resume:
+            self._owes_resume = False
+            self._send("resume")
 
     def _meet(
         self, target: str, start: float, exchanger: PhaseEnd | None, report: dict[str, Any], follow_stop: bool = True
@@ -405,6 +437,8 @@ class GroupWorker:
                 continue
             if item["t"] != "pause":  # a pause left over from a communication thread that ended on its own
                 self.execute(item)
+            if item["t"] == "members" and "at" not in item and self.on_admission is not None:
+                self.on_admission()  # a joiner this meeting waits for: its state goes out from here
             if follow_stop and self.stop_seen and target != STOP_SYNC:
                 target = STOP_SYNC
                 self._doing = f"synchronization point {target!r}"
@@ -453,61 +487,99 @@ class GroupWorker:
 
     def change_members(self, members: list[int] | None) -> None:
         """From now on exchange among `members` (a release's live ranks), if they changed: every
-        survivor calls this right after the same release, so all switch at the same point. The
-        job's process group is rebuilt among them (no communicator that held a lost rank is used
-        again). A member that departs while they rebuild it is no hang: they start again without
-        it (`Job.regroup`, deciding at meetings of their own, `_agree_on_group`), and this worker's
-        `release` then names the members the group was built among."""
-        if members is None or tuple(members) == self.comm.everyone:
+        survivor calls this right after the same release, so all switch at the same point. Ranks
+        admitted meanwhile are in the job's group already (`follow_epoch`); after a loss the job's
+        process group is rebuilt among the survivors (no communicator that held a lost rank is used
+        again). A member that departs while they rebuild it is no hang: they start again without it
+        (`Job.regroup`, deciding at meetings of their own, `_agree_on_group`), and this worker's
+        `release` then names the members the group was built among. Groups of older membership
+        epochs are dropped (nothing is in flight here)."""
+        if members is None:
             return
         job = self.job
         group = self.comm.pg
-        if job is not None and self.comm.pg is job.group:
-            self._rebuild = 0
-            tag = f"s{self.session.number}/{(self.release or {}).get('sync', STOP_SYNC)}"
-            group = job.regroup(members, self._departed_now, self._agree_on_group, timeout=self.timeout, tag=tag)
-            members = list(job.members)
+        if job is not None:
+            if tuple(sorted(members)) != job.members or job.group is None:
+                self._rebuild = 0
+                tag = f"s{self.session.number}/{(self.release or {}).get('sync', STOP_SYNC)}"
+                job.regroup(members, self._departed_now, self._agree_on_group, timeout=self.timeout, tag=tag)
+            group, members = job.group, list(job.members)
+        self.base_epoch = int((self.release or {}).get("epoch", self.base_epoch))
+        # ranks admitted in the release (`fresh`) are in the group, not in this stretch's collectives
+        members = [m for m in members if m not in self.fresh]
+        if tuple(members) == self.comm.everyone and group is self.comm.pg:
+            return
         gone = sorted(set(self.comm.everyone) - set(members))
         came = sorted(set(members) - set(self.comm.everyone))
-        self.comm.rebind(group, members)
+        self.comm.rebind(group, members)  # type: ignore[arg-type]
+        if job is not None:
+            job.retire_epochs()
         if gone:
             log.warning("rank %d: going on without ranks %s; members now %s", self.rank, gone, list(members))
         if came:
-            log.warning("rank %d: ranks %s joined; members now %s", self.rank, came, list(members))
+            log.info("rank %d: ranks %s joined; members now %s", self.rank, came, list(members))
 
-    def admit(self, snapshot: Callable[[], Callable[[], bytes]], report: dict[str, Any] | None = None) -> list[int]:
-        """After the release of an admission call or an epoch's end that admits joiners (its `admit`):
-        meet them at `<sync>/admit`, rebuild the process group with them (`change_members`), and, on the lowest
-        member that was there before them (the donor), take `snapshot()` of the fit's state here and send
-        each joiner what it encodes in the background (`lightning_prague.core.comm.transfer.BackgroundTransfer`:
-        the donor trains on; its exchanges with a joiner wait for the transfer; the next
-        synchronization point ends it). `report`: what the joiners take up from the
-        admission's release (`Exchanger.admission_report`). Returns the ranks that joined. A joiner lost on the
-        way costs the donor a warning, not the fit. The first release stays this worker's `release`."""
-        first, version = self.release or {}, self.released_version
-        name = f"{first['sync']}{ADMIT}"
-        self._doing = f"the admission of ranks {first.get('admit')} ({name!r})"
-        with self.session.beacon.waiting():
-            self._meet(name, time.monotonic(), None, dict(report or {}), follow_stop=False)
-        joined = [int(r) for r in (self.release or {}).get("joined", [])]
-        before = [m for m in (self.release or {}).get("members", self.comm.everyone) if m not in joined]
-        self.change_members((self.release or {}).get("members"))
-        self.fresh = {j for j in joined if j in self.members}
-        donor = min(before) if before else None
-        receivers = [j for j in joined if j in self.members]
-        if donor == self.rank and receivers:
+    def follow_epoch(self, item: dict[str, Any]) -> None:
+        """A `members` item (an admission: `GroupGenerator`'s `Rejoining`), in this rank's inbox order:
+        the job's group is the new membership epoch's from here, and, where exchanges switch in inbox
+        order, every group after this item runs on it."""
+        job = self.job
+        if job is None:
+            return
+        epoch, members = int(item["epoch"]), [int(m) for m in item["members"]]
+        if epoch in job.epoch_groups and job.group is job.epoch_groups[epoch][0]:
+            return  # (followed already)
+        group = job.adopt_epoch(epoch, members, lambda: self.session.departed)
+        if self.switch_in_order:
+            self.comm.rebind(group, job.members)
+        log.debug("rank %d: membership epoch %d: members %s", self.rank, epoch, list(job.members))
+
+    def epoch_comm(self, epoch: int) -> GroupComm:
+        """Sums on membership epoch `epoch`'s group (a gossip round's members, as the control plane
+        named them): this worker's own comm if its group holds them, else a view on that epoch's."""
+        job = self.job
+        if job is None or epoch <= self.base_epoch:
+            return self.comm
+        known = job.epoch_groups.get(epoch)
+        members = known[1] if known is not None else self.session.epochs.get(epoch)
+        if members is None:
+            raise CoordinationTimeout(
+                f"rank {self.rank}: the control plane named membership epoch {epoch}, which it never announced here"
+            )
+        return self.comm.view(job.epoch_group(epoch, members, lambda: self.session.departed), members)
+
+    def donate(self, snapshot: Callable[[], Callable[[], bytes]], inside_only: bool = False) -> list[int]:
+        """At a batch boundary or a synchronization point, on the training thread: follow the
+        admissions announced since the last call (`Session.take_admissions`). Every member creates each
+        one's group here (on NCCL collectively, so every member must come here); the donor takes
+        `snapshot()` of the fit's state and sends each joiner what it encodes in the background
+        (`lightning_prague.core.comm.transfer.BackgroundTransfer`: the donor trains on; its exchanges
+        with a joiner wait for the transfer; the next synchronization point ends it). A joiner lost on
+        the way costs the donor a warning, not the fit. `inside_only`: not the admissions of a
+        meeting's release (an epoch's end: they follow once it is over). Returns the ranks admitted."""
+        admitted: list[int] = []
+        for item in self.session.take_admissions(inside_only):
+            epoch, members = int(item["epoch"]), [int(m) for m in item["members"]]
+            joined = [int(j) for j in item.get("joined", ())]
+            admitted += joined
+            if self.job is None:
+                continue
+            group = self.job.epoch_group(epoch, members, lambda: self.session.departed)
+            receivers = [j for j in joined if j not in self.session.departed]
+            if int(item.get("donor", -1)) != self.rank or not receivers:
+                continue
             self.end_transfer()
             try:
                 encode = snapshot()
             except Exception as err:  # the joiners' receives fail and they leave; the donor's fit goes on
                 log.warning("rank %d: could not take the fit's state for ranks %s: %s", self.rank, receivers, err)
-            else:
-                transfer = BackgroundTransfer(self.comm, receivers, encode, "the fit's state", self.timeout)
-                self.comm.before_exchange = transfer.guard
-                self.transfer = transfer.start()
-        self.release = {**first, "members": list(self.members)}
-        self.released_version = version
-        return joined
+                continue
+            comm = self.comm.view(group, members)
+            transfer = BackgroundTransfer(comm, receivers, encode, "the fit's state", self.timeout)
+            self.comm.before_exchange = transfer.guard
+            self.transfer = transfer.start()
+            log.debug("rank %d: sending the fit's state to ranks %s (epoch %d)", self.rank, receivers, epoch)
+        return admitted
 
     def _departed_now(self) -> dict[int, str]:
         """The ranks that left the job, for a rebuild of the process group to poll (it ends at once,

@@ -61,7 +61,7 @@ Out = dict[int, list[Item]]
 
 #: the messages served to current members of a session only: a departed rank's late claim, report or
 #: verdict takes no work and changes nothing (a joiner sends none of them before its admission)
-MEMBERS_ONLY = frozenset({"kv", "work", "summed", "trained"})
+MEMBERS_ONLY = frozenset({"kv", "work", "summed", "trained", "round"})
 
 #: why a rank from a session's `launched` on is not a member: no worker has joined in its place yet
 FREE_PLACE = "a free place: no worker has joined the fit as this rank yet"
@@ -484,6 +484,10 @@ class ControlPlane:
             session.positions[rank] = {
                 k: int(message[k]) for k in ("epoch", "batches", "shard", "of", "total") if k in message
             }
+        elif op == "round":  # the members of a gossip round (`GroupGenerator.round_members`)
+            session.generator.round_members(
+                rank, message["key"], message["round"], message.get("slots", ()), bool(message.get("start")), out
+            )
         elif op == "summed":
             members = message["members"]
             if any(m >= session.world_size for m in members):
@@ -528,9 +532,9 @@ class ControlPlane:
 
     @staticmethod
     def _rejoin(session: CoordinatorSession | None, number: int, rank: int, message: dict[str, Any], out: Out) -> None:
-        """A new process for `rank`, which left the fit, asks to be admitted: the members are called to
-        admit it at their next batch boundary (`GroupGenerator.request_join`, the items in `out`);
-        refused, to it alone, where that cannot be."""
+        """A new process for `rank`, which left the fit, asks to be admitted: it is, at once or at the
+        members' meeting's release (`GroupGenerator.request_join`, the items in `out`); refused, to it
+        alone, where that cannot be."""
         if session is None:
             raise FitGone(f"rank {rank} cannot rejoin fit {number}: no such fit runs (it ended, or every rank left it)")
         if rank not in session.departed:

@@ -65,27 +65,34 @@ the global average of a synchronization point, they report their completeness at
 and all apply it only if the release says `complete`. `min_workers`: when fewer remain, the job is
 asked to stop (the `"request"` stop: every rank ends its epoch, and the next release says stop).
 
-Rejoining: a new process for a rank that left (`request_join`) waits, outside the job, for its
-admission. Its request *calls* the members to an admission meeting, `admission@<n>`
-(`ADMISSION_CALL`): every live member gets a `{"t": "join", "sync"}` item and meets there at its
-next batch boundary, inside the epoch, wherever the others are (a mid-epoch meeting with no global
-average and no alignment: each goes on training after it). The call's release, like the release of
-an epoch's end (`epoch_end@<n>`, `ADMITTING_AT`) that does not stop the fit, names the joiners in
-`admit`, and each gets an `{"t": "admit", "sync": "<meeting>/admit"}` item: the members meet the
-joiners at `<meeting>/admit` (`lightning_prague.strategies.rejoin`). Only that meeting waits for
-the joiners; its release names them in `joined` and the members, joiners included, in `members`,
-and from then on they are live workers like any other (the next groups, rounds and work include
-them). A call is out at most once at a time (`calling`). If a member meets the others elsewhere
-first (it reached its epoch's end, validation, the fit's end, a stop), the call is off: the members
-waiting at it get a release that says `cancel` (they train on), a member that comes to it later gets
-one at once, and the joiners are admitted at that other meeting if it is an epoch's end, or called
-again after its release. A joiner with nothing of the members' epoch to train (`after_epoch`: a
-lock-step shard, `CoordinatorSession.nothing_left_in_epoch`) is never called in: an epoch's end admits it.
-Every release while joiners wait names them in `joining`: the members then
-meet at their next epoch's end even where they would skip that meeting. A joiner that departs, or
-closes its session, before its admission is withdrawn (`withdraw`): nobody waits for it at
-`<meeting>/admit`. A fit that ends (`fit_end`, a stop) before admitting it sends it an `error` item
-that says so.
+Rejoining: a new process for a rank that left (`request_join`) is admitted at once, with no meeting:
+the generator opens a new *membership epoch* (`epoch`), makes it a live worker, and puts a
+`{"t": "members", "epoch", "members", "joined", "donor", "leader"}` item into every other live
+worker's inbox, behind every group already issued to it and before any group issued later; the joiner
+gets `{"t": "admit", ...}` with the same fields and the meeting's members (`base`). Executing inbox
+items in order, every member switches to the epoch's process group between the same two groups of
+its sequence, so every group sum runs on one process group on all its members
+(`lightning_prague.core.membership`). The joiner is drawn into nobody's group until it trains (its
+first request or claim: `starting`); the donor, the lowest member that trains, sends it the fit's
+state in the background. Only while the members meet (some are parked) is an admission held back,
+to the meeting's release. A joiner with nothing of the members' epoch to train (`after_epoch`: a
+lock-step shard, `CoordinatorSession.nothing_left_in_epoch`) is admitted at the members' next epoch's
+end (`epoch_end@<n>`, `ADMITTING_AT`) instead, inside that release: its `members` then name it, so
+the next epoch's shards include it. Every release while such joiners wait names them in `joining`:
+the members then meet at their next epoch's end even where they would skip that meeting. A joiner
+that departs, or closes its session, before its admission is withdrawn (`withdraw`); after it, it is
+a member that departs like any other. A fit that ends (`fit_end`, a stop) before admitting it sends
+it an `error` item that says so. Every release names the membership epoch it closes (`epoch`).
+
+Gossip rounds on a fixed schedule (`lightning_prague.core.exchange.gossip`) are not issued here, so
+no inbox order can place a joiner in them: the members of each round's group are decided here
+instead (`round_members`), as a pure function of the round, so that every member of a group, asking
+when it likes, gets the same answer. Each rank has intervals of rounds it takes part in: the
+launched ones from round 0; one that departs up to the largest round decided so far (a round
+decided with it stays so; it fails at once on its members, and its verdict drops it); a joiner from
+the round after the largest decided so far, which it asks for when it starts training (`start`).
+A decision names the newest membership epoch among the ranks it includes, whose process group
+holds them all.
 
 The cost of a message does not grow with the number of workers: the set of workers that may be
 drawn into a group is kept up to date when it changes (parking, leaving, lagging) rather than
@@ -100,7 +107,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from lightning_prague.core.grouping.policies import Group, GroupingPolicy
-from lightning_prague.core.protocol import ADMISSION_CALL, ADMIT, ADMITTING_AT, COMMIT, REQUEUE, SIGTERM, STOP_SYNC
+from lightning_prague.core.protocol import ADMITTING_AT, COMMIT, REQUEUE, SIGTERM, STOP_SYNC, is_synchronization_point
 
 Item = dict[str, Any]
 
@@ -185,64 +192,103 @@ class GroupGenerator:
         self._available_cache: Candidates | None = None
         #: ranks that rejoin, waiting for their admission (see `Rejoining` in the module docstring)
         self.joining: list[int] = []
-        #: ranks told to meet at `<meeting>/admit`, and those of them that arrived there
-        self._admitting: set[int] = set()
-        self._admit_parked: set[int] = set()
-        #: joiners admitted at an epoch's end only, never at a call inside the epoch (`request_join`)
+        #: joiners admitted at an epoch's end only, never inside the epoch (`request_join`)
         self.after_epoch: set[int] = set()
-        #: ranks admitted by the latest release, until the control plane takes them (`take_joined`)
+        #: ranks admitted since the control plane last took them (`take_joined`)
         self._joined: list[int] = []
-        #: the fit's end (`fit_end`) or a stop was released: no admission is called from here
+        #: the fit's end (`fit_end`) or a stop was released: nobody is admitted from here
         self.ended = False
         #: ranks admitted that have not asked for a group yet (still restoring the fit's state): nobody
         #: draws them into a group until they do, so that no member waits on one that is not training
         self.starting: set[int] = set()
-        #: the admission meeting the members are called to now (`admission@<n>`), if any, and the calls so far
-        self.calling: str | None = None
-        self._calls = 0
+        #: the membership epoch: admissions so far (each one's process group: `lightning_prague.core.membership`)
+        self.epoch = 0
+        #: rank -> the intervals of gossip rounds it takes part in, `[first, last or None, its epoch]`
+        #: (see `round_members`)
+        self._rounds_of: dict[int, list[list[Any]]] = {r: [[0, None, 0]] for r in self.live}
+        #: rank -> the largest gossip round decided with it in its group; the largest of all
+        self._decided: dict[int, int] = {}
+        self._frontier = -1
+        #: the members at the last meeting's release that have not trained since (`resume`): until they
+        #: all have, sub-meetings may follow it (a global average's commit), and nobody is admitted
+        self._unresumed: set[int] = set()
+        #: ranks admitted in the last meeting's release (an epoch's end): its sub-meetings go on without them
+        self._in_release: set[int] = set()
+        #: a member departed since the last meeting's release (the members rebuild their group at the next)
+        self._departed_since_release = False
+        #: departures and admissions so far, and as of the last synchronization point's release (`changed`)
+        self._changes = 0
+        self._changes_released = 0
 
     def request_join(self, rank: int, out: dict[int, list[Item]] | None = None, after_epoch: bool = False) -> None:
         """`rank`, which left the job, has a new process that asks to rejoin (see the module docstring):
-        the members are called to an admission meeting at their next batch boundary (`out`).
+        it is admitted at once (`out`), or at the release of the meeting the members are at.
         `after_epoch`: it is admitted at the members' next epoch's end instead, with nothing of the
         current epoch left to it (a lock-step shard: inside this epoch it would have no batch to train,
         and could only wait for the others)."""
         if rank not in self.left:
             raise ValueError(f"rank {rank} cannot rejoin: it is a live member of the fit")
-        if rank not in self.joining and rank not in self._admitting:
+        if rank not in self.joining:
             self.joining.append(rank)
             if after_epoch:
                 self.after_epoch.add(rank)
         if out is not None:
-            self._call_admission(out)
+            self._admit_waiting(out)
 
-    def _call_admission(self, out: dict[int, list[Item]]) -> None:
-        """Call every member to `admission@<n>` at its next batch boundary, unless a call is out, the
-        members meet now (their release calls again), or the fit is stopping."""
-        if not self._callable() or self.calling is not None or self.parked or self.stopping or self.stop_requested:
+    def _admit_waiting(self, out: dict[int, list[Item]]) -> None:
+        """Admit the joiners that may be admitted inside an epoch, unless the members meet now (their
+        release admits them), the fit is stopping or ended, or no member trains to send them its state."""
+        if self.parked or self._unresumed or self.stopping or self.stop_requested or self.ended:
             return
-        if self.ended or not self.live:
-            return
-        self._calls += 1
-        self.calling = f"{ADMISSION_CALL}{self._calls}"
-        for r in self.live:
-            self._push(out, r, {"t": "join", "sync": self.calling, "joining": sorted(self.joining)})
+        admit = [r for r in self.joining if r not in self.after_epoch]
+        if admit:
+            self._admit(admit, out)
 
-    def _callable(self) -> list[int]:
-        """The joiners an admission call inside the epoch may admit."""
-        return [r for r in self.joining if r not in self.after_epoch]
+    def _donor(self) -> int | None:
+        """The member that sends joiners the fit's state: the lowest one that trains."""
+        return next((r for r in self.live if r not in self.starting), None)
 
-    def _cancel_call(self, out: dict[int, list[Item]]) -> None:
-        """The members meet elsewhere (an epoch's end, validation, the fit's end) before all answered
-        the call: those waiting at it go on (a release that says `cancel`), and the others are told
-        so when they come (`_arrive`). The joiners wait for the other meeting's release."""
-        name, self.calling = self.calling, None
-        waiting = sorted(r for r, sync in self.parked.items() if sync == name)
-        for r in waiting:
-            del self.parked[r]
-            self._push(out, r, {"t": "release", "sync": name, "cancel": True, "members": list(self.live)})
-        if waiting:
-            self._changed()
+    def _admit(self, joiners: list[int], out: dict[int, list[Item]], release: Item | None = None) -> bool:
+        """A new membership epoch with `joiners` in it (see `Rejoining` in the module docstring);
+        `release`: inside that release (an epoch's end), which then names them. False if no member
+        trains (nobody could send them the fit's state): they go on waiting."""
+        donor = self._donor()
+        if donor is None:
+            return False
+        base = list(self.live)
+        self.epoch += 1
+        for r in joiners:
+            self.joining.remove(r)
+            self.after_epoch.discard(r)
+        self.left.difference_update(joiners)
+        self._changes += 1
+        self.live = sorted(set(self.live) | set(joiners))
+        self.starting.update(joiners)
+        self._joined.extend(joiners)
+        self._changed()
+        news = {
+            "epoch": self.epoch,
+            "members": list(self.live),
+            "joined": sorted(joiners),
+            "donor": donor,
+            "leader": self.leader,
+        }
+        if release is not None:  # (the members follow it after that release, at the epoch's end)
+            news["at"] = release["sync"]
+        for r in base:
+            self._push(out, r, {"t": "members", **news})
+        admit: Item = {"t": "admit", **news, "base": base}
+        if release is not None:
+            if "final" in release:  # it takes up gossip where the members' next phase starts
+                admit["round"] = release["final"]
+                for r in joiners:
+                    self._rounds_of.setdefault(r, []).append([release["final"], None, self.epoch])
+            release["joined"] = sorted(joiners)
+            release["members"] = list(self.live)
+            release["epoch"] = self.epoch
+        for r in joiners:
+            self._push(out, r, dict(admit))
+        return True
 
     def started(self, rank: int) -> None:
         """`rank`, admitted, trains now (its first group request, or its first claim on the work queue):
@@ -252,25 +298,63 @@ class GroupGenerator:
             self._changed()
 
     def is_joiner(self, rank: int) -> bool:
-        """`rank` asked to rejoin and is not admitted yet (it waits, or it is on its way to its admission)."""
-        return rank in self.joining or rank in self._admitting
+        """`rank` asked to rejoin and is not admitted yet."""
+        return rank in self.joining
 
     def withdraw(self, rank: int, out: dict[int, list[Item]]) -> None:
-        """A joiner not admitted yet is gone (its process ended, or it gave up): forgotten, and an
-        admission meeting that waited for it goes on without it."""
+        """A joiner not admitted yet is gone (its process ended, or it gave up): forgotten."""
         if rank in self.joining:
             self.joining.remove(rank)
         self.after_epoch.discard(rank)
-        if rank in self._admitting:
-            self._admitting.discard(rank)
-            self._admit_parked.discard(rank)
-            if self.parked:
-                self._maybe_release(next(iter(self.parked.values())), out)
 
     def take_joined(self) -> list[int]:
         """The ranks admitted since the last call (the control plane counts them as members again)."""
         joined, self._joined = self._joined, []
         return joined
+
+    def round_members(
+        self, rank: int, key: str, round_index: int, slots: Sequence[int], start: bool, out: dict[int, list[Item]]
+    ) -> None:
+        """Which of `slots` (a schedule's group) take part in gossip round `round_index`, and the
+        membership epoch whose process group holds them, as a `{"t": "round", "key", "members",
+        "epoch"}` item to `rank`; `start`: `rank` was admitted inside a phase and starts training: it
+        takes part from the round after every round decided so far (`{"t": "round", "key", "round"}`).
+        See the module docstring."""
+        if start:
+            first = self._frontier + 1
+            intervals = self._rounds_of.setdefault(rank, [])
+            if not intervals or intervals[-1][1] is not None:
+                intervals.append([first, None, self.epoch])
+            else:  # (asked again: the same answer)
+                first = intervals[-1][0]
+            self.started(rank)
+            self._push(out, rank, {"t": "round", "key": key, "round": first})
+            return
+        self._frontier = max(self._frontier, round_index)
+        included: list[int] = []
+        epoch = 0
+        for slot in sorted(set(slots)):
+            if not 0 <= slot < self.world_size:
+                raise ValueError(f"rank {rank} asked about round {round_index} with rank {slot}, outside the fit")
+            self._decided[slot] = max(self._decided.get(slot, -1), round_index)
+            for first, last, admitted in self._rounds_of.get(slot, ()):
+                if first <= round_index and (last is None or round_index <= last):
+                    included.append(slot)
+                    epoch = max(epoch, admitted)
+                    break
+        self._push(out, rank, {"t": "round", "key": key, "members": included, "epoch": epoch})
+
+    def _close_rounds(self, rank: int) -> None:
+        """`rank` departed: it takes part in no gossip round after those decided with it (see `round_members`)."""
+        intervals = self._rounds_of.get(rank)
+        if not intervals or intervals[-1][1] is not None:
+            return
+        last = self._decided.get(rank, self._frontier)
+        if last < intervals[-1][0]:
+            intervals.pop()
+        else:
+            intervals[-1][1] = last
+        del intervals[:-8]  # (the older ones lie far behind every live rank's round)
 
     # -- messages ---------------------------------------------------------------------------
     def handle(self, message: dict[str, Any]) -> dict[int, list[Item]]:
@@ -280,11 +364,6 @@ class GroupGenerator:
         rank = int(message["rank"])
         if not 0 <= rank < self.world_size:
             raise ValueError(f"message from rank {rank} outside world of size {self.world_size}: {message}")
-        if rank in self._admitting and op == "arrive":  # a joiner at its admission
-            self._admit_parked.add(rank)
-            if self.parked:
-                self._maybe_release(next(iter(self.parked.values())), out)
-            return out
         if rank in self.left:  # out of the job (failed, or fenced while it still ran): assign it nothing
             if op == "ready":
                 self._answer(rank, int(message["req"]), None, out)
@@ -318,6 +397,9 @@ class GroupGenerator:
             self._leave(rank, out)
         elif op == "idle":
             self._go_idle(out)
+        elif op == "resume":  # it trains again after a meeting and everything that followed it
+            self._unresumed.discard(rank)
+            self._admit_waiting(out)
         else:
             raise ValueError(f"unknown coordinator message {message}")
         return out
@@ -494,27 +576,19 @@ class GroupGenerator:
             self._ready = deque(entry for entry in self._ready if entry[0] not in group)
 
     def _arrive(self, rank: int, sync: str, out: dict[int, list[Item]]) -> None:
-        if sync.startswith(ADMISSION_CALL) and "/" not in sync:
-            if sync != self.calling or any(name != sync for name in self.parked.values()):
-                if sync == self.calling:  # the others meet elsewhere: the call is off
-                    self._cancel_call(out)
-                self._push(out, rank, {"t": "release", "sync": sync, "cancel": True, "members": list(self.live)})
-                return
-        elif self.calling is not None and self.calling in self.parked.values() and "/" not in sync:
-            self._cancel_call(out)  # this rank meets elsewhere first: the call is off
         self.parked[rank] = sync
         self._changed()
         self._form_ready_groups(out)  # the pool without it may form groups now
         self._maybe_release(sync, out)
 
     def _maybe_release(self, sync: str, out: dict[int, list[Item]]) -> None:
-        """Release the meeting if every live worker is parked (an admission: and every joiner)."""
-        if not self.parked or len(self.parked) < len(self.live):
+        """Release the meeting if every live worker is parked (a sub-meeting, `<sync>/...`: every one
+        but those admitted in its meeting's release)."""
+        top = is_synchronization_point(sync)
+        required = set(self.live) if top else set(self.live) - self._in_release
+        if not self.parked or not required <= set(self.parked):
             return
         names = set(self.parked.values())
-        admission = len(names) == 1 and sync.endswith(ADMIT)
-        if admission and not self._admitting <= self._admit_parked:
-            return  # the joiners are on their way
         settled = (n == STOP_SYNC or n.startswith(f"{STOP_SYNC}/") or n.endswith(COMMIT) for n in names)
         if self.stopping and not all(settled):
             return  # every rank sees the stop item and arrives at the stop point (or its settling); wait
@@ -533,27 +607,38 @@ class GroupGenerator:
                 # every live rank completed the collective this meeting decides on (`GroupWorker.global_average`)
                 "complete": not self._incomplete,
             }
-            if admission:
-                self._admit(release)
-            elif self.joining:
-                self._offer_admission(sync, release, out)
-            elif self._admitting and (sync == "fit_end" or release["stop"]):  # the members never reach the admission
-                self._turn_away(out)
-            if self.joining:  # they wait: the members meet at their next epoch's end even if they met just before
-                release["joining"] = sorted(self.joining)
+            if self.epoch:  # the membership epoch it closes (admissions so far), once there was one
+                release["epoch"] = self.epoch
+            present = sorted(self.parked)  # (joiners admitted in this release are not at the meeting)
             if self._rounds:
                 rounds = set(self._rounds.values())
-                # (an admission: the members' round after their phase's end, which joiners take up)
-                if admission or self._settling or (len(rounds) == 1 and not self._idle):
+                if self._settling or (len(rounds) == 1 and not self._idle):
                     release["final"] = max(rounds)
                 else:  # some rank may still be issuing rounds: every rank reports where it stopped
                     release["settle"] = True
-            for r in self.live:
+            stopping = release["stop"] or sync == STOP_SYNC or sync.startswith(f"{STOP_SYNC}/")
+            if top:
+                self._in_release = set()
+            if sync == "fit_end" or stopping:
+                self._turn_away(out)
+            elif sync.startswith(ADMITTING_AT) and top and self.joining and not self._departed_since_release:
+                # an epoch's end: every joiner, in the release (unless the members rebuild their group here)
+                joiners = list(self.joining)
+                if self._admit(joiners, out, release):
+                    self._in_release = set(joiners)
+            if top:
+                self._unresumed = set(present)
+                self._departed_since_release = False
+                # the members changed since the last synchronization point: every one of them, a joiner
+                # at its first meeting too, shards Lightning's data among them anew from here
+                release["changed"] = self._changes != self._changes_released
+                self._changes_released = self._changes
+            if self.joining:  # they wait: the members meet at their next epoch's end even if they met just before
+                release["joining"] = sorted(self.joining)
+            for r in present:
                 self._push(out, r, release)
             if sync == "fit_end" or release["stop"]:
                 self.ended = True
-            if "/" not in sync:  # the members met (at the call or elsewhere): a call still out is off
-                self.calling = None
         else:
             by_name: dict[str, list[int]] = {}
             for r, name in sorted(self.parked.items()):
@@ -573,53 +658,21 @@ class GroupGenerator:
         self._idle = False
         self.rounds = [0] * self.world_size
         self._per_round.clear()
-        # a global average follows a release (not an admission call's: the members only admit there)
-        self.policy.restart(mixed=released and self.sync_averages and not sync.startswith(ADMISSION_CALL))
+        self.policy.restart(mixed=released and self.sync_averages)  # a global average follows a release
         self._lagging = set()
         self.busy.clear()  # every worker ran everything issued to it before the release
         self._waiting.clear()
         self._changed()
         if released:
-            self._call_admission(out)  # joiners that still wait: at the members' next batch boundary
-
-    def _offer_admission(self, sync: str, release: Item, out: dict[int, list[Item]]) -> None:
-        """At an admission call or an epoch's end that does not stop the fit the joiners are told to meet
-        the members at `<sync>/admit`; at the end of the fit (or a stop) they are told that it ends
-        without them."""
-        stopping = release["stop"] or sync == STOP_SYNC or sync.startswith(f"{STOP_SYNC}/")
-        admitting = sync.startswith(ADMITTING_AT) or sync.startswith(ADMISSION_CALL)
-        if admitting and "/" not in sync and not stopping:
-            admit = self.joining if sync.startswith(ADMITTING_AT) else self._callable()
-            if not admit:
-                return  # only joiners for an epoch's end wait: they go on waiting
-            release["admit"] = sorted(admit)
-            self._admitting = set(admit)
-            for r in admit:
-                self._push(out, r, {"t": "admit", "sync": f"{sync}{ADMIT}"})
-            self.joining = [r for r in self.joining if r not in self._admitting]
-            self.after_epoch -= self._admitting
-        elif sync == "fit_end" or stopping:
-            self._turn_away(out)
+            self._admit_waiting(out)  # joiners held back while the members met
 
     def _turn_away(self, out: dict[int, list[Item]]) -> None:
         """The fit ends (or stops) before the joiners could be admitted: each is told so."""
-        for r in [*self.joining, *sorted(self._admitting)]:
+        for r in self.joining:
             message = f"rank {r} cannot rejoin: the fit ended (or is stopping) before it was admitted"
             self._push(out, r, {"t": "error", "message": message, "ended": True})  # its fit ends quietly
-        self.joining, self._admitting, self._admit_parked = [], set(), set()
+        self.joining = []
         self.after_epoch.clear()
-
-    def _admit(self, release: Item) -> None:
-        """The admission meeting's release: the joiners that arrived are live workers from here."""
-        joined = sorted(self._admitting)
-        self._admitting, self._admit_parked = set(), set()
-        self.left.difference_update(joined)
-        self.live = sorted(set(self.live) | set(joined))
-        self.starting.update(joined)
-        self._changed()
-        release["joined"] = joined
-        release["members"] = list(self.live)
-        self._joined.extend(joined)
 
     def _leave(self, rank: int, out: dict[int, list[Item]]) -> None:
         """A worker shuts down after an error: it departs, and gets its `left` item after every group
@@ -638,6 +691,11 @@ class GroupGenerator:
         self.left.add(rank)
         self.live.remove(rank)
         self.starting.discard(rank)
+        self._close_rounds(rank)
+        self._changes += 1
+        self._unresumed.discard(rank)
+        self._in_release.discard(rank)
+        self._departed_since_release = True
         if rank == self.leader:
             self.leader = self.live[0] if self.live else None
         self.busy.discard(rank)
@@ -654,6 +712,7 @@ class GroupGenerator:
         self._form_ready_groups(out)  # a worker held for it is grouped with the others now
         if self.parked:
             self._maybe_release(next(iter(self.parked.values())), out)
+        self._admit_waiting(out)
 
     def _go_idle(self, out: dict[int, list[Item]]) -> None:
         """A waiting rank asked for idle rounds: every rank waiting at this meeting runs them (once)."""

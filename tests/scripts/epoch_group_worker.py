@@ -1,0 +1,60 @@
+"""One rank of a core-only run in which a membership epoch's process group is made with no meeting.
+
+Usage: epoch_group_worker.py RANK WORLD PORT OUT_JSON LATE_RANK
+
+Every rank joins the job; then each makes membership epoch 1's group among every rank
+(`Membership.epoch_group`, as a member does when an admission reaches it), rank LATE_RANK only 3 s
+after the others. Ranks 0 and 1 sum a tensor over the new group at once (the pair connects at its
+first exchange: nobody waits for the late rank), then every rank sums over all of them. Each writes
+how long its creation and its sums took and what they gave.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from lightning_prague.core import GroupComm, init_job
+
+LATE_SECONDS = 3.0
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    late = int(sys.argv[5])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    job = init_job(rank, world, "gloo", timeout=60)
+    members = list(range(world))
+    if rank == late:
+        time.sleep(LATE_SECONDS)
+    start = time.monotonic()
+    group = job.epoch_group(1, members)
+    created = time.monotonic() - start
+    comm = GroupComm(rank, world, 30, group)
+    comm.rebind(group, members)
+    pair_seconds, pair = None, None
+    if rank in (0, 1):
+        start = time.monotonic()
+        tensor = torch.full((4,), float(rank + 1))
+        complete = comm.sum_(tensor, (0, 1), "the pair's first exchange")
+        pair_seconds, pair = time.monotonic() - start, (tensor.tolist() if complete else None)
+    everyone = torch.full((4,), float(rank + 1))
+    complete = comm.sum_(everyone, tuple(members), "a sum over every member")
+    result = {
+        "rank": rank,
+        "created": created,
+        "pair_seconds": pair_seconds,
+        "pair": pair,
+        "everyone": everyone.tolist() if complete else None,
+        "epochs": sorted(job.epoch_groups),
+    }
+    job.retire_epochs()  # (the job's group is not epoch 1's: it is dropped)
+    result["epochs_after_retire"] = sorted(job.epoch_groups)
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
