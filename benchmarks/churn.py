@@ -16,8 +16,8 @@ same settings (`--devices`, `--epochs`, `--step-time`, `--batch-size`, ...):
 `--churn-runs` picks the runs after the fault-free one. `--single-epoch` is one long epoch instead of
 many short ones: `--epochs 1`, batches of 2 samples and the training set repeated 4 times (the demo's
 `--epoch-repeats`), 2,876 batches, about 150 s of 4 workers at `--step-time 0.2`; a killed worker's
-new process can only rejoin inside the epoch (an admission call at the members' next batch
-boundary). It runs `rejoin` only by default: with kills that stay lost the job would end on one
+new process can only rejoin inside the epoch (it is admitted at once, with no meeting). It runs
+`rejoin` only by default: with kills that stay lost the job would end on one
 worker, for several times the span.
 
 The demo writes each rank's current process id to `pid.RANK` when its fit starts, which is how the

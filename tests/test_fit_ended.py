@@ -59,7 +59,9 @@ def test_the_control_plane_tells_a_joiner_of_an_ended_fit_that_it_ended():
     for rank in range(WORLD):
         plane.handle({"op": "join", "s": 1, "rank": rank, "config": config_wire(), "pid": 10 + rank, "host": "h"})
     plane.handle({"op": "close", "s": 1, "rank": 2, "failed": True})
+    plane.handle({"op": "arrive", "s": 1, "rank": 0, "sync": "epoch_end@epoch0"})  # (an admission waits for it)
     plane.handle({"op": "join", "s": 1, "rank": 2, "config": config_wire(), "pid": 20, "host": "h", "rejoin": True})
+    assert plane.sessions[1].generator.joining == [2]
     ended = [plane.handle({"op": "close", "s": 1, "rank": rank}) for rank in (0, 1, 3)][-1]
     assert [(i["t"], i.get("ended")) for i in ended[2]] == [("error", True)], ended
     assert "the fit ended" in ended[2][0]["message"]

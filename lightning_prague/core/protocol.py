@@ -252,10 +252,6 @@ STOP_SYNC = "__stop__"
 #: the suffix of a commit meeting (`<sync>/commit`): the members' completeness of a collective;
 #: released whenever every live worker arrived, while stopping too
 COMMIT = "/commit"
-#: the suffix of the meeting where ranks that rejoin the fit are admitted, right after an admission call
-#: or an epoch's end (`<meeting>/admit`: the members and the joiners meet there; `GroupGenerator`'s
-#: `Rejoining`)
-ADMIT = "/admit"
 #: the prefix of the meetings at which joiners with nothing of the members' epoch to train are admitted
 #: (every epoch's end)
 ADMITTING_AT = "epoch_end@"

@@ -203,7 +203,7 @@ class DecentralizedStrategy(DDPStrategy):
                 rank (a new interpreter, or a fork) and restarts the lost ones. Under srun, torchrun
                 or a container per rank, each rank's process becomes its rank's keeper, which forks
                 the training process and restarts it in place (`lightning_prague.strategies.keeper`).
-                The new process rejoins the running fit at the others' next batch boundary with the
+                The new process rejoins the running fit at once, with no meeting, with the
                 state of a live worker (`lightning_prague.strategies.rejoin`). 0: a lost rank stays
                 lost (restart it yourself with `LIGHTNING_PRAGUE_REJOIN=1`), and the others finish
                 the fit.
@@ -263,7 +263,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.progress: GlobalProgress | None = None
         self.local_steps = 0
         self.batches_done, self._carried_batches = self._carried_batches, 0  # 0 but after a comeback in place
-        #: the epoch this process joined the fit inside (an admission call: its state from a live member)
+        #: the epoch this process joined the fit inside (its state from a live member, taken inside that epoch)
         self.joined_epoch: Optional[int] = None
         #: what was warned about once (a local collective, a checkpoint between synchronization points)
         self.warned: set[str] = set()

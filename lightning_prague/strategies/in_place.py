@@ -14,7 +14,7 @@ to them). It then comes back as a new process for its rank would, without a new 
    teardown: the session is closed, the exchanges stopped), without the callbacks' exception
    hooks (the fit has not failed);
 3. the job becomes a joiner of the running fit (`Job.leave_in_place`), and the fit runs again
-   from `PEER_CHECKPOINT`: the rank is admitted at the members' next batch boundary, a live
+   from `PEER_CHECKPOINT`: the rank is admitted at once, with no meeting, a live
    member sends the fit's state, and it trains on in the epoch the others are in.
 
 Nobody fences it, the launcher restarts nothing, and nothing runs the user's script again. If the

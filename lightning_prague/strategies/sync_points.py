@@ -171,8 +171,8 @@ class Synchronizer:
         # (Lightning's shards follow the membership at the next meeting, on every member alike)
         strategy.survivors.assign_rank_zero()
 
-    def _meet(self, name: str) -> Optional[dict[str, Any]]:
-        """Drain, meet every rank at `name`; the release, or `None` if the meeting was called off."""
+    def _meet(self, name: str) -> dict[str, Any]:
+        """Drain, meet every rank at `name`; the release."""
         strategy = self.strategy
         worker = strategy.worker
         assert worker is not None
@@ -189,8 +189,7 @@ class Synchronizer:
             report["speed"] = sampler.seconds_per_chunk
         if worker.synchronize(name, strategy.exchanger, **report):
             strategy.stops.raise_stop()
-        release = worker.release or {}
-        return None if release.get("cancel") else release
+        return worker.release or {}
 
     def synchronize(self, name: str, progress: Optional[int], inside_epoch: bool, validate: bool) -> None:
         """Drain, meet every rank, then average (see `DecentralizedStrategy.synchronize`)."""
@@ -198,8 +197,8 @@ class Synchronizer:
         worker = strategy.worker
         if worker is None:
             return
-        # ranks wait to rejoin (the last release said so): every member meets at this epoch's end to admit them
-        # (they were called to an admission meeting too, which a member's epoch's end called off)
+        # ranks with nothing left of the epoch wait to rejoin (the last release said so): every member meets at
+        # this epoch's end, whose release admits them
         admitting = name.startswith(ADMITTING_AT) and bool((worker.release or {}).get("joining"))
         if not strategy.controller.must_meet and not admitting:
             return

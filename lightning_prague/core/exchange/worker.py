@@ -374,10 +374,6 @@ class GroupWorker:
             target = self._meet(target, start, exchanger, report)
         if exchanger is not None:
             exchanger.finish(self.release)  # the phase's last rounds, among the phase's members
-        if (self.release or {}).get("cancel"):  # an admission call the others met elsewhere: nobody met here
-            self.stats.sync_seconds += time.monotonic() - start
-            log.debug("rank %d: the call to %r was called off; training on", self.rank, target)
-            return False
         if is_synchronization_point(target):  # (its sub-meetings keep it)
             # every member is at this meeting, aligned, but ranks admitted in its release (an epoch's end)
             self.fresh = {int(r) for r in (self.release or {}).get("joined", ())}

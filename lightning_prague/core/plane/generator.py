@@ -26,7 +26,14 @@ Inbox items (plain dicts, JSON-serialisable):
   (gossip on a fixed schedule only): the round every rank runs its gossip to before the meeting
   ends (see `Gossip phases` below); `members`: the workers still in the job (see `Membership`);
   `complete`: no live worker arrived reporting `incomplete` (the global average's commit meeting,
-  `<sync>/commit`: see `Membership`).
+  `<sync>/commit`: see `Membership`); at a synchronization point (`is_synchronization_point`),
+  `changed`: a member departed or was admitted since the last one (every member shards Lightning's
+  data anew); once there were admissions, `epoch`: the membership epoch; an epoch's end that admitted
+  joiners names them in `joined` (see `Rejoining`).
+- `{"t": "members", "epoch", "members", "joined", "donor", "leader"[, "at"]}` and, to the joiner,
+  `{"t": "admit", ..., "base"[, "round"]}`: an admission (see `Rejoining`).
+- `{"t": "round", "key", "members", "epoch"}` (or `"round"`, to a joiner that starts): who takes part
+  in a gossip round (`round_members`).
 - `{"t": "idle"}`: the gossip phase switched to idle rounds (see below).
 - `{"t": "left"}`: the answer to `leave` (a worker shutting down after an error): nothing more will
   name it.
