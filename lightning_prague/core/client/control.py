@@ -532,23 +532,11 @@ class Session:
         self._rejected = None
         self.send("summed", key=key, members=[int(m) for m in members], ok=bool(complete))
         limit = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        with self.beacon.waiting(), self._verdict_ready:
-            while key not in self._verdicts:
-                if self._gone():
-                    raise self.plane_lost(f"the verdict on {operation}")
-                if self.left_out is not None:  # the others decide without it: no verdict comes here
-                    raise self.left_out_error(f"the verdict on {operation}")
-                if self._rejected is not None:
-                    raise ControlPlaneError(f"rank {self.rank}: {self._rejected}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise CoordinationTimeout(
-                        f"rank {self.rank}: the control plane gave no verdict on {operation} over ranks "
-                        f"{list(members)} within {limit:.0f}s (a member neither reported its sum nor was declared lost)"
-                    )
-                self._verdict_ready.wait(min(remaining, WATCH_SECONDS))
-            applied = self._verdicts.pop(key)
+        late = (
+            f"the control plane gave no verdict on {operation} over ranks {list(members)} within {limit:.0f}s (a "
+            "member neither reported its sum nor was declared lost)"
+        )
+        applied = self._answer(self._verdicts, key, f"the verdict on {operation}", limit, late)
         log.debug("rank %d: %s (%s): complete here %s, verdict %s", self.rank, operation, key, complete, applied)
         return applied
 
@@ -587,23 +575,27 @@ class Session:
         self._rejected = None
         fields: dict[str, Any] = {"start": True} if start else {"slots": [int(r) for r in slots]}
         self.send("round", key=key, round=int(round_index), **fields)
-        deadline = time.monotonic() + self.timeout
+        late = f"the control plane named no members of {operation} within {self.timeout:.0f}s"
+        return self._answer(self._round_answers, key, f"the members of {operation}", self.timeout, late)
+
+    def _answer(self, answers: dict[str, Any], key: str, waiting_for: str, limit: float, late: str) -> Any:
+        """The control plane's answer `key`, taken from `answers` (the reader thread puts it there), waited
+        for at most `limit` s (`CoordinationTimeout` with `late`); it ends at once when the control plane
+        is lost, this rank is left out, or one of its messages was rejected."""
+        deadline = time.monotonic() + limit
         with self.beacon.waiting(), self._verdict_ready:
-            while key not in self._round_answers:
+            while key not in answers:
                 if self._gone():
-                    raise self.plane_lost(f"the members of {operation}")
-                if self.left_out is not None:
-                    raise self.left_out_error(f"the members of {operation}")
+                    raise self.plane_lost(waiting_for)
+                if self.left_out is not None:  # the others decide without it: no answer comes here
+                    raise self.left_out_error(waiting_for)
                 if self._rejected is not None:
                     raise ControlPlaneError(f"rank {self.rank}: {self._rejected}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise CoordinationTimeout(
-                        f"rank {self.rank}: the control plane named no members of {operation} "
-                        f"within {self.timeout:.0f}s"
-                    )
+                    raise CoordinationTimeout(f"rank {self.rank}: {late}")
                 self._verdict_ready.wait(min(remaining, WATCH_SECONDS))
-            return self._round_answers.pop(key)
+            return answers.pop(key)
 
     def await_admission(self, timeout: float) -> Message:
         """A rejoining rank: wait (at most `timeout` s) for its admission (at once, after the members'
