@@ -245,3 +245,11 @@ def test_an_admitted_rank_is_drawn_into_no_group_until_it_trains(plane_without_2
     assert generator.starting == {2}
     claim(plane, 2, 1)  # it trains: its loader claims its first batch
     assert generator.starting == set()  # (others may draw it now, as the lagging rule allows)
+
+
+def test_a_round_question_about_a_rank_outside_the_fit_is_refused_to_its_sender_alone(plane_without_2):
+    plane = plane_without_2
+    out = send(plane, 0, "round", key="m3.0", round=3, slots=[0, 9])  # a world of 4: rank 9 is no rank of it
+    assert list(out) == [0] and out[0][0]["t"] == "error" and "outside the fit" in out[0][0]["message"]
+    answer = send(plane, 1, "round", key="m3.1", round=3, slots=[1, 3])[1][0]  # the plane serves on
+    assert answer["t"] == "round" and answer["members"] == [1, 3]
