@@ -228,9 +228,9 @@ class Synchronizer:
         self.follow_admissions(at_epoch_end=name.startswith(ADMITTING_AT) and not inside_epoch)
         if loader is not None:  # (the job's members: ranks admitted in the release too)
             loader.set_members(list(strategy.job.members) if strategy.job is not None else list(worker.members))
-        strategy.survivors.follow_membership()
-        # (the control plane's word, alike on every member: a joiner's own shards date from its admission)
-        strategy.regrouped = bool(release.get("changed"))
+        # this rank's shards changed (a loss followed inside this meeting's sub-meetings too), or the control
+        # plane says the membership did (a joiner's own shards date from its admission): alike on every member
+        strategy.regrouped = strategy.survivors.follow_membership() or bool(release.get("changed"))
         strategy.survivors.log_membership()
         if loader is not None and strategy.is_global_zero:
             loader.forget_finished_epochs()
