@@ -77,6 +77,31 @@ from lightning_prague.core.torch_internals import (  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
+#: environment variable: seconds a rank waits for its control plane to come back after its connection
+#: closed (a supervisor or plane service started again); 0: the plane is lost at once (`ControlPlaneLost`)
+PLANE_WAIT_VARIABLE = "LIGHTNING_PRAGUE_PLANE_WAIT"
+#: its default
+PLANE_WAIT_SECONDS = 60.0
+#: times global rank 0 starts a supervisor that died again, per job
+MAX_SUPERVISOR_RESTARTS = 5
+
+
+def plane_wait() -> float:
+    """`PLANE_WAIT_VARIABLE`'s seconds, else `PLANE_WAIT_SECONDS`; `ConfigurationError` if not a number >= 0."""
+    text = os.environ.get(PLANE_WAIT_VARIABLE, "").strip()
+    if not text:
+        return PLANE_WAIT_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 86400:
+        raise ConfigurationError(
+            f"{PLANE_WAIT_VARIABLE}={text!r} is invalid: it must be the seconds (0 to 86400) a rank waits for its "
+            "control plane to come back"
+        )
+    return seconds
+
 
 @dataclass
 class Job(Membership):
@@ -124,6 +149,37 @@ class Job(Membership):
         if self.outside_groups is None:
             self.outside_groups = set(established_connections())
         self.control.on_left_out = self.drop_group_connections
+        link = self.control.link
+        link.on_reconnect_attempt = self._restart_supervisor
+        link.on_resumed = self._after_plane_restart
+
+    def _restart_supervisor(self) -> None:
+        """Before each attempt of the control link to reconnect: global rank 0 starts its supervisor again
+        if it died (it takes the job back from its journal: `lightning_prague.core.plane.journal`)."""
+        supervisor = self.supervisor
+        if supervisor is None or supervisor.poll() is None or supervisor.restarts >= MAX_SUPERVISOR_RESTARTS:
+            return
+        log.warning(
+            "rank %d: the supervisor (pid %d) exited with status %s mid-fit: starting it again",
+            self.rank, supervisor.pid, supervisor.returncode,
+        )  # fmt: skip
+        supervisor.restart(self.control.port)
+        self.control.supervisor_pid = supervisor.pid
+
+    def _after_plane_restart(self) -> None:
+        """The control link resumed with a control plane started again: if the job's store died with it
+        (the supervisor or the plane service hosts it), this rank's client of it is replaced by one of
+        the new store at the same address, and the job's running mark is set there again."""
+        store = self.store
+        if not isinstance(store, dist.TCPStore) or not self.control.store_in_plane:
+            return  # (the launcher's store lives on)
+        timeout = self.pg_timeout or timedelta(seconds=self.control.timeout)
+        self.store = dist.TCPStore(store.host, store.port, is_master=False, timeout=timeout, wait_for_workers=False)
+        log.warning(
+            "rank %d: the job's store at %s:%d started again with the control plane", self.rank, store.host, store.port
+        )
+        if not self.joining:
+            publish_running(self.store, self.control.launch, self.rank)
 
     @property
     def supervisor_pid(self) -> int:
@@ -487,6 +543,7 @@ def _connect(
     credentials = Credentials.derive(secret, record["launch"])
     if joining:
         _wait_for_listener(rank, record["host"], record["port"], timeout, "the job's control plane")
-    client = ControlClient(record["host"], record["port"], rank, timeout, credentials)
+    client = ControlClient(record["host"], record["port"], rank, timeout, credentials, reconnect_within=plane_wait())
     client.supervisor_pid = record["pid"]
+    client.store_in_plane = bool(record.get("store"))
     return client

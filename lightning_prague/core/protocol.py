@@ -314,11 +314,12 @@ def resolve_control_port(control_port: int | None = None) -> int | None:
 
 
 #: what the supervisor publishes in the store (as JSON, under `address_key()`): where its control plane
-#: listens, its pid, the launch it serves and, if the user set no secret, the generated one
+#: listens, its pid, the launch it serves, whether it hosts the store itself (`store`: the store then
+#: restarts with it) and, if the user set no secret, the generated one
 ADDRESS_RECORD = Record(
     "the control plane's address in the store",
     {"host": text(255), "port": integer(1, 65535), "pid": integer(1, 1 << 31), "launch": text(256)},
-    {"secret": hex_digest(64)},
+    {"secret": hex_digest(64), "store": BOOLEAN},
 )
 
 
@@ -367,7 +368,9 @@ def _session_record(op: str, optional_fields: dict | None = None, request: bool 
 
 #: every message the control plane accepts, by its `op` (`kv` by its `do`: `KV_RECORDS`)
 RECORDS: dict[str, Record] = {
-    HELLO: Record("'hello'", {"op": one_of(HELLO), "rank": _RANK, "nonce": _HEX, "proof": _HEX}),
+    # `got`: a connection that resumes this rank's stream after the control plane restarted (or the link
+    # broke): the last item it received (`ITEM_SEQ`); the plane answers `RESUMED` and sends the rest
+    HELLO: Record("'hello'", {"op": one_of(HELLO), "rank": _RANK, "nonce": _HEX, "proof": _HEX}, {"got": integer()}),
     # puts `item` behind everything already sent to the sender (a thread wakes another of its process)
     "echo": Record("'echo'", {"op": one_of("echo"), "rank": _RANK, "item": json_object(16)}),
     "join": _session_record(
@@ -451,6 +454,19 @@ KV_RECORDS: dict[str, Record] = {
 }
 
 
+#: the field that numbers a training process's messages over its link (1, 2, ...; beats are not numbered):
+#: a control plane that restarted tells it which it handled, and it sends the rest again
+#: (`lightning_prague.core.plane.journal`)
+MESSAGE_SEQ = "m"
+#: the field that numbers the items the control plane sends one rank (consecutive; replies and
+#: session items alike, not the answers to beats): a link that resumes names the last it got
+ITEM_SEQ = "n"
+#: the control plane's answer to a resuming `hello`: `{"t": RESUMED, "handled": m}` (the last message
+#: of the rank's it handled; the items after the one the rank got follow), or `{"t": RESUMED, "error"}`
+RESUMED = "resumed"
+_MESSAGE_SEQ = integer(1, MAX_INT)
+
+
 class BadMessage(BadRecord):
     """What a connection sent is not a message of the protocol: the connection is dropped."""
 
@@ -474,7 +490,13 @@ def decode_message(line: bytes) -> Message:
     if record is None:
         shown = f"'kv' operation {str(message.get('do'))[:40]!r}" if op == "kv" else f"op {str(op)[:40]!r}"
         raise BadMessage(f"an unknown {shown}")
+    seq = message.pop(MESSAGE_SEQ, None) if op != HELLO else None
     try:
-        return record.check(message)
+        record.check(message)
     except BadRecord as err:
         raise BadMessage(str(err)) from None
+    if seq is not None:
+        if not _MESSAGE_SEQ(seq):
+            raise BadMessage(f"field {MESSAGE_SEQ!r} is {str(seq)[:40]!r}, but it must be {_MESSAGE_SEQ.what}")
+        message[MESSAGE_SEQ] = seq
+    return message

@@ -24,6 +24,9 @@ one), it
 - `kill-in-transfer`: from that batch on, ends with SIGKILL inside the next state transfer it sends
   a rejoining rank as its donor, once the first message of it (the payload's size) went out: the
   joiner waits for the rest from a process that is gone;
+- `kill-plane`: SIGKILLs the job's control plane (the supervisor, or the plane service whose pid the
+  store names) and trains on: global rank 0 starts its supervisor again, which takes the job back
+  from its journal (a plane service must be started again by whoever runs it);
 - `other-model`: builds its model with hidden layers twice as wide, at its setup (`BATCH` is not
   used): a script edited between a job's start and a restart. A process that rejoins with it must
   be refused by name, and the job go on.
@@ -54,7 +57,7 @@ from lightning_prague.core.job import RESTARTS_VARIABLE, rejoining
 
 KINDS = (
     "kill", "kill-in-exchange", "raise", "hang", "stop", "kill-in-validation", "kill-after-step", "compute", "block",
-    "kill-before-training", "kill-in-transfer", "other-model",
+    "kill-before-training", "kill-in-transfer", "other-model", "kill-plane",
 )  # fmt: skip
 #: the kinds that strike somewhere else than at the start of a training step
 _ELSEWHERE = ("kill-in-validation", "kill-after-step", "kill-before-training", "other-model")
@@ -181,6 +184,12 @@ def strike(fault: Fault, directory: Path) -> None:
         time.sleep(fault.seconds)
     if fault.kind in ("kill", "kill-in-validation", "kill-after-step", "kill-before-training"):
         os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.kind == "kill-plane":
+        from lightning_prague.core.job import current_job
+
+        job = current_job()
+        if job is not None and job.supervisor_pid > 0:
+            os.kill(job.supervisor_pid, signal.SIGKILL)
     elif fault.kind == "kill-in-exchange":
         _kill_in_next_exchange()
     elif fault.kind == "kill-in-transfer":

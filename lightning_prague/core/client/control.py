@@ -79,10 +79,17 @@ MAX_VERDICTS = 1024
 class ControlClient:
     """This process's connection to the control plane (see the module docstring)."""
 
-    def __init__(self, host: str, port: int, rank: int, timeout: float, credentials: Credentials) -> None:
+    def __init__(
+        self, host: str, port: int, rank: int, timeout: float, credentials: Credentials, reconnect_within: float = 0.0
+    ) -> None:
         self.rank = rank
         self.timeout = timeout
         self.address = f"{host}:{port}"
+        self.port = port
+        #: the launch this control plane serves (as the store's record named it)
+        self.launch = credentials.launch
+        #: the process that serves the control plane hosts the job's store too (it restarts with it)
+        self.store_in_plane = False
         #: the supervisor's process id (as it published it with its address)
         self.supervisor_pid = 0
         #: called (by the reader thread) when the control plane leaves this rank out of its fit: the
@@ -101,6 +108,7 @@ class ControlClient:
             router=self._route,
             on_close=self._closed,
             peer=f"the control plane at {host}:{port}",
+            reconnect_within=reconnect_within,
         )
 
     @property
@@ -448,7 +456,7 @@ class Session:
         resort, rather than train on apart from the others or wait on them until an operation's timeout.
         """
         link = self.client.link
-        if not self.open:
+        if not self.open or getattr(link, "reconnecting", False):  # the link's own bound decides meanwhile
             return
         newly = self.cut_off is None
         if newly:

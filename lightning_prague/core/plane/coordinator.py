@@ -348,27 +348,62 @@ class ControlPlane:
         self.handled += 1
         return out
 
-    def on_connect(self, rank: int) -> Out:
+    def on_connect(self, rank: int, hello: dict[str, Any] | None = None) -> Out:
         log.debug("control plane: rank %d connected", rank)
         return {}
 
     def tick(self) -> Out:
         """Called by the server a few times a second: members found hung depart and are fenced."""
         out: Out = {}
-        for session in list(self.sessions.values()):
-            for rank, reason in session.hangs.left_out():
-                if rank in session.members:
-                    log.error("session %d: rank %d is %s", session.number, rank, reason)
-                    session.depart(rank, reason, out, left_out=True)
-                    self._tag(session, out)
-            for rank, reason in session.hangs.hung():
-                log.error("session %d: rank %d is %s; fencing it", session.number, rank, reason)
-                session.left_out.pop(rank, None)
-                session.depart(rank, reason, out)
-                self._fence(session, rank, reason, out)
-                self._tag(session, out)
-            self._maybe_delete(session, out)
+        for number, rank, kind, reason in self.hang_events():
+            self.apply_hang(number, rank, kind, reason, out)
+        self.sweep(out)
         return out
+
+    def hang_events(self) -> list[tuple[int, int, str, str]]:
+        """What the hang detectors find now (it depends on the clock): `(session, rank, kind, reason)`,
+        `kind` `"left_out"` (blocked past its short bound) or `"hung"` (to be fenced), for `apply_hang`."""
+        events = []
+        for session in list(self.sessions.values()):
+            left_out = [(r, why) for r, why in session.hangs.left_out() if r in session.members]
+            events += [(session.number, r, "left_out", why) for r, why in left_out]
+            events += [(session.number, r, "hung", why) for r, why in session.hangs.hung()]
+        return events
+
+    def apply_hang(
+        self, number: int, rank: int, kind: str, reason: str, out: Out, fenced_item: bool | None = None
+    ) -> bool:
+        """A hang detector's finding (`hang_events`): the rank departs, left out or fenced. Returns
+        whether it was sent a `fenced` item (it was not SIGKILLed here); `fenced_item` replays that
+        decision instead of fencing (`lightning_prague.core.plane.journal`)."""
+        session = self.sessions.get(number)
+        if session is None:
+            return False
+        asked = False
+        if kind == "left_out":
+            if rank not in session.members:
+                return False
+            log.error("session %d: rank %d is %s", session.number, rank, reason)
+            session.depart(rank, reason, out, left_out=True)
+        else:
+            log.error("session %d: rank %d is %s; fencing it", session.number, rank, reason)
+            session.left_out.pop(rank, None)
+            session.depart(rank, reason, out)
+            if fenced_item is None:
+                asked = self._fence(session, rank, reason, out)
+            elif fenced_item:
+                asked = True
+                out.setdefault(rank, []).append({"t": "fenced", "reason": reason})
+        self._tag(session, out)
+        return asked
+
+    def sweep(self, out: Out) -> bool:
+        """Sessions that are over are deleted (and left-out ranks told that their fit ended); returns
+        whether anything changed."""
+        before = (len(self.sessions), sum(len(items) for items in out.values()))
+        for session in list(self.sessions.values()):
+            self._maybe_delete(session, out)
+        return before != (len(self.sessions), sum(len(items) for items in out.values()))
 
     def _cpu_seconds(self, session: CoordinatorSession, rank: int) -> float | None:
         """The CPU seconds `rank`'s process used, if it runs verifiably on this host and is not stopped."""
@@ -378,14 +413,14 @@ class ControlPlane:
             return None
         return running_cpu_seconds(pid, *ends)
 
-    def _fence(self, session: CoordinatorSession, rank: int, reason: str, out: Out) -> None:
+    def _fence(self, session: CoordinatorSession, rank: int, reason: str, out: Out) -> bool:
         """SIGKILL a hung rank's process if it is verifiably the rank's (the pid it claimed holds its
-        authenticated connection, on this host); else ask it to end itself (a `fenced` item)."""
+        authenticated connection, on this host); else ask it to end itself (a `fenced` item: True)."""
         pid, host = session.processes.get(rank, (0, ""))
         ends = self.ends(rank)
         if ends is not None and host == socket.gethostname() and fence(pid, *ends):
             log.warning("session %d: sent SIGKILL to rank %d (pid %d)", session.number, rank, pid)
-            return
+            return False
         log.warning(
             "session %d: rank %d (pid %d) is not a process this host can verify: asking it to end",
             session.number,
@@ -393,6 +428,7 @@ class ControlPlane:
             pid,
         )
         out.setdefault(rank, []).append({"t": "fenced", "reason": reason})
+        return True
 
     def on_disconnect(self, rank: int) -> Out:
         """A rank's process closed its connection: it departs from every session it is in, and a

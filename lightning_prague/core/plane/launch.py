@@ -59,6 +59,23 @@ class Supervisor:
         self.log_file = log_file
         self._proc = proc
         self.returncode: int | None = None
+        #: its command line and the job's secret, to start it again (`restart`)
+        self.argv: list[str] = []
+        self.secret = b""
+        #: times it was started again after it died
+        self.restarts = 0
+
+    def restart(self, control_port: int) -> None:
+        """Start the supervisor again after it died (a fresh interpreter: this process trains, with
+        threads that a fork would copy mid-operation), on the same store port and `control_port`, to take
+        the running job back from its journal (`lightning_prague.core.plane.journal`)."""
+        argv = [*self.argv, "--control-port", str(control_port), "--recover"]
+        proc = _start_interpreter(argv, self.log_file, self.secret, append=True)
+        log.warning(
+            "restarted the supervisor (pid %d, was %d): it takes the job back from its journal", proc.pid, self.pid
+        )
+        self.pid, self._proc, self.returncode = proc.pid, proc, None
+        self.restarts += 1
 
     def poll(self) -> int | None:
         """The exit status once the supervisor ended (reaped here), else `None`."""
@@ -121,24 +138,15 @@ def launch(
     argv += ["--keep-log"] if log_dir is not None else []  # a folder of the user's: the log outlives the job
     argv += ["--control-port", str(control_port or 0), "--launch", launch_id, "--parent", str(os.getpid())]
     argv += ["--wait", str(timeout if wait is None else wait)] + (["--publish-secret"] if publish_secret else [])
+    argv += ["--journal", str(log_file.with_suffix(".journal"))]
     # (an initialised MPI library is no reason not to fork here: the supervisor ends with `os._exit`, so
     # MPI's finalisation, which hangs in a forked child, never runs in it)
     if hasattr(os, "fork") and not cuda_initialized():
         handle = _fork(argv, log_file, secret)
     else:
-        package = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        env[SECRET_VARIABLE] = secret.decode()  # its environment, not its command line: `ps` shows that
-        with open(log_file, "w") as err:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", BOOTSTRAP, package, *argv],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                start_new_session=True,
-                env=env,
-            )
+        proc = _start_interpreter(argv, log_file, secret)
         handle = Supervisor(proc.pid, log_file, proc)
+    handle.argv, handle.secret = argv, secret
     log.debug(
         "started the supervisor (pid %d) for %d ranks, store at %s:%d, control plane port %s",
         handle.pid,
@@ -148,6 +156,22 @@ def launch(
         control_port or "free",
     )
     return handle
+
+
+def _start_interpreter(argv: list[str], log_file: Path, secret: bytes, append: bool = False) -> subprocess.Popen:
+    """The supervisor in a fresh interpreter that imports only the core (see the module docstring)."""
+    package = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env[SECRET_VARIABLE] = secret.decode()  # its environment, not its command line: `ps` shows that
+    with open(log_file, "a" if append else "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-c", BOOTSTRAP, package, *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+            env=env,
+        )
 
 
 def _fork(argv: list[str], log_file: Path, secret: bytes) -> Supervisor:

@@ -61,8 +61,10 @@ log = logging.getLogger(__name__)
 
 #: `handler(message) -> {rank: [item, ...]}`: the items to send, per rank, in order
 Handler = Callable[[Message], dict[int, list[Message]]]
-#: `on_connect(rank)` / `on_disconnect(rank)`: the items to send, per rank, in order
+#: `on_disconnect(rank)`: the items to send, per rank, in order
 RankEvent = Callable[[int], dict[int, list[Message]]]
+#: `on_connect(rank, hello)`: the same, for a rank whose connection proved who it is (its `hello`)
+ConnectEvent = Callable[[int, Message], dict[int, list[Message]]]
 
 
 #: the longest line a connection may send, bytes: a longer one costs its sender the connection
@@ -151,7 +153,7 @@ class MessageServer:
         credentials: Credentials,
         name: str = "prague-coordinator",
         port: int = 0,
-        on_connect: RankEvent | None = None,
+        on_connect: ConnectEvent | None = None,
         on_disconnect: RankEvent | None = None,
         on_tick: Callable[[], dict[int, list[Message]]] | None = None,
         tick_seconds: float = 0.25,
@@ -172,6 +174,8 @@ class MessageServer:
         #: ranks with an open connection now, and every rank that ever connected
         self.connected: set[int] = set()
         self.ever_connected: set[int] = set()
+        #: connections that proved who they are, since the server started
+        self.hellos = 0
         #: items dropped because their rank's process was gone (or never came, past the queue's bound)
         self.messages_dropped = 0
         self.messages_in = 0
@@ -490,11 +494,12 @@ class MessageServer:
             touched[rank] = conn
             self.connected.add(rank)
             self.ever_connected.add(rank)
+            self.hellos += 1
             waiting = self._waiting.pop(rank, None)
-            if waiting:
+            if waiting and "got" not in message:  # a link that resumes gets what it missed from `on_connect`
                 conn.outbuf += waiting
             if self.on_connect is not None:
-                self._route(self._guarded(self.on_connect, rank), touched)
+                self._route(self._guarded(self.on_connect, rank, message), touched)
             return
         if message["rank"] != rank:  # a rank speaks only for itself
             return self._refuse(selector, conn, f"{op!r} in the name of rank {message['rank']!r}")

@@ -144,7 +144,7 @@ def serve(
     )  # fmt: skip
     server = serve_plane("" if wildcard else host, control_port, Credentials.derive(secret, launch))
     published = advertise or (socket.gethostname() if wildcard else host)
-    record = {"host": published, "port": server.address[1], "pid": os.getpid(), "launch": launch}
+    record = {"host": published, "port": server.address[1], "pid": os.getpid(), "launch": launch, "store": True}
     store.set(SERVICE_ADDRESS_KEY, json.dumps(record))
     log.info("store %s:%d, control plane %s:%d, launch %s", published, port, published, server.address[1], launch)
     return server, published, store

@@ -34,6 +34,7 @@ import os
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lightning_prague.core.auth import SECRET_VARIABLE, Credentials
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--log", help="this process's log file, deleted at a clean exit unless --keep-log")
     parser.add_argument("--keep-log", action="store_true", help="keep the log file (a folder the user chose)")
+    parser.add_argument("--journal", help="the control plane's journal (lightning_prague.core.plane.journal)")
+    parser.add_argument("--recover", action="store_true", help="take the running job back from --journal")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("LIGHTNING_PRAGUE_SUPERVISOR_LOG", "WARNING"),
@@ -87,8 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     credentials = Credentials.derive(secret.encode(), args.launch)
     port = args.control_port if args.control_port is not None else int(os.environ.get(PORT_VARIABLE, "0"))
     listen, published = listen_address(args.host)
+    journal = Path(args.journal) if args.journal else None
+    plane = dict(journal=journal, recover=args.recover)
     try:
-        server = serve_plane(listen, port, credentials)
+        server = serve_plane(listen, port, credentials, **plane)
     except OSError as err:
         if os.environ.get(CONTROL_HOST_VARIABLE):
             raise SystemExit(f"{CONTROL_HOST_VARIABLE}={listen}: cannot listen there ({err})") from None
@@ -100,8 +105,9 @@ def main(argv: list[str] | None = None) -> None:
             err,
             CONTROL_HOST_VARIABLE,
         )
-        server = serve_plane("", port, credentials)
+        server = serve_plane("", port, credentials, **plane)
     record = {"host": published, "port": server.address[1], "pid": os.getpid(), "launch": args.launch}
+    record["store"] = args.host_store
     if args.publish_secret:
         record["secret"] = secret
     store.set(address_key(), json.dumps(record))
@@ -119,27 +125,41 @@ def main(argv: list[str] | None = None) -> None:
         time.sleep(0.05)
         if server.connected:
             continue
+        if args.recover and not server.hellos and time.monotonic() - started < args.wait:
+            continue  # the ranks of the job it took back have yet to reconnect
         everyone_came = len(server.ever_connected) >= args.world_size
         launcher_gone = args.parent > 0 and os.getppid() != args.parent
         if everyone_came or launcher_gone or time.monotonic() - started > args.wait:
             break
     server.close()
     log.info("exiting: %d of %d ranks came and all are gone", len(server.ever_connected), args.world_size)
-    if args.log and server.error is None and not args.keep_log:
-        try:
-            os.unlink(args.log)
-        except OSError:
-            pass
+    if server.error is None:  # the job is over: nothing to take back (its log stays in a folder of the user's)
+        for path in (args.journal, None if args.keep_log else args.log):
+            try:
+                os.unlink(path) if path else None
+            except OSError:
+                pass
     os._exit(0 if server.error is None else 1)  # the store's threads must not hold the exit
 
 
-def serve_plane(host: str, port: int, credentials: Credentials) -> MessageServer:
+def serve_plane(
+    host: str, port: int, credentials: Credentials, journal: Path | None = None, recover: bool = False
+) -> MessageServer:
     """The control plane (`ControlPlane`) served on `host:port` (0: a free port), started; `OSError`
-    if it cannot listen there. The supervisor's and the plane service's (`lightning_prague.core.plane.service`)."""
+    if it cannot listen there. The supervisor's and the plane service's (`lightning_prague.core.plane.service`).
+
+    `journal`: the file it journals what it handles to (`lightning_prague.core.plane.journal`); with
+    `recover`, it first takes back the job that file describes (a `JournalError` if it cannot)."""
     from lightning_prague.core.plane.coordinator import ControlPlane
+    from lightning_prague.core.plane.journal import Journal, JournaledPlane, read_journal
     from lightning_prague.core.plane.server import MessageServer
 
-    plane = ControlPlane()
+    plane = JournaledPlane(ControlPlane())
+    if recover and journal is not None and journal.exists():
+        _, entries = read_journal(journal, credentials.launch)
+        plane.replay(entries)
+    if journal is not None:
+        plane.journal = Journal(journal, credentials.launch)
     server = MessageServer(
         plane.handle,
         host,
@@ -150,6 +170,7 @@ def serve_plane(host: str, port: int, credentials: Credentials) -> MessageServer
         on_disconnect=plane.on_disconnect,
         on_tick=plane.tick,
     )
+    server.ever_connected |= plane.known  # the ranks it took back: items for them wait in the journal's ring
     plane.ends = server.ends
     server.start()
     return server
