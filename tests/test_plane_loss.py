@@ -1,4 +1,5 @@
-"""Losing the control plane: every rank's fit fails with `ControlPlaneError` through Lightning's
+"""Losing the control plane for good (`LIGHTNING_PRAGUE_PLANE_WAIT=0`: no rank waits for it to come
+back; `test_plane_restart.py` has one that does): every rank's fit fails with `ControlPlaneError` through Lightning's
 `on_exception` (an `OnExceptionCheckpoint` writes its checkpoint), and a rank whose training thread
 never gets to the plane again (stuck in an exchange with a peer) still ends itself.
 
@@ -23,6 +24,7 @@ from lightning_prague.core.client import partition
 from lightning_prague.core.client.beacon import Beacon
 from lightning_prague.core.client.control import Session
 from lightning_prague.core.errors import ControlPlaneError, ControlPlaneLost, CoordinationTimeout
+from lightning_prague.core.job import PLANE_WAIT_VARIABLE
 from lightning_prague.core.protocol import HangRule
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,8 +44,9 @@ def run_ranks(tmp, world: int, script: str, argv: list[str], timeout: float = 90
     ],
 )
 def test_a_lost_supervisor_fails_every_fit_with_control_plane_error_and_the_exception_checkpoint_is_written(
-    tmp_path, strategy
+    tmp_path, strategy, monkeypatch
 ):
+    monkeypatch.setenv(PLANE_WAIT_VARIABLE, "0")  # the forked ranks inherit it: rank 0 starts no supervisor again
     checkpoints = tmp_path / "on_exception"
     argv = ["--strategy", strategy, "--epochs", "50", "--step-time", "0.02", "--group-size", "2", "--devices", "2"]
     argv += ["--json", str(tmp_path / "result.json"), "--checkpoint-dir", str(tmp_path / "ckpt")]
@@ -66,7 +69,8 @@ def test_a_lost_supervisor_fails_every_fit_with_control_plane_error_and_the_exce
     assert time.time() - start < 60
 
 
-def test_a_rank_stuck_in_an_exchange_when_the_plane_is_lost_ends_itself(tmp_path):
+def test_a_rank_stuck_in_an_exchange_when_the_plane_is_lost_ends_itself(tmp_path, monkeypatch):
+    monkeypatch.setenv(PLANE_WAIT_VARIABLE, "0")
     # rank 0 waits in a sum that rank 1 never joins (as a peer across a partition), rank 1 sleeps:
     # neither training thread contacts the plane again, so the last resort ends both processes
     port = free_port()
@@ -219,6 +223,7 @@ def test_a_send_that_fails_before_the_reader_sees_the_close_is_the_same_lost_pla
     link = object.__new__(MessageLink)  # a link whose socket the plane has closed; its reader has not seen it yet
     link.rank, link.timeout, link.peer, link.sent = 2, 300.0, "the control plane at node1:4242", 0
     link._send_lock = threading.Lock()
+    link._seq, link._unacked, link.reconnecting, link.reconnect_within, link._closing = 0, [], False, 0.0, False
     link._sock = types.SimpleNamespace(sendall=lambda data: (_ for _ in ()).throw(BrokenPipeError(32, "Broken pipe")))
     session = stepping_session()
     session.client.send = link.send  # type: ignore[attr-defined]
@@ -239,6 +244,7 @@ def test_restarts_after_a_lost_plane_fail_the_fit_instead_of_reporting_it_ended(
     from lightning_prague.core import job
 
     monkeypatch.setattr(job, "STORE_GONE_SECONDS", 0.5)  # the forked ranks inherit it
+    monkeypatch.setenv(PLANE_WAIT_VARIABLE, "0")
     argv = ["--strategy", "prague", "--epochs", "30", "--step-time", "0.02", "--group-size", "2", "--devices", "2"]
     argv += ["--start-method", "fork", "--max-restarts", "1", "--kill-plane-batch", "3"]
     argv += ["--exception-checkpoint", str(tmp_path / "on_exception"), "--checkpoint-dir", str(tmp_path / "ckpt")]

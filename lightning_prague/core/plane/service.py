@@ -20,6 +20,12 @@ Unlike the supervisor, the service never publishes the secret: it needs one of t
 It runs until it is stopped (SIGTERM or SIGINT), and serves one job: the launch it serves is its
 own (`--launch`, default a fresh one), which the ranks take from its record, since the user named
 the service explicitly.
+
+With `--log-dir`, it journals what it handles there (`JOURNAL_NAME`, `lightning_prague.core.plane.journal`).
+If it dies (`kill -9`, its node restarted with the folder on a shared file system), start it again with
+the same command: it finds the journal, takes the running job back (its launch, its fits, every
+rank's place in them) and every rank reconnects within its wait (`LIGHTNING_PRAGUE_PLANE_WAIT`, 60 s by
+default). A clean stop deletes the journal; `--fresh` sets an old one aside and serves a new job.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +57,8 @@ PLANE_VARIABLE = "LIGHTNING_PRAGUE_PLANE"
 WILDCARDS = ("0.0.0.0", "::", "*", "")
 #: the service's default ports: its store, and its control plane
 STORE_PORT, CONTROL_PORT = 29400, 29401
+#: the plane's journal in `--log-dir`
+JOURNAL_NAME = "plane-journal.jsonl"
 
 
 def plane_address(option: str | None = None) -> tuple[str, int] | None:
@@ -92,6 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-dir", type=Path, help="write the service's log to plane.log there (default: stderr)")
     parser.add_argument("--launch", help="the launch id it serves (default: a fresh one)")
     parser.add_argument("--log-level", default="INFO", help="the log's level (DEBUG traces every message)")
+    parser.add_argument(
+        "--fresh", action="store_true", help="serve a new job even if --log-dir holds the journal of a running one"
+    )
     args = parser.parse_args(argv)
     secret = user_secret()
     if secret is None:
@@ -109,7 +121,15 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    server, address, store = serve(args.host, args.advertise, args.port, args.control_port, secret, args.launch)
+    journal = None if args.log_dir is None else args.log_dir / JOURNAL_NAME
+    recover = journal is not None and journal.exists() and journal.stat().st_size > 0
+    if recover and args.fresh:
+        assert journal is not None
+        journal.replace(journal.with_name(f"{JOURNAL_NAME}.{int(time.time())}.old"))
+        recover = False
+    server, address, store = serve(
+        args.host, args.advertise, args.port, args.control_port, secret, args.launch, journal, recover
+    )
     print(
         f"lightning-prague plane: serving the job's store at {address}:{args.port} and its control plane at "
         f"{address}:{server.address[1]} (pid {os.getpid()}); on every rank: {PLANE_VARIABLE}={address}:{args.port}",
@@ -120,29 +140,45 @@ def main(argv: list[str] | None = None) -> None:
     failed = server.error
     server.close()
     del store  # served until here
+    if failed is None and journal is not None:  # stopped cleanly: nothing to take back
+        journal.unlink(missing_ok=True)
     log.info("stopped%s", f" after an error: {failed}" if failed else "")
     os._exit(0 if failed is None else 1)  # the store's threads must not hold the exit
 
 
 def serve(
-    host: str, advertise: str | None, port: int, control_port: int, secret: bytes, launch: str | None
+    host: str,
+    advertise: str | None,
+    port: int,
+    control_port: int,
+    secret: bytes,
+    launch: str | None,
+    journal: Path | None = None,
+    recover: bool = False,
 ) -> tuple[MessageServer, str, Any]:
     """Host the store at `host:port` and the control plane at `host:control_port`, and publish the
     plane's record in the store; returns `(the plane's server, the address published, the store)`:
-    the store serves as long as its object lives."""
+    the store serves as long as its object lives. `journal`: the plane's journal; `recover`: take the
+    job it describes back (its launch; `--launch`, if given, must be the same)."""
     import torch.distributed as dist
 
+    from lightning_prague.core.plane.journal import read_journal
     from lightning_prague.core.plane.server import raise_descriptor_limit
     from lightning_prague.core.plane.supervisor import serve_plane
 
     raise_descriptor_limit()
+    if recover and journal is not None:
+        journaled, _ = read_journal(journal, launch)
+        log.warning("taking back launch %s from the journal %s", journaled, journal)
+        launch = journaled
     launch = launch or new_launch_id()
     wildcard = host in WILDCARDS
     store = dist.TCPStore(
         "0.0.0.0" if host in ("", "*") else host, port, 1, is_master=True, timeout=timedelta(seconds=300),
         wait_for_workers=False,
     )  # fmt: skip
-    server = serve_plane("" if wildcard else host, control_port, Credentials.derive(secret, launch))
+    credentials = Credentials.derive(secret, launch)
+    server = serve_plane("" if wildcard else host, control_port, credentials, journal=journal, recover=recover)
     published = advertise or (socket.gethostname() if wildcard else host)
     record = {"host": published, "port": server.address[1], "pid": os.getpid(), "launch": launch, "store": True}
     store.set(SERVICE_ADDRESS_KEY, json.dumps(record))
