@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 from helpers import CREDENTIALS, dump_stacks, free_port
@@ -256,3 +257,80 @@ def test_a_plane_that_does_not_come_back_within_the_wait_is_lost(tmp_path):
     finally:
         session.beacon.stop()
         client.close()
+
+
+def test_a_plane_taken_back_renews_an_admissions_epoch_and_decided_rounds_keep_theirs(tmp_path):
+    """The groups of an admission's membership epoch met in the store that died with the plane: the
+    plane taken back opens a new epoch with the same members, and gossip rounds after those decided use it."""
+    path = tmp_path / "journal"
+    first = JournaledPlane(ControlPlane(), Journal(path, CREDENTIALS.launch))
+    _traffic(first)
+    first.on_disconnect(2)  # rank 2 is lost, and a new process of it is admitted (membership epoch 1)
+    first.on_connect(2, {"op": "hello", "rank": 2})
+    joined = first.handle(
+        {"op": "join", "s": 1, "rank": 2, MESSAGE_SEQ: 1, "config": _config(), "pid": 9, "host": "h", "rejoin": True}
+    )
+    assert [item["epoch"] for item in joined[2] if item["t"] == "admit"] == [1]
+
+    def ask(plane: JournaledPlane, rank: int, round_index: int) -> dict:
+        message = {"op": "round", "s": 1, "rank": rank, MESSAGE_SEQ: plane.handled[rank] + 1, "key": "g"}
+        (answer,) = plane.handle({**message, "round": round_index, "slots": [0, 1]})[rank]
+        return answer
+
+    assert ask(first, 0, 5)["epoch"] == 0  # decided before the plane died
+    second = JournaledPlane(ControlPlane())
+    second.replay(read_journal(path, CREDENTIALS.launch)[1])
+    before = dict(second.issued)
+    second.took_back()
+    for rank in range(WORLD):
+        (renewed,) = [second.ring[rank][-1]]
+        assert renewed["t"] == "members" and renewed["epoch"] == 2 and renewed["joined"] == []
+        assert renewed[ITEM_SEQ] == before[rank] + 1  # behind everything issued before: the links resume to it
+    assert ask(second, 1, 5)["epoch"] == 0  # the same answer as rank 0 got from the old plane
+    assert ask(second, 1, 6) == {"t": "round", "key": "g", "members": [0, 1], "epoch": 2, "s": 1, ITEM_SEQ: ANY}
+
+
+@pytest.mark.parametrize(("option", "variable"), [(-1, "-1"), ("60", "sixty"), (True, "1e9"), (1e9, "")])
+def test_a_wait_for_the_plane_that_no_fit_could_use_is_refused_by_name(option, variable, monkeypatch):
+    from lightning_prague.core.errors import ConfigurationError
+    from lightning_prague.core.job import PLANE_WAIT_VARIABLE, plane_wait
+    from lightning_prague.strategies.options import StrategyOptions
+
+    with pytest.raises(ConfigurationError, match=r"plane_wait=.* is invalid: it must be the seconds \(0 to 86400\)"):
+        StrategyOptions(plane_wait=option)
+    if variable:
+        monkeypatch.setenv(PLANE_WAIT_VARIABLE, variable)
+        with pytest.raises(ConfigurationError, match=f"{PLANE_WAIT_VARIABLE}='{variable}' is invalid"):
+            plane_wait()
+
+
+def test_the_wait_for_the_plane_comes_from_the_option_else_the_environment(monkeypatch):
+    from lightning_prague.core.job import PLANE_WAIT_SECONDS, PLANE_WAIT_VARIABLE, plane_wait
+    from lightning_prague.strategies import PartialAllReduceStrategy
+
+    monkeypatch.delenv(PLANE_WAIT_VARIABLE, raising=False)
+    assert plane_wait() == PLANE_WAIT_SECONDS == 60.0
+    monkeypatch.setenv(PLANE_WAIT_VARIABLE, "12.5")
+    assert plane_wait() == 12.5
+    assert PartialAllReduceStrategy(plane_wait=0).plane_wait == 0
+
+
+def test_a_journal_is_compacted_between_fits_and_still_takes_the_job_back(tmp_path, monkeypatch):
+    from lightning_prague.core.plane import journal as journal_module
+
+    monkeypatch.setattr(journal_module, "COMPACT_AFTER", 10)
+    path = tmp_path / "journal"
+    first = JournaledPlane(ControlPlane(), Journal(path, CREDENTIALS.launch))
+    _traffic(first)
+    for rank in range(WORLD):  # the fit ends: no session open
+        first.handle({"op": "close", "s": 1, "rank": rank, MESSAGE_SEQ: first.handled[rank] + 1})
+    assert not first.plane.sessions
+    first.handle(
+        {"op": "join", "s": 2, "rank": 0, MESSAGE_SEQ: first.handled[0] + 1, "config": _config()}
+        | {"pid": 1, "host": "h"}
+    )  # the next fit's first message: the file now holds its header, a base and it
+    _, entries = read_journal(path, CREDENTIALS.launch)
+    assert [entry["k"] for entry in entries] == ["base", "msg"]
+    second = JournaledPlane(ControlPlane())
+    second.replay(entries)
+    assert second.issued == first.issued and second.handled == first.handled and list(second.plane.sessions) == [2]

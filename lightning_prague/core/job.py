@@ -224,6 +224,7 @@ def init_job(
     launched: Optional[int] = None,
     log_dir: Optional[str] = None,
     plane: Optional[tuple[str, int]] = None,
+    plane_wait: Optional[float] = None,
 ) -> Job:
     """Join the job (see the module docstring); returns this process's `Job` (the same one when called again).
 
@@ -248,6 +249,9 @@ def init_job(
     job's store and control plane: no rank starts a supervisor, every rank is their client (the
     process group meets in that store, not at MASTER_ADDR:MASTER_PORT), and the job's secret must be
     set on every rank (the service never hands one out).
+
+    `plane_wait`: seconds this rank waits for its control plane to come back after its connection
+    closed (one started again takes the job back; 0: lost at once). Unset: `plane_wait()`.
     """
     global _JOB
     job = current_job()
@@ -286,7 +290,7 @@ def init_job(
     if joins:
         _init_local_world(rank, world_size)  # first: a torch without the stand-in fails before anything connects
         store = _joiner_store(rank, host, port, world_size, min(pg_timeout, timedelta(seconds=timeout)))
-        control = _connect(store, rank, timeout, None, secret, checked_launch, joining=True, key=key)
+        control = _connect(store, rank, timeout, None, secret, checked_launch, joining=True, key=key, wait=plane_wait)
         _JOB = Job(
             rank, world_size, backend, control, None, pg_timeout=pg_timeout, store=store, device_id=device_id,
             joining=True,
@@ -338,7 +342,7 @@ def init_job(
     launch_id = launch_id if proc is None else str(start["launch_id"])
     if plane is None:
         store, checked_launch = raw_store(), launch_id
-    control = _connect(store, rank, timeout, proc, secret, checked_launch, key=key)
+    control = _connect(store, rank, timeout, proc, secret, checked_launch, key=key, wait=plane_wait)
     connected = set(established_connections())
     group = dist.new_group(list(range(starting)), backend=backend, timeout=pg_timeout)
     if launch_id is not None:  # every rank that starts the job has met: a later process of it rejoins the fit
@@ -497,6 +501,7 @@ def _connect(
     launch_id: Optional[str],
     joining: bool = False,
     key: Optional[str] = None,
+    wait: Optional[float] = None,
 ) -> ControlClient:
     """Connect to the control plane whose address the supervisor published in the store.
 
@@ -543,7 +548,14 @@ def _connect(
     credentials = Credentials.derive(secret, record["launch"])
     if joining:
         _wait_for_listener(rank, record["host"], record["port"], timeout, "the job's control plane")
-    client = ControlClient(record["host"], record["port"], rank, timeout, credentials, reconnect_within=plane_wait())
+    client = ControlClient(
+        record["host"],
+        record["port"],
+        rank,
+        timeout,
+        credentials,
+        reconnect_within=plane_wait() if wait is None else wait,
+    )
     client.supervisor_pid = record["pid"]
     client.store_in_plane = bool(record.get("store"))
     return client

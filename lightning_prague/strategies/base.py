@@ -138,6 +138,7 @@ class DecentralizedStrategy(DDPStrategy):
         max_restarts: int = 0,
         max_workers: Optional[int] = None,
         plane: Optional[str] = None,
+        plane_wait: Optional[float] = None,
         **ddp_kwargs: Any,
     ) -> None:
         """Options every asynchronous strategy shares.
@@ -216,6 +217,11 @@ class DecentralizedStrategy(DDPStrategy):
                 global rank 0 starts them on its node, and the job ends with that node. With a
                 service, rank 0's node can be lost like any other (`docs/fault_tolerance.md`, "The
                 control plane as a service"); every rank needs the job's secret.
+            plane_wait: seconds a rank waits for the control plane to come back after its connection
+                closed (the supervisor or plane service died and is started again: it takes the job
+                back from its journal, `docs/fault_tolerance.md`, "The control plane dies too"); 0:
+                the control plane is lost at once and every fit fails with `ControlPlaneLost`. Unset:
+                `LIGHTNING_PRAGUE_PLANE_WAIT`, else 60.
             **ddp_kwargs: options of Lightning's `DDPStrategy` / `DistributedDataParallel`, for code
                 moved from DDP. The model is not wrapped in `DistributedDataParallel` (replicas
                 average parameters in groups, not gradients), so `find_unused_parameters`,
@@ -231,7 +237,7 @@ class DecentralizedStrategy(DDPStrategy):
             sync_every=sync_every, seed=seed, timeout=timeout, average_at_sync=average_at_sync, bucket_mb=bucket_mb,
             min_workers=min_workers, hang_timeout=hang_timeout, hang_factor=hang_factor,
             leave_out_after=leave_out_after, sync_timeout=sync_timeout, coordinator_port=coordinator_port,
-            max_restarts=max_restarts, max_workers=max_workers, plane=plane,
+            max_restarts=max_restarts, max_workers=max_workers, plane=plane, plane_wait=plane_wait,
         )  # fmt: skip
         super().__init__(
             accelerator=accelerator,
@@ -296,6 +302,8 @@ class DecentralizedStrategy(DDPStrategy):
     max_restarts = Option[int]()
     #: a plane service's `HOST:PORT`; `None`: `LIGHTNING_PRAGUE_PLANE`, else rank 0 starts the supervisor
     plane = Option[Optional[str]]()
+    #: seconds a rank waits for its control plane to come back; `None`: `LIGHTNING_PRAGUE_PLANE_WAIT`, else 60
+    plane_wait = Option[Optional[float]]()
     hang_rule = Option[HangRule]()
 
     # -- this fit's session (None outside an asynchronous fit) ------------------------------------
@@ -426,6 +434,7 @@ class DecentralizedStrategy(DDPStrategy):
             launched=self.world_size,
             log_dir=self._supervisor_log_dir(),
             plane=plane_address(self.plane),
+            plane_wait=self.plane_wait,
         )
         supervisor = self.job.supervisor
         if supervisor is not None:

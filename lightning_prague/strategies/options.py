@@ -62,6 +62,8 @@ class StrategyOptions:
     #: a plane service's `HOST:PORT` (`lightning_prague.core.plane.service`); `None`: `LIGHTNING_PRAGUE_PLANE`,
     #: else global rank 0 starts the job's supervisor
     plane: Optional[str] = None
+    #: seconds a rank waits for its control plane to come back; `None`: `LIGHTNING_PRAGUE_PLANE_WAIT`, else 60
+    plane_wait: Optional[float] = None
 
     def __post_init__(self) -> None:
         timeout = self.timeout
@@ -72,6 +74,15 @@ class StrategyOptions:
         if self.plane is not None and not isinstance(self.plane, str):
             raise ConfigurationError(f"plane={self.plane!r} is invalid: it must be the plane service's 'HOST:PORT'")
         plane_address(self.plane)  # validated here; each rank's environment decides at set-up
+        if self.plane_wait is not None and (
+            isinstance(self.plane_wait, bool)
+            or not isinstance(self.plane_wait, (int, float))
+            or not 0 <= self.plane_wait <= 86400
+        ):
+            raise ConfigurationError(
+                f"plane_wait={self.plane_wait!r} is invalid: it must be the seconds (0 to 86400) a rank waits for its "
+                "control plane to come back"
+            )
         if self.sync_every < 1:
             raise ConfigurationError(f"sync_every={self.sync_every} is invalid: it must be at least 1 local step")
         if timeout <= 0:

@@ -12,8 +12,10 @@ waits on the connection (a worker that gossips on a fixed schedule never does).
 the work queue, global progress and gossip use (`add`, `set`, `get`, `check`, `wait`,
 `compare_set`, `delete_key`).
 
-**Losing the control plane.** The job cannot go on without it (the supervisor process is its
-single point of failure), but the training thread must end through an exception, so that
+**Losing the control plane.** A control plane that dies and is started again within the link's wait
+takes the job back (`MessageLink`'s reconnection, `lightning_prague.core.plane.journal`): meanwhile
+nothing here fails, and the watch thread below leaves the silence to the link's own bound. The job
+cannot go on without it beyond that, but the training thread must end through an exception, so that
 Lightning's `on_exception` hooks run (an `OnExceptionCheckpoint` writes its checkpoint) before
 the process ends. A background thread marks the session *cut off*, with the reason: the reader
 thread when the connection closes (the supervisor or its node is gone), the session's watch
@@ -414,7 +416,7 @@ class Session:
             self._raised = True
         return ControlPlaneLost(
             f"{reason} (during {during}); the job cannot go on without its control plane (the supervisor "
-            f"process, pid {self.client.supervisor_pid}, is its single point of failure): this rank's fit ends here"
+            f"process, pid {self.client.supervisor_pid}): this rank's fit ends here"
         )
 
     def _gone(self) -> bool:
@@ -564,7 +566,10 @@ class Session:
         if item["t"] == "members":
             with self._verdict_ready:
                 self._admissions.append(item)
-            log.warning("rank %d: ranks %s rejoined the job; members %s", self.rank, item.get("joined"), self.members)
+            if item.get("joined"):
+                log.warning("rank %d: ranks %s rejoined the job; members %s", self.rank, item["joined"], self.members)
+            else:  # (a control plane that took the job back: its store is new)
+                log.warning("rank %d: membership epoch %d, members %s, in the new store", self.rank, epoch, members)
 
     def take_admissions(self, inside_only: bool = False) -> list[Message]:
         """The `members` items (admissions) that came since the last call, oldest first; `inside_only`:

@@ -397,6 +397,19 @@ class ControlPlane:
         self._tag(session, out)
         return asked
 
+    def renew_epochs(self, out: Out) -> bool:
+        """After a restart from the journal: every fit whose members are in a membership epoch of an
+        admission opens a new one, with the same members, in the new store (`GroupGenerator.renew_epoch`).
+        Returns whether any did."""
+        renewed = False
+        for session in list(self.sessions.values()):
+            if session.generator.renew_epoch(out):
+                renewed = True
+                log.warning("session %d: membership epoch %d for the store started again", session.number,
+                            session.generator.epoch)  # fmt: skip
+                self._tag(session, out)
+        return renewed
+
     def sweep(self, out: Out) -> bool:
         """Sessions that are over are deleted (and left-out ranks told that their fit ended); returns
         whether anything changed."""

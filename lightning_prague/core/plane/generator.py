@@ -297,6 +297,31 @@ class GroupGenerator:
             self._push(out, r, dict(admit))
         return True
 
+    def renew_epoch(self, out: dict[int, list[Item]]) -> bool:
+        """A control plane that took the job back from its journal (`lightning_prague.core.plane.journal`):
+        the store that the current membership epoch's group meets in died with the old plane, and pairs
+        of it that had not connected yet (gloo connects them at their first exchange) never could. So a
+        new epoch opens with the same members and no joiner: every member switches to its group, made
+        in the new store, at the same point of its sequence (a `members` item), and gossip rounds after
+        every round decided so far take it. False (nothing to renew) while no admission opened an epoch."""
+        if self.epoch == 0 or not self.live:
+            return False
+        self.epoch += 1
+        first = self._frontier + 1
+        for rank in self.live:  # rounds already decided keep their epoch: every member gets the same answers
+            intervals = self._rounds_of.get(rank)
+            if not intervals or intervals[-1][1] is not None:
+                continue
+            if intervals[-1][0] >= first:
+                intervals.pop()
+            else:
+                intervals[-1][1] = self._frontier
+            intervals.append([first, None, self.epoch])
+        news = {"epoch": self.epoch, "members": list(self.live), "joined": [], "donor": -1, "leader": self.leader}
+        for rank in self.live:
+            self._push(out, rank, {"t": "members", **news})
+        return True
+
     def started(self, rank: int) -> None:
         """`rank`, admitted, trains now (its first group request, or its first claim on the work queue):
         others may draw it into their groups from here (see `starting`)."""

@@ -9,7 +9,9 @@ writes that sequence to a file before anything it produced leaves the process:
   starts afresh), with the rank's number for it (`MESSAGE_SEQ`);
 * every connection that opened afresh (a new process for a rank) and every one that closed;
 * every finding of the hang detectors (which depends on the clock, so the finding is what is
-  written, with whether the rank was sent `fenced`), and every sweep that deleted a session.
+  written, with whether the rank was sent `fenced`), and every sweep that deleted a session;
+* every renewal of a membership epoch after a restart (`took_back`: the groups of an admission's
+  epoch met in the store that died with the plane).
 
 Every item the plane sends a rank is numbered (`ITEM_SEQ`, consecutive per rank), and the last
 `RESEND_ITEMS` items of each rank are kept. A plane started with the journal (`recover`) replays it
@@ -65,7 +67,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: items kept per rank for a link that resumes (what it may have missed when the plane died)
-RESEND_ITEMS = 4096
+RESEND_ITEMS = 1024
 #: items per rank kept in a compacted journal (between fits)
 BASE_ITEMS = 64
 #: entries after which a journal with no session open is compacted
@@ -92,6 +94,7 @@ _ENTRIES = {
         },
     ),
     "sweep": Record("a sweep entry", {"k": one_of("sweep")}),
+    "renew": Record("a renew entry", {"k": one_of("renew")}),
     "base": Record(
         "a base entry",
         {
@@ -307,10 +310,10 @@ class JournaledPlane:
     def _record(self, entry: dict[str, Any]) -> None:
         if self.journal is None or self._replaying:
             return
-        self.journal.append(entry)
-        if self.journal.entries >= COMPACT_AFTER and not self.plane.sessions:
+        if self.journal.entries >= COMPACT_AFTER and not self.plane.sessions:  # (the state before `entry`)
             self.journal.rewrite(self._base())
             log.debug("journal: compacted (no session open)")
+        self.journal.append(entry)
 
     def _base(self) -> dict[str, Any]:
         return {
@@ -353,6 +356,10 @@ class JournaledPlane:
             out = {}
             self.plane.sweep(out)
             self._number(out)
+        elif kind == "renew":
+            out = {}
+            self.plane.renew_epochs(out)
+            self._number(out)
         elif kind == "base":
             if self.plane.sessions:
                 raise JournalError("a base entry while sessions are open: the journal is not this package's")
@@ -360,6 +367,14 @@ class JournaledPlane:
             self.handled = {int(r): m for r, m in entry["handled"].items()}
             self.known, self.gone = set(entry["known"]), set(entry["gone"])
             self.ring = {int(r): deque(items, maxlen=RESEND_ITEMS) for r, items in entry["ring"].items()}
+
+    def took_back(self) -> None:
+        """After `replay`, once the journal is open again: membership epochs whose groups met in the
+        store that died with the old plane are renewed (`ControlPlane.renew_epochs`)."""
+        out: Out = {}
+        if self.plane.renew_epochs(out):
+            self._record({"k": "renew"})
+            self._number(out)  # in the members' rings: each gets them when its link resumes
 
     def connected_when_stopped(self) -> Iterator[int]:
         """The ranks whose connections were open when the journal ends (they come back: `_resume`)."""

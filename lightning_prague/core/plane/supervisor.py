@@ -160,6 +160,8 @@ def serve_plane(
         plane.replay(entries)
     if journal is not None:
         plane.journal = Journal(journal, credentials.launch)
+    if recover:
+        plane.took_back()
     server = MessageServer(
         plane.handle,
         host,
