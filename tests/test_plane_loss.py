@@ -224,6 +224,7 @@ def test_a_send_that_fails_before_the_reader_sees_the_close_is_the_same_lost_pla
     link.rank, link.timeout, link.peer, link.sent = 2, 300.0, "the control plane at node1:4242", 0
     link._send_lock = threading.Lock()
     link._seq, link._unacked, link.reconnecting, link.reconnect_within, link._closing = 0, [], False, 0.0, False
+    link.closed = False
     link._sock = types.SimpleNamespace(sendall=lambda data: (_ for _ in ()).throw(BrokenPipeError(32, "Broken pipe")))
     session = stepping_session()
     session.client.send = link.send  # type: ignore[attr-defined]

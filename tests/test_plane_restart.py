@@ -1,129 +1,30 @@
 """A control plane that dies mid-fit and is started again takes the job back
 (`lightning_prague.core.plane.journal`, `MessageLink`'s reconnection).
 
-Real jobs (the slow part, run side by side): four CPU workers, one long epoch (the digits in batches
-of 2, 50 ms steps), the control plane SIGKILLed at a rank's 30th batch:
-
-- under `prague` (the work queue) and `decent_adam` (gossip rounds) the supervisor is global rank 0's
-  child, and rank 0 starts it again;
-- under `partial_reduce` it is a plane service (`lightning-prague plane --log-dir`), started again
-  by hand, as its docs say, with the same command.
-
-Every fit returns, every batch is trained once, and the ranks end on one model. The rest are
-message-level: the journal replays to the same state and numbers, and what cannot be taken back is
-refused by name.
+The real jobs share the launched jobs of other tests (process start-up dominates the suite's time):
+`test_rejoin_any_step.py` SIGKILLs the supervisor of a `prague` job and of a `decent_adam` job after a
+rank rejoined (global rank 0 starts it again), and `test_plane_service.py` a plane service that its
+manager starts again with the same command: every fit returns, every batch is trained once, the
+admission's membership epoch is renewed in the new store, and the ranks end on one model. Here: a
+link against a real plane that dies and comes back, and the message level: the journal replays to the
+same state and numbers, it is untrusted input, and what cannot be taken back is refused by name.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 from unittest.mock import ANY
 
 import pytest
-from helpers import CREDENTIALS, dump_stacks, free_port
+from helpers import CREDENTIALS
 
-from lightning_prague.core.auth import SECRET_VARIABLE
 from lightning_prague.core.client.control import ControlClient
 from lightning_prague.core.errors import ControlPlaneError
 from lightning_prague.core.grouping.policies import make_policy
 from lightning_prague.core.plane.coordinator import ControlPlane
 from lightning_prague.core.plane.journal import Journal, JournaledPlane, JournalError, read_journal
-from lightning_prague.core.plane.service import PLANE_VARIABLE
 from lightning_prague.core.plane.supervisor import serve_plane
 from lightning_prague.core.protocol import ITEM_SEQ, MESSAGE_SEQ, RESUMED, SessionConfig
-
-SAMPLES, BATCH = 1438, 2
-KILLED_AT = 30
-CASES = {"prague": 1, "decent_adam": 2, "partial_reduce": 3}
-SERVICE = "partial_reduce"  # its plane runs as a service of its own
-
-
-def _command(strategy: str, rank: int, out: Path) -> list[str]:
-    command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", strategy, "--devices", "4"]
-    command += ["--epochs", "1", "--batch-size", str(BATCH), "--step-time", "0.05", "--profile", "homogeneous"]
-    command += ["--start-method", "fork", "--json", str(out / "result.json")]
-    return command + ([] if strategy == SERVICE else ["--fault", f"{rank}:{KILLED_AT}:kill-plane"])
-
-
-def _service(out: Path, port: int, control: int, env: dict) -> subprocess.Popen:
-    command = [sys.executable, "-m", "lightning_prague.cli", "plane", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--control-port", str(control), "--log-dir", str(out / "plane")]
-    log = open(out / "plane.txt", "a")  # noqa: SIM115  (the service's own output; closed with the test's folder)
-    return subprocess.Popen(command, cwd=out, env=env, stdout=log, stderr=log, start_new_session=True)
-
-
-@pytest.fixture(scope="module")
-def restarted_jobs(tmp_path_factory) -> dict[str, tuple[int, dict[int, dict], str]]:
-    """The three jobs at once: name -> (exit status, each rank's result, the job's stderr)."""
-    runs, services = {}, []
-    for strategy in CASES:
-        out = tmp_path_factory.mktemp(strategy)
-        env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        if strategy == SERVICE:
-            port, control = free_port(), free_port()
-            env.update({PLANE_VARIABLE: f"127.0.0.1:{port}", SECRET_VARIABLE: "a-secret-of-this-test"})
-            services.append((out, port, control, env, _service(out, port, control, env)))
-        log = open(out / "log.txt", "w")  # noqa: SIM115  (a pipe could fill up)
-        job = subprocess.Popen(_command(strategy, CASES[strategy], out), cwd=out, env=env, stderr=log)
-        runs[strategy] = (out, log, job)
-    try:
-        for out, port, control, env, service in services:  # killed once the ranks have trained a while
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and not all((out / f"pid.{r}").exists() for r in range(4)):
-                time.sleep(0.2)
-            time.sleep(4.0)  # about 60 batches of each rank's 180
-            service.kill()
-            service.wait()
-            (out / "service_killed").write_text(str(time.time()))
-            time.sleep(1.0)
-            services.append((out, port, control, env, _service(out, port, control, env)))  # as the docs say
-            break
-        results = {}
-        for name, (out, log, job) in runs.items():
-            try:
-                job.wait(timeout=240)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"the {name} job did not end within 240 s:\n{dump_stacks(job, out / 'log.txt')}")
-            log.close()
-            ranks = {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("result*.json"))}
-            results[name] = (job.returncode, ranks, (out / "log.txt").read_text())
-    finally:
-        for _, log, job in runs.values():
-            if job.poll() is None:
-                job.kill()
-            log.close()
-        for *_, service in services:
-            if service.poll() is None:
-                service.send_signal(signal.SIGTERM)
-                service.wait(10)
-    return results
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", list(CASES))
-def test_a_control_plane_killed_mid_fit_and_started_again_takes_the_job_back(restarted_jobs, strategy):
-    status, results, stderr = restarted_jobs[strategy]
-    assert status == 0, stderr[-4000:]
-    assert sorted(results) == [0, 1, 2, 3], stderr[-4000:]
-    assert stderr.count("reconnected to the control plane") >= 4, stderr[-4000:]  # every rank's link came back
-    if strategy != SERVICE:
-        assert "restarted the supervisor" in stderr  # by global rank 0
-    # every batch trained once, before and after the restart, and one model at the end
-    trained = sum(results[r]["batches_this_process"] for r in results)
-    if strategy == "decent_adam":  # lock-step shards, each of the 4 padded to the same length
-        assert trained == 4 * math.ceil(math.ceil(SAMPLES / 4) / BATCH)
-    else:  # the work queue: one pass over the data
-        assert trained == math.ceil(SAMPLES / BATCH), {r: results[r]["batches_this_process"] for r in results}
-    assert len({results[r]["params_sha256"] for r in results}) == 1
-
 
 # -- message level --------------------------------------------------------------------------------
 WORLD = 3
@@ -157,6 +58,7 @@ def test_a_plane_replayed_from_its_journal_stands_where_the_dead_one_stood(tmp_p
     path = tmp_path / "journal"
     first = JournaledPlane(ControlPlane(), Journal(path, CREDENTIALS.launch))
     _traffic(first)
+    first.flush()  # (the server does it before it sends anything)
     _, entries = read_journal(path, CREDENTIALS.launch)
     second = JournaledPlane(ControlPlane())
     second.replay(entries)
@@ -200,6 +102,7 @@ def test_a_journal_is_untrusted_input(tmp_path):
     path = tmp_path / "journal"
     plane = JournaledPlane(ControlPlane(), Journal(path, CREDENTIALS.launch))
     _traffic(plane)
+    plane.flush()
     with pytest.raises(JournalError, match="of launch .* not 'another-launch': another job's"):
         read_journal(path, "another-launch")
     lines = path.read_bytes().split(b"\n")
@@ -278,6 +181,7 @@ def test_a_plane_taken_back_renews_an_admissions_epoch_and_decided_rounds_keep_t
         return answer
 
     assert ask(first, 0, 5)["epoch"] == 0  # decided before the plane died
+    first.flush()
     second = JournaledPlane(ControlPlane())
     second.replay(read_journal(path, CREDENTIALS.launch)[1])
     before = dict(second.issued)
@@ -329,6 +233,7 @@ def test_a_journal_is_compacted_between_fits_and_still_takes_the_job_back(tmp_pa
         {"op": "join", "s": 2, "rank": 0, MESSAGE_SEQ: first.handled[0] + 1, "config": _config()}
         | {"pid": 1, "host": "h"}
     )  # the next fit's first message: the file now holds its header, a base and it
+    first.flush()
     _, entries = read_journal(path, CREDENTIALS.launch)
     assert [entry["k"] for entry in entries] == ["base", "msg"]
     second = JournaledPlane(ControlPlane())

@@ -9,6 +9,11 @@ admitted at once, in a membership epoch of its own, with no meeting of the membe
 epoch's end that would come too late), gets the fit's state from a live member, and trains the rest
 of the epoch with the others: the work queue's batches, or the rest of the lost rank's own shard
 (gossip rounds take it in at a round every member of its groups agrees on).
+
+The control plane dies too, after the admission: rank 1 SIGKILLs the supervisor at its 130th batch
+under `prague` (and at its 60th in the third job). Rank 0 starts it again, it takes the job back from
+its journal and renews the admission's membership epoch in its new store, every rank reconnects, and
+every batch is still trained once (`test_plane_restart.py` for the mechanism).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ CASES = {"prague": 2, "decent_adam": 0}
 #: how the agent starts the ranks: new interpreters (the default), or forks of itself (no import per
 #: rank: restarts within a second)
 START_METHOD = {"prague": "popen", "decent_adam": "fork"}
+#: the jobs whose control plane rank 1 kills, and at which of its batches (after the admission)
+PLANE_KILLED = {"prague": 130, "decent_adam-later-epoch": 60}
 
 
 #: the third job, alongside: `decent_adam` over 8 short epochs, rank 2 killed at its 20th batch (in
@@ -43,6 +50,8 @@ def _command(strategy: str, rank: int, out: Path) -> list[str]:
     command += ["--epochs", "1", "--batch-size", str(BATCH), "--step-time", "0.05", "--profile", "homogeneous"]
     command += ["--fault", f"{rank}:{KILLED_AT}:kill", "--max-restarts", "1", "--hang-timeout", "10"]
     command += ["--start-method", START_METHOD[strategy]]
+    if strategy in PLANE_KILLED:  # (under `decent_adam` rank 0 itself is killed: nobody would start it again)
+        command += ["--fault", f"1:{PLANE_KILLED[strategy]}:kill-plane"]
     return [*command, "--json", str(out / "result.json")]
 
 
@@ -50,6 +59,7 @@ def _later_epoch_command(out: Path) -> list[str]:
     command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", "decent_adam", "--devices", "4"]
     command += ["--start-method", "fork"]
     command += ["--epochs", "8", "--step-time", "0.05", "--profile", "homogeneous", "--fault", "2:20:kill"]
+    command += ["--fault", f"1:{PLANE_KILLED[LATER_EPOCH]}:kill-plane"]
     command += ["--max-restarts", "1", "--hang-timeout", "10", "--json", str(out / "result.json")]
     # checkpoints at every epoch's end, right after the admission there: the others average their optimizer
     # states among themselves, not with the joiner, which writes none there (it did, and gloo aborted)
@@ -107,6 +117,8 @@ def test_a_killed_rank_rejoins_inside_one_long_epoch_and_every_batch_is_trained_
     assert trained == batches, (strategy, {r: results[r]["batches_this_process"] for r in results})
     # and the fit ended on one consensus model
     assert len({results[r]["params_sha256"] for r in results}) == 1
+    if strategy in PLANE_KILLED:
+        assert_plane_taken_back(stderr)
 
 
 def test_a_successor_resumes_the_epoch_where_the_lost_rank_stood_with_its_steps_moved_to_match():
@@ -154,3 +166,12 @@ def test_a_lock_step_rank_restarted_in_a_later_epoch_is_admitted_at_an_epoch_end
     assert results[2]["val_acc"] is not None
     assert len({results[r]["params_sha256"] for r in results}) == 1
     assert (out / "checkpoints" / "last.ckpt").is_file()
+    assert_plane_taken_back(stderr)
+
+
+def assert_plane_taken_back(stderr: str) -> None:
+    """The supervisor that rank 1 killed was started again by rank 0, every rank's link came back, and the
+    admission's membership epoch was renewed in the new store."""
+    assert "restarted the supervisor" in stderr, stderr[-4000:]
+    assert stderr.count("reconnected to the control plane") == 4, stderr[-4000:]
+    assert "in the new store" in stderr, stderr[-4000:]

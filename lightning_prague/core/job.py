@@ -84,6 +84,8 @@ PLANE_WAIT_VARIABLE = "LIGHTNING_PRAGUE_PLANE_WAIT"
 PLANE_WAIT_SECONDS = 60.0
 #: times global rank 0 starts a supervisor that died again, per job
 MAX_SUPERVISOR_RESTARTS = 5
+#: seconds a rank whose control link resumed waits for the plane's record in its new store
+RECORD_SECONDS = 5.0
 
 
 def plane_wait() -> float:
@@ -180,6 +182,13 @@ class Job(Membership):
         )
         if not self.joining:
             publish_running(self.store, self.control.launch, self.rank)
+        try:  # the process that serves the plane now (a plane service's new pid)
+            self.store.wait([self.control.record_key], timedelta(seconds=RECORD_SECONDS))
+            record = ADDRESS_RECORD.check(json.loads(self.store.get(self.control.record_key)))
+            if record["launch"] == self.control.launch:
+                self.control.supervisor_pid = record["pid"]
+        except (RuntimeError, ValueError, BadRecord, dist.DistError) as err:
+            log.debug("rank %d: no control plane's record in the new store: %s", self.rank, err)
 
     @property
     def supervisor_pid(self) -> int:
@@ -558,4 +567,5 @@ def _connect(
     )
     client.supervisor_pid = record["pid"]
     client.store_in_plane = bool(record.get("store"))
+    client.record_key = key
     return client

@@ -483,6 +483,12 @@ def decode_message(line: bytes) -> Message:
         raise BadMessage(f"a line that is not JSON ({type(err).__name__}: {str(err)[:80]})") from None
     if not isinstance(message, dict):
         raise BadMessage(f"a line that is not a message (a JSON object with an 'op'): {line[:80]!r}")
+    return check_message(message)
+
+
+def check_message(message: dict[str, Any]) -> Message:
+    """`message` (a JSON object read from anywhere: a socket, the control plane's journal) if it is one
+    of `RECORDS`; `BadMessage` otherwise (see `decode_message`)."""
     op, do = message.get("op"), message.get("do")
     record = None
     if isinstance(op, str):

@@ -92,6 +92,8 @@ class ControlClient:
         self.launch = credentials.launch
         #: the process that serves the control plane hosts the job's store too (it restarts with it)
         self.store_in_plane = False
+        #: the store key of the control plane's record (`lightning_prague.core.protocol.ADDRESS_RECORD`)
+        self.record_key = ""
         #: the supervisor's process id (as it published it with its address)
         self.supervisor_pid = 0
         #: called (by the reader thread) when the control plane leaves this rank out of its fit: the

@@ -200,6 +200,9 @@ class MessageLink:
     def send(self, message: Message) -> None:
         numbered = message.get("op") not in _UNNUMBERED
         with self._send_lock:
+            if self.closed and not self.reconnecting:  # it ended (not back within its wait, or closed here)
+                what = self.close_error or f"rank {self.rank}: the connection to {self.peer} closed"
+                raise ControlPlaneLost(f"{what} (this rank could not send {message.get('op')!r})")
             if numbered:
                 self._seq += 1
                 line = encode_line({**message, MESSAGE_SEQ: self._seq})

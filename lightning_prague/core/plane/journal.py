@@ -56,7 +56,7 @@ from lightning_prague.core.protocol import (
     RESUMED,
     BadMessage,
     Message,
-    decode_message,
+    check_message,
     encode_line,
 )
 from lightning_prague.core.records import BOOLEAN, BadRecord, Record, integer, json_object, list_of, one_of, text
@@ -122,12 +122,18 @@ class Journal:
         self.entries = 0
         fresh = not self.path.exists() or self.path.stat().st_size == 0
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._file = os.fdopen(fd, "ab", buffering=0)
+        self._file = os.fdopen(fd, "ab")
         if fresh:
             self._write({"k": "journal", "v": JOURNAL_VERSION, "launch": launch})
+            self.flush()
 
     def _write(self, entry: dict[str, Any]) -> None:
-        self._file.write(encode_line(entry))  # unbuffered: in the operating system when this returns
+        self._file.write(encode_line(entry))
+
+    def flush(self) -> None:
+        """Into the operating system: the server calls it before it sends what the entries produced
+        (`MessageServer`'s `before_send`), so nothing leaves the process that the file does not explain."""
+        self._file.flush()
 
     def append(self, entry: dict[str, Any]) -> None:
         self._write(entry)
@@ -140,9 +146,9 @@ class Journal:
         with os.fdopen(fd, "wb") as f:
             f.write(encode_line({"k": "journal", "v": JOURNAL_VERSION, "launch": self.launch}))
             f.write(encode_line(base))
+        self._file.close()  # (what it held is in the base)
         os.replace(tmp, self.path)
-        self._file.close()
-        self._file = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND), "ab", buffering=0)
+        self._file = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND), "ab")
         self.entries = 0
 
     def close(self) -> None:
@@ -178,7 +184,7 @@ def _entry(path: Path, number: int, line: bytes, records: dict[str, Record]) -> 
             raise BadRecord(f"not an entry: {line[:80]!r}")
         record.check(entry)
         if entry["k"] == "msg":  # the same rules as a message from a socket
-            entry["msg"] = decode_message(encode_line(entry["msg"]))
+            entry["msg"] = check_message(entry["msg"])
         if entry["k"] == "base":
             _check_base(entry)
     except (ValueError, RecursionError, BadRecord, BadMessage) as err:
@@ -262,6 +268,11 @@ class JournaledPlane:
         if self.plane.sweep(out):
             self._record({"k": "sweep"})
         return self._number(out)
+
+    def flush(self) -> None:
+        """The server's `before_send`: the journal's entries of this pass reach the operating system first."""
+        if self.journal is not None:
+            self.journal.flush()
 
     # -- resuming a rank's link -----------------------------------------------------------------------
     def _resume(self, rank: int, got: int) -> Out:

@@ -157,6 +157,7 @@ class MessageServer:
         on_disconnect: RankEvent | None = None,
         on_tick: Callable[[], dict[int, list[Message]]] | None = None,
         tick_seconds: float = 0.25,
+        before_send: Callable[[], None] | None = None,
         decode: Callable[[bytes], Message] = decode_message,
     ) -> None:
         self.handler = handler
@@ -167,6 +168,8 @@ class MessageServer:
         #: called every `tick_seconds` in the server thread; its items are sent like a handler's
         self.on_tick = on_tick
         self.tick_seconds = tick_seconds
+        #: called in each pass of the loop before anything it produced is written (the journal's flush)
+        self.before_send = before_send
         self._next_tick = 0.0
         self.name = name
         self.on_connect = on_connect
@@ -263,6 +266,8 @@ class MessageServer:
                 if self.on_tick is not None and time.monotonic() >= self._next_tick:
                     self._next_tick = time.monotonic() + self.tick_seconds
                     self._route(self._guarded(self.on_tick), touched)
+                if touched and self.before_send is not None:
+                    self.before_send()  # (an error here stops the server: nothing it cannot explain is sent)
                 for conn in touched.values():
                     self._flush(selector, conn)
         except BaseException as err:  # every client is told why before its connection closes

@@ -171,6 +171,7 @@ def serve_plane(
         on_connect=plane.on_connect,
         on_disconnect=plane.on_disconnect,
         on_tick=plane.tick,
+        before_send=plane.flush,
     )
     server.ever_connected |= plane.known  # the ranks it took back: items for them wait in the journal's ring
     plane.ends = server.ends
