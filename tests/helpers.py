@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# (imported here, before any test starts a thread: a name lookup imports this codec lazily, and a
+# thread that held its import lock while the test process forked a job left the lock held in every
+# process of that job, whose first lookup then hung for ever: seen in `test_hostile_job.py`)
+import encodings.idna  # noqa: F401
 import faulthandler
 import gc
 import json

@@ -324,46 +324,47 @@ class MessageLink:
                 return None
             except (OSError, CoordinationTimeout) as err:
                 last = f" ({err})"
-                left = started + self.reconnect_within - time.monotonic()
-                if left <= 0:
-                    log.error(
-                        "rank %d: %s did not come back within %.0fs%s",
-                        self.rank,
-                        self.peer,
-                        self.reconnect_within,
-                        last,
-                    )
-                    return None
-                time.sleep(min(RECONNECT_SECONDS, left))
-                continue
-            with self._send_lock:
-                kept = list(self._unacked)
-                if handled < self._seq and (not kept or kept[0][0] > handled + 1):
-                    self.server_error = (
-                        f"it handled this rank's messages up to {handled} of {self._seq}; the rest are no longer kept"
-                    )
-                    return None
-                again = [line for seq, line in kept if seq > handled]
-                try:
-                    self._sock.sendall(b"".join(again))
-                except OSError as err:  # gone again: the next attempt
-                    last = f" ({err})"
-                    continue
-                self.reconnecting = False
-            self.reconnects += 1
-            self.last_received = time.monotonic()
-            log.warning(
-                "rank %d: reconnected to %s after %.1fs: %d messages sent again", self.rank, self.peer,
-                time.monotonic() - started, len(again),
-            )  # fmt: skip
-            if self.on_resumed is not None:
-                try:
-                    self.on_resumed()
-                except Exception:
-                    log.exception("rank %d: handling the resumed link failed", self.rank)
-            buffer, self._buffer = self._buffer, bytearray()
-            return buffer
+            else:
+                with self._send_lock:
+                    kept = list(self._unacked)
+                    if handled < self._seq and (not kept or kept[0][0] > handled + 1):
+                        self.server_error = (
+                            f"it handled this rank's messages up to {handled} of {self._seq}; the rest are no longer "
+                            "kept"
+                        )
+                        return None
+                    again = [line for seq, line in kept if seq > handled]
+                    try:
+                        self._sock.sendall(b"".join(again))
+                        self.reconnecting = False
+                    except OSError as err:  # gone again: the next attempt
+                        last = f" ({err})"
+                if not self.reconnecting:
+                    return self._resumed(started, len(again))
+            left = started + self.reconnect_within - time.monotonic()
+            if left <= 0:
+                log.error(
+                    "rank %d: %s did not come back within %.0fs%s", self.rank, self.peer, self.reconnect_within, last
+                )
+                return None
+            time.sleep(min(RECONNECT_SECONDS, left))
         return None
+
+    def _resumed(self, started: float, sent_again: int) -> bytearray:
+        """The link is back: what came after the server's answer, for the reader."""
+        self.reconnects += 1
+        self.last_received = time.monotonic()
+        log.warning(
+            "rank %d: reconnected to %s after %.1fs: %d messages sent again", self.rank, self.peer,
+            time.monotonic() - started, sent_again,
+        )  # fmt: skip
+        if self.on_resumed is not None:
+            try:
+                self.on_resumed()
+            except Exception:
+                log.exception("rank %d: handling the resumed link failed", self.rank)
+        buffer, self._buffer = self._buffer, bytearray()
+        return buffer
 
     def _resume(self) -> int:
         """One attempt: a new connection, the handshake naming the last item got, and the server's
