@@ -66,7 +66,7 @@ from lightning_prague.core.membership import (  # noqa: F401  (re-exported: wher
 )
 from lightning_prague.core.plane.launch import Supervisor, launch, wait_until_listening
 from lightning_prague.core.protocol import ADDRESS_RECORD, SERVICE_ADDRESS_KEY, SessionConfig, address_key
-from lightning_prague.core.records import BadRecord
+from lightning_prague.core.records import BadRecord, environment_number
 from lightning_prague.core.torch_internals import (  # noqa: F401  (re-exported)
     SUPPORTED_TORCH,
     TORCH_INTERNALS,
@@ -90,19 +90,9 @@ RECORD_SECONDS = 5.0
 
 def plane_wait() -> float:
     """`PLANE_WAIT_VARIABLE`'s seconds, else `PLANE_WAIT_SECONDS`; `ConfigurationError` if not a number >= 0."""
-    text = os.environ.get(PLANE_WAIT_VARIABLE, "").strip()
-    if not text:
-        return PLANE_WAIT_SECONDS
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds <= 86400:
-        raise ConfigurationError(
-            f"{PLANE_WAIT_VARIABLE}={text!r} is invalid: it must be the seconds (0 to 86400) a rank waits for its "
-            "control plane to come back"
-        )
-    return seconds
+    must_be = "the seconds (0 to 86400) a rank waits for its control plane to come back"
+    seconds = environment_number(PLANE_WAIT_VARIABLE, float, 0, 86400, must_be)
+    return PLANE_WAIT_SECONDS if seconds is None else seconds
 
 
 @dataclass

@@ -23,6 +23,7 @@ from lightning_prague.core.records import (
     MAX_INT,
     BadRecord,
     Record,
+    environment_number,
     hex_digest,
     integer,
     json_object,
@@ -294,17 +295,9 @@ def resolve_control_port(control_port: int | None = None) -> int | None:
             f"coordinator_port={control_port!r} is invalid: it must be a TCP port number from 1 to 65535 "
             "(or unset for a free port)"
         )
-    value = os.environ.get(PORT_VARIABLE, "").strip()
-    if not value:
+    env_port = environment_number(PORT_VARIABLE, int, 1, 65535, "a TCP port number from 1 to 65535 (or unset)")
+    if env_port is None:
         return control_port
-    try:
-        env_port = int(value)
-    except ValueError:
-        env_port = 0
-    if not 1 <= env_port <= 65535:
-        raise ConfigurationError(
-            f"{PORT_VARIABLE}={value!r} is invalid: it must be a TCP port number from 1 to 65535 (or unset)"
-        )
     if control_port is not None and control_port != env_port:
         raise ConfigurationError(
             f"coordinator_port={control_port} and {PORT_VARIABLE}={env_port} name different ports for the control "

@@ -18,6 +18,7 @@ the values stay JSON (numbers, strings, booleans, lists and objects of them).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,3 +121,20 @@ class Record:
 def _shown(value: Any) -> str:
     text_ = repr(value)
     return text_ if len(text_) <= 60 else text_[:57] + "..."
+
+
+def environment_number(name: str, kind: type[int] | type[float], low: float, high: float, must_be: str) -> Any:
+    """The number environment variable `name` holds (a `kind`), `None` where it is unset or empty;
+    `ConfigurationError` naming it (`must_be`: what it must be) for anything else or out of `low`-`high`."""
+    from lightning_prague.core.errors import ConfigurationError
+
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise ConfigurationError(f"{name}={text!r} is invalid: it must be {must_be}")
+    return value

@@ -32,6 +32,9 @@ import socket
 import struct
 from collections.abc import Iterable, Iterator
 
+from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.records import environment_number
+
 log = logging.getLogger(__name__)
 
 #: seconds a worker waits beyond its hang bound before it fences itself (the control plane declares
@@ -50,17 +53,12 @@ EXCLUDED_EXIT_DEFAULT = 0
 
 def excluded_exit_status() -> int:
     """The exit status of a rank the control plane excluded (`EXCLUDED_EXIT_VARIABLE`, 0-255)."""
-    value = os.environ.get(EXCLUDED_EXIT_VARIABLE, "").strip()
-    if not value:
-        return EXCLUDED_EXIT_DEFAULT
-    try:
-        status = int(value)
-    except ValueError:
-        status = -1
-    if not 0 <= status <= 255:
-        log.error("%s=%r is not an exit status (0-255): using %d", EXCLUDED_EXIT_VARIABLE, value, FENCED_EXIT_STATUS)
+    try:  # (a process that is ending: a bad value costs a log line, not the exit)
+        status = environment_number(EXCLUDED_EXIT_VARIABLE, int, 0, 255, "an exit status (0-255)")
+    except ConfigurationError as err:
+        log.error("%s: using %d", err, FENCED_EXIT_STATUS)
         return FENCED_EXIT_STATUS
-    return status
+    return EXCLUDED_EXIT_DEFAULT if status is None else status
 
 
 _SIOCGIFADDR = 0x8915
