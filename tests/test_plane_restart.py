@@ -239,3 +239,20 @@ def test_a_journal_is_compacted_between_fits_and_still_takes_the_job_back(tmp_pa
     second = JournaledPlane(ControlPlane())
     second.replay(entries)
     assert second.issued == first.issued and second.handled == first.handled and list(second.plane.sessions) == [2]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"op":"hello","rank":1,"nonce":"' + b"a" * 64 + b'","proof":"' + b"b" * 64 + b'","got":-1}',
+        b'{"op":"hello","rank":1,"nonce":"' + b"a" * 64 + b'","proof":"' + b"b" * 64 + b'","got":"all"}',
+        b'{"op":"leave","s":1,"rank":1,"m":0}',
+        b'{"op":"leave","s":1,"rank":1,"m":"1"}',
+        b'{"op":"leave","s":1,"rank":1,"m":1.5}',
+    ],
+)
+def test_a_resume_or_a_message_number_that_no_link_would_send_is_refused_on_the_wire(line):
+    from lightning_prague.core.protocol import BadMessage, decode_message
+
+    with pytest.raises(BadMessage, match="'got'|'m'"):
+        decode_message(line)
