@@ -560,3 +560,52 @@ def test_a_background_transfer_runs_beside_other_exchanges_and_before_any_with_i
     assert donor["sent_before_the_second_sum"] is True  # the sum with the receiver waited for it
     assert receiver["payload_intact"] is True
     assert donor["sum_with_2"] == receiver["sum_with_0"] == 101.0 and other["sum_with_0"] == 11.0
+
+
+class _ScriptedSession:
+    """A joiner's session that admits it at once (membership epoch `epoch`, donor `donor`)."""
+
+    def __init__(self, epoch: int, donor: int) -> None:
+        self.admission = {"epoch": epoch, "members": [0, 1, 2, 3], "donor": donor}
+        self.departed: dict[int, str] = {}
+        self.closed: list[bool] = []
+
+    def await_admission(self, wait: float) -> dict:
+        return self.admission
+
+    def close(self, failed: bool = False) -> None:
+        self.closed.append(failed)
+
+
+def test_a_joiner_whose_state_never_arrives_from_a_live_donor_asks_again(monkeypatch):
+    """The donor lives, but its send never reached the joiner (on gloo, a new group's pair that never
+    connected): the receive's timeout costs an attempt, not the fit. The joiner leaves that admission
+    (its session closes as failed: a departure) and asks again, in a new membership epoch."""
+    import lightning_prague.core.membership as membership
+
+    sessions = [_ScriptedSession(3, 0), _ScriptedSession(4, 1)]
+    opened: list[int] = []
+
+    def open_session(number: int, config: object, rejoin: bool = False) -> _ScriptedSession:
+        opened.append(number)
+        return sessions[len(opened) - 1]
+
+    def receive(comm, donor, what, sender_gone=None):
+        if donor == 0:
+            raise CoordinationTimeout("rank 2: the size of the fit's state over ranks [2, 0] timed out after 60.0s")
+        return b"state"
+
+    monkeypatch.setattr(membership, "receive_payload", receive)
+    monkeypatch.setattr(membership, "GroupComm", lambda *args: SimpleNamespace(rebind=lambda *a: None))
+    monkeypatch.setattr(membership, "established_connections", lambda: {})
+    monkeypatch.setattr(membership, "_heard_left", lambda session, rank: False)  # (the donor lives)
+    job = SimpleNamespace(
+        rank=2, world_size=4, sessions=1, group=None, members=(), control=SimpleNamespace(open_session=open_session)
+    )
+    job.adopt_epoch = lambda epoch, members, departed: None
+    job.follow_leader = lambda admit: None
+    job._rejoin_once = lambda *args: membership.Membership._rejoin_once(job, *args)
+    admission = membership.Membership.rejoin(job, None, wait=5.0, timeout=60.0)  # type: ignore[arg-type]
+    assert admission.donor == 1 and admission.payload == b"state" and admission.release["epoch"] == 4
+    assert opened == [2, 2]  # the same fit's session, asked for twice
+    assert sessions[0].closed == [True] and sessions[1].closed == []

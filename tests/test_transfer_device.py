@@ -242,6 +242,34 @@ def test_the_transfer_thread_binds_its_device_and_stream_before_anything_else():
 
 
 # -- a receiver that departs mid-transfer -------------------------------------------------------------
+def _send_held_for_receivers_that_left(rank: int) -> dict[str, Any]:
+    fake_world()
+    transfer.DEPARTED_GRACE = 0.2
+    held = threading.Event()  # never set: the send is held where no deadline of ours reaches it
+    comm = GroupComm(0, 3, 60.0)  # gloo's way of issuing: no host-polled waits that see departures
+    left = {"at": float("inf")}
+    sending = BackgroundTransfer(
+        comm, [RECEIVER], lambda: held.wait() and b"", "the state", 60.0, lambda r: time.monotonic() >= left["at"]
+    ).start()
+    start = time.monotonic()
+    threading.Timer(0.3, lambda: left.update(at=time.monotonic())).start()  # the receiver gives up on it
+    sending.wait()
+    waited = time.monotonic() - start
+    start = time.monotonic()
+    sending.guard({RECEIVER})  # an exchange with the rank that asked again does not wait for it
+    return {"waited": waited, "guard": time.monotonic() - start, "alive": not sending.done}
+
+
+def test_a_send_held_for_receivers_that_all_left_is_left_behind_on_any_backend():
+    """A donor's send held in the backend (gloo's connect of a new group's pair, which no timeout of
+    ours reaches) for a joiner that gave up and asked again: the donor's wait ends a grace after the
+    receiver left, not at the transfer's bound, and no exchange with that rank waits for it again."""
+    (result,) = in_processes([_send_held_for_receivers_that_left])
+    assert result["alive"]  # (the thread is still held: left behind, not ended)
+    assert 0.4 <= result["waited"] < 5.0, result
+    assert result["guard"] < 0.1, result
+
+
 def _receiver_departs(rank: int) -> dict[str, Any]:
     fake_world()
     transfer.PIECE_BYTES = 1000

@@ -349,17 +349,19 @@ class Membership:
         `wait` s) for its admission (at once, or after the members' meeting, or at their epoch's end
         for a lock-step rank with nothing left in their epoch), create the admission's membership
         epoch's group (`epoch_group`) and receive the fit's state from the donor over it
-        (`lightning_prague.core.comm.transfer`); `timeout` bounds each operation. A donor that leaves
-        the job before its state arrived (it died mid-transfer) costs an attempt: this rank gives up
-        on that admission (a departure, so nobody waits for it) and asks again, up to
-        `REJOIN_ATTEMPTS` times, and another member sends the state. Raises `ControlPlaneError` with
+        (`lightning_prague.core.comm.transfer`); `timeout` bounds each operation. A transfer that
+        fails costs an attempt: a donor that left the job before its state arrived (it died
+        mid-transfer), or one that lives but whose state did not arrive within the timeout (its send
+        never reached this process). This rank gives up on that admission (a departure, so nobody
+        waits for it, and the donor leaves its transfer behind) and asks again, up to
+        `REJOIN_ATTEMPTS` times, in a new membership epoch whose group connects afresh. Raises `ControlPlaneError` with
         the reason if the fit cannot take it back."""
         self.sessions += 1
         start = time.monotonic()
         for attempt in range(1, REJOIN_ATTEMPTS + 1):
             try:
                 return self._rejoin_once(config, wait, timeout, start)
-            except _DonorLost as err:
+            except _TransferFailed as err:
                 if attempt == REJOIN_ATTEMPTS:
                     raise MemberLost(f"{err}; gave up after {attempt} attempts to rejoin") from err
                 log.warning("%s; it asks to rejoin again (attempt %d of %d)", err, attempt + 1, REJOIN_ATTEMPTS)
@@ -368,10 +370,12 @@ class Membership:
 
     def _rejoin_once(self, config: SessionConfig, wait: float, timeout: float, start: float) -> Admission:
         """One attempt of `rejoin`, in a session of its own (the fit's number, `self.sessions`);
-        `_DonorLost` if the donor left before its state arrived. Any failure closes the session as
-        failed: a withdrawal before the admission, a departure after it."""
+        `_TransferFailed` if the fit's state did not arrive (the donor left, or the receive timed
+        out). Any failure closes the session as failed: a withdrawal before the admission, a
+        departure after it."""
         session = self.control.open_session(self.sessions, config, rejoin=True)
         donor: Optional[int] = None
+        receiving = False  # whether the failure is the transfer's (which another attempt may get through)
         connected: Optional[dict[int, int]] = None  # this process's connections before it connected to a member
         try:
             admit = session.await_admission(wait)
@@ -386,6 +390,7 @@ class Membership:
             comm.rebind(self.group, self.members)  # type: ignore[arg-type]
             admitted = time.monotonic()
             sender = donor
+            receiving = True
             payload = receive_payload(comm, donor, "the fit's state", sender_gone=lambda: sender in session.departed)
         except BaseException as err:
             # (before the close: a closed session hears of no departure)
@@ -396,7 +401,12 @@ class Membership:
                 shut_down_connections(built, self.rank, "those of the group it made at an admission it gives up")
             session.close(failed=True)
             if lost:
-                raise _DonorLost(f"rank {self.rank}: rank {donor} left the job before the fit's state arrived") from err
+                raise _TransferFailed(
+                    f"rank {self.rank}: rank {donor} left the job before the fit's state arrived"
+                ) from err
+            if receiving and isinstance(err, CoordinationTimeout):
+                why = f"rank {self.rank}: the fit's state from rank {donor} did not arrive: {err}"
+                raise _TransferFailed(why) from err
             raise
         self.joining, self.rejoined = False, True
         self.follow_leader(admit)
@@ -410,8 +420,9 @@ class Membership:
         return Admission(session, donor, payload, admitted - start, done - admitted, admit, position)
 
 
-class _DonorLost(MemberLost):
-    """The donor of a rejoining rank left the job before its state arrived: the rank asks again."""
+class _TransferFailed(MemberLost):
+    """The fit's state did not reach a rejoining rank (its donor left the job first, or the receive
+    timed out): the rank asks again."""
 
 
 def _heard_left(session: Session, rank: int, within: float = DEPARTURE_NOTICE_SECONDS) -> bool:

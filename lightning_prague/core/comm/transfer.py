@@ -178,9 +178,18 @@ class BackgroundTransfer:
     """
 
     def __init__(
-        self, comm: GroupComm, receivers: Sequence[int], encode: Callable[[], bytes], what: str, timeout: float
+        self,
+        comm: GroupComm,
+        receivers: Sequence[int],
+        encode: Callable[[], bytes],
+        what: str,
+        timeout: float,
+        receiver_left: Callable[[int], bool] = lambda rank: False,
     ) -> None:
         self.receivers = set(receivers)
+        #: whether a receiver left the job since this transfer began (it gave up on it; it may have
+        #: asked to rejoin again): `wait` leaves a send to receivers that all left behind
+        self.receiver_left = receiver_left
         self.what = what
         self.timeout = timeout
         # a communicator of its own over the same process group: the training thread's keeps its state
@@ -230,9 +239,11 @@ class BackgroundTransfer:
             self.wait()
 
     def wait(self) -> None:
-        """Until the transfer ended (each send is bounded by the timeout, so this is too). On NCCL,
-        at most `DEPARTED_GRACE` seconds once a member departed: the thread is then left behind
-        (see the module docstring), and later calls return at once."""
+        """Until the transfer ended (each send is bounded by the timeout, so this is too). At most
+        `DEPARTED_GRACE` seconds once every receiver it has not reached left the job (on gloo a send
+        held in the backend's connect, which its receiver gave up on, ends at no deadline of ours),
+        and on NCCL once any member departed: the thread is then left behind (see the module
+        docstring), and later calls return at once."""
         if self._left_behind:
             return
         start = time.monotonic()
@@ -246,7 +257,9 @@ class BackgroundTransfer:
             if now >= bound:
                 log.warning("rank %d: %s is still being sent after its timeout", self._comm.rank, self.what)
                 return
-            if self._comm.batched and self._comm.abandon(self._comm.everyone):
+            pending = self.receivers - {receiver for receiver, _, _ in list(self.sent)}
+            nccl_gone = self._comm.batched and self._comm.abandon(self._comm.everyone)
+            if nccl_gone or (pending and all(self.receiver_left(r) for r in pending)):
                 departed_at = now if departed_at is None else departed_at
                 if now - departed_at >= DEPARTED_GRACE:
                     self._left_behind = True

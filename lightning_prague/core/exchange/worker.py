@@ -571,11 +571,19 @@ class GroupWorker:
                 log.warning("rank %d: could not take the fit's state for ranks %s: %s", self.rank, receivers, err)
                 continue
             comm = self.comm.view(group, members)
-            transfer = BackgroundTransfer(comm, receivers, encode, "the fit's state", self.timeout)
+            transfer = BackgroundTransfer(
+                comm, receivers, encode, "the fit's state", self.timeout, self._left_since(time.time())
+            )
             self.comm.before_exchange = transfer.guard
             self.transfer = transfer.start()
             log.debug("rank %d: sending the fit's state to ranks %s (epoch %d)", self.rank, receivers, epoch)
         return admitted
+
+    def _left_since(self, since: float) -> Callable[[int], bool]:
+        """Whether a rank left the job after `since` (wall-clock seconds): it is gone, or it left
+        and was admitted again (a joiner that gave up on a transfer and asked again)."""
+        session = self.session
+        return lambda rank: rank in session.departed or session.rejoined.get(rank, (0.0, ""))[0] >= since
 
     def _departed_now(self) -> dict[int, str]:
         """The ranks that left the job, for a rebuild of the process group to poll (it ends at once,
