@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from helpers import CREDENTIALS
 
@@ -200,6 +202,9 @@ class _WaitingClaims:
         self.next += 1
         return self.next, None
 
+    def begin_claim(self, *args, **kwargs):  # sent ahead: the wait is the reply's (`ClaimInFlight.result`)
+        return SimpleNamespace(result=lambda: self.claim(*args, **kwargs))
+
     def report(self, *args, **kwargs):
         pass
 
@@ -213,3 +218,70 @@ def test_time_a_claim_waits_at_the_queue_is_not_counted_as_this_ranks_step_time(
         next(indices)
         now[0] += 1.0
     assert sampler.seconds_per_chunk == pytest.approx(1.0)
+
+
+class _RecordedClaims:
+    """Counters that record when each claim is sent and when its answer is taken (`begin_claim`)."""
+
+    def __init__(self, events: list[tuple[str, int]]) -> None:
+        self.events, self.next = events, 1  # (chunk 0 is the rank's own, set aside)
+
+    def begin_claim(self, cursor, first, tickets, ticketed, num, chunk=None, set_aside=None, park=False):
+        claimed, self.next = self.next, self.next + 1
+        self.events.append(("sent", claimed))
+        return SimpleNamespace(result=lambda: (self.events.append(("taken", claimed)), (claimed, None))[1])
+
+    def report(self, *args, **kwargs):
+        pass
+
+
+def test_once_it_timed_its_chunks_a_rank_claims_the_next_one_while_it_trains_this_one():
+    """No round trip between two batches: the claim for the next chunk is in flight while the rank
+    trains the one it holds; before it has an estimate of its speed (its first chunks), it claims
+    only once a chunk is done, so that a slow rank takes nothing it could not finish in time."""
+    events: list[tuple[str, int]] = []
+    now = [0.0]
+    sampler = WorkQueueSampler(12, 1, 0, 2, _RecordedClaims(events), shuffle=False, slow_ratio=0.0)
+    sampler.clock = lambda: now[0]
+    for index in sampler:  # one index per chunk; the trainer trains it for a second of the clock
+        events.append(("trains", index))
+        now[0] += 1.0
+    trains = [index for kind, index in events if kind == "trains"]
+    assert trains == list(range(12))  # every chunk once, in the queue's order here
+    position = {event: i for i, event in enumerate(events)}
+    # the first chunks: claimed after the one before was trained (no estimate yet)
+    assert position[("sent", 1)] > position[("trains", 0)]
+    assert position[("sent", 2)] > position[("trains", 1)]
+    # then each claim is sent before the chunk before it trains, and taken after
+    ahead = [c for c in range(3, 12) if position[("sent", c)] < position[("trains", c - 1)] < position[("taken", c)]]
+    assert ahead == list(range(3, 12)), events
+    assert events[-1] == ("taken", 12)  # the claim that found the queue's end, also sent ahead
+
+
+def test_without_claims_ahead_each_claim_waits_for_its_chunk_to_be_trained():
+    events: list[tuple[str, int]] = []
+    sampler = WorkQueueSampler(6, 1, 0, 2, _RecordedClaims(events), shuffle=False, slow_ratio=0.0, claim_ahead=False)
+    for index in sampler:
+        events.append(("trains", index))
+    position = {event: i for i, event in enumerate(events)}
+    assert all(position[("sent", c)] > position[("trains", c - 1)] for c in range(1, 7)), events
+
+
+def test_the_chunk_a_claim_in_flight_got_counts_as_held_for_a_checkpoint():
+    """At a synchronization point the claim sent ahead has a chunk this rank holds: a checkpoint taken
+    there lists it with the untrained ones, so that a resumed fit skips none; the iterator then goes on
+    with that very chunk."""
+    events: list[tuple[str, int]] = []
+    now = [0.0]
+    sampler = WorkQueueSampler(12, 1, 0, 2, _RecordedClaims(events), shuffle=False, slow_ratio=0.0)
+    sampler.clock = lambda: now[0]
+    indices = iter(sampler)
+    for _ in range(5):
+        next(indices)
+        now[0] += 1.0
+    sampler.untrained.popleft()  # (the trainer trained all but the last chunk handed out)
+    while len(sampler.untrained) > 1:
+        sampler.untrained.popleft()
+    assert ("sent", 5) in events and ("taken", 5) not in events
+    assert sampler.held() == [4, 5]
+    assert next(indices) == 5 and events.count(("taken", 5)) == 1

@@ -156,6 +156,11 @@ class ControlClient:
     ) -> Any:
         """Send `message` with a fresh `req` number and return the reply's value; `serve` is called
         every few milliseconds while the reply is awaited (a rank that waits long still serves its peers)."""
+        return self.begin(message, what).result(timeout, serve)
+
+    def begin(self, message: Message, what: str) -> PendingReply:
+        """Send `message` with a fresh `req` number now; its reply is taken later (`PendingReply.result`):
+        a request in flight while the caller works on (a claim ahead of the batch that needs it)."""
         req = next(self._req)
         waiter: queue.Queue[Message] = queue.Queue(maxsize=1)
         with self._lock:
@@ -163,28 +168,11 @@ class ControlClient:
                 raise self.link.closed_error(what)
             self._replies[req] = waiter
         self.link.send({**message, "req": req, "rank": self.rank})
-        limit = self.timeout if timeout is None else timeout
-        try:
-            reply = waiter.get(timeout=limit) if serve is None else _serving(waiter, limit, serve)
-        except queue.Empty:
-            with self._lock:
-                self._replies.pop(req, None)
-            raise CoordinationTimeout(
-                f"rank {self.rank}: the control plane at {self.address} did not answer {what} within {limit:.0f}s"
-            ) from None
-        except BaseException:  # `serve` failed: nobody waits for the reply any more
-            with self._lock:
-                self._replies.pop(req, None)
-            raise
-        if "error" in reply:
-            if reply.get("source") == CONTROL_PLANE:  # its handler rejected the request
-                raise ControlPlaneError(f"rank {self.rank}: {what} failed: {reply['error']}")
-            raise (
-                self.link.closed_error(what)
-                if self.link.closed
-                else CoordinationTimeout(f"rank {self.rank}: {what} failed: {reply['error']}")
-            )
-        return reply.get("value")
+        return PendingReply(self, req, waiter, what)
+
+    def _forget_reply(self, req: int) -> None:
+        with self._lock:
+            self._replies.pop(req, None)
 
     # -- sessions ------------------------------------------------------------------------------
     def open_session(self, number: int, config: SessionConfig, rejoin: bool = False) -> Session:
@@ -507,10 +495,14 @@ class Session:
     def request(
         self, op: str, what: str, timeout: float | None = None, serve: Callable[[], None] | None = None, **fields: Any
     ) -> Any:
+        return self.begin(op, what, **fields).result(timeout, serve)
+
+    def begin(self, op: str, what: str, **fields: Any) -> SessionReply:
+        """Send request `op` of this session now and take its reply later (`SessionReply.result`)."""
         self.raise_if_cut_off(what)
         self.requests += 1
         try:
-            return self.client.request({"op": op, "s": self.number, **fields}, what, timeout, serve)
+            return SessionReply(self, self.client.begin({"op": op, "s": self.number, **fields}, what))
         except PragueError as err:
             lost = self._lost_plane(err, what)
             if lost is err:
@@ -736,6 +728,21 @@ class Counters:
         epoch, the members and the chunk each started the epoch with (`lightning_prague.core.plane.work`);
         `park`: at an emptied queue, wait while a live member may still give chunks back, serving
         `serve` meanwhile (`lightning_prague.core.plane.queue_end`)."""
+        return self.begin_claim(cursor, first, tickets, ticketed, num, chunk, set_aside, park).result()
+
+    def begin_claim(
+        self,
+        cursor: str,
+        first: int,
+        tickets: str | None = None,
+        ticketed: int = 0,
+        num: int | None = None,
+        chunk: int | None = None,
+        set_aside: tuple[Sequence[int], Sequence[int]] | None = None,
+        park: bool = False,
+    ) -> ClaimInFlight:
+        """`claim`, sent now, its chunk taken later (`ClaimInFlight.result`): a claim ahead of the
+        batch that needs it, so that the control plane's round trip overlaps this rank's training."""
         what = f"a claim on the work queue {cursor!r}"
         fields: dict[str, Any] = {"key": cursor, "first": first, "tickets": tickets, "ticketed": ticketed}
         if num is not None:
@@ -744,17 +751,12 @@ class Counters:
             fields["chunk"] = chunk
         if set_aside is not None:
             fields["members"], fields["preset"] = list(set_aside[0]), list(set_aside[1])
-        if not park:
-            claimed, ticket = self._kv("claim", what, **fields)
-            return int(claimed), None if ticket is None else int(ticket)
-        # at an emptied queue the claim waits while a member may still give chunks back, as long as
-        # the epoch's closing meeting would wait for it (`lightning_prague.core.plane.queue_end`)
-        session = self.session
-        with session.beacon.waiting():
-            claimed, ticket = session.request(
-                "kv", f"{what} (at the queue's end)", session.long_bound, self.serve, do="claim", park=True, **fields
-            )
-        return int(claimed), None if ticket is None else int(ticket)
+        if park:
+            # at an emptied queue the claim waits while a member may still give chunks back, as long as
+            # the epoch's closing meeting would wait for it (`lightning_prague.core.plane.queue_end`)
+            fields["park"] = True
+            what = f"{what} (at the queue's end)"
+        return ClaimInFlight(self, self.session.begin("kv", what, do="claim", **fields), park)
 
     def report(
         self,
@@ -805,6 +807,80 @@ class Counters:
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class ClaimInFlight:
+    """A claim on the work queue sent and not yet answered (`Counters.begin_claim`)."""
+
+    def __init__(self, counters: Counters, reply: SessionReply, park: bool) -> None:
+        self.counters = counters
+        self.reply = reply
+        self.park = park
+
+    def result(self) -> tuple[int, int | None]:
+        """The claimed chunk and its ticket (`None`: none). A claim that may park waits as long as the
+        epoch's closing meeting would (the session's long bound), serving `Counters.serve`, and counts
+        as waiting for the hang detector."""
+        if not self.park:
+            claimed, ticket = self.reply.result()
+        else:
+            session = self.counters.session
+            with session.beacon.waiting():
+                claimed, ticket = self.reply.result(session.long_bound, self.counters.serve)
+        return int(claimed), None if ticket is None else int(ticket)
+
+
+class SessionReply:
+    """A session's request in flight (`Session.begin`): the control plane's loss as `ControlPlaneLost`."""
+
+    def __init__(self, session: Session, pending: PendingReply) -> None:
+        self.session = session
+        self.pending = pending
+
+    def result(self, timeout: float | None = None, serve: Callable[[], None] | None = None) -> Any:
+        try:
+            return self.pending.result(timeout, serve)
+        except PragueError as err:
+            lost = self.session._lost_plane(err, self.pending.what)
+            if lost is err:
+                raise
+            raise lost from err
+
+
+class PendingReply:
+    """A request sent and not yet answered (`ControlClient.begin`); `result` waits for its reply."""
+
+    def __init__(self, client: ControlClient, req: int, waiter: queue.Queue[Message], what: str) -> None:
+        self.client = client
+        self.req = req
+        self.what = what
+        self._waiter = waiter
+
+    def result(self, timeout: float | None = None, serve: Callable[[], None] | None = None) -> Any:
+        """The reply's value, waited for at most `timeout` s (default: the client's), calling `serve`
+        every few milliseconds meanwhile; `CoordinationTimeout` naming the request if none came, and
+        the control plane's rejection or the lost link as errors."""
+        client, what = self.client, self.what
+        limit = client.timeout if timeout is None else timeout
+        try:
+            reply = self._waiter.get(timeout=limit) if serve is None else _serving(self._waiter, limit, serve)
+        except queue.Empty:
+            client._forget_reply(self.req)
+            raise CoordinationTimeout(
+                f"rank {client.rank}: the control plane at {client.address} did not answer {what} within {limit:.0f}s"
+            ) from None
+        except BaseException:  # `serve` failed: nobody waits for the reply any more
+            client._forget_reply(self.req)
+            raise
+        if "error" in reply:
+            if reply.get("source") == CONTROL_PLANE:  # its handler rejected the request
+                raise ControlPlaneError(f"rank {client.rank}: {what} failed: {reply['error']}")
+            raise (
+                client.link.closed_error(what)
+                if client.link.closed
+                else CoordinationTimeout(f"rank {client.rank}: {what} failed: {reply['error']}")
+            )
+        return reply.get("value")
 
 
 def _serving(waiter: queue.Queue[Message], limit: float, serve: Callable[[], None]) -> Message:

@@ -224,7 +224,7 @@ class ProgressLoader:
 
     def untrained(self) -> list[int]:
         """The chunks this rank holds untrained (reported when the ranks meet, for checkpoints)."""
-        return list(self.sampler.untrained) if self.sampler is not None else []
+        return self.sampler.held() if self.sampler is not None else []
 
     def synchronized(self, progress: Optional[int]) -> int:
         """At a synchronization point, after the ranks met: record and return the global progress

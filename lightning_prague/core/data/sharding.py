@@ -14,6 +14,15 @@ consume all remaining chunks within one of its steps. Both figures come from the
 rank already sees (plus one read of the counter per rank, in the first epoch, before any estimate
 exists), so this costs no extra communication per chunk; ranks that are not slow never stop early,
 so every chunk is still trained on.
+
+Claims ahead: a claim is a round trip to the control plane, and a rank that claimed only when it
+needed the next chunk would wait that long at every batch. Once it has timed its chunks, a rank
+sends its next claim when it starts handing out a chunk and takes the answer when that chunk is
+done, so the round trip overlaps a step of its training (the tail decision is then taken one chunk
+earlier, with a horizon one chunk longer). In its first epoch a rank claims after each chunk until
+it has an estimate: a slow rank must not take a chunk before it can tell that the others would
+finish sooner. A claim in flight holds its chunk for this rank like any other (`lightning_prague.
+core.plane.work`): a rank lost with it gives it back to the queue.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ class WorkQueueSampler(Sampler[int]):
         slow_ratio: float = 2.0,
         lookahead: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        claim_ahead: bool = True,
     ) -> None:
         if chunk_size < 1:
             raise ConfigurationError(f"chunk_size (the batch size) must be at least 1, got {chunk_size}")
@@ -72,6 +82,8 @@ class WorkQueueSampler(Sampler[int]):
         self.timeout = timeout
         self.slow_ratio = slow_ratio
         self.lookahead = lookahead
+        #: keep the next claim in flight while this rank trains the chunk before it (see the module docstring)
+        self.claim_ahead = claim_ahead
         self.clock = clock  # seconds, for the speed estimates; injectable so tests can run a schedule
         self._my_seconds: float | None = None
         self._others_rate: float | None = None
@@ -94,6 +106,9 @@ class WorkQueueSampler(Sampler[int]):
         #: (members, the chunk each starts the epoch with): sent with this rank's first claim of an epoch
         self._set_aside: Optional[tuple[list[int], list[int]]] = None
         self._first_claimed = world_size  # chunk number of this epoch's first claim
+        #: the claim sent ahead and not yet answered, and an answer taken before the iterator needed it
+        self._in_flight: Optional[Callable[[], tuple[int, Optional[int]]]] = None
+        self._taken: Optional[tuple[int, Optional[int]]] = None
         self._store = store
         #: the ranks in the job (every rank until some are lost); set between epochs (`set_members`)
         self.members: list[int] = list(range(world_size))
@@ -118,6 +133,7 @@ class WorkQueueSampler(Sampler[int]):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_store"] = None  # a connection does not pickle; a copy (in another process) cannot claim
+        state["_in_flight"] = None  # (nor does a reply awaited here)
         return state
 
     def _connect(self) -> Any:
@@ -127,20 +143,24 @@ class WorkQueueSampler(Sampler[int]):
 
     def _claim(self, chunk: Optional[int] = None) -> tuple[int, Optional[int]]:
         """The next chunk of the queue (or `chunk`, handed to this rank by a resumed checkpoint) and, if
-        `ticketing` asks for it, the ticket claimed with it.
+        `ticketing` asks for it, the ticket claimed with it (`_begin_claim`, waited for)."""
+        return self._begin_claim(chunk)()
+
+    def _begin_claim(self, chunk: Optional[int] = None) -> Callable[[], tuple[int, Optional[int]]]:
+        """Send a claim now; what it returns gives the claimed chunk and ticket once answered.
 
         The control plane holds the chunk for this rank until it is reported trained (`trained`), so
         that it goes back to the queue if this rank is lost first (`lightning_prague.core.plane.work`);
         this rank's first claim of an epoch tells it which chunk every member started the epoch with.
         A claim that finds the queue empty waits there while another member may still be lost with
         chunks in hand, and may get one of them (`lightning_prague.core.plane.queue_end`). A plain
-        store, in tests, just counts."""
+        store, in tests, just counts (at once)."""
         store = self._connect()
         request = self.ticketing()
-        if hasattr(store, "claim"):
+        if hasattr(store, "begin_claim"):
             tickets, ticketed = request if request is not None else (None, 0)
             set_aside, self._set_aside = self._set_aside, None
-            return store.claim(
+            return store.begin_claim(
                 self._cursor_key,
                 self._first_claimed,
                 tickets,
@@ -149,11 +169,10 @@ class WorkQueueSampler(Sampler[int]):
                 chunk=chunk,
                 set_aside=set_aside,
                 park=chunk is None,
-            )
+            ).result
         assert request is None, "tickets are claimed with chunks only from the control plane's counters"
-        if chunk is not None:
-            return chunk, None
-        return self._first_claimed + increment(store, self._cursor_key) - 1, None
+        claimed = chunk if chunk is not None else self._first_claimed + increment(store, self._cursor_key) - 1
+        return lambda: (claimed, None)
 
     def trained(self, chunk: int) -> None:
         """`chunk` is trained: the control plane no longer requeues it if this rank is lost."""
@@ -226,23 +245,52 @@ class WorkQueueSampler(Sampler[int]):
         previous: tuple[float, int] | None = None  # (time, chunk) of this rank's previous claim
         self._epoch_started = self.clock()
         chunk, ticket = (first.pop(0), None) if first else self._claim()
+        self._in_flight, self._taken = None, None
+        left = False  # this rank left the rest of the epoch to the others
         while chunk < self.num_chunks:
             self.chunks_taken += 1
             self.total_chunks_taken += 1
             self.untrained.append(chunk)
             self.ticket_values.append(ticket)
+            # ahead once this rank timed its chunks (its first epoch's first claims wait for that: a slow
+            # rank must not take a chunk before it can tell that the others would finish sooner)
+            if self.claim_ahead and not first and self._my_seconds is not None:
+                left = self.slow_ratio > 0 and self._leave_tail(previous)
+                if not left:
+                    self._in_flight = self._begin_claim()  # answered while this chunk trains
             yield from order[chunk * self.chunk_size : (chunk + 1) * self.chunk_size]
             if first:  # more chunks a resumed checkpoint handed to this rank: held from their claim
                 chunk, ticket = self._claim(first.pop(0))
                 continue
-            if self.slow_ratio > 0 and self._leave_tail(previous):
-                return
+            if self._in_flight is None and self._taken is None:
+                if left or (self.slow_ratio > 0 and self._leave_tail(previous)):
+                    return
+                self._in_flight = self._begin_claim()
             claimed_at = self.clock()
-            chunk, ticket = self._claim()
+            chunk, ticket = self._take()
             self._observe(previous, claimed_at, chunk)
             # from when the claim returned: a claim that waited at the queue's end (for a hung
             # member, say) must not make this rank look slow in the next epoch's tail decisions
             previous = (self.clock(), chunk)
+
+    def _take(self) -> tuple[int, Optional[int]]:
+        """The answer of the claim sent ahead (waited for here unless `held` took it already)."""
+        if self._taken is None:
+            assert self._in_flight is not None
+            self._taken = self._in_flight()
+            self._in_flight = None
+        taken, self._taken = self._taken, None
+        return taken
+
+    def held(self) -> list[int]:
+        """The chunks this rank holds untrained: those handed out and not trained, and the one its claim
+        in flight got (its answer is taken here), which the control plane holds for it too. A
+        checkpoint taken now resumes with all of them (`resume`'s `pending`), so none is skipped."""
+        if self._in_flight is not None:
+            self._taken = self._in_flight()
+            self._in_flight = None
+        ahead = [self._taken[0]] if self._taken is not None and self._taken[0] < self.num_chunks else []
+        return [*self.untrained, *ahead]
 
     @property
     def _cursor_key(self) -> str:
@@ -317,7 +365,8 @@ class WorkQueueSampler(Sampler[int]):
         else:
             since, position = previous[0], previous[1] + 1
         cursor = position + self._others_rate * (now - since)
-        horizon = self._my_seconds * (1 + self.lookahead)  # a claimed chunk is trained after the prefetched ones
+        # a chunk claimed now is trained after the prefetched ones (and, claimed ahead, after this one)
+        horizon = self._my_seconds * (1 + self.lookahead + int(self.claim_ahead))
         remaining = max(0, math.ceil(self.num_chunks - cursor))
         if not self.should_leave_tail(remaining, horizon, self._my_seconds, self._others_rate):
             return False
