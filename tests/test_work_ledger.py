@@ -40,3 +40,13 @@ def test_a_resumed_epochs_member_without_a_chunk_holds_none_and_holding_is_bound
         ledger.claimed(3, KEY, chunk, None)
     with pytest.raises(ValueError, match="more than"):
         ledger.claimed(3, KEY, MAX_HELD, None)
+
+
+def test_a_set_aside_chunk_a_lost_rank_held_before_anyone_claimed_goes_back_once_with_its_value():
+    """A rank reported its set-aside chunk (a stream's shard, with its position) before the epoch's first
+    claim registered the set-aside chunks, and was lost: the chunk goes back with what it reported, and
+    the registration does not give it back a second time (from the start)."""
+    ledger = WorkLedger()
+    ledger.claimed(2, KEY, 2, 4)  # rank 2 holds its set-aside shard 2, trained up to position 4
+    assert ledger.lose(2) == {KEY: [(2, 4)]}
+    assert ledger.set_aside(KEY, [0, 1, 2], [0, 1, 2], lost=[2]) == []

@@ -34,10 +34,13 @@ from typing import TYPE_CHECKING, Any, Optional
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from lightning_prague.core.data.progress import ProgressCounter
 from lightning_prague.core.data.progress_loader import ProgressLoader
+from lightning_prague.core.data.shard_queue import ShardQueueSampler, ShardReader, keep_batch
+from lightning_prague.core.data.shard_sources import ShardSource, shard_source
 from lightning_prague.core.data.sharding import WorkQueueSampler
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.strategies.global_progress import batches_per_epoch
@@ -82,7 +85,13 @@ class StrategyLoaders:
             if isinstance(dataloader, DataLoader) and not isinstance(dataloader.dataset, IterableDataset):
                 loader = self.shard(dataloader)
                 return progress.wrap(loader, self.progress_loader, batches_per_epoch(loader))
-            # a stream: every rank reads its own, as the user wrote it; an epoch ends with the first that ends
+            source = self.stream_source(dataloader)
+            if source is not None:  # a sharded stream: its shards from the work queue
+                assert isinstance(dataloader, DataLoader)
+                return progress.wrap(self.shard_stream(dataloader, source), self.progress_loader, None)
+            # a stream without shards: every rank reads its own, as the user wrote it; an epoch ends
+            # with the first that ends
+            self.sampler = None
             return progress.wrap(original(dataloader, shuffle, mode), self.progress_loader, None)
 
         return prepare
@@ -104,7 +113,7 @@ class StrategyLoaders:
             loader,
             counter,
             lambda: trainer.current_epoch,
-            sampler=self.sampler if batches_per_epoch is not None else None,
+            sampler=self.sampler,
             batches_per_epoch=batches_per_epoch,
             start=start,
         )
@@ -139,6 +148,71 @@ class StrategyLoaders:
             timeout=strategy.operation_timeout,
         )
         return _update_dataloader(dataloader, self.sampler, mode=RunningStage.TRAINING)
+
+    # -- a sharded stream from the work queue -------------------------------------------------------
+    def stream_source(self, dataloader: object) -> Optional[ShardSource]:
+        """The shards of the training stream the strategy shares out, or `None` (with a warning that
+        says what is lost) for a stream it reads as the user wrote it."""
+        name = self.strategy.strategy_name
+        dataset = getattr(dataloader, "dataset", None)
+        if not isinstance(dataloader, DataLoader) or dataset is None:
+            return None
+        if getattr(dataset, "_distributed", None):  # `datasets.distributed.split_dataset_by_node`
+            rank_zero_warn(
+                f"strategy={name!r}: the training stream is already split by node, so each rank reads its own "
+                "part: fast ranks do not take more, a lost rank's part is not read on, and the epoch ends "
+                "with the first part that ends. Pass the whole dataset (not split_dataset_by_node) to have "
+                "its shards shared out by speed (docs/streaming.md)."
+            )
+            return None
+        source = shard_source(dataset)
+        if source is None:
+            rank_zero_warn(
+                f"strategy={name!r}: the training stream ({type(dataset).__name__}) has no shards the strategy "
+                "can share out, so each rank reads it as written and the epoch ends with the first stream that "
+                "ends. Give it `num_shards` and `iter_shard(shard, start)`, or use a Hugging Face streaming "
+                "dataset (docs/streaming.md)."
+            )
+        return source
+
+    def shard_stream(self, dataloader: DataLoader, source: ShardSource) -> DataLoader:
+        """`dataloader`'s stream read shard by shard from the work queue
+        (`lightning_prague.core.data.shard_queue`), in the same worker processes, with the same collate."""
+        strategy = self.strategy
+        if dataloader.batch_size is None:
+            raise ConfigurationError(
+                f"strategy={strategy.strategy_name!r} reads a sharded stream in batches of the DataLoader's "
+                "batch_size: give the training DataLoader a batch_size"
+            )
+        assert strategy.session is not None
+        workers = int(dataloader.num_workers or 0)
+        self.sampler = ShardQueueSampler(
+            source.num_shards,
+            dataloader.batch_size,
+            strategy.global_rank,
+            strategy.capacity,
+            strategy.session.counters,
+            slots=max(1, workers),
+            timeout=strategy.operation_timeout,
+        )
+        extra: dict[str, Any] = {}
+        if workers:
+            extra = {
+                "prefetch_factor": dataloader.prefetch_factor,
+                "persistent_workers": dataloader.persistent_workers,
+                "multiprocessing_context": dataloader.multiprocessing_context,
+            }
+        return DataLoader(
+            ShardReader(source, dataloader.collate_fn),
+            batch_size=None,
+            sampler=self.sampler,
+            collate_fn=keep_batch,
+            num_workers=workers,
+            pin_memory=dataloader.pin_memory,
+            timeout=dataloader.timeout,
+            worker_init_fn=dataloader.worker_init_fn,
+            **extra,
+        )
 
     # -- lock-step shards through a loss (see the module docstring) ---------------------------------
     def lockstep(self, loader: object) -> object:

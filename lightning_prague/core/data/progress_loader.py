@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
 from lightning_prague.core.data.progress import ProgressCounter
+from lightning_prague.core.data.shard_queue import ShardQueueSampler
 from lightning_prague.core.data.sharding import WorkQueueSampler
 from lightning_prague.core.errors import ControlPlaneError
 
@@ -147,7 +148,12 @@ class ProgressLoader:
     def __iter__(self) -> Iterator[Any]:
         self.begin_epoch()
         stashed = self.sampler.ticket_values if self.sampler is not None else None
+        shards = self.sampler if isinstance(self.sampler, ShardQueueSampler) else None
         for batch in self.loader:
+            if shards is not None:  # a read of a sharded stream: the user's batch, or none past a shard's end
+                batch = shards.take(batch)
+                if batch is None:
+                    continue
             value = stashed.popleft() if stashed else None
             if value is not None:  # claimed with the batch's chunk
                 ticket = self.counter.accept(value)
@@ -164,6 +170,8 @@ class ProgressLoader:
                 return
             self.tickets.append(ticket)
             yield batch
+        if shards is not None:
+            return  # every rank's reads end together: the queue's last claims return when nobody may give back
         if self.streaming:
             self.counter.end_stream()
         else:
@@ -271,7 +279,7 @@ class ProgressLoader:
                 join["first_claimed"] = self.sampler.first_claimed
             state["join"] = join
             return state
-        if self.sampler is not None and self.rank == self.leader:
+        if self.sampler is not None and self.rank == self.leader and not isinstance(self.sampler, ShardQueueSampler):
             try:
                 cursor = self.sampler.cursor()
             except (

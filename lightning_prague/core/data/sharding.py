@@ -222,8 +222,10 @@ class WorkQueueSampler(Sampler[int]):
         generator.manual_seed(self.seed + self.epoch)
         return torch.randperm(self.dataset_size, generator=generator).tolist()
 
-    def __iter__(self) -> Iterator[int]:
-        order = self.permutation()
+    def _start_epoch(self) -> list[int]:
+        """An epoch's iteration begins: the chunks this rank starts it with, before any claim (its
+        place among the members, or those a resumed checkpoint hands it; none for a rank that joins
+        the epoch under way). Its first claim names every member's (`_set_aside`)."""
         self.chunks_taken = 0
         self.chunks_left_to_others = 0
         self.untrained.clear()
@@ -242,8 +244,13 @@ class WorkQueueSampler(Sampler[int]):
         if self._join is not None and self._join[0] == self.epoch:  # the epoch is under way: claims only
             first, self._first_claimed, self._set_aside = [], self._join[1], None
         self._join = None
-        previous: tuple[float, int] | None = None  # (time, chunk) of this rank's previous claim
         self._epoch_started = self.clock()
+        return first
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.permutation()
+        first = self._start_epoch()
+        previous: tuple[float, int] | None = None  # (time, chunk) of this rank's previous claim
         chunk, ticket = (first.pop(0), None) if first else self._claim()
         self._in_flight, self._taken = None, None
         left = False  # this rank left the rest of the epoch to the others

@@ -43,7 +43,8 @@ class WorkLedger:
         self._held: dict[int, dict[str, dict[int, Optional[int]]]] = {}
         #: the queues whose set-aside chunks are registered
         self._registered: set[str] = set()
-        #: chunks reported done on a queue before its set-aside chunks were registered
+        #: chunks reported done on a queue before its set-aside chunks were registered, or given back
+        #: then by a lost rank that held them (a set-aside one among them is not given back twice)
         self._early: dict[str, set[int]] = {}
         #: the members of each registered queue's epoch, as its first claim named them
         self._members: dict[str, list[int]] = {}
@@ -108,6 +109,10 @@ class WorkLedger:
     def lose(self, rank: int) -> dict[str, Held]:
         """What the lost `rank` held untrained, by queue (it holds nothing after this)."""
         held = self._held.pop(rank, {})
+        for key, chunks in held.items():
+            if key not in self._registered:  # (its set-aside chunk among them: it goes back once, from here)
+                early = self._early.setdefault(key, set())
+                early.update(list(chunks)[: max(0, MAX_HELD - len(early))])
         return {key: sorted(chunks.items()) for key, chunks in held.items() if chunks}
 
     def forget(self, key: str) -> None:

@@ -1,0 +1,244 @@
+"""A sharded stream shared out by speed: its shards are items of the work queue, read from positions.
+
+The map-style work queue (`lightning_prague.core.data.sharding`) hands out chunks of one batch. A
+stream (`lightning_prague.core.data.shard_sources`) has shards of unknown length instead, so here an
+item of the same queue, and of the same ledger at the control plane, is **a shard**:
+
+* each rank starts an epoch with the shard numbered by its place among the members, then claims
+  further shards; fast ranks claim more, and an epoch ends when every shard has been read and
+  trained, not when the first rank's stream ends;
+* the ledger's value for a held shard (the ticket of a map-style chunk) is **the position up to which
+  it was trained**: after each optimizer step a rank reports it (`work` message, `hold` with the
+  position; no reply, no round trip), and `done` once the shard's end was trained. A lost rank's
+  shards go back to the queue with their positions, and whoever claims one reads it on from there.
+  A batch the lost rank trained but had not reported died with its model: it is read again, once;
+* a slow rank leaves the epoch's tail to the others as with chunks (`WorkQueueSampler._leave_tail`).
+
+**Reading, in the rank's process or in `DataLoader` worker processes.** The sampler runs in the rank's
+own process and yields `ShardRead`s (which shard, from which position, how many samples); the
+`ShardReader`, a map-style dataset over those keys, reads them, wherever the `DataLoader` runs it.
+A `DataLoader` with `num_workers=W` sends the `i`-th key to worker `i % W`, so the sampler keeps `W`
+*slots*, one shard each, and cycles over them: worker `w` reads slot `w`'s shard straight on, and
+keeps its iterator open between reads. Only the rank's process claims, through its own connection;
+a worker process never talks to the control plane. A read past a shard's end returns no batch
+(`StreamBatch.rows` is 0); the loader drops it, and the slot claims its next shard.
+
+Every batch (`StreamBatch`) carries its read, so the rank knows which shard and position each batch
+it trains ends at (`take`, `trained`), whatever the loader prefetched.
+
+What a rank re-reads or skips at most, through a fault: a rank killed after its optimizer step and
+before its report re-reads one batch (in the others' models it never was); a rank lost after its
+last claim returned (every rank had emptied the queue) while it trains its last batches loses them,
+as with map-style chunks (`docs/fault_tolerance.md`, "Exactly once").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, Optional
+
+from torch.utils.data import Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from lightning_prague.core.data.shard_sources import ShardSource, read_rows
+from lightning_prague.core.data.sharding import WorkQueueSampler
+from lightning_prague.core.errors import ConfigurationError
+
+log = logging.getLogger(__name__)
+
+
+class ShardRead(NamedTuple):
+    """A read of `count` samples of `shard` from position `start`, by the loader's slot `slot`."""
+
+    slot: int
+    shard: int
+    start: int
+    count: int
+
+
+class StreamBatch(NamedTuple):
+    """What the loader returns for a `ShardRead`: the samples it read (`rows`; fewer than asked where
+    the shard ended) collated into `batch` (`None` when there were none)."""
+
+    read: ShardRead
+    rows: int
+    batch: Any
+
+
+class TrainedTo(NamedTuple):
+    """A batch handed to the trainer: the shard it came from and the position it ends at."""
+
+    shard: int
+    end: int
+
+
+def keep_batch(item: StreamBatch) -> StreamBatch:
+    """The `DataLoader`'s collate for `ShardReader`'s items: each is one batch, collated already."""
+    return item
+
+
+class ShardReader(Dataset):
+    """A map-style dataset over `ShardRead` keys: each read, collated (see the module docstring)."""
+
+    def __init__(self, source: ShardSource, collate_fn: Optional[Callable[[list[Any]], Any]] = None) -> None:
+        self.source = source
+        self.collate_fn = collate_fn or default_collate
+        #: per slot, the shard it reads, the position its iterator stands at, and the iterator
+        self._open: dict[int, tuple[int, int, Iterator[Any]]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_open"] = {}  # (open iterators stay in the process that opened them)
+        return state
+
+    def __getitem__(self, read: ShardRead) -> StreamBatch:
+        slot, shard, start, count = (int(v) for v in read)
+        opened = self._open.get(slot)
+        if opened is not None and opened[0] == shard and opened[1] == start:
+            rows_from = opened[2]
+        else:
+            rows_from = self.source.iter_shard(shard, start)
+        rows = read_rows(rows_from, count)
+        self._open[slot] = (shard, start + len(rows), rows_from)
+        return StreamBatch(ShardRead(slot, shard, start, count), len(rows), self.collate_fn(rows) if rows else None)
+
+
+class ShardQueueSampler(WorkQueueSampler):
+    """Yields `ShardRead`s of the shards this rank claims from the work queue (see the module docstring).
+
+    `num_shards` shards, `batch_size` samples per read, `slots`: the loader's worker processes (1
+    where it reads in this process)."""
+
+    def __init__(
+        self,
+        num_shards: int,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        store: Any,
+        slots: int = 1,
+        timeout: float = 300.0,
+        slow_ratio: float = 2.0,
+    ) -> None:
+        if num_shards < world_size:
+            raise ConfigurationError(
+                f"the stream has {num_shards} shard(s), fewer than the {world_size} workers: each worker starts "
+                "an epoch with a shard of its own; give the stream more shards (for a Hugging Face dataset, "
+                "more data files, or `to_iterable_dataset(num_shards=...)`)"
+            )
+        if batch_size < 1:
+            raise ConfigurationError(f"the batch size must be at least 1, got {batch_size}")
+        super().__init__(
+            num_shards, 1, rank, world_size, store, shuffle=False, timeout=timeout, slow_ratio=slow_ratio,
+            claim_ahead=False,
+        )  # fmt: skip
+        self.batch_size = batch_size
+        self.slots = max(1, int(slots))
+        #: the batches handed to the trainer and not yet trained, in order (`ProgressLoader` pops them)
+        self.untrained: deque[TrainedTo] = deque()  # type: ignore[assignment]
+        #: shard -> the position where it ended, once a read found its end
+        self._ends: dict[int, int] = {}
+        #: per shard, the batches handed out and not yet trained
+        self._in_training: dict[int, int] = {}
+        self.shards_taken = 0  # in the current epoch
+
+    # -- the reads -----------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[ShardRead]:  # type: ignore[override]
+        first = self._start_epoch()
+        self._ends.clear()
+        self._in_training.clear()
+        self.shards_taken = 0
+        #: per slot: [shard, the position of its next read], or None while it needs a shard
+        reading: list[Optional[list[int]]] = [None] * self.slots
+        retired: set[int] = set()
+        previous: tuple[float, int] | None = None
+        left = False
+        slot = -1
+        while len(retired) < self.slots:
+            slot = (slot + 1) % self.slots
+            if slot in retired:
+                continue
+            current = reading[slot]
+            if current is not None and current[0] in self._ends:
+                reading[slot] = current = None  # its shard ended: the slot takes another
+            if current is None:
+                if first:
+                    shard, start = first.pop(0), 0
+                else:
+                    others = any(r is not None for s, r in enumerate(reading) if s != slot and s not in retired)
+                    if left or (self.slow_ratio > 0 and not others and self._leave_tail(previous)):
+                        left = True
+                        retired.add(slot)
+                        continue
+                    claimed_at = self.clock()
+                    # at the queue's end only the last slot that reads waits there (it parks while a
+                    # member may give shards back); a slot beside others that read just retires
+                    shard, position = self._claim_shard(park=not others)
+                    self._observe(previous, claimed_at, shard)
+                    previous = (self.clock(), shard)
+                    if shard >= self.num_chunks:
+                        retired.add(slot)
+                        continue
+                    start = max(0, position or 0)  # (a shard set aside for a lost rank comes with no position)
+                self.shards_taken += 1
+                self.chunks_taken += 1
+                self.total_chunks_taken += 1
+                log.debug("rank %d: slot %d reads shard %d from %d", self.rank, slot, shard, start)
+                reading[slot] = current = [shard, start]
+            yield ShardRead(slot, current[0], current[1], self.batch_size)
+            current[1] += self.batch_size
+
+    def _claim_shard(self, park: bool) -> tuple[int, Optional[int]]:
+        store = self._connect()
+        if hasattr(store, "begin_claim"):
+            set_aside, self._set_aside = self._set_aside, None
+            return store.begin_claim(
+                self._cursor_key, self._first_claimed, num=self.num_chunks, set_aside=set_aside, park=park
+            ).result()
+        return self._claim()
+
+    # -- what the loader returned, and what was trained ------------------------------------------
+    def take(self, item: StreamBatch) -> Any:
+        """A batch the loader returned: the user's batch to hand to the trainer, or `None` for a read
+        past its shard's end (nothing to train)."""
+        read = item.read
+        if item.rows < read.count:
+            self._ends.setdefault(read.shard, read.start + item.rows)
+        if item.rows == 0:
+            if not self._in_training.get(read.shard):
+                self._report_done(read.shard)
+            return None
+        self._in_training[read.shard] = self._in_training.get(read.shard, 0) + 1
+        self.untrained.append(TrainedTo(read.shard, read.start + item.rows))
+        return item.batch
+
+    def trained(self, chunk: TrainedTo) -> None:  # type: ignore[override]
+        """The batch `chunk` took its optimizer step: its shard is trained up to its end (reported at
+        once, without a reply), or done if that is where the shard ended."""
+        shard, end = chunk
+        left = self._in_training.get(shard, 1) - 1
+        self._in_training[shard] = left
+        if self._ends.get(shard) == end or (left == 0 and shard in self._ends):
+            self._report_done(shard)
+            return
+        report = getattr(self._store, "report", None)
+        if report is not None:
+            report(self._cursor_key, hold=[shard], tickets=[end])
+
+    def _report_done(self, shard: int) -> None:
+        if self._ends.get(shard, -1) < 0:
+            return
+        self._ends[shard] = -1  # (reported)
+        report = getattr(self._store, "report", None)
+        if report is not None:
+            report(self._cursor_key, done=[shard])
+        log.debug("rank %d: shard %d is trained to its end", self.rank, shard)
+
+    def holds(self, chunk: Any, ticket: int) -> None:
+        """(A ticket claimed apart from a batch: a shard's ledger value is its position, not a ticket.)"""
+
+    def held(self) -> list[int]:
+        """The shards this rank holds with batches handed out and not trained."""
+        return sorted({record.shard for record in self.untrained})

@@ -1,0 +1,134 @@
+"""A sharded stream shared out by speed (`lightning_prague.core.data.shard_queue`), against a real control
+plane served from a thread: every sample once, a lost rank's shard read on from its reported position,
+reads past a shard's end dropped, slots that keep each worker process on its shard. The real jobs
+(Hugging Face `datasets`, worker processes, a straggler, a kill) are in `tests/test_streaming_job.py`."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+from helpers import CREDENTIALS
+
+from lightning_prague.core import ControlClient, ControlPlane, SessionConfig, make_policy
+from lightning_prague.core.data.shard_queue import ShardQueueSampler, ShardRead, ShardReader
+from lightning_prague.core.data.shard_sources import HuggingFaceSource, ProtocolSource, shard_source
+from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.plane.server import MessageServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Files:
+    """Our protocol: `num_shards` shards of different lengths, each read from any position."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+        self.num_shards = len(lengths)
+        self.opened: list[tuple[int, int]] = []
+
+    def iter_shard(self, shard: int, start: int) -> Iterator[tuple[int, int]]:
+        self.opened.append((shard, start))
+        return ((shard, i) for i in range(start, self.lengths[shard]))
+
+
+@pytest.fixture()
+def sessions():
+    """Three ranks' sessions of one control plane (served from a thread)."""
+    plane = ControlPlane()
+    server = MessageServer(plane.handle, "127.0.0.1", CREDENTIALS)
+    server.start()
+    clients = [ControlClient(*server.address, rank=r, timeout=10, credentials=CREDENTIALS) for r in range(3)]
+    config = SessionConfig(3, make_policy("random", 3, 2).spec(), timeout=10)
+    opened = [client.open_session(1, config) for client in clients]
+    yield opened
+    for session in opened:  # (an open session whose plane goes away ends its process after a grace)
+        session.close()
+    for client in clients:
+        client.close()
+    server.close()
+
+
+def train(sampler: ShardQueueSampler, reader: ShardReader, trained: list, stop_after: int | None = None) -> None:
+    """Drive `sampler` as the loader and the trainer do: read, take, train, report."""
+    for read in sampler:
+        batch = sampler.take(reader[read])
+        if batch is None:
+            continue
+        if stop_after is not None and len(trained) >= stop_after:
+            return  # (lost with this batch read and not trained)
+        trained.extend(batch)
+        sampler.trained(sampler.untrained.popleft())
+
+
+def identity(rows):
+    return list(rows)
+
+
+def test_every_sample_once_and_a_lost_ranks_shard_goes_on_from_its_reported_position(sessions):
+    files = Files([10, 7, 13, 4, 9, 11])
+    reader = ShardReader(ProtocolSource(files), identity)
+    samplers = [ShardQueueSampler(files.num_shards, 4, r, 3, s.counters, slow_ratio=0) for r, s in enumerate(sessions)]
+    trained: dict[int, list] = {r: [] for r in range(3)}
+    train(samplers[2], reader, trained[2], stop_after=4)  # one batch of its shard trained, the next read
+    sessions[2].close(failed=True)  # lost: its shard goes back to the queue at position 4
+    threads = [threading.Thread(target=train, args=(samplers[r], reader, trained[r])) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    everything = Counter(row for rows in trained.values() for row in rows)
+    expected = {(shard, i) for shard, length in enumerate(files.lengths) for i in range(length)}
+    assert set(everything) == expected and max(everything.values()) == 1, everything
+    assert trained[2] == [(2, i) for i in range(4)]
+    assert (2, 4) in files.opened  # read on from where rank 2 stood, not from the start
+
+
+def test_a_slot_per_worker_process_reads_its_shard_straight_on():
+    """With two worker processes, reads alternate between two shards (one per slot), so each worker's
+    open iterator goes on; a read past a shard's end gives no batch and the slot takes the next shard."""
+    files = Files([6, 6, 6, 6])
+
+    class Store:  # a plain counter: shards 2 and 3 are the queue's
+        value = 0
+
+        def add(self, key, amount):
+            self.value += amount
+            return self.value
+
+    sampler = ShardQueueSampler(4, 4, 0, 2, Store(), slots=2, slow_ratio=0)
+    reader = ShardReader(ProtocolSource(files), identity)
+    reads: list[ShardRead] = []
+    rows: list = []
+    for read in sampler:
+        reads.append(read)
+        batch = sampler.take(reader[read])
+        if batch is not None:
+            rows.extend(batch)
+            sampler.trained(sampler.untrained.popleft())
+    assert sorted(rows) == sorted((s, i) for s in (0, 2, 3) for i in range(6))  # (shard 1 is the other rank's)
+    # while both slots read, they alternate, each on its shard (worker w gets every w-th read)
+    assert [(r.slot, r.shard, r.start) for r in reads[:4]] == [(0, 0, 0), (1, 2, 0), (0, 0, 4), (1, 2, 4)]
+    # each shard was opened once: the second reads went on with the iterators their slots had open
+    assert files.opened == [(0, 0), (2, 0), (3, 0)]
+
+
+def test_fewer_shards_than_workers_is_refused_by_name():
+    with pytest.raises(ConfigurationError, match="2 shard"):
+        ShardQueueSampler(2, 4, 0, 3, object())
+
+
+def test_a_stream_is_recognised_by_what_it_has(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    for shard in range(3):
+        (tmp_path / f"s{shard}.jsonl").write_text("".join(f'{{"id": {shard * 10 + i}}}\n' for i in range(5)))
+    stream = datasets.load_dataset(
+        "json", data_files=sorted(str(p) for p in tmp_path.glob("*.jsonl")), split="train", streaming=True
+    )
+    source = shard_source(stream)
+    assert isinstance(source, HuggingFaceSource) and source.num_shards == 3
+    assert [row["id"] for row in source.iter_shard(1, 3)] == [13, 14]
+    assert isinstance(shard_source(Files([1, 2])), ProtocolSource)
+    assert shard_source([1, 2, 3]) is None
