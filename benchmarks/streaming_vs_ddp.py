@@ -102,13 +102,13 @@ def run_one(args: argparse.Namespace) -> None:
 
         def loader_for(rank: int) -> DataLoader:
             part = split_dataset_by_node(dataset, rank, world)
-            return DataLoader(part, batch_size=args.batch_size, collate_fn=collate)
+            return DataLoader(part, batch_size=args.batch_size, collate_fn=collate, num_workers=args.num_workers)
     else:
         strategy = STRATEGIES[args.strategy][0](start_method="fork")
         rank = 0
 
         def loader_for(rank: int) -> DataLoader:
-            return DataLoader(dataset, batch_size=args.batch_size, collate_fn=collate)
+            return DataLoader(dataset, batch_size=args.batch_size, collate_fn=collate, num_workers=args.num_workers)
 
     class Data(L.LightningDataModule):
         def train_dataloader(self) -> DataLoader:
@@ -137,6 +137,7 @@ def report(args: argparse.Namespace, shards: int, rows: int) -> list[dict]:
         out = Path(tempfile.mkdtemp(prefix=f"stream-{strategy}-"))
         command = [sys.executable, __file__, "--one", "--strategy", strategy, "--data", args.data, "--out", str(out)]
         command += ["--workers", str(args.workers), "--batch-size", str(args.batch_size)]
+        command += ["--num-workers", str(args.num_workers)]
         command += ["--step-time", str(args.step_time), "--slow-factor", str(args.slow_factor)]
         if args.kill and strategy != "ddp":
             command += ["--kill", f"{args.kill[0]}:{args.kill[1]}"]
@@ -178,6 +179,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=32)
     parser.add_argument("--rows-per-shard", type=int, default=ROWS_PER_SHARD_DEFAULT)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--num-workers", type=int, default=0, help="each rank's DataLoader worker processes")
     parser.add_argument("--step-time", type=float, default=0.02)
     parser.add_argument("--slow-factor", type=float, default=5.0)
     parser.add_argument(

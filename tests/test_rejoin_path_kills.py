@@ -2,7 +2,7 @@
 
 One real job (the slow part): four CPU workers forked by the strategy's launcher with `max_restarts=2`,
 `decent_adam` (lock-step shards, whose gossip rounds take a joiner in once it trains),
-one epoch of 270 batches per rank (1438 samples of the digits 3 times over, in batches of 4), 100 ms
+one epoch of 180 batches per rank (1438 samples of the digits twice over, in batches of 4), 100 ms
 steps. Faults strike chosen processes of a rank (`RANK@PROCESS`, `lightning_prague.demo.faults`):
 
 - rank 2 is killed at its 20th batch; its first new process is admitted, gets the fit's state, and
@@ -38,7 +38,7 @@ from lightning_prague.core.job import REJOIN_VARIABLE, RESTARTS_VARIABLE
 from lightning_prague.demo.faults import Fault, process_number
 
 #: the digits' training samples, the times the epoch repeats them, and the batch size
-SAMPLES, REPEATS, BATCH = 1438, 3, 4
+SAMPLES, REPEATS, BATCH = 1438, 2, 4
 #: the batches of each rank's shard of the epoch (lock-step shards: a quarter of it each)
 SHARD = math.ceil(math.ceil(SAMPLES * REPEATS / 4) / BATCH)
 FAULTS = ["2:20:kill", "2@1:1:kill-before-training", "1:40:kill", "1@1:1:other-model", "0:1:kill-in-transfer"]

@@ -132,3 +132,73 @@ def test_a_stream_is_recognised_by_what_it_has(tmp_path):
     assert [row["id"] for row in source.iter_shard(1, 3)] == [13, 14]
     assert isinstance(shard_source(Files([1, 2])), ProtocolSource)
     assert shard_source([1, 2, 3]) is None
+
+
+def test_a_resumed_epoch_reads_the_shards_in_progress_from_their_positions_then_the_queue(sessions):
+    """A checkpoint said: shards before the cursor (6) were trained to their ends but 3 and 4, in progress
+    at positions 5 and 2. The resumed fit (two ranks now) reads 3 and 4 on from there, each rank one, then
+    shards 6 and 7 from the queue: every sample the first fit had not trained, once."""
+    files = Files([8] * 8)
+    reader = ShardReader(ProtocolSource(files), identity)
+    samplers = [ShardQueueSampler(8, 4, r, 3, s.counters, slow_ratio=0) for r, s in enumerate(sessions[:2])]
+    for sampler in samplers:
+        sampler.set_members([0, 1])
+        sampler.resume_shards(0, 6, [[3, 5], [4, 2]])
+    sessions[2].close()  # (not in the resumed fit)
+    trained: dict[int, list] = {0: [], 1: []}
+    threads = [threading.Thread(target=train, args=(samplers[r], reader, trained[r])) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    everything = Counter(row for rows in trained.values() for row in rows)
+    expected = {(3, i) for i in range(5, 8)} | {(4, i) for i in range(2, 8)}
+    expected |= {(s, i) for s in (6, 7) for i in range(8)}
+    assert set(everything) == expected and max(everything.values()) == 1, everything
+    assert trained[0][0] == (3, 5) and trained[1][0] == (4, 2)
+    assert (3, 5) in files.opened and (4, 2) in files.opened
+
+
+def test_the_positions_a_rank_reports_are_where_its_shards_were_trained_to():
+    files = Files([10, 10, 10])
+
+    class Store:
+        value = 0
+
+        def add(self, key, amount):
+            self.value += amount
+            return self.value
+
+    sampler = ShardQueueSampler(3, 4, 0, 2, Store(), slow_ratio=0)
+    reader = ShardReader(ProtocolSource(files), identity)
+    reads = iter(sampler)
+    sampler.take(reader[next(reads)])  # rows 0-3 of shard 0, handed to the trainer
+    assert sampler.positions() == [[0, 0]]  # held, nothing trained yet
+    sampler.trained(sampler.untrained.popleft())
+    sampler.take(reader[next(reads)])  # rows 4-7, not trained: a checkpoint resumes at 4
+    assert sampler.positions() == [[0, 4]] and sampler.held() == [0]
+
+
+def test_a_stream_read_as_written_keeps_its_loaders_own_position_in_the_checkpoint():
+    """A stream without shards is each rank's own: its loader's state (a `StatefulDataLoader`'s position)
+    goes into the checkpoint next to global progress, and back into the loader on resume, instead of being
+    replaced by it."""
+    from lightning_prague.core.data.progress import ProgressCounter
+    from lightning_prague.core.data.progress_loader import ProgressLoader
+
+    class Stateful(list):
+        restored = None
+
+        def state_dict(self):
+            return {"position": 17}
+
+        def load_state_dict(self, state):
+            self.restored = state
+
+    loader = Stateful([1, 2, 3])
+    progress = ProgressLoader(loader, ProgressCounter(store=None, timeout=1.0), lambda: 0)
+    state = progress.state_dict()
+    assert state["loader"] == {"position": 17} and state["progress"] == 0
+    resumed = ProgressLoader(Stateful([1, 2, 3]), ProgressCounter(store=None, timeout=1.0), lambda: 0)
+    resumed.load_state_dict(state)
+    assert resumed.loader.restored == {"position": 17}

@@ -31,6 +31,7 @@ from lightning_prague.core.records import (
     number,
     one_of,
     optional,
+    pair_of,
     text,
 )
 
@@ -414,6 +415,8 @@ RECORDS: dict[str, Record] = {
         {
             "stop": BOOLEAN,
             "untrained": _CHUNKS,
+            # a sharded stream's shards this rank holds, each with the position it was trained to
+            "positions": list_of(pair_of(integer()), 1 << 16),
             "speed": optional(_SECONDS),
             "round": _COUNT,
             "settle": BOOLEAN,

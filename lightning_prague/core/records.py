@@ -84,6 +84,11 @@ def list_of(item: Check, max_items: int) -> Check:
     )
 
 
+def pair_of(item: Check) -> Check:
+    """A list of exactly two items, each `item`."""
+    return Check(lambda v: isinstance(v, list) and len(v) == 2 and all(item(x) for x in v), f"a pair of {item.what}")
+
+
 def optional(check: Check) -> Check:
     """`check`'s values, or null."""
     return Check(lambda v: v is None or check(v), f"{check.what}, or null")

@@ -220,6 +220,13 @@ class StrategyLoaders:
         one's place, reading the lost rank's shard from where it stood."""
         if not isinstance(loader, DataLoader) or not isinstance(loader.sampler, DistributedSampler):
             self.shard_layout = None
+            dataset = getattr(loader, "dataset", None)
+            if isinstance(dataset, IterableDataset) and shard_source(dataset) is not None:
+                rank_zero_warn(
+                    f"strategy={self.strategy.strategy_name!r} trains in lock-step and reads the training stream as "
+                    "written: every rank reads all of it unless the dataset is split by rank "
+                    "(split_dataset_by_node); the work-queue strategies share a sharded stream out (docs/streaming.md)"
+                )
             return loader
         sampler = loader.sampler
         resume, self._resume = self._resume, None

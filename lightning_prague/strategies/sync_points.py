@@ -185,6 +185,8 @@ class Synchronizer:
         report: dict[str, Any] = {"stop": bool(trainer.should_stop)}
         if loader is not None:
             report["untrained"] = loader.untrained()
+            if loader.shard_positions() is not None:
+                report["positions"] = loader.shard_positions()
         if sampler is not None:
             report["speed"] = sampler.seconds_per_chunk
         if worker.synchronize(name, strategy.exchanger, **report):
@@ -240,6 +242,7 @@ class Synchronizer:
         strategy.controller.met(inside_epoch, validate)
         if loader is not None:
             loader.pending = list(release.get("pending", []))
+            loader.positions = [list(pair) for pair in release.get("positions", [])]
             if strategy.progress is not None and strategy.progress.schedule is not None:
                 reached = loader.synchronized(progress)
                 if progress is None:

@@ -54,6 +54,8 @@ class ProgressLoader:
         self._resumed_progress: Optional[int] = None
         #: chunks every rank held untrained at the last synchronization point (for checkpoints)
         self.pending: list[int] = []
+        #: a sharded stream's shards every rank held then, each with the position it was trained to
+        self.positions: list[list[int]] = []
         self._first_epoch: Optional[int] = None  # the oldest epoch whose store keys may still exist
         #: the rank that writes checkpoints: 0, or the lowest live rank once rank 0 was lost
         self.leader = 0
@@ -125,7 +127,10 @@ class ProgressLoader:
             if int(restored["epoch"]) == epoch:  # resuming inside the epoch the checkpoint was taken in
                 self.epoch_base = int(restored["epoch_base"])
                 offset = self.progress - self.epoch_base
-                if self.sampler is not None and "cursor" in restored:
+                if isinstance(self.sampler, ShardQueueSampler) and "positions" in restored:
+                    positions = [list(pair) for pair in restored["positions"]]
+                    self.sampler.resume_shards(epoch, int(restored["cursor"]), positions)
+                elif self.sampler is not None and "cursor" in restored:
                     self.sampler.resume(epoch, int(restored["cursor"]), list(restored["pending"]))
             else:
                 self.epoch_base = self.progress
@@ -230,6 +235,11 @@ class ProgressLoader:
         if self.sampler is not None:
             self.sampler.set_members(members)
 
+    def shard_positions(self) -> Optional[list[list[int]]]:
+        """A sharded stream's shards this rank holds, with the positions they were trained to
+        (reported when the ranks meet, for checkpoints); `None` for other data."""
+        return self.sampler.positions() if isinstance(self.sampler, ShardQueueSampler) else None
+
     def untrained(self) -> list[int]:
         """The chunks this rank holds untrained (reported when the ranks meet, for checkpoints)."""
         return self.sampler.held() if self.sampler is not None else []
@@ -279,19 +289,30 @@ class ProgressLoader:
                 join["first_claimed"] = self.sampler.first_claimed
             state["join"] = join
             return state
-        if self.sampler is not None and self.rank == self.leader and not isinstance(self.sampler, ShardQueueSampler):
+        if self.sampler is not None and self.rank == self.leader:
             try:
                 cursor = self.sampler.cursor()
             except (
                 ControlPlaneError
             ):  # the plane is gone (a checkpoint on the way out): the epoch resumes from its start
                 return state
-            state["pending"] = sorted(self.pending)
+            if isinstance(
+                self.sampler, ShardQueueSampler
+            ):  # every shard: done, in progress at a position, or not started
+                state["positions"] = sorted(self.positions)
+            else:
+                state["pending"] = sorted(self.pending)
             state["cursor"] = cursor
+        elif self.sampler is None and callable(getattr(self.loader, "state_dict", None)):
+            state["loader"] = (
+                self.loader.state_dict()
+            )  # a stream's own loader keeps its position (a StatefulDataLoader)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state at the start of the next epoch iteration."""
         self._restored = dict(state)
+        if "loader" in state and callable(getattr(self.loader, "load_state_dict", None)):
+            self.loader.load_state_dict(state["loader"])
         # (a rank that joins an epoch under way resumes no checkpoint: its steps are the members')
         self._resumed_progress = None if "join" in state else int(state["progress"])

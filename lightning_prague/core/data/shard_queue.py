@@ -142,6 +142,10 @@ class ShardQueueSampler(WorkQueueSampler):
         self._ends: dict[int, int] = {}
         #: per shard, the batches handed out and not yet trained
         self._in_training: dict[int, int] = {}
+        #: per shard held and not trained to its end, the position it was trained to
+        self._trained_to: dict[int, int] = {}
+        #: the positions a resumed checkpoint's shards go on from (`resume_shards`)
+        self._resume_positions: dict[int, int] = {}
         self.shards_taken = 0  # in the current epoch
 
     # -- the reads -----------------------------------------------------------------------------
@@ -149,6 +153,7 @@ class ShardQueueSampler(WorkQueueSampler):
         first = self._start_epoch()
         self._ends.clear()
         self._in_training.clear()
+        self._trained_to.clear()
         self.shards_taken = 0
         #: per slot: [shard, the position of its next read], or None while it needs a shard
         reading: list[Optional[list[int]]] = [None] * self.slots
@@ -164,8 +169,13 @@ class ShardQueueSampler(WorkQueueSampler):
             if current is not None and current[0] in self._ends:
                 reading[slot] = current = None  # its shard ended: the slot takes another
             if current is None:
-                if first:
-                    shard, start = first.pop(0), 0
+                if first:  # this rank's place among the members (no claim), or a resumed checkpoint's shards
+                    shard = first.pop(0)
+                    if self.shards_taken:  # (all but the first are claimed by number: held from then on)
+                        self._claim_shard(park=False, shard=shard)
+                    start = self._resume_positions.pop(shard, 0)
+                    if start:  # the control plane holds it from where it stood, whatever happens next
+                        self._report_position(shard, start)
                 else:
                     others = any(r is not None for s, r in enumerate(reading) if s != slot and s not in retired)
                     if left or (self.slow_ratio > 0 and not others and self._leave_tail(previous)):
@@ -182,6 +192,7 @@ class ShardQueueSampler(WorkQueueSampler):
                         retired.add(slot)
                         continue
                     start = max(0, position or 0)  # (a shard set aside for a lost rank comes with no position)
+                self._trained_to.setdefault(shard, start)
                 self.shards_taken += 1
                 self.chunks_taken += 1
                 self.total_chunks_taken += 1
@@ -190,14 +201,23 @@ class ShardQueueSampler(WorkQueueSampler):
             yield ShardRead(slot, current[0], current[1], self.batch_size)
             current[1] += self.batch_size
 
-    def _claim_shard(self, park: bool) -> tuple[int, Optional[int]]:
+    def _claim_shard(self, park: bool, shard: Optional[int] = None) -> tuple[int, Optional[int]]:
+        """The next shard of the queue with the position a lost rank left it at (`None`: its start),
+        or `shard`, one a resumed checkpoint hands this rank."""
         store = self._connect()
         if hasattr(store, "begin_claim"):
             set_aside, self._set_aside = self._set_aside, None
             return store.begin_claim(
-                self._cursor_key, self._first_claimed, num=self.num_chunks, set_aside=set_aside, park=park
-            ).result()
-        return self._claim()
+                self._cursor_key, self._first_claimed, num=self.num_chunks, chunk=shard, set_aside=set_aside,
+                park=park and shard is None,
+            ).result()  # fmt: skip
+        return self._claim(shard)
+
+    def _report_position(self, shard: int, position: int) -> None:
+        self._trained_to[shard] = position
+        report = getattr(self._store, "report", None)
+        if report is not None:
+            report(self._cursor_key, hold=[shard], tickets=[position])
 
     # -- what the loader returned, and what was trained ------------------------------------------
     def take(self, item: StreamBatch) -> Any:
@@ -223,14 +243,13 @@ class ShardQueueSampler(WorkQueueSampler):
         if self._ends.get(shard) == end or (left == 0 and shard in self._ends):
             self._report_done(shard)
             return
-        report = getattr(self._store, "report", None)
-        if report is not None:
-            report(self._cursor_key, hold=[shard], tickets=[end])
+        self._report_position(shard, end)
 
     def _report_done(self, shard: int) -> None:
         if self._ends.get(shard, -1) < 0:
             return
         self._ends[shard] = -1  # (reported)
+        self._trained_to.pop(shard, None)
         report = getattr(self._store, "report", None)
         if report is not None:
             report(self._cursor_key, done=[shard])
@@ -242,3 +261,15 @@ class ShardQueueSampler(WorkQueueSampler):
     def held(self) -> list[int]:
         """The shards this rank holds with batches handed out and not trained."""
         return sorted({record.shard for record in self.untrained})
+
+    def positions(self) -> list[list[int]]:
+        """`[shard, position]` for every shard this rank holds and has not trained to its end: the
+        position it was trained to (where a resumed fit reads it on from). Reported at a meeting."""
+        return [[shard, position] for shard, position in sorted(self._trained_to.items())]
+
+    def resume_shards(self, epoch: int, cursor: int, positions: list[list[int]]) -> None:
+        """Continue `epoch` where a checkpoint stopped it: the shards in progress then (`positions`)
+        first, each from its position, shared round-robin among the members, then the queue from
+        `cursor` (the shards before it and not in progress were trained to their ends)."""
+        self._resume_positions = {int(shard): int(position) for shard, position in positions}
+        self.resume(epoch, cursor, sorted(self._resume_positions))

@@ -76,7 +76,22 @@ class HuggingFaceSource(ShardSource):
 
     def iter_shard(self, shard: int, start: int) -> Iterator[Any]:
         part = self.dataset.shard(num_shards=self.num_shards, index=shard, contiguous=True)
-        return iter(part.skip(start) if start else part)
+        part = part.skip(start) if start else part
+        # (not `iter(part)`: inside a DataLoader worker process it would split the one shard among the
+        # workers, and this worker would read a part of it; `IterableDataset.iter` reads it whole)
+        return _rows(part.iter(batch_size=READ_BATCH))
+
+
+#: samples a Hugging Face shard is read in at once (then handed out one by one)
+READ_BATCH = 64
+
+
+def _rows(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The samples of `datasets`' column batches (a dict of equal-length columns each), one by one."""
+    for batch in batches:
+        columns = list(batch)
+        for i in range(len(batch[columns[0]]) if columns else 0):
+            yield {column: batch[column][i] for column in columns}
 
 
 def shard_source(dataset: Any) -> Optional[ShardSource]:

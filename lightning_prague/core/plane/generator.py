@@ -181,6 +181,8 @@ class GroupGenerator:
         self.leader: int | None = 0 if starting else None
         self._speeds: list[float] = [0.0] * world_size  # seconds per batch, as reported with `arrive`
         self._untrained: dict[int, list[int]] = {}
+        #: per rank, the shards of a stream it holds and the positions they were trained to
+        self._positions: dict[int, list[list[int]]] = {}
         self._rounds: dict[int, int] = {}  # gossip rounds reported with `arrive`, this meeting
         self._incomplete: set[int] = set()  # ranks whose last collective was incomplete, this meeting
         self._settling = False  # this meeting settles a gossip phase's final round (see above)
@@ -409,6 +411,8 @@ class GroupGenerator:
                 self._speeds[rank] = float(message["speed"])
             if "untrained" in message:
                 self._untrained[rank] = [int(c) for c in message["untrained"]]
+            if "positions" in message:
+                self._positions[rank] = [[int(shard), int(at)] for shard, at in message["positions"]]
             if message.get("incomplete"):
                 self._incomplete.add(rank)
             if "round" in message:
@@ -639,6 +643,9 @@ class GroupGenerator:
                 # every live rank completed the collective this meeting decides on (`GroupWorker.global_average`)
                 "complete": not self._incomplete,
             }
+            positions = sorted(pair for pairs in self._positions.values() for pair in pairs)
+            if positions:  # a sharded stream's shards in progress, with their positions (for checkpoints)
+                release["positions"] = positions
             if self.epoch:  # the membership epoch it closes (admissions so far), once there was one
                 release["epoch"] = self.epoch
             present = sorted(self.parked)  # (joiners admitted in this release are not at the meeting)
@@ -684,6 +691,7 @@ class GroupGenerator:
                 self._push(out, r, {"t": "error", "message": message})
         self.parked.clear()
         self._untrained = {}
+        self._positions = {}
         self._rounds = {}
         self._incomplete = set()
         self._settling = False
@@ -735,6 +743,7 @@ class GroupGenerator:
         self._ready = deque(entry for entry in self._ready if entry[0] != rank)
         self.parked.pop(rank, None)
         self._untrained.pop(rank, None)
+        self._positions.pop(rank, None)
         self._rounds.pop(rank, None)
         self._incomplete.discard(rank)  # the survivors' completeness decides
         self._lagging.discard(rank)
