@@ -56,6 +56,7 @@ def run_one(args: argparse.Namespace) -> None:
     import torch
     from datasets import load_dataset
     from datasets.distributed import split_dataset_by_node
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
     from torch import nn
     from torch.utils.data import DataLoader
@@ -78,7 +79,11 @@ def run_one(args: argparse.Namespace) -> None:
             if args.kill and self.global_rank == args.kill[0] and self.batches == args.kill[1]:
                 os.kill(os.getpid(), signal.SIGKILL)
             loss = nn.functional.cross_entropy(self.net(batch["x"]), batch["y"])
-            self.seen.extend(int(i) for i in batch["id"])
+            # with its global-progress ticket under the strategies (which global step trained it)
+            progress = getattr(self.trainer.strategy, "progress", None)
+            loader = progress.loader if progress is not None else None
+            ticket = loader.current_ticket if loader is not None else None
+            self.seen.append([ticket, [int(i) for i in batch["id"]]])
             return loss
 
         def on_train_batch_end(self, *args_, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -114,15 +119,19 @@ def run_one(args: argparse.Namespace) -> None:
         def train_dataloader(self) -> DataLoader:
             return loader_for(self.trainer.global_rank)
 
+    callbacks: list[L.Callback] = [
+        SlowdownInjector(args.step_time, "straggler", slow_ranks=[0], slow_factor=args.slow_factor)
+    ]
+    if args.checkpoint_every:  # a checkpoint every N global steps (mid-epoch: the shards' positions in it)
+        callbacks.append(ModelCheckpoint(out / "checkpoints", every_n_train_steps=args.checkpoint_every, save_top_k=-1))
     trainer = L.Trainer(
         accelerator="cpu", devices=args.workers, strategy=strategy, max_epochs=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0,
-        callbacks=[SlowdownInjector(args.step_time, "straggler", slow_ranks=[0], slow_factor=args.slow_factor)],
+        enable_checkpointing=bool(args.checkpoint_every), enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=out,
     )  # fmt: skip
     model = Rows()
     start = time.monotonic()
-    trainer.fit(model, datamodule=Data())
+    trainer.fit(model, datamodule=Data(), ckpt_path=args.resume)
     seconds = time.monotonic() - start
     (out / f"result.{trainer.global_rank}.json").write_text(
         json.dumps({"rank": trainer.global_rank, "seconds": seconds, "batches": model.batches})
@@ -148,7 +157,7 @@ def report(args: argparse.Namespace, shards: int, rows: int) -> list[dict]:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.job_timeout)
         wall = time.monotonic() - started
         results = [json.loads(p.read_text()) for p in out.glob("result.*.json")]
-        trained = Counter(i for p in out.glob("ids.*.json") for i in json.loads(p.read_text()))
+        trained = Counter(i for p in out.glob("ids.*.json") for _, ids in json.loads(p.read_text()) for i in ids)
         seconds = max((r["seconds"] for r in results), default=float("nan"))
         missing = total - len(trained)
         twice = sum(c - 1 for c in trained.values() if c > 1)
@@ -189,6 +198,8 @@ def main() -> None:
         help="RANK:BATCH: that rank SIGKILLs itself at that batch (strategies only; no restart)",
     )
     parser.add_argument("--job-timeout", type=float, default=600.0)
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="(--one) a checkpoint every N global steps")
+    parser.add_argument("--resume", default=None, help="(--one) resume the fit from this checkpoint")
     parser.add_argument("--json", default=None, help="write the rows here")
     # (one run, in a process of its own)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)

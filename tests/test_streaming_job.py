@@ -1,11 +1,14 @@
-"""A Hugging Face streaming dataset passed whole to `prague`, in one real job: its shards are shared out by
-speed, every row is trained exactly once through a `kill -9`, and the reading runs in DataLoader worker
-processes (which never talk to the control plane).
+"""A Hugging Face streaming dataset passed whole to `prague`, in real jobs: its shards are shared out by
+speed, every row is trained exactly once through a `kill -9`, the reading runs in DataLoader worker
+processes (which never talk to the control plane), and a fit resumed from a checkpoint taken inside the
+streaming epoch, on another number of workers, trains exactly the rows the first had not.
 
-The job (`benchmarks/streaming_vs_ddp.py --one`, its ranks forked from it): 16 JSON-lines shards of 48
-rows written here, 4 CPU workers, batches of 8, each rank's `DataLoader` with 2 worker processes, rank 0
-four times slower than the others, rank 2 SIGKILLed at its 6th batch (not restarted). Every rank writes
-the row ids it trained after each batch.
+The first job (`benchmarks/streaming_vs_ddp.py --one`, its ranks forked from it): 16 JSON-lines shards of
+48 rows written here, 4 CPU workers, batches of 8, each rank's `DataLoader` with 2 worker processes,
+rank 0 four times slower than the others, a checkpoint every 2 global steps (8 batches), rank 2
+SIGKILLed at its 6th batch (not restarted). Every rank writes the row ids it trained after each batch,
+with the batch's global-progress ticket. The second job resumes from the first checkpoint (16 batches
+in: before the kill) on 3 workers.
 """
 
 from __future__ import annotations
@@ -22,35 +25,48 @@ from helpers import free_port
 
 pytest.importorskip("datasets")
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(240)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDS, ROWS, BATCH, KILLED, AT = 16, 48, 8, 2, 6
+EVERY = 2  # global steps between checkpoints; a step is one batch per worker (4 batches)
+RESUMED_STEP = 4  # the checkpoint the second job resumes from: 16 batches in
+
+
+def _fit(data: Path, out: Path, workers: int, *extra: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "benchmarks" / "streaming_vs_ddp.py"), "--one", "--strategy", "prague"]
+    command += ["--data", str(data), "--out", str(out), "--workers", str(workers), "--batch-size", str(BATCH)]
+    command += ["--step-time", "0.02", "--slow-factor", "4", "--num-workers", "2", *extra]
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=150, cwd=out)
+
+
+def _trained(out: Path) -> dict[int, list[tuple[int | None, list[int]]]]:
+    return {int(p.name.split(".")[1]): json.loads(p.read_text()) for p in out.glob("ids.*.json")}
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+def jobs(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, subprocess.CompletedProcess, Path]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from streaming_vs_ddp import write_shards
     finally:
         sys.path.pop(0)
-    data, out = tmp_path_factory.mktemp("shards"), tmp_path_factory.mktemp("streaming_job")
+    data = tmp_path_factory.mktemp("shards")
+    first, second = tmp_path_factory.mktemp("streaming_job"), tmp_path_factory.mktemp("streaming_resumed")
     write_shards(data, SHARDS, ROWS)
-    command = [sys.executable, str(ROOT / "benchmarks" / "streaming_vs_ddp.py"), "--one", "--strategy", "prague"]
-    command += ["--data", str(data), "--out", str(out), "--workers", "4", "--batch-size", str(BATCH)]
-    command += ["--step-time", "0.03", "--slow-factor", "4", "--num-workers", "2", "--kill", f"{KILLED}:{AT}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150, cwd=out)
-    return done, out
+    killed = _fit(data, first, 4, "--checkpoint-every", str(EVERY), "--kill", f"{KILLED}:{AT}")
+    checkpoint = first / "checkpoints" / f"epoch=0-step={RESUMED_STEP}.ckpt"
+    resumed = _fit(data, second, 3, "--resume", str(checkpoint)) if checkpoint.exists() else killed
+    return killed, first, resumed, second
 
 
-def test_every_row_of_the_stream_is_trained_once_through_a_kill_and_fast_ranks_read_more(job):
-    done, out = job
+def test_every_row_of_the_stream_is_trained_once_through_a_kill_and_fast_ranks_read_more(jobs):
+    done, out, _, _ = jobs
     assert done.returncode == 0, done.stderr[-4000:]
     assert (out / "result.0.json").exists()  # the fit returned
-    trained = {int(p.name.split(".")[1]): json.loads(p.read_text()) for p in out.glob("ids.*.json")}
+    trained = {rank: [i for _, ids in batches for i in ids] for rank, batches in _trained(out).items()}
     counts = Counter(i for ids in trained.values() for i in ids)
     assert set(counts) == set(range(SHARDS * ROWS)), f"{SHARDS * ROWS - len(counts)} rows never trained"
     assert max(counts.values()) == 1, [i for i, c in counts.items() if c > 1][:20]
@@ -59,3 +75,18 @@ def test_every_row_of_the_stream_is_trained_once_through_a_kill_and_fast_ranks_r
     # the slow rank read less than each fast survivor: the shards went by speed
     assert all(len(trained[0]) < len(trained[r]) for r in (1, 3)), {r: len(ids) for r, ids in trained.items()}
     assert "has no shards the strategy can share out" not in done.stderr
+
+
+def test_a_fit_resumed_inside_the_streaming_epoch_on_fewer_workers_trains_exactly_the_rest(jobs):
+    _, first, done, out = jobs
+    assert (first / "checkpoints" / f"epoch=0-step={RESUMED_STEP}.ckpt").exists(), sorted(first.rglob("*.ckpt"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    # the first fit's rows up to the checkpoint: the batches whose tickets (global batch numbers) it covers
+    covered = RESUMED_STEP * 4
+    before = Counter(i for batches in _trained(first).values() for t, ids in batches if t <= covered for i in ids)
+    after = Counter(i for batches in _trained(out).values() for _, ids in batches for i in ids)
+    assert sum(before.values()) == covered * BATCH
+    both = before + after
+    assert set(both) == set(range(SHARDS * ROWS)), f"{SHARDS * ROWS - len(both)} rows never trained"
+    assert max(both.values()) == 1, sorted(i for i, c in both.items() if c > 1)[:20]
+    assert sorted(_trained(out)) == [0, 1, 2]  # (three workers now)

@@ -306,9 +306,13 @@ class GlobalProgress:
         boundary = self._next_boundary()
         following = loader.current_ticket
         end = loader.counter.epoch_end if following is None else None
-        if boundary is not None and boundary.due(following, end):
-            # unless every batch of the epoch is trained, the others go on: meet them at the epoch's end
-            inside_epoch = end is None or boundary.batches < end
+        # a sharded stream: the boundaries after the first rank's reads ended wait for the epoch's end
+        stream_end = loader.counter.stream_end
+        after_stream_end = stream_end is not None and boundary is not None and boundary.batches > stream_end
+        if boundary is not None and boundary.due(following, end) and not after_stream_end:
+            # unless every batch of the epoch is trained, the others go on: meet them at the epoch's end (a
+            # sharded stream's ranks still train the shards they hold, whatever this rank's end says)
+            inside_epoch = end is None or boundary.batches < end or loader.counter.keep_claiming
             self.meet(f"progress@{boundary.batches}", boundary.batches, inside_epoch, boundary.validate)
             self.at_synchronization(boundary.batches, boundary.step)
             self.met.append((boundary.batches, boundary.step, boundary.validate))

@@ -197,6 +197,12 @@ class ProgressCounter:
     epoch_end: Optional[int] = field(default=None, init=False)
     #: a claim failed because the step budget is spent (not because the epoch's data ended)
     budget_spent: bool = field(default=False, init=False)
+    #: a sharded stream: the first rank whose reads ended does not end the others' (they train the
+    #: shards they hold to their ends); it marks where progress boundaries stop (`stream_end`)
+    keep_claiming: bool = field(default=False, init=False)
+    #: in a sharded stream's epoch, the ticket count when the first rank's reads ended: boundaries
+    #: after it are left to the epoch's end on every rank (some rank would have no batch to meet them with)
+    stream_end: Optional[int] = field(default=None, init=False)
     #: this worker's place among the members (its first ticket's offset): its rank until some are lost
     _index: int = field(default=0, init=False)
     #: the members from the next epoch on
@@ -211,6 +217,7 @@ class ProgressCounter:
 
     def begin_epoch(self, epoch: int, epoch_base: int, offset: int = 0) -> None:
         self.epoch, self.epoch_base, self.offset, self.epoch_end = epoch, epoch_base, offset, None
+        self.stream_end = None
         self._first_taken = False
         if self._members is not None:
             self.world_size, self._index = len(self._members), self._members.index(self.rank)
@@ -253,6 +260,9 @@ class ProgressCounter:
             return self._within_budget(self._origin + 1 + self._index)
         value = increment(self.store, self.tickets_key)
         if value > ENDED:
+            if self.keep_claiming:  # (the ticket is claimed after the first rank's reads ended: boundaries stop)
+                self.stream_end = self._published_end()
+                return self.accept(value - ENDED)
             self.epoch_end = self._published_end()
             return None
         return self.accept(value)
@@ -282,6 +292,15 @@ class ProgressCounter:
         self.epoch_end = self._published_end()
         return self.epoch_end
 
+    def end_shard_stream(self) -> int:
+        """This worker's reads of a sharded stream ended (the queue's last claims returned together): the
+        first to get here marks the ticket count (`stream_end`) without ending anyone's claims; returns it."""
+        if increment(self.store, self._key("enders")) == 1:
+            claimed = increment(self.store, self._key("claims"), ENDED) - ENDED
+            self.store.set(self._key("end"), str(self._origin + self.world_size + claimed))
+        self.stream_end = self.epoch_end = self._published_end()
+        return self.stream_end
+
     def exhausted(self, epoch_end: int) -> None:
         """This worker's data ran out at a known last ticket (map-style data): nothing to tell the others."""
         self.epoch_end = self.padded(epoch_end)
@@ -297,6 +316,8 @@ class ProgressCounter:
     def final_count(self) -> int:
         """Global batches trained when this epoch is over (call when every worker has stopped claiming)."""
         value = read(self.store, self._key("claims"))
+        if value > ENDED and self.keep_claiming:  # (claims went on after the mark)
+            return self.padded(self._origin + self.world_size + value - ENDED)
         if value > ENDED:
             return self._published_end()
         return self.padded(self._origin + self.world_size + value)

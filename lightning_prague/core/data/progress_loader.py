@@ -63,6 +63,7 @@ class ProgressLoader:
         self._reported: Optional[int] = None
         #: `state_dict` is for a rank that joins the epoch under way (its state from a live member)
         self.for_joiner = False
+        counter.keep_claiming = isinstance(sampler, ShardQueueSampler)
         if sampler is not None and batches_per_epoch is not None and not (getattr(loader, "num_workers", 0) or 0):
             # the loader runs in this process: the sampler is asked for a chunk exactly when the batch is
             # built, so the batch's ticket can come in the same message as its chunk (one per batch)
@@ -175,8 +176,9 @@ class ProgressLoader:
                 return
             self.tickets.append(ticket)
             yield batch
-        if shards is not None:
-            return  # every rank's reads end together: the queue's last claims return when nobody may give back
+        if shards is not None:  # the others train the shards they hold to their ends: no claim fails
+            self.counter.end_shard_stream()
+            return
         if self.streaming:
             self.counter.end_stream()
         else:
