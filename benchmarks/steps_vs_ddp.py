@@ -2,6 +2,7 @@
 
     python benchmarks/steps_vs_ddp.py                          # ddp, prague, partial_reduce; 120 steps
     python benchmarks/steps_vs_ddp.py --max-steps 60 --strategies ddp adpsgd
+    python benchmarks/steps_vs_ddp.py --streaming 32           # the text as a stream of 32 shards
 
 Every strategy trains the same model on the same data to the same number of global steps
 (``max_steps``), with validation and a checkpoint every ``max_steps / 3`` steps, linear warm-up
@@ -57,7 +58,14 @@ def fit(strategy: str, args: argparse.Namespace, root: Path) -> dict[str, float]
     warmup = max(1, args.max_steps // 12)
     model = TinyTransformerLM(lr=3e-3, optimizer="adam", warmup_steps=warmup, lr_schedule="cosine")
     start = time.perf_counter()
-    trainer.fit(model, datamodule=PythonHelpText(context=64, batch_size=32))
+    # a sharded stream (--streaming): each strategy gets it whole; DDP's ranks read their own shards of it
+    data = PythonHelpText(
+        context=64,
+        batch_size=32,
+        streaming_shards=args.streaming,
+        split_by_rank=bool(args.streaming) and strategy == "ddp",
+    )
+    trainer.fit(model, datamodule=data)
     seconds = time.perf_counter() - start
     return {"seconds": round(seconds, 2), "val_loss": round(float(trainer.callback_metrics["val_loss"]), 4)}
 
@@ -70,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=120)
     parser.add_argument("--step-time", type=float, default=0.05, help="simulated compute seconds per step")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--streaming", type=int, default=0, metavar="SHARDS",
+        help="train on the text as a sharded stream of SHARDS shards (DDP: split by rank) instead of shuffled windows",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     results = {}
     for strategy in args.strategies:

@@ -91,11 +91,13 @@ CLI_CONFIGS = [
     ("decent_adam_textlm.yaml", 4, []),
     ("prague_digits.yaml", 3, []),
     ("prague_textlm_steps.yaml", 4, ["--trainer.max_steps", "40"]),
-    # the same step-based LM with Partial Reduce: only the strategy's class changes
+    # the same step-based LM with Partial Reduce (only the strategy's class changes), its text as a sharded
+    # stream of 16 shards (docs/streaming.md) that the work queue shares out
     (
         "prague_textlm_steps.yaml",
         4,
-        ["--trainer.max_steps", "40", "--trainer.strategy.class_path", "lightning_prague.PartialReduceStrategy"],
+        ["--trainer.max_steps", "40", "--trainer.strategy.class_path", "lightning_prague.PartialReduceStrategy"]
+        + ["--data.init_args.streaming_shards", "16"],
     ),
 ]
 

@@ -228,7 +228,7 @@ def test_a_send_that_fails_before_the_reader_sees_the_close_is_the_same_lost_pla
     link._sock = types.SimpleNamespace(sendall=lambda data: (_ for _ in ()).throw(BrokenPipeError(32, "Broken pipe")))
     session = stepping_session()
     session.client.send = link.send  # type: ignore[attr-defined]
-    session.client.request = lambda message, *args, **kwargs: link.send(message)  # type: ignore[attr-defined]
+    session.client.begin = lambda message, *args, **kwargs: link.send(message)  # type: ignore[attr-defined]
     with pytest.raises(ControlPlaneLost) as raised:
         session.send("beat") if contact == "send" else session.request("kv", "a counter")
     text = str(raised.value)

@@ -202,3 +202,40 @@ def test_a_stream_read_as_written_keeps_its_loaders_own_position_in_the_checkpoi
     resumed = ProgressLoader(Stateful([1, 2, 3]), ProgressCounter(store=None, timeout=1.0), lambda: 0)
     resumed.load_state_dict(state)
     assert resumed.loader.restored == {"position": 17}
+
+
+def test_the_demo_text_as_a_sharded_stream_covers_every_window_once():
+    """The text LM's `--streaming` corpus (`CharShards`): our protocol, its shards cover every window
+    of the text once, and a shard read from a position goes on where a whole read would be."""
+    import torch
+
+    from lightning_prague.demo.textlm import CharShards
+
+    stream = CharShards(torch.arange(1001), context=10, num_shards=7)
+    assert isinstance(shard_source(stream), ProtocolSource) and stream.num_shards == 7
+    firsts = [int(x[0]) for shard in range(7) for x, _ in stream.iter_shard(shard, 0)]
+    assert firsts == [10 * i for i in range(100)]  # every window, once, in order
+    whole = [int(x[0]) for x, _ in stream.iter_shard(3, 0)]
+    assert [int(x[0]) for x, _ in stream.iter_shard(3, 4)] == whole[4:]
+    assert len(list(stream)) == 100  # (no process group: iterated whole, every shard)
+
+
+def _litdata_item(i: int) -> dict:
+    return {"id": i, "x": [float(i)] * 4}
+
+
+def test_a_litdata_streaming_dataset_is_read_chunk_by_chunk_from_any_position(tmp_path):
+    """`litdata.optimize` output, read as a `StreamingDataset`: its chunks are the shards (7 here: six of
+    16 samples and one of 4), each read from any position; read through the work queue's reader, every
+    sample once."""
+    litdata = pytest.importorskip("litdata")
+    litdata.optimize(
+        fn=_litdata_item, inputs=list(range(100)), output_dir=str(tmp_path / "optimized"), chunk_size=16, num_workers=1
+    )
+    stream = litdata.StreamingDataset(str(tmp_path / "optimized"))
+    source = shard_source(stream)
+    assert source is not None and source.num_shards == 7
+    assert [item["id"] for item in source.iter_shard(1, 5)] == list(range(21, 32))
+    reader = ShardReader(source, identity)
+    ids = [item["id"] for shard in range(7) for item in reader[ShardRead(0, shard, 0, 16)].batch]
+    assert ids == list(range(100))

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 import string
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_prague.optim import AccumAdam, AccumAdamW
 
@@ -61,23 +63,68 @@ class CharWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-class PythonHelpText(L.LightningDataModule):
-    """The pydoc corpus as character windows; the last `val_fraction` of the text is validation."""
+class CharShards(IterableDataset):
+    """The same windows as a sharded stream, as a pretraining corpus arrives: `num_shards` contiguous
+    shards, each read from any window on (`iter_shard`: the protocol of
+    `lightning_prague.core.data.shard_sources.ShardedStream`). Iterated whole it reads every shard in
+    turn, or, with `split_by_rank`, only this rank's (shards `rank`, `rank + world`, ...), as a DDP
+    user splits a stream by node."""
 
-    def __init__(self, context: int = 64, batch_size: int = 32, max_chars: int = 120_000, val_fraction: float = 0.1):
+    def __init__(self, codes: torch.Tensor, context: int, num_shards: int, split_by_rank: bool = False) -> None:
+        self.windows = CharWindows(codes, context)
+        count = len(self.windows)
+        if not 1 <= num_shards <= count:
+            raise ValueError(f"num_shards={num_shards} must be between 1 and the {count} windows of the text")
+        self.num_shards = num_shards
+        self.bounds = [(count * k // num_shards, count * (k + 1) // num_shards) for k in range(num_shards)]
+        self.split_by_rank = split_by_rank
+
+    def iter_shard(self, shard: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        first, end = self.bounds[shard]
+        for i in range(first + start, end):
+            yield self.windows[i]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        shards = range(self.num_shards)
+        if self.split_by_rank and dist.is_available() and dist.is_initialized():
+            shards = range(dist.get_rank(), self.num_shards, dist.get_world_size())
+        for shard in shards:
+            yield from self.iter_shard(shard, 0)
+
+
+class PythonHelpText(L.LightningDataModule):
+    """The pydoc corpus as character windows; the last `val_fraction` of the text is validation.
+    `streaming_shards`: the training windows as a sharded stream of that many shards (`CharShards`),
+    `split_by_rank`: each rank reading its own shards of it."""
+
+    def __init__(
+        self,
+        context: int = 64,
+        batch_size: int = 32,
+        max_chars: int = 120_000,
+        val_fraction: float = 0.1,
+        streaming_shards: int = 0,
+        split_by_rank: bool = False,
+    ):
         super().__init__()
         self.context = context
         self.batch_size = batch_size
         self.max_chars = max_chars
         self.val_fraction = val_fraction
+        self.streaming_shards = streaming_shards
+        self.split_by_rank = split_by_rank
 
     def setup(self, stage: str) -> None:
         codes = encode(python_help_text(self.max_chars))
         split = int(len(codes) * (1 - self.val_fraction))
         self.train_set = CharWindows(codes[:split], self.context)
         self.val_set = CharWindows(codes[split:], self.context)
+        if self.streaming_shards:
+            self.train_stream = CharShards(codes[:split], self.context, self.streaming_shards, self.split_by_rank)
 
     def train_dataloader(self) -> DataLoader:
+        if self.streaming_shards:
+            return DataLoader(self.train_stream, batch_size=self.batch_size)
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:

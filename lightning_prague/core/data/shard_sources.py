@@ -9,11 +9,11 @@ A stream the strategy can share out by speed is one it can read shard by shard, 
   from a lost rank goes on where that rank stood;
 * **Hugging Face `datasets`** streaming datasets (`datasets.IterableDataset`): their `n_shards`
   (the files, or the generator's shards), read with `.shard(n_shards, k)` and `.skip(start)`;
+* **`litdata`'s `StreamingDataset`** (what `litdata.optimize` wrote): its chunks, each read by index;
 
 `shard_source(dataset)` finds the one that applies, or `None`: a stream without shards is read as
 the user wrote it, each rank its own (`lightning_prague.strategies.loaders` warns what that loses).
-Nothing here imports `datasets`: a dataset is recognised by what it has. (`litdata`'s
-`StreamingDataset` is not recognised yet: it is read as the user wrote it.)
+Nothing here imports `datasets` or `litdata`: a dataset is recognised by what it has.
 """
 
 from __future__ import annotations
@@ -82,6 +82,31 @@ class HuggingFaceSource(ShardSource):
         return _rows(part.iter(batch_size=READ_BATCH))
 
 
+class LitdataSource(ShardSource):
+    """`litdata`'s `StreamingDataset` (the output of `litdata.optimize`): its chunks are the shards, each
+    read sample by sample through the dataset's own random access (`dataset[i]`, which fetches the
+    chunk where it is remote), in the chunks' order of its index."""
+
+    kind = "a litdata StreamingDataset"
+
+    def __init__(self, dataset: Any) -> None:
+        super().__init__(dataset)
+        #: each chunk's first sample (in the dataset's numbering) and its number of samples
+        self.chunks: list[tuple[int, int]] = []
+        first = 0
+        for begin, end in dataset.region_of_interest:
+            self.chunks.append((first, int(end) - int(begin)))
+            first += int(end) - int(begin)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.chunks)
+
+    def iter_shard(self, shard: int, start: int) -> Iterator[Any]:
+        first, count = self.chunks[shard]
+        return (self.dataset[first + i] for i in range(max(0, start), count))
+
+
 #: samples a Hugging Face shard is read in at once (then handed out one by one)
 READ_BATCH = 64
 
@@ -101,6 +126,8 @@ def shard_source(dataset: Any) -> Optional[ShardSource]:
     module = type(dataset).__module__ or ""
     if module.startswith("datasets.") and hasattr(dataset, "n_shards") and hasattr(dataset, "shard"):
         return HuggingFaceSource(dataset)
+    if module.startswith("litdata.") and isinstance(getattr(dataset, "region_of_interest", None), list):
+        return LitdataSource(dataset)
     return None
 
 
