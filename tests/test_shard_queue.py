@@ -67,22 +67,30 @@ def identity(rows):
     return list(rows)
 
 
-def test_every_sample_once_and_a_lost_ranks_shard_goes_on_from_its_reported_position(sessions):
-    files = Files([10, 7, 13, 4, 9, 11])
-    reader = ShardReader(ProtocolSource(files), identity)
-    samplers = [ShardQueueSampler(files.num_shards, 4, r, 3, s.counters, slow_ratio=0) for r, s in enumerate(sessions)]
-    trained: dict[int, list] = {r: [] for r in range(3)}
-    train(samplers[2], reader, trained[2], stop_after=4)  # one batch of its shard trained, the next read
-    sessions[2].close(failed=True)  # lost: its shard goes back to the queue at position 4
-    threads = [threading.Thread(target=train, args=(samplers[r], reader, trained[r])) for r in (0, 1)]
+def train_together(samplers: dict[int, ShardQueueSampler], reader: ShardReader) -> tuple[Counter, dict[int, list]]:
+    """Each rank's `train` in a thread of its own (a claim at the queue's end waits for the others);
+    every sample they trained, counted."""
+    trained: dict[int, list] = {rank: [] for rank in samplers}
+    threads = [threading.Thread(target=train, args=(samplers[r], reader, trained[r])) for r in samplers]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(30)
-    everything = Counter(row for rows in trained.values() for row in rows)
+    return Counter(row for rows in trained.values() for row in rows), trained
+
+
+def test_every_sample_once_and_a_lost_ranks_shard_goes_on_from_its_reported_position(sessions):
+    files = Files([10, 7, 13, 4, 9, 11])
+    reader = ShardReader(ProtocolSource(files), identity)
+    samplers = [ShardQueueSampler(files.num_shards, 4, r, 3, s.counters, slow_ratio=0) for r, s in enumerate(sessions)]
+    lost: list = []
+    train(samplers[2], reader, lost, stop_after=4)  # one batch of its shard trained, the next read
+    sessions[2].close(failed=True)  # lost: its shard goes back to the queue at position 4
+    everything, _ = train_together({0: samplers[0], 1: samplers[1]}, reader)
+    everything.update(lost)
     expected = {(shard, i) for shard, length in enumerate(files.lengths) for i in range(length)}
     assert set(everything) == expected and max(everything.values()) == 1, everything
-    assert trained[2] == [(2, i) for i in range(4)]
+    assert lost == [(2, i) for i in range(4)]
     assert (2, 4) in files.opened  # read on from where rank 2 stood, not from the start
 
 
@@ -145,13 +153,7 @@ def test_a_resumed_epoch_reads_the_shards_in_progress_from_their_positions_then_
         sampler.set_members([0, 1])
         sampler.resume_shards(0, 6, [[3, 5], [4, 2]])
     sessions[2].close()  # (not in the resumed fit)
-    trained: dict[int, list] = {0: [], 1: []}
-    threads = [threading.Thread(target=train, args=(samplers[r], reader, trained[r])) for r in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    everything = Counter(row for rows in trained.values() for row in rows)
+    everything, trained = train_together({0: samplers[0], 1: samplers[1]}, reader)
     expected = {(3, i) for i in range(5, 8)} | {(4, i) for i in range(2, 8)}
     expected |= {(s, i) for s in (6, 7) for i in range(8)}
     assert set(everything) == expected and max(everything.values()) == 1, everything

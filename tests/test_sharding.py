@@ -192,18 +192,18 @@ def test_speeds_are_ignored_until_every_rank_has_one(counters):
 
 class _WaitingClaims:
     """A control plane's counters whose claims take `wait` seconds of a simulated clock (as one that
-    waits at an emptied queue for a hung member does), for `claim` and `report`."""
+    waits at an emptied queue for a hung member does), for `begin_claim` and `report`."""
 
     def __init__(self, now: list[float], wait: float) -> None:
         self.now, self.wait, self.next = now, wait, 1
 
-    def claim(self, cursor, first, tickets, ticketed, num, chunk=None, set_aside=None, park=False):
+    def answer(self):
         self.now[0] += self.wait
         self.next += 1
         return self.next, None
 
     def begin_claim(self, *args, **kwargs):  # sent ahead: the wait is the reply's (`ClaimInFlight.result`)
-        return SimpleNamespace(result=lambda: self.claim(*args, **kwargs))
+        return SimpleNamespace(result=self.answer)
 
     def report(self, *args, **kwargs):
         pass

@@ -709,27 +709,6 @@ class Counters:
     def add(self, key: str, amount: int) -> int:
         return int(self._kv("add", f"the counter {key!r}", key=key, amount=int(amount)))
 
-    def claim(
-        self,
-        cursor: str,
-        first: int,
-        tickets: str | None = None,
-        ticketed: int = 0,
-        num: int | None = None,
-        chunk: int | None = None,
-        set_aside: tuple[Sequence[int], Sequence[int]] | None = None,
-        park: bool = False,
-    ) -> tuple[int, int | None]:
-        """The work queue's next chunk (`first` plus the claims of `cursor` so far; or `chunk`, one a
-        resumed checkpoint handed to this rank) and, if `tickets` is given and the chunk is below
-        `ticketed`, the next value of the `tickets` counter with it: one message for a batch's data and
-        its global-progress ticket. The control plane holds the chunk for this rank until it reports it
-        trained (`report`). `num`: the queue's length; `set_aside`: on this rank's first claim of an
-        epoch, the members and the chunk each started the epoch with (`lightning_prague.core.plane.work`);
-        `park`: at an emptied queue, wait while a live member may still give chunks back, serving
-        `serve` meanwhile (`lightning_prague.core.plane.queue_end`)."""
-        return self.begin_claim(cursor, first, tickets, ticketed, num, chunk, set_aside, park).result()
-
     def begin_claim(
         self,
         cursor: str,
@@ -741,8 +720,16 @@ class Counters:
         set_aside: tuple[Sequence[int], Sequence[int]] | None = None,
         park: bool = False,
     ) -> ClaimInFlight:
-        """`claim`, sent now, its chunk taken later (`ClaimInFlight.result`): a claim ahead of the
-        batch that needs it, so that the control plane's round trip overlaps this rank's training."""
+        """A claim on the work queue, sent now, its answer taken later (`ClaimInFlight.result`), so that
+        the control plane's round trip overlaps this rank's training: the queue's next chunk (`first`
+        plus the claims of `cursor` so far; or `chunk`, one a resumed checkpoint handed to this rank)
+        and, if `tickets` is given and the chunk is below `ticketed`, the next value of the `tickets`
+        counter with it (one message for a batch's data and its global-progress ticket). The control
+        plane holds the chunk for this rank until it reports it trained (`report`). `num`: the queue's
+        length; `set_aside`: on this rank's first claim of an epoch, the members and the chunk each
+        started the epoch with (`lightning_prague.core.plane.work`); `park`: at an emptied queue, wait
+        while a live member may still give chunks back, serving `serve` meanwhile
+        (`lightning_prague.core.plane.queue_end`)."""
         what = f"a claim on the work queue {cursor!r}"
         fields: dict[str, Any] = {"key": cursor, "first": first, "tickets": tickets, "ticketed": ticketed}
         if num is not None:
