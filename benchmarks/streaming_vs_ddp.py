@@ -10,7 +10,8 @@ workers, rank 0 `--slow-factor` times slower (`SlowdownInjector`, `--step-time` 
 the dataset split by node (`datasets.distributed.split_dataset_by_node`), as DDP users do; each
 strategy gets the whole dataset and shares its shards out by speed
 (`lightning_prague.core.data.shard_queue`). Every rank writes the ids it trained; the report counts
-the rows missing and trained twice, against the physical limit (the sum of the workers' speeds).
+the rows missing and trained twice, against the physical limit (the sum of the workers' speeds),
+and rank 0's model's accuracy on 4096 held-out rows.
 Each run is a process of its own, its ranks forked from it (`--start-method fork`).
 """
 
@@ -26,22 +27,30 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 ROWS_PER_SHARD_DEFAULT = 512
 FEATURES = 32
 
 
+def labelled(count: int, generator: Any) -> tuple[Any, Any]:
+    """`count` rows of features and their labels, by one fixed linear rule (the same in every call)."""
+    import torch
+
+    weights = torch.randn(FEATURES, generator=torch.Generator().manual_seed(12345))
+    x = torch.randn(count, FEATURES, generator=generator)
+    return x, (x @ weights > 0).long()
+
+
 def write_shards(directory: Path, shards: int, rows: int, seed: int = 0) -> list[str]:
-    """`shards` JSON-lines files of `rows` rows each: an id, features and a label (a fixed linear rule)."""
+    """`shards` JSON-lines files of `rows` rows each: an id, features and a label (`labelled`)."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    weights = torch.randn(FEATURES, generator=generator)
     paths = []
     for shard in range(shards):
         path = directory / f"shard-{shard:03d}.jsonl"
-        x = torch.randn(rows, FEATURES, generator=generator)
-        y = (x @ weights > 0).long()
+        x, y = labelled(rows, generator)
         with open(path, "w") as out:
             for i in range(rows):
                 row = {"id": shard * rows + i, "x": [round(v, 4) for v in x[i].tolist()], "y": int(y[i])}
@@ -133,8 +142,11 @@ def run_one(args: argparse.Namespace) -> None:
     start = time.monotonic()
     trainer.fit(model, datamodule=Data(), ckpt_path=args.resume)
     seconds = time.monotonic() - start
+    x, y = labelled(4096, torch.Generator().manual_seed(999))  # held out: rows no shard has
+    with torch.no_grad():
+        accuracy = float((model.net(x).argmax(1) == y).float().mean())
     (out / f"result.{trainer.global_rank}.json").write_text(
-        json.dumps({"rank": trainer.global_rank, "seconds": seconds, "batches": model.batches})
+        json.dumps({"rank": trainer.global_rank, "seconds": seconds, "batches": model.batches, "acc": accuracy})
     )
     del rank
 
@@ -159,24 +171,25 @@ def report(args: argparse.Namespace, shards: int, rows: int) -> list[dict]:
         results = [json.loads(p.read_text()) for p in out.glob("result.*.json")]
         trained = Counter(i for p in out.glob("ids.*.json") for _, ids in json.loads(p.read_text()) for i in ids)
         seconds = max((r["seconds"] for r in results), default=float("nan"))
+        accuracy = max((r["acc"] for r in results), default=float("nan"))
         missing = total - len(trained)
         twice = sum(c - 1 for c in trained.values() if c > 1)
         limit = total / args.batch_size * args.step_time / (args.workers - 1 + 1 / args.slow_factor)
         rows_out.append(
             {
                 "strategy": strategy, "returned": len(results), "exit": done.returncode, "seconds": seconds,
-                "wall": wall, "missing": missing, "twice": twice, "limit": limit,
+                "wall": wall, "missing": missing, "twice": twice, "limit": limit, "acc": accuracy,
             }
         )  # fmt: skip
         if done.returncode != 0 and not args.kill:
             print(done.stderr[-3000:], file=sys.stderr)
     ddp = next((r["seconds"] for r in rows_out if r["strategy"] == "ddp"), float("nan"))
     header = f"{'strategy':16}{'returned':>9}{'time (s)':>10}{'vs DDP':>9}{'limit':>8}{'of limit':>10}"
-    print(header + f"{'missing':>9}{'twice':>7}")
+    print(header + f"{'missing':>9}{'twice':>7}{'acc':>8}")
     for r in rows_out:
         print(
             f"{r['strategy']:16}{r['returned']:>9}{r['seconds']:>10.2f}{ddp / r['seconds']:>8.2f}x{r['limit']:>8.2f}"
-            f"{r['limit'] / r['seconds']:>9.0%}{r['missing']:>9}{r['twice']:>7}"
+            f"{r['limit'] / r['seconds']:>9.0%}{r['missing']:>9}{r['twice']:>7}{r['acc']:>8.4f}"
         )
     return rows_out
 
