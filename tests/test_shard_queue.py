@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 from helpers import CREDENTIALS
+from torch.utils.data import IterableDataset
 
 from lightning_prague.core import ControlClient, ControlPlane, SessionConfig, make_policy
 from lightning_prague.core.data.shard_queue import ShardQueueSampler, ShardRead, ShardReader
@@ -241,3 +242,34 @@ def test_a_litdata_streaming_dataset_is_read_chunk_by_chunk_from_any_position(tm
     reader = ShardReader(source, identity)
     ids = [item["id"] for shard in range(7) for item in reader[ShardRead(0, shard, 0, 16)].batch]
     assert ids == list(range(100))
+
+
+def test_a_stream_already_split_by_node_is_read_as_written_with_a_warning(tmp_path):
+    """`split_dataset_by_node` marks a Hugging Face dataset (its `_distributed`, a private attribute of
+    `datasets`: this test notices if it goes away). Such a stream is each rank's own part: the strategy
+    does not share it out, and says what that loses; the whole dataset is shared out."""
+    datasets = pytest.importorskip("datasets")
+    from types import SimpleNamespace
+
+    from datasets.distributed import split_dataset_by_node
+    from torch.utils.data import DataLoader
+
+    from lightning_prague.strategies.loaders import StrategyLoaders
+
+    for shard in range(4):
+        (tmp_path / f"s{shard}.jsonl").write_text('{"id": 1}\n')
+    files = sorted(str(p) for p in tmp_path.glob("*.jsonl"))
+    whole = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+    loaders = StrategyLoaders(SimpleNamespace(strategy_name="prague"))  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match="already split by node"):
+        assert loaders.stream_source(DataLoader(split_dataset_by_node(whole, 0, 2), batch_size=2)) is None
+    assert isinstance(loaders.stream_source(DataLoader(whole, batch_size=2)), HuggingFaceSource)
+    with pytest.warns(UserWarning, match="has no shards the strategy can share out"):
+        assert loaders.stream_source(DataLoader(IterableRange(), batch_size=2)) is None
+
+
+class IterableRange(IterableDataset):
+    """A stream with no shards."""
+
+    def __iter__(self):
+        return iter(range(4))

@@ -298,17 +298,15 @@ class ProgressLoader:
                 ControlPlaneError
             ):  # the plane is gone (a checkpoint on the way out): the epoch resumes from its start
                 return state
-            if isinstance(
-                self.sampler, ShardQueueSampler
-            ):  # every shard: done, in progress at a position, or not started
+            if isinstance(self.sampler, ShardQueueSampler):
+                # every shard: done (before the cursor), in progress at a position, or not started
                 state["positions"] = sorted(self.positions)
             else:
                 state["pending"] = sorted(self.pending)
             state["cursor"] = cursor
         elif self.sampler is None and callable(getattr(self.loader, "state_dict", None)):
-            state["loader"] = (
-                self.loader.state_dict()
-            )  # a stream's own loader keeps its position (a StatefulDataLoader)
+            # a stream read as written keeps its loader's own position (a StatefulDataLoader's)
+            state["loader"] = self.loader.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
