@@ -9,10 +9,30 @@ import pytest
 from helpers import CREDENTIALS, TrainingRun, run_many
 
 from lightning_prague.core import ControlPlane
+from lightning_prague.core.client.control import Session
 from lightning_prague.core.plane.server import MessageServer
 
 #: the signals whose handlers a test may change in this process (a keeper or an agent run in it)
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@pytest.fixture(autouse=True)
+def _no_watch_outlives_its_test(monkeypatch):
+    """A session a test leaves open keeps its watch thread (`Session.start_watch`), which ends this
+    process (`os._exit`) once the control plane it lost stays lost past its bound: minutes later, in
+    whichever test runs then (a test of the plane dying left one, and the suite died with status 75
+    five minutes on, once it had grown that long). Each test's watches stop at its end."""
+    started: list[Session] = []
+    start_watch = Session.start_watch
+
+    def recorded(self: Session, name: str) -> None:
+        started.append(self)
+        start_watch(self, name)
+
+    monkeypatch.setattr(Session, "start_watch", recorded)
+    yield
+    for session in started:
+        session._watching.set()
 
 
 @pytest.fixture(autouse=True)

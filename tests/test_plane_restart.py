@@ -141,7 +141,7 @@ def test_a_link_reconnects_to_a_plane_started_again_and_nothing_it_sent_is_lost_
         assert client.link.reconnects == 1 and not client.closed
         assert session.stop_reason == "request"  # the message sent meanwhile was handled
     finally:
-        session.beacon.stop()
+        session.close()
         client.close()
         server.close()
 
@@ -158,7 +158,7 @@ def test_a_plane_that_does_not_come_back_within_the_wait_is_lost(tmp_path):
                 session.counters.add("c", 1)
                 time.sleep(0.1)
     finally:
-        session.beacon.stop()
+        session.close()  # (its watch thread would end this process once the lost plane's bound passed)
         client.close()
 
 
