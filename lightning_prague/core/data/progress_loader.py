@@ -168,11 +168,14 @@ class ProgressLoader:
                 if ticket is not None:
                     self._holds(len(self.tickets), ticket)
             if self.armed and ticket is None:
-                if self.counter.budget_spent:
+                stream_end = self.counter.stream_end
+                if self.counter.budget_spent and not (stream_end is not None and self.counter.budget > stream_end):
                     # hand the batch over untrained: the trainer stops at the budget's synchronization point
                     # before it, in the middle of its epoch (a checkpoint there resumes the same epoch)
                     self.tickets.append(None)
                     yield batch
+                # (a sharded stream whose budget falls after the first rank's reads ended: no boundary is met
+                # there, so the epoch ends here, and the meeting at its end finds the budget spent)
                 return
             self.tickets.append(ticket)
             yield batch
