@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import free_port, run_forked_together
 
 pytest.importorskip("datasets")
 
@@ -34,12 +34,13 @@ RESUMED_STEP = 4  # the checkpoint the second job resumes from: 16 batches in
 
 
 def _fit(data: Path, out: Path, workers: int, *extra: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(ROOT / "benchmarks" / "streaming_vs_ddp.py"), "--one", "--strategy", "prague"]
-    command += ["--data", str(data), "--out", str(out), "--workers", str(workers), "--batch-size", str(BATCH)]
-    command += ["--step-time", "0.02", "--slow-factor", "4", "--num-workers", "2", *extra]
+    """One fit, forked from this process (its imports done: no interpreter start-up)."""
+    argv = ["--one", "--strategy", "prague", "--data", str(data), "--out", str(out), "--workers", str(workers)]
+    argv += ["--batch-size", str(BATCH), "--step-time", "0.02", "--slow-factor", "4", "--num-workers", "2", *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=150, cwd=out)
+    (done,) = run_forked_together([(ROOT / "benchmarks" / "streaming_vs_ddp.py", argv, env, out)], timeout=150)
+    return done
 
 
 def _trained(out: Path) -> dict[int, list[tuple[int | None, list[int]]]]:
