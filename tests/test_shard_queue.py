@@ -273,3 +273,18 @@ class IterableRange(IterableDataset):
 
     def __iter__(self):
         return iter(range(4))
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [[[3]], [[3, 5, 7]], [["3", 5]], [[3, -1]], [[3, 2**63]], [[3.5, 1]], "3:5", [[3, 5]] * ((1 << 16) + 1)],
+)
+def test_a_meeting_report_with_positions_no_rank_would_send_is_refused(positions):
+    """`arrive`'s `positions` come off a socket (and the control plane's journal): pairs of shard and
+    position, bounded in number; anything else is refused by the same check as every message."""
+    from lightning_prague.core.protocol import BadMessage, check_message
+
+    good = {"op": "arrive", "s": 1, "rank": 0, "sync": "progress@8", "positions": [[3, 5], [4, 0]]}
+    assert check_message(good) == good
+    with pytest.raises(BadMessage):
+        check_message({**good, "positions": positions})

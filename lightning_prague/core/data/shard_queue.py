@@ -204,14 +204,7 @@ class ShardQueueSampler(WorkQueueSampler):
     def _claim_shard(self, park: bool, shard: Optional[int] = None) -> tuple[int, Optional[int]]:
         """The next shard of the queue with the position a lost rank left it at (`None`: its start),
         or `shard`, one a resumed checkpoint hands this rank."""
-        store = self._connect()
-        if hasattr(store, "begin_claim"):
-            set_aside, self._set_aside = self._set_aside, None
-            return store.begin_claim(
-                self._cursor_key, self._first_claimed, num=self.num_chunks, chunk=shard, set_aside=set_aside,
-                park=park and shard is None,
-            ).result()  # fmt: skip
-        return self._claim(shard)
+        return self._begin_claim(shard, park=park)()
 
     def _report_position(self, shard: int, position: int) -> None:
         self._trained_to[shard] = position

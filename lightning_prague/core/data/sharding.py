@@ -146,8 +146,11 @@ class WorkQueueSampler(Sampler[int]):
         `ticketing` asks for it, the ticket claimed with it (`_begin_claim`, waited for)."""
         return self._begin_claim(chunk)()
 
-    def _begin_claim(self, chunk: Optional[int] = None) -> Callable[[], tuple[int, Optional[int]]]:
-        """Send a claim now; what it returns gives the claimed chunk and ticket once answered.
+    def _begin_claim(
+        self, chunk: Optional[int] = None, park: Optional[bool] = None
+    ) -> Callable[[], tuple[int, Optional[int]]]:
+        """Send a claim now; what it returns gives the claimed chunk and ticket once answered. `park`
+        (default: a claim on the queue, not of `chunk`) lets it wait at an emptied queue.
 
         The control plane holds the chunk for this rank until it is reported trained (`trained`), so
         that it goes back to the queue if this rank is lost first (`lightning_prague.core.plane.work`);
@@ -168,7 +171,7 @@ class WorkQueueSampler(Sampler[int]):
                 num=self.num_chunks,
                 chunk=chunk,
                 set_aside=set_aside,
-                park=chunk is None,
+                park=chunk is None if park is None else park and chunk is None,
             ).result
         assert request is None, "tickets are claimed with chunks only from the control plane's counters"
         claimed = chunk if chunk is not None else self._first_claimed + increment(store, self._cursor_key) - 1
