@@ -256,3 +256,75 @@ def test_a_resume_or_a_message_number_that_no_link_would_send_is_refused_on_the_
 
     with pytest.raises(BadMessage, match="'got'|'m'"):
         decode_message(line)
+
+
+# -- one plane at a time, and who starts a dead one again ----------------------------------------------
+def _hold_in_child(journal) -> int:
+    """A forked process that holds `journal`'s lock until it is killed; its pid once it holds it."""
+    import os
+
+    from lightning_prague.core.plane.journal import hold_journal, journal_in_use
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            hold_journal(journal)
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 10
+    while journal_in_use(journal) is not True:
+        assert time.monotonic() < deadline, "the child never held the journal's lock"
+        time.sleep(0.01)
+    return pid
+
+
+def _kill(pid: int) -> None:
+    import os
+    import signal
+
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def test_a_journal_serves_one_plane_at_a_time_and_a_killed_holder_frees_it(tmp_path):
+    """A second plane on a journal in use is refused, naming the holder's pid; the lock of a process
+    killed with SIGKILL is free at once (no stale pid file to clean up)."""
+    from lightning_prague.core.plane.journal import hold_journal, journal_in_use, release_journal
+
+    journal = tmp_path / "plane.journal"
+    assert journal_in_use(journal) is None  # no plane ever journaled here
+    holder = _hold_in_child(journal)
+    try:
+        with pytest.raises(JournalError, match=f"another control plane \\(pid {holder}\\) uses the journal"):
+            serve_plane("127.0.0.1", 0, CREDENTIALS, journal=journal, recover=True)
+    finally:
+        _kill(holder)
+    assert journal_in_use(journal) is False
+    hold_journal(journal)  # the next plane takes it
+    try:
+        assert journal_in_use(journal) is True
+    finally:
+        release_journal(journal, delete=True)
+    assert journal_in_use(journal) is None
+
+
+def test_a_later_process_of_rank_0_adopts_the_supervisor_and_tells_when_it_died(tmp_path):
+    """Global rank 0's new process (one that rejoined) derives the journal its first process's supervisor
+    keeps, from the same folder, port and launch, and takes the supervisor for dead only once no process
+    holds that journal; it starts it again with the same command, taking the job back (`--recover`)."""
+    from lightning_prague.core.plane.launch import adopt, journal_path
+
+    options = dict(secret=b"s", launch_id="slurm:42", wait=30.0, publish_secret=True, log_dir=tmp_path)
+    handle = adopt(4242, "127.0.0.1", 29500, 4, 30.0, True, **options)
+    assert handle.adopted and handle.journal == journal_path(tmp_path, 29500, "slurm:42")
+    assert journal_path(tmp_path, 29500, "slurm:43") != handle.journal  # another launch: another journal
+    argv = handle.argv
+    assert argv[argv.index("--journal") + 1] == str(handle.journal) and "--publish-secret" in argv
+    assert not handle.dead()  # no journal here: nothing to start again
+    holder = _hold_in_child(handle.journal)
+    try:
+        assert not handle.dead()
+    finally:
+        _kill(holder)
+    assert handle.dead()

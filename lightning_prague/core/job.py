@@ -64,7 +64,7 @@ from lightning_prague.core.membership import (  # noqa: F401  (re-exported: wher
     _drop,
     _new_group,
 )
-from lightning_prague.core.plane.launch import Supervisor, launch, wait_until_listening
+from lightning_prague.core.plane.launch import Supervisor, adopt, launch, wait_until_listening
 from lightning_prague.core.protocol import ADDRESS_RECORD, SERVICE_ADDRESS_KEY, SessionConfig, address_key
 from lightning_prague.core.records import BadRecord, environment_number
 from lightning_prague.core.torch_internals import (  # noqa: F401  (re-exported)
@@ -149,11 +149,11 @@ class Job(Membership):
         """Before each attempt of the control link to reconnect: global rank 0 starts its supervisor again
         if it died (it takes the job back from its journal: `lightning_prague.core.plane.journal`)."""
         supervisor = self.supervisor
-        if supervisor is None or supervisor.poll() is None or supervisor.restarts >= MAX_SUPERVISOR_RESTARTS:
+        if supervisor is None or supervisor.restarts >= MAX_SUPERVISOR_RESTARTS or not supervisor.dead():
             return
         log.warning(
             "rank %d: the supervisor (pid %d) exited with status %s mid-fit: starting it again",
-            self.rank, supervisor.pid, supervisor.returncode,
+            self.rank, supervisor.pid, "unknown" if supervisor.returncode is None else supervisor.returncode,
         )  # fmt: skip
         supervisor.restart(self.control.port)
         self.control.supervisor_pid = supervisor.pid
@@ -289,9 +289,17 @@ def init_job(
     if joins:
         _init_local_world(rank, world_size)  # first: a torch without the stand-in fails before anything connects
         store = _joiner_store(rank, host, port, world_size, min(pg_timeout, timedelta(seconds=timeout)))
-        control = _connect(store, rank, timeout, None, secret, checked_launch, joining=True, key=key, wait=plane_wait)
+        control, job_secret = _connect(
+            store, rank, timeout, None, secret, checked_launch, joining=True, key=key, wait=plane_wait
+        )
+        if rank == 0 and plane is None:  # it starts the supervisor again, as the first process of rank 0 did
+            proc = adopt(
+                control.supervisor_pid, host, port, starting, timeout, control.store_in_plane, secret=job_secret,
+                launch_id=control.launch, wait=pg_timeout.total_seconds() + timeout, publish_secret=secret is None,
+                log_dir=log_dir,
+            )  # fmt: skip
         _JOB = Job(
-            rank, world_size, backend, control, None, pg_timeout=pg_timeout, store=store, device_id=device_id,
+            rank, world_size, backend, control, None, proc, pg_timeout=pg_timeout, store=store, device_id=device_id,
             joining=True,
         )  # fmt: skip
         atexit.register(control.close)
@@ -341,7 +349,7 @@ def init_job(
     launch_id = launch_id if proc is None else str(start["launch_id"])
     if plane is None:
         store, checked_launch = raw_store(), launch_id
-    control = _connect(store, rank, timeout, proc, secret, checked_launch, key=key, wait=plane_wait)
+    control, _ = _connect(store, rank, timeout, proc, secret, checked_launch, key=key, wait=plane_wait)
     connected = set(established_connections())
     group = dist.new_group(list(range(starting)), backend=backend, timeout=pg_timeout)
     if launch_id is not None:  # every rank that starts the job has met: a later process of it rejoins the fit
@@ -501,8 +509,9 @@ def _connect(
     joining: bool = False,
     key: Optional[str] = None,
     wait: Optional[float] = None,
-) -> ControlClient:
-    """Connect to the control plane whose address the supervisor published in the store.
+) -> tuple[ControlClient, bytes]:
+    """Connect to the control plane whose address the supervisor published in the store; returns the
+    client and the job's secret (`secret`, else the one the supervisor published).
 
     What the store holds is checked as untrusted input (`ADDRESS_RECORD`). Rank 0 checks that the
     address is its own supervisor's, every rank that the launch is its own (when it knows its own):
@@ -558,4 +567,4 @@ def _connect(
     client.supervisor_pid = record["pid"]
     client.store_in_plane = bool(record.get("store"))
     client.record_key = key
-    return client
+    return client, secret

@@ -437,7 +437,7 @@ class DecentralizedStrategy(DDPStrategy):
             plane_wait=self.plane_wait,
         )
         supervisor = self.job.supervisor
-        if supervisor is not None:
+        if supervisor is not None and not supervisor.adopted:
             rank_zero_info(f"lightning-prague: the supervisor (pid {supervisor.pid}) logs to {supervisor.log_file}")
 
     def _supervisor_log_dir(self) -> Optional[str]:

@@ -36,10 +36,16 @@ Everything read from the file is untrusted input: every line is a typed record, 
 it is checked by the same rules as a message from a socket (`decode_message`). A last line cut short
 (the plane died while writing it) is ignored; any other bad line refuses the recovery. Between fits
 (no session open) the file is compacted to what the numbering needs.
+
+One plane at a time: a plane holds its journal's lock (`hold_journal`, a `flock` on a file next to it)
+for as long as it lives. A second plane on the same journal is refused, and whoever would start a
+dead plane again (`lightning_prague.core.plane.launch`) tells a dead one from a live one by whether
+the lock is free (`journal_in_use`), on any process of the machine, whoever started it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -113,6 +119,68 @@ class JournalError(ControlPlaneError):
     """The journal cannot be replayed (another launch's, or a line that is not an entry)."""
 
 
+#: the journals this process holds the lock of (path -> the lock file's descriptor, open for its life)
+_HELD: dict[Path, int] = {}
+
+
+def lock_path(journal: Path) -> Path:
+    """The file whose lock says a plane uses `journal` (the journal itself is replaced when compacted)."""
+    return journal.with_name(journal.name + ".lock")
+
+
+def hold_journal(journal: Path) -> None:
+    """Take `journal`'s lock for the life of this process (see the module docstring); `JournalError`
+    naming the holder if another plane holds it. Again in the same process: nothing to do."""
+    journal = Path(journal)
+    if journal in _HELD:
+        return
+    path = lock_path(journal)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise JournalError(
+            f"another control plane (pid {holder or '?'}) uses the journal {journal}: one plane at a time serves a "
+            "job; stop that one first"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _HELD[journal] = fd
+    log.debug("holding the journal %s", journal)
+
+
+def journal_in_use(journal: Path) -> bool | None:
+    """Whether a live process holds `journal`'s lock: `None` where there is no lock file here (no plane
+    journaled there on this machine, or it stopped cleanly), else True or False."""
+    journal = Path(journal)
+    if journal in _HELD:
+        return True
+    try:
+        fd = os.open(lock_path(journal), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # (releases a lock it took)
+    return False
+
+
+def release_journal(journal: Path, delete: bool = False) -> None:
+    """Let go of `journal`'s lock (a plane that stopped); `delete`: remove the lock file too (the journal
+    was deleted: nothing to take back)."""
+    journal = Path(journal)
+    fd = _HELD.pop(journal, None)
+    if delete:
+        lock_path(journal).unlink(missing_ok=True)
+    if fd is not None:
+        os.close(fd)
+
+
 class Journal:
     """The append-only file (see the module docstring); `None`-safe to leave out (no recovery)."""
 
@@ -121,7 +189,7 @@ class Journal:
         self.launch = launch
         self.entries = 0
         fresh = not self.path.exists() or self.path.stat().st_size == 0
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         self._file = os.fdopen(fd, "ab")
         if fresh:
             self._write({"k": "journal", "v": JOURNAL_VERSION, "launch": launch})
@@ -142,7 +210,7 @@ class Journal:
     def rewrite(self, base: dict[str, Any]) -> None:
         """Replace the file by its header and `base` (atomically: a crash leaves the old file or the new)."""
         tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(encode_line({"k": "journal", "v": JOURNAL_VERSION, "launch": self.launch}))
             f.write(encode_line(base))

@@ -18,6 +18,7 @@ after rank 0 is gone, and no file of its open after the job.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import resource
@@ -32,6 +33,7 @@ from pathlib import Path
 from lightning_prague.core.auth import SECRET_VARIABLE
 from lightning_prague.core.errors import CoordinationTimeout
 from lightning_prague.core.forking import cuda_initialized
+from lightning_prague.core.plane.journal import journal_in_use
 from lightning_prague.core.plane.supervisor import main
 from lightning_prague.core.protocol import resolve_control_port
 
@@ -52,24 +54,43 @@ BOOTSTRAP = (
 
 
 class Supervisor:
-    """The launching process's handle on the supervisor: its pid, `poll()` and its log file."""
+    """A handle on the supervisor: its pid, whether it died (`dead()`), its log file, and what it takes
+    to start it again (`restart`).
 
-    def __init__(self, pid: int, log_file: Path, proc: subprocess.Popen | None = None) -> None:
+    Global rank 0's first process holds the handle of the supervisor it started (its child). A later
+    process of global rank 0 (one that rejoined the running fit) holds one it adopted (`adopt`): the
+    supervisor is not its child, so whether it died is read from its journal's lock
+    (`lightning_prague.core.plane.journal.journal_in_use`), which a dead process no longer holds."""
+
+    def __init__(
+        self, pid: int, log_file: Path, proc: subprocess.Popen | None = None, *, adopted: bool = False
+    ) -> None:
         self.pid = pid
         self.log_file = log_file
         self._proc = proc
         self.returncode: int | None = None
+        #: not this process's child: started by an earlier process of global rank 0
+        self.adopted = adopted
         #: its command line and the job's secret, to start it again (`restart`)
         self.argv: list[str] = []
         self.secret = b""
+        #: its journal (`--journal`), whose lock a live supervisor holds
+        self.journal: Path | None = None
         #: times it was started again after it died
         self.restarts = 0
+
+    def dead(self) -> bool:
+        """Whether the supervisor ended: its exit status (a child), else its journal's lock is free (one
+        adopted; `False` where no lock file is on this machine: it runs elsewhere, or never journaled)."""
+        if self._proc is not None or not self.adopted:
+            return self.poll() is not None
+        return self.journal is not None and journal_in_use(self.journal) is False
 
     def restart(self, control_port: int) -> None:
         """Start the supervisor again after it died (a fresh interpreter: this process trains, with
         threads that a fork would copy mid-operation), on the same store port and `control_port`, to take
         the running job back from its journal (`lightning_prague.core.plane.journal`)."""
-        argv = [*self.argv, "--control-port", str(control_port), "--recover"]
+        argv = [*self.argv, "--control-port", str(control_port), "--recover", "--parent", str(os.getpid())]
         proc = _start_interpreter(argv, self.log_file, self.secret, append=True)
         log.warning(
             "restarted the supervisor (pid %d, was %d): it takes the job back from its journal", proc.pid, self.pid
@@ -121,24 +142,12 @@ def launch(
     goes and stays (default: `LOG_DIR_VARIABLE`, else a temporary file deleted at a clean exit).
     """
     control_port = resolve_control_port(control_port)
-    # a file of our own, new for this launch, that nobody else can have made or read (mode 0600)
-    log_dir = log_dir if log_dir is not None else (os.environ.get(LOG_DIR_VARIABLE) or None)
-    if log_dir is not None:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    fd, name = tempfile.mkstemp(
-        prefix=f"lightning_prague-supervisor-{port}-" if log_dir is None else f"supervisor-{stamp}-{port}-",
-        suffix=".log",
-        dir=log_dir,
+    log_dir = _log_folder(log_dir)
+    log_file = _new_log_file(log_dir, port)
+    again = _restart_argv(
+        host, port, world_size, timeout, host_store, launch_id, log_dir, log_file, wait, publish_secret
     )
-    os.close(fd)
-    log_file = Path(name)
-    argv = ["--host", host, "--port", str(port), "--world-size", str(world_size), "--timeout", str(timeout)]
-    argv += ["--log", str(log_file)] + (["--host-store"] if host_store else [])
-    argv += ["--keep-log"] if log_dir is not None else []  # a folder of the user's: the log outlives the job
-    argv += ["--control-port", str(control_port or 0), "--launch", launch_id, "--parent", str(os.getpid())]
-    argv += ["--wait", str(timeout if wait is None else wait)] + (["--publish-secret"] if publish_secret else [])
-    argv += ["--journal", str(log_file.with_suffix(".journal"))]
+    argv = [*again, "--control-port", str(control_port or 0), "--parent", str(os.getpid())]
     # (an initialised MPI library is no reason not to fork here: the supervisor ends with `os._exit`, so
     # MPI's finalisation, which hangs in a forked child, never runs in it)
     if hasattr(os, "fork") and not cuda_initialized():
@@ -146,7 +155,7 @@ def launch(
     else:
         proc = _start_interpreter(argv, log_file, secret)
         handle = Supervisor(proc.pid, log_file, proc)
-    handle.argv, handle.secret = argv, secret
+    handle.argv, handle.secret, handle.journal = again, secret, journal_path(log_dir, port, launch_id)
     log.debug(
         "started the supervisor (pid %d) for %d ranks, store at %s:%d, control plane port %s",
         handle.pid,
@@ -156,6 +165,90 @@ def launch(
         control_port or "free",
     )
     return handle
+
+
+def adopt(
+    pid: int,
+    host: str,
+    port: int,
+    world_size: int,
+    timeout: float,
+    host_store: bool,
+    *,
+    secret: bytes,
+    launch_id: str,
+    wait: float,
+    publish_secret: bool,
+    log_dir: str | os.PathLike[str] | None = None,
+) -> Supervisor:
+    """A later process of global rank 0 (one that rejoined the running fit) takes on the handle of the
+    supervisor `pid` that its first process started, so that it too starts it again if it dies
+    (`Job`'s reconnect). The supervisor's journal is found where `launch` put it (the same `log_dir`
+    and launch give the same path, `journal_path`); without it on this machine nothing is started
+    again (`Supervisor.dead` stays False)."""
+    log_dir = _log_folder(log_dir)
+    journal = journal_path(log_dir, port, launch_id)
+    handle = Supervisor(pid, journal.with_suffix(".log"), adopted=True)
+    handle.argv = _restart_argv(
+        host, port, world_size, timeout, host_store, launch_id, log_dir, handle.log_file, wait, publish_secret
+    )
+    handle.secret, handle.journal = secret, journal
+    if journal_in_use(journal) is None:
+        log.debug(
+            "rank 0: no journal of the supervisor at %s here: a supervisor that dies is not started again", journal
+        )
+    return handle
+
+
+def journal_path(log_dir: str | os.PathLike[str] | None, port: int, launch_id: str) -> Path:
+    """Where the supervisor of launch `launch_id` at store port `port` journals (`log_dir`: the folder
+    its log goes to, else the temporary folder): a name every process of global rank 0 derives alike."""
+    digest = hashlib.sha256(launch_id.encode()).hexdigest()[:16]
+    return (
+        Path(log_dir if log_dir is not None else tempfile.gettempdir())
+        / f"lightning_prague-plane-{port}-{digest}.journal"
+    )
+
+
+def _log_folder(log_dir: str | os.PathLike[str] | None) -> str | os.PathLike[str] | None:
+    """The folder the supervisor's log and journal go to (made), else `None`: the temporary folder."""
+    log_dir = log_dir if log_dir is not None else (os.environ.get(LOG_DIR_VARIABLE) or None)
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+    return log_dir
+
+
+def _new_log_file(log_dir: str | os.PathLike[str] | None, port: int) -> Path:
+    """A file of our own, new for this launch, that nobody else can have made or read (mode 0600)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    fd, name = tempfile.mkstemp(
+        prefix=f"lightning_prague-supervisor-{port}-" if log_dir is None else f"supervisor-{stamp}-{port}-",
+        suffix=".log",
+        dir=log_dir,
+    )
+    os.close(fd)
+    return Path(name)
+
+
+def _restart_argv(
+    host: str,
+    port: int,
+    world_size: int,
+    timeout: float,
+    host_store: bool,
+    launch_id: str,
+    log_dir: str | os.PathLike[str] | None,
+    log_file: Path,
+    wait: float | None,
+    publish_secret: bool,
+) -> list[str]:
+    """The supervisor's command line but its control port and its launcher (the same at every start)."""
+    argv = ["--host", host, "--port", str(port), "--world-size", str(world_size), "--timeout", str(timeout)]
+    argv += ["--log", str(log_file)] + (["--host-store"] if host_store else [])
+    argv += ["--keep-log"] if log_dir is not None else []  # a folder of the user's: the log outlives the job
+    argv += ["--launch", launch_id, "--wait", str(timeout if wait is None else wait)]
+    argv += ["--publish-secret"] if publish_secret else []
+    return argv + ["--journal", str(journal_path(log_dir, port, launch_id))]
 
 
 def _start_interpreter(argv: list[str], log_file: Path, secret: bytes, append: bool = False) -> subprocess.Popen:

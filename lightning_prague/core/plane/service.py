@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_prague.core.auth import SECRET_FILE_VARIABLE, SECRET_VARIABLE, Credentials, new_launch_id, user_secret
 from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.plane.journal import JournalError, hold_journal, release_journal
 from lightning_prague.core.protocol import SERVICE_ADDRESS_KEY
 
 if TYPE_CHECKING:
@@ -122,6 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     journal = None if args.log_dir is None else args.log_dir / JOURNAL_NAME
+    if journal is not None:
+        try:  # before anything reads or sets aside the journal: another service may use it
+            hold_journal(journal)
+        except JournalError as err:
+            raise SystemExit(f"lightning-prague plane: {err}") from None
     recover = journal is not None and journal.exists() and journal.stat().st_size > 0
     if recover and args.fresh:
         assert journal is not None
@@ -142,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     del store  # served until here
     if failed is None and journal is not None:  # stopped cleanly: nothing to take back
         journal.unlink(missing_ok=True)
+        release_journal(journal, delete=True)
     log.info("stopped%s", f" after an error: {failed}" if failed else "")
     os._exit(0 if failed is None else 1)  # the store's threads must not hold the exit
 

@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     import torch.distributed as dist
 
+    from lightning_prague.core.plane.journal import release_journal
     from lightning_prague.core.plane.server import raise_descriptor_limit
 
     descriptors = raise_descriptor_limit()  # a flood of connections meets this limit first
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     server.close()
     log.info("exiting: %d of %d ranks came and all are gone", len(server.ever_connected), args.world_size)
     if server.error is None:  # the job is over: nothing to take back (its log stays in a folder of the user's)
+        if journal is not None:
+            release_journal(journal, delete=True)
         for path in (args.journal, None if args.keep_log else args.log):
             try:
                 os.unlink(path) if path else None
@@ -151,9 +154,11 @@ def serve_plane(
     `journal`: the file it journals what it handles to (`lightning_prague.core.plane.journal`); with
     `recover`, it first takes back the job that file describes (a `JournalError` if it cannot)."""
     from lightning_prague.core.plane.coordinator import ControlPlane
-    from lightning_prague.core.plane.journal import Journal, JournaledPlane, read_journal
+    from lightning_prague.core.plane.journal import Journal, JournaledPlane, hold_journal, read_journal
     from lightning_prague.core.plane.server import MessageServer
 
+    if journal is not None:
+        hold_journal(journal)  # one plane at a time; a dead one's lock is free
     plane = JournaledPlane(ControlPlane())
     if recover and journal is not None and journal.exists():
         _, entries = read_journal(journal, credentials.launch)
