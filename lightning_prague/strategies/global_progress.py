@@ -127,8 +127,17 @@ class GlobalProgress:
         self.loader = build(
             loader, batches_per_epoch=batches_per_epoch, start=self.trainer.global_step * self.batches_per_step
         )
-        self._tail = self.world_size * (prefetch_depth(loader) + 2)
+        self.loader.next_boundary = self._next_boundary_batches
+        # (a batch fetched ahead of the trainer's own prefetch where tickets are claimed ahead)
+        self._tail = self.world_size * (prefetch_depth(loader) + 2 + self.loader.claims_ahead)
         return self.loader
+
+    def _next_boundary_batches(self) -> Optional[int]:
+        """The global batch count of the next boundary this worker has not met (`None`: none ahead)."""
+        if self.schedule is None:
+            return None
+        boundary = self._next_boundary()
+        return None if boundary is None else boundary.batches
 
     def make_schedule(self) -> ProgressSchedule:
         trainer = self.trainer

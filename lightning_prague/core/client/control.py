@@ -709,6 +709,12 @@ class Counters:
     def add(self, key: str, amount: int) -> int:
         return int(self._kv("add", f"the counter {key!r}", key=key, amount=int(amount)))
 
+    def begin_add(self, key: str, amount: int) -> Callable[[], int]:
+        """`add`, sent now; call what it returns for the counter's new value (the round trip overlaps the
+        caller's work: a batch's global-progress ticket claimed a batch ahead)."""
+        reply = self.session.begin("kv", f"the counter {key!r}", do="add", key=key, amount=int(amount))
+        return lambda: int(reply.result())
+
     def begin_claim(
         self,
         cursor: str,

@@ -9,7 +9,7 @@ bounded number of keys per kind, under names that cannot collide between kinds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -45,6 +45,17 @@ def increment(store: Any, key: str, amount: int = 1) -> int:
     """The counter `key` after adding `amount` to it, atomically (one store operation; a counter
     that does not exist yet starts from 0)."""
     return int(store.add(key, amount))
+
+
+def begin_increment(store: Any, key: str, amount: int = 1) -> Callable[[], int]:
+    """`increment`, sent now and its answer taken later (call what it returns): the session's
+    `Counters` overlap the control plane's round trip with the caller's work (`Counters.begin_add`);
+    a store without that (a TCPStore) increments at once."""
+    begin = getattr(store, "begin_add", None)
+    if begin is None:
+        value = increment(store, key, amount)
+        return lambda: value
+    return begin(key, amount)
 
 
 def read(store: Any, key: str) -> int:

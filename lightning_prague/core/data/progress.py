@@ -11,8 +11,9 @@ A *boundary* is a global batch count at which every worker must meet (a synchron
 every batch with a ticket up to the boundary is trained before it, none after it. A worker is at a
 boundary when the batch it just trained is its last one with a ticket up to it: its next batch has
 a larger ticket, or it has none left in the epoch (`Boundary.due`). Because a worker holds at
-most one ticket beyond the boundary it has not passed yet (its prefetched batch), boundaries at
-least `world_size` batches apart are met one at a time, on every worker exactly once.
+most one ticket beyond the boundary it has not passed yet (its prefetched batch; a ticket claimed a
+batch ahead only while its last one is well before the boundary, `ProgressLoader._may_claim_ahead`),
+boundaries at least `world_size` batches apart are met one at a time, on every worker exactly once.
 
 `max_steps=S` is the budget `S x world_size x accumulate_grad_batches` batches, the same work as
 under DDP. Claims beyond the budget fail, so the budget is honoured exactly whoever trains faster.
@@ -26,11 +27,11 @@ every worker knows where the epoch ended.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lightning_prague.core.data.counters import EpochKeys, increment, read, wait_for
+from lightning_prague.core.data.counters import EpochKeys, begin_increment, increment, read, wait_for
 from lightning_prague.core.errors import ConfigurationError, CoordinationTimeout
 
 #: added to an epoch's claim counter when its first stream ends: later claims see a value above it
@@ -255,10 +256,23 @@ class ProgressCounter:
 
     def claim(self) -> Optional[int]:
         """The next global ticket, or `None` when the epoch's data or the budget is used up."""
+        return self.begin_claim()()
+
+    def begin_claim(self) -> Callable[[], Optional[int]]:
+        """`claim`, sent now; call what it returns for the ticket (the control plane's round trip
+        overlaps the caller's training). Claims are answered in the order they were sent."""
         if not self._first_taken:
             self._first_taken = True
-            return self._within_budget(self._origin + 1 + self._index)
-        value = increment(self.store, self.tickets_key)
+            ticket = self._origin + 1 + self._index
+            return lambda: self._within_budget(ticket)
+        answer = begin_increment(self.store, self.tickets_key)
+        epoch = self.epoch
+        return lambda: self._claimed(answer(), epoch)
+
+    def _claimed(self, value: int, epoch: int) -> Optional[int]:
+        """The ticket of the `value`-th claim of `epoch`'s counter (see `claim`)."""
+        if epoch != self.epoch:  # answered after the epoch moved on: nothing of it is trained
+            return None
         if value > ENDED:
             if self.keep_claiming:  # (the ticket is claimed after the first rank's reads ended: boundaries stop)
                 self.stream_end = self._published_end()

@@ -24,6 +24,9 @@ from lightning_prague.core.data.shard_queue import ShardQueueSampler
 from lightning_prague.core.data.sharding import WorkQueueSampler
 from lightning_prague.core.errors import ControlPlaneError
 
+#: what the loader's reads return past their end
+_END = object()
+
 
 class ProgressLoader:
     """Batches of `loader` with global tickets; attributes it does not have are the loader's."""
@@ -63,11 +66,20 @@ class ProgressLoader:
         self._reported: Optional[int] = None
         #: `state_dict` is for a rank that joins the epoch under way (its state from a live member)
         self.for_joiner = False
+        #: the next synchronization point's global batch count this rank has not met (`None`: none
+        #: ahead); unset: tickets are not claimed ahead (`_claim_ahead`)
+        self.next_boundary: Optional[Callable[[], Optional[int]]] = None
+        #: this rank's last ticket, and how many tickets the job claimed between its last two (the
+        #: job's claims during one of this rank's steps: large for a slow rank)
+        self._last_ticket: Optional[int] = None
+        self._ticket_gap = counter.world_size
         counter.keep_claiming = isinstance(sampler, ShardQueueSampler)
         if sampler is not None and batches_per_epoch is not None and not (getattr(loader, "num_workers", 0) or 0):
             # the loader runs in this process: the sampler is asked for a chunk exactly when the batch is
             # built, so the batch's ticket can come in the same message as its chunk (one per batch)
             sampler.ticketing = self._ticket_request
+        #: each batch's ticket comes with its chunk's claim (`_ticket_request`)
+        self.tickets_with_chunks = sampler is not None and sampler.ticketing == self._ticket_request
 
     def __getattr__(self, name: str) -> Any:
         if name == "loader":
@@ -155,18 +167,31 @@ class ProgressLoader:
         self.begin_epoch()
         stashed = self.sampler.ticket_values if self.sampler is not None else None
         shards = self.sampler if isinstance(self.sampler, ShardQueueSampler) else None
-        for batch in self.loader:
-            if shards is not None:  # a read of a sharded stream: the user's batch, or none past a shard's end
-                batch = shards.take(batch)
-                if batch is None:
-                    continue
-            value = stashed.popleft() if stashed else None
+        reads = iter(self.loader)
+
+        def fetch() -> Any:
+            """The next user batch (`_END`: none), and its ticket's claim sent ahead (`self.ahead`)."""
+            for batch in reads:
+                if shards is not None:  # a read of a sharded stream: the user's batch, or none past a shard's end
+                    batch = shards.take(batch)
+                    if batch is None:
+                        continue
+                return batch
+            return _END
+
+        batch = fetch()
+        value = stashed.popleft() if stashed else None
+        claim = None
+        while batch is not _END:
             if value is not None:  # claimed with the batch's chunk
                 ticket = self.counter.accept(value)
             else:
-                ticket = self.counter.claim() if self.armed else None
+                ticket = claim() if claim is not None else (self.counter.claim() if self.armed else None)
                 if ticket is not None:
                     self._holds(len(self.tickets), ticket)
+                    if self._last_ticket is not None and ticket > self._last_ticket:
+                        self._ticket_gap = ticket - self._last_ticket
+                    self._last_ticket = ticket
             if self.armed and ticket is None:
                 stream_end = self.counter.stream_end
                 if self.counter.budget_spent and not (stream_end is not None and self.counter.budget > stream_end):
@@ -178,7 +203,16 @@ class ProgressLoader:
                 # there, so the epoch ends here, and the meeting at its end finds the budget spent)
                 return
             self.tickets.append(ticket)
-            yield batch
+            if self._may_claim_ahead(ticket):
+                # the next batch, and its ticket's claim, before this one is trained: the round trip overlaps it
+                following = fetch()
+                claim = self.counter.begin_claim() if following is not _END else None
+                yield batch
+            else:
+                yield batch
+                following, claim = fetch(), None
+                value = stashed.popleft() if stashed and following is not _END else None
+            batch = following
         if shards is not None:  # the others train the shards they hold to their ends: no claim fails
             self.counter.end_shard_stream()
             return
@@ -187,6 +221,30 @@ class ProgressLoader:
         else:
             assert self.batches_per_epoch is not None
             self.counter.exhausted(self.epoch_base + self.batches_per_epoch)
+
+    @property
+    def claims_ahead(self) -> bool:
+        """Whether batches' tickets are claimed a batch ahead (`_may_claim_ahead`): where they do not come
+        with the batches' chunks (a map-style queue read in this process claims both in one message)."""
+        return self.next_boundary is not None and not self.tickets_with_chunks
+
+    def _may_claim_ahead(self, last: Optional[int]) -> bool:
+        """Whether the next batch may be fetched, and its ticket claimed, before the batch with ticket
+        `last` is trained.
+
+        Only where that cannot carry this rank past a synchronization point it has not met: once
+        `last` lies beyond the next boundary, a ticket claimed ahead could lie beyond the boundary
+        after that too, and its batch would be trained before that boundary's meeting. So a rank holds
+        at most one ticket beyond the next boundary, as without claims ahead
+        (`lightning_prague.core.data.progress`), and claims when it hands a batch over once per boundary."""
+        if not (self.armed and self.claims_ahead) or last is None:
+            return False
+        assert self.next_boundary is not None
+        boundary = self.next_boundary()
+        # near the boundary (within two of this rank's steps, in tickets the job claims meanwhile) a ticket
+        # claimed ahead would be one more batch of this rank's before the meeting: a slow rank's, that the
+        # others would wait for. There the ticket is claimed as the batch is handed over
+        return boundary is None or boundary - last > 2 * self._ticket_gap
 
     def arm(self) -> None:
         """Training starts: claim tickets for the batches fetched before (a failed claim drops its batch)."""
