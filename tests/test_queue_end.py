@@ -151,3 +151,37 @@ def test_a_rank_that_left_the_tail_and_is_lost_gives_its_chunks_to_the_waiting_c
     assert replies(out) == {}  # rank 2 still trains its set-aside chunk 2
     session.depart(2, "hung", out)
     assert replies(out) == {1: [2, 0]}
+
+
+def test_a_meeting_names_what_lost_ranks_gave_back_and_nobody_claimed_again_for_its_checkpoint():
+    """A checkpoint taken at a meeting holds every chunk not trained yet: the ranks' own (`pending`) and
+    what a lost rank gave back that is still in the queue (`requeued`), so a fit resumed from it trains
+    those too; once a rank claimed them again they are its own."""
+    session = session_of()
+    out = queue_handed_out(session)  # rank 2 holds its set-aside chunk 2 and chunk 5
+    session.depart(2, "killed", out)
+    releases = []
+    for rank in (0, 1):
+        items = session.generator.handle({"op": "arrive", "rank": rank, "sync": "progress@4", "untrained": [rank]})
+        releases += [item for items in items.values() for item in items if item["t"] == "release"]
+    assert len(releases) == 2 and all(r["requeued"] == [[2, 0], [5, None]] for r in releases), releases
+    assert releases[0]["pending"] == [0, 1]
+    out = {}
+    claim(session, 0, 2, out)  # taken back by rank 0: no longer in the queue
+    claim(session, 1, 2, out)
+    assert sorted(value[0] for value in replies(out).values()) == [2, 5]
+    assert session.requeued_work() == []
+
+
+def test_a_checkpoint_at_that_meeting_resumes_the_given_back_work_too():
+    """The rank's side: the loader's checkpoint state takes the release's `requeued` work with its own,
+    as chunks (map-style) or as shards with the positions they were trained to (a sharded stream)."""
+    from lightning_prague.core.data.progress import ProgressCounter
+    from lightning_prague.core.data.progress_loader import ProgressLoader
+
+    loader = ProgressLoader([], ProgressCounter(store=None, timeout=1.0), lambda: 0)
+    loader.untrained_at_meeting({"pending": [7, 1], "positions": [[3, 40]], "requeued": [[5, None], [2, 16]]})
+    assert loader.pending == [1, 2, 5, 7]
+    assert loader.positions == [[2, 16], [3, 40], [5, 0]]
+    loader.untrained_at_meeting({"pending": [1]})  # (nothing given back)
+    assert loader.pending == [1] and loader.positions == []

@@ -241,8 +241,7 @@ class Synchronizer:
             sampler.set_speeds(release["speeds"])
         strategy.controller.met(inside_epoch, validate)
         if loader is not None:
-            loader.pending = list(release.get("pending", []))
-            loader.positions = [list(pair) for pair in release.get("positions", [])]
+            loader.untrained_at_meeting(release)
             if strategy.progress is not None and strategy.progress.schedule is not None:
                 reached = loader.synchronized(progress)
                 if progress is None:

@@ -298,6 +298,16 @@ class ProgressLoader:
         if self.sampler is not None:
             self.sampler.set_members(members)
 
+    def untrained_at_meeting(self, release: dict[str, Any]) -> None:
+        """A meeting's release: the work not trained yet, for a checkpoint taken there (`state_dict`):
+        what the ranks hold (`pending` chunks, a sharded stream's `positions`) and what lost ranks gave
+        back that nobody claimed again yet (`requeued`: a shard goes on from its position), so that a
+        fit resumed from it trains all of it."""
+        requeued = [list(pair) for pair in release.get("requeued", [])]
+        self.pending = sorted([*release.get("pending", []), *(int(item) for item, _ in requeued)])
+        positions = [*release.get("positions", []), *([item, value or 0] for item, value in requeued)]
+        self.positions = sorted([int(shard), int(at)] for shard, at in positions)
+
     def shard_positions(self) -> Optional[list[list[int]]]:
         """A sharded stream's shards this rank holds, with the positions they were trained to
         (reported when the ranks meet, for checkpoints); `None` for other data."""

@@ -96,6 +96,7 @@ class CoordinatorSession:
         #: rank -> the addresses other nodes reach it at, as it said when it joined
         self.addresses: dict[int, list[str]] = {}
         self.generator.record_history = config.record_history
+        self.generator.requeued_work = self.requeued_work
         self.members: set[int] = set()
         self.closed: set[int] = set()
         #: rank -> why it is not a member: it left, or it is a free place that a worker may join (`launched`)
@@ -286,6 +287,12 @@ class CoordinatorSession:
             if answer.given_back:
                 self.work.claimed(answer.rank, key, answer.chunk, answer.ticket)
             self._reply(answer.rank, answer.req, [answer.chunk, answer.ticket], out)
+
+    def requeued_work(self) -> list[list[Any]]:
+        """What lost ranks gave back and no rank claimed again yet, on every queue: `[chunk, ticket value]`
+        (map-style), `[shard, position]` (a sharded stream)."""
+        pairs = [[item, value] for key, held in self.values.items() if key.endswith(REQUEUED) for item, value in held]
+        return sorted(pairs, key=lambda pair: pair[0])
 
     def _requeue(self, rank: int) -> None:
         """A lost rank's untrained chunks go back to their epoch's queue, with their tickets."""

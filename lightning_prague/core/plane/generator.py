@@ -110,7 +110,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from lightning_prague.core.grouping.policies import Group, GroupingPolicy
@@ -171,6 +171,9 @@ class GroupGenerator:
         self.stopping = False  # SIGTERM: every rank drains to the stop point
         self.stop_reason: str | None = None  # `SIGTERM` or `REQUEUE`, once stopping
         self.stop_requested = False  # a rank asked the job to stop at the next synchronization point
+        #: the work lost ranks gave back that no rank claimed again yet, as `[item, value]` pairs (the
+        #: session's queues: `CoordinatorSession.requeued_work`); a release names it for checkpoints
+        self.requeued_work: Callable[[], list[list[Any]]] = list
         starting = world_size if launched is None else launched
         #: ranks that shut down after an error or departed, and free places no worker took yet (`launched`)
         self.left: set[int] = set(range(starting, world_size))
@@ -646,6 +649,9 @@ class GroupGenerator:
             positions = sorted(pair for pairs in self._positions.values() for pair in pairs)
             if positions:  # a sharded stream's shards in progress, with their positions (for checkpoints)
                 release["positions"] = positions
+            requeued = self.requeued_work()
+            if requeued:  # given back by lost ranks, not claimed again yet: a checkpoint here holds them too
+                release["requeued"] = requeued
             if self.epoch:  # the membership epoch it closes (admissions so far), once there was one
                 release["epoch"] = self.epoch
             present = sorted(self.parked)  # (joiners admitted in this release are not at the meeting)
