@@ -22,7 +22,9 @@ Inbox items (plain dicts, JSON-serialisable):
   the job to stop (every rank stops here, together); `requeue`: the stop is for the cluster's
   requeue signal (every rank writes the requeue checkpoint, all alike); `speeds`: every rank's
   seconds per batch and `pending`: the work-queue chunks every rank holds untrained, as they
-  reported them with `arrive`; `final`
+  reported them with `arrive` (`positions`: a sharded stream's shards, with the positions they were
+  trained to); `requeued`: what lost ranks gave back that nobody claimed again yet (for checkpoints,
+  with `pending`); `final`
   (gossip on a fixed schedule only): the round every rank runs its gossip to before the meeting
   ends (see `Gossip phases` below); `members`: the workers still in the job (see `Membership`);
   `complete`: no live worker arrived reporting `incomplete` (the global average's commit meeting,
