@@ -147,3 +147,32 @@ def test_forked_ranks_go_on_without_a_lost_one_and_fit_says_when_rank_0_left_no_
     ranks = results(tmp_path)
     assert sorted(ranks) == [1] and ranks[1]["epochs_run"] == 1
     assert sorted(int(r) for r in ranks[1]["lost_workers"]) == [0, 2]
+
+
+@pytest.mark.parametrize("work_queue", [False, True], ids=["lock-step", "work-queue"])
+def test_where_the_control_plane_says_the_membership_changed_every_member_rebuilds_its_loaders(work_queue):
+    """A joiner admitted among 3 members shards its data among them; the others kept their shards of 4. At
+    the epoch's end, the release names 4 members and says the membership changed: every member rebuilds
+    Lightning's loaders (whose set-up runs a barrier at the next epoch's start), not only the one whose
+    shards differ. Found under load: the joiner's barrier alone met the others' gossip rounds on its pairs
+    and gloo aborted the job."""
+    from types import SimpleNamespace
+
+    from lightning_prague.strategies.loaders import StrategyLoaders
+
+    def member(sharded: tuple[int, ...]) -> tuple[StrategyLoaders, SimpleNamespace]:
+        fit_loop = SimpleNamespace(_combined_loader="train", epoch_loop=SimpleNamespace(val_loop=SimpleNamespace()))
+        fit_loop.epoch_loop.val_loop._combined_loader = "validation"
+        strategy = SimpleNamespace(_trainer=SimpleNamespace(fit_loop=fit_loop), shards_by_work_queue=work_queue)
+        loaders = StrategyLoaders(strategy)
+        loaders.sharded_members = sharded
+        return loaders, fit_loop
+
+    joiner, others = member((0, 2, 3)), member((0, 1, 2, 3))
+    everyone = (0, 1, 2, 3)
+    assert joiner[0].reshard(everyone, rebuild=True) and not others[0].reshard(everyone, rebuild=True)
+    for _, fit_loop in (joiner, others):  # rebuilt alike: validation, and the lock-step training data
+        assert fit_loop.epoch_loop.val_loop._combined_loader is None
+        assert (fit_loop._combined_loader is None) != work_queue
+    unchanged = member(everyone)
+    assert not unchanged[0].reshard(everyone) and unchanged[1]._combined_loader == "train"  # nothing said: kept

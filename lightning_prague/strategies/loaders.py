@@ -278,12 +278,14 @@ class StrategyLoaders:
             return {"num_replicas": len(job.members), "rank": job.members.index(strategy.global_rank)}
         return None
 
-    def reshard(self, members: tuple[int, ...]) -> bool:
+    def reshard(self, members: tuple[int, ...], rebuild: bool = False) -> bool:
         """After a release: if the membership changed, the data that Lightning shards by rank
         (validation, and training without the work queue) is sharded among `members` from its next
-        pass (their loaders are rebuilt: `sampler_kwargs`). Returns whether it changed."""
-        if members == self.sharded_members:
+        pass (their loaders are rebuilt: `sampler_kwargs`). `rebuild`: the release says it changed
+        (every member rebuilds, the same on each). Returns whether this rank's shards changed."""
+        if members == self.sharded_members and not rebuild:
             return False
+        changed = members != self.sharded_members
         self.sharded_members = members
         strategy = self.strategy
         assert strategy._trainer is not None
@@ -291,7 +293,7 @@ class StrategyLoaders:
         fit_loop.epoch_loop.val_loop._combined_loader = None
         if not strategy.shards_by_work_queue:
             fit_loop._combined_loader = None  # from the next epoch on (this one's iterator goes on)
-        return True
+        return changed
 
     def reshard_validation(self) -> None:
         """The validation that starts now shards among the survivors (the membership changed at its

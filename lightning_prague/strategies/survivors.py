@@ -36,14 +36,15 @@ class Survivors:
     def __init__(self, strategy: DecentralizedStrategy) -> None:
         self.strategy = strategy
 
-    def follow_membership(self) -> bool:
+    def follow_membership(self, rebuild: bool = False) -> bool:
         """After a release: if it lost ranks, Lightning's shards go to the survivors from their next
-        pass (`StrategyLoaders.reshard`), and if rank 0 was lost its successor logs as rank zero.
-        Returns whether the membership changed at this release."""
+        pass (`StrategyLoaders.reshard`; `rebuild`: the control plane says the membership changed, so
+        they are rebuilt even where this rank's shards already were the members'), and if rank 0 was
+        lost its successor logs as rank zero. Returns whether the membership changed at this release."""
         strategy = self.strategy
         job = strategy.job
         self.assign_rank_zero()
-        return job is not None and strategy.loaders.reshard(job.members)
+        return job is not None and strategy.loaders.reshard(job.members, rebuild)
 
     def assign_rank_zero(self) -> None:
         """Lightning's `rank_zero_only` follows the leader (`Job.leader`): it alone logs and writes

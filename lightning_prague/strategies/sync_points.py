@@ -231,8 +231,13 @@ class Synchronizer:
         if loader is not None:  # (the job's members: ranks admitted in the release too)
             loader.set_members(list(strategy.job.members) if strategy.job is not None else list(worker.members))
         # this rank's shards changed (a loss followed inside this meeting's sub-meetings too), or the control
-        # plane says the membership did (a joiner's own shards date from its admission): alike on every member
-        strategy.regrouped = strategy.survivors.follow_membership() or bool(release.get("changed"))
+        # plane says the membership did (a joiner's own shards date from its admission): alike on every member.
+        # Where it says so, every member rebuilds its loaders, whatever its own shards were: a joiner admitted
+        # among fewer members than the release names rebuilds them, and the barrier Lightning runs as it sets
+        # up the next epoch's training data must run on every member or on none (a joiner's alone met the
+        # others' gossip rounds on its pairs, and gloo aborted the job: "Received data size doesn't match")
+        changed = bool(release.get("changed"))
+        strategy.regrouped = strategy.survivors.follow_membership(rebuild=changed) or changed
         strategy.survivors.log_membership()
         if loader is not None and strategy.is_global_zero:
             loader.forget_finished_epochs()
