@@ -31,6 +31,7 @@ import argparse
 import heapq
 import json
 import multiprocessing as mp
+import os
 import select
 import selectors
 import socket
@@ -40,9 +41,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning_prague.core import ControlPlane, SessionConfig, make_policy
+from lightning_prague.core.auth import Credentials, new_nonce
 from lightning_prague.core.plane.server import MessageServer
-from lightning_prague.core.protocol import HELLO, encode_line
+from lightning_prague.core.protocol import HELLO, WELCOME, encode_line
 
+#: the launch's credentials, the plane's and every simulated rank's (the clients are forked: the same)
+CREDENTIALS = Credentials.generate()
 SESSION = 1  # the session number every simulated rank joins
 CURSOR = "epoch/0/cursor"  # the work queue's claim counter of epoch 0
 MODES = ("groups", "claims")
@@ -58,8 +62,33 @@ def _send(sock: socket.socket, data: bytes) -> None:
             select.select([], [sock], [], 60)
 
 
+def _authenticate(sock: socket.socket, rank: int) -> bytes:
+    """The handshake a rank's link makes (`lightning_prague.core.auth`): answer the plane's challenge
+    with this benchmark's credentials, and take its welcome; returns what came after the welcome."""
+    buffer = b""
+
+    def line() -> dict[str, Any]:
+        nonlocal buffer
+        while b"\n" not in buffer:
+            data = sock.recv(1 << 16)
+            if not data:
+                raise RuntimeError(f"rank {rank}: the control plane closed the connection in the handshake")
+            buffer += data
+        first, buffer = buffer.split(b"\n", 1)
+        return json.loads(first)
+
+    challenge = line()
+    nonce = new_nonce()
+    proof = CREDENTIALS.hello_proof(challenge["nonce"], nonce, rank)
+    sock.sendall(encode_line({"op": HELLO, "rank": rank, "nonce": nonce, "proof": proof}))
+    welcome = line()
+    if welcome.get("t") != WELCOME:
+        raise RuntimeError(f"rank {rank}: the control plane refused the handshake: {welcome}")
+    return buffer
+
+
 def _client_process(
-    host: str, port: int, config: str, ranks: list[int], mode: str, stop: Any, think: float, out: str
+    host: str, port: int, config: dict[str, Any], ranks: list[int], mode: str, stop: Any, think: float, out: str
 ) -> None:
     """Closed-loop clients for ``ranks`` in one event loop: each keeps one request outstanding and
     sends its next one ``think`` seconds after its answer (a training step; 0: at once), until
@@ -69,10 +98,11 @@ def _client_process(
     for rank in ranks:
         sock = socket.create_connection((host, port), timeout=60)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        join = {"op": "join", "s": SESSION, "rank": rank, "config": config}
-        sock.sendall(encode_line({"op": HELLO, "rank": rank}) + encode_line(join))
+        buffered = _authenticate(sock, rank)
+        join = {"op": "join", "s": SESSION, "rank": rank, "config": config, "pid": os.getpid(), "host": "load"}
+        sock.sendall(encode_line(join))
         sock.setblocking(False)
-        state[rank] = {"sock": sock, "req": 0, "sent": 0.0, "buf": b""}
+        state[rank] = {"sock": sock, "req": 0, "sent": 0.0, "buf": buffered}
         selector.register(sock, selectors.EVENT_READ, rank)
     samples: list[tuple[float, float]] = []
     answer = "answer" if mode == "groups" else "reply"
@@ -148,11 +178,12 @@ def measure(world: int, mode: str, args: argparse.Namespace, tmp: Path) -> dict[
     """One run of ``mode`` at ``world`` simulated ranks, on a fresh control plane."""
     kwargs = {"mixing_window": 10 * world} if args.policy == "first_ready" else {}
     policy = make_policy(args.policy, world, min(args.group_size, world), seed=0, **kwargs)
-    config = SessionConfig(world, policy.spec(), avoid_stragglers=True).encode()
+    config = SessionConfig(world, policy.spec(), avoid_stragglers=True).to_wire()
     plane = ControlPlane()
     server = MessageServer(
         plane.handle,
         "127.0.0.1",
+        CREDENTIALS,
         name="load-control-plane",
         on_connect=plane.on_connect,
         on_disconnect=plane.on_disconnect,
