@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 import time
 import types
 
 import pytest
-from helpers import CREDENTIALS, free_port
+from helpers import CREDENTIALS, free_port, run_forked
 
 from lightning_prague.core import ControlPlane, SessionConfig, make_policy
 from lightning_prague.core import job as job_module
@@ -104,15 +102,15 @@ def test_only_a_process_started_again_for_its_rank_ends_its_fit_quietly_when_the
 
 
 def test_a_restarted_rank_that_finds_no_job_exits_0_within_seconds_instead_of_waiting_out_its_timeouts(tmp_path):
-    """A real process: rank 2 of a 4-rank demo job, started again by a restarter, after the job ended."""
+    """A real process (forked from this one, its imports done): rank 2 of a 4-rank demo job, started again
+    by a restarter, after the job ended."""
     env = {k: v for k, v in os.environ.items() if k not in ("LIGHTNING_PRAGUE_REJOIN",)}
     env.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="2", LOCAL_RANK="2", NODE_RANK="0",
         WORLD_SIZE="4", **{RESTARTS_VARIABLE: "1"},
     )  # fmt: skip
-    command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", "prague", "--devices", "4"]
     start = time.monotonic()
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50)
+    done = run_forked("lightning_prague.demo.run", ["--strategy", "prague", "--devices", "4"], env, tmp_path, 50)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "found no running fit to rejoin" in done.stderr and "its fit ends here" in done.stderr
     assert time.monotonic() - start < 45  # not the store's timeout (300 s)

@@ -185,3 +185,20 @@ def test_a_checkpoint_at_that_meeting_resumes_the_given_back_work_too():
     assert loader.positions == [[2, 16], [3, 40], [5, 0]]
     loader.untrained_at_meeting({"pending": [1]})  # (nothing given back)
     assert loader.pending == [1] and loader.positions == []
+
+
+def test_a_rank_gives_back_only_what_it_holds_and_a_waiting_claim_gets_it_from_its_position():
+    """A slow rank's shard given back from a position goes to a claim waiting at the queue's end, with that
+    position (where its reader goes on); a `back` naming a chunk the sender does not hold requeues nothing."""
+    session = session_of()
+    out = queue_handed_out(session)  # rank 0 holds its set-aside 0 and chunk 3, rank 1: 1 and 4, rank 2: 2 and 5
+    session.report_work(1, {"key": KEY, "done": [1, 4]})
+    claim(session, 1, 2, out)  # at the queue's end: it waits for ranks 0 and 2
+    assert replies(out) == {}
+    session.report_work(2, {"key": KEY, "back": [[0, 40], [3, 8]]})  # not rank 2's: nothing happens
+    session.settle_queues(out)
+    assert replies(out) == {} and session.requeued_work() == []
+    session.report_work(0, {"key": KEY, "back": [[3, 8]], "end": True})
+    session.settle_queues(out)
+    assert replies(out) == {1: [3, 8]}  # rank 1 reads chunk 3 on from position 8, and holds it
+    assert session.work.lose(1) == {KEY: [(3, 8)]}

@@ -288,3 +288,58 @@ def test_a_meeting_report_with_positions_no_rank_would_send_is_refused(positions
     assert check_message(good) == good
     with pytest.raises(BadMessage):
         check_message({**good, "positions": positions})
+
+
+def test_a_slow_rank_gives_the_rest_of_its_shard_back_at_the_tail_and_every_sample_is_trained_once(sessions):
+    """Rank 0 reads a long shard; ranks 1 and 2 empty the queue and wait at its end. Once the queue ran out,
+    rank 0 (slow) gives the rest of its shard back from where its reads stand, after training what it
+    read: a waiting rank reads it on from there. Nothing is read twice or skipped."""
+    import time
+
+    files = Files([40, 8, 8, 8, 8, 8])
+    reader = ShardReader(ProtocolSource(files), identity)
+    samplers = {
+        r: ShardQueueSampler(files.num_shards, 4, r, 3, s.counters, slow_ratio=2 if r == 0 else 0)
+        for r, s in enumerate(sessions)
+    }
+    trained: dict[int, list] = {1: [], 2: []}
+    threads = [threading.Thread(target=train, args=(samplers[r], reader, trained[r])) for r in (1, 2)]
+    for thread in threads:
+        thread.start()
+    slow: list = []
+    for read in samplers[0]:
+        batch = samplers[0].take(reader[read])
+        if batch is None:
+            continue
+        slow.extend(batch)
+        samplers[0].trained(samplers[0].untrained.popleft())
+        if len(slow) == 8:  # the others emptied the queue meanwhile: they wait at its end
+            deadline = time.monotonic() + 20
+            while len(trained[1]) + len(trained[2]) < 5 * 8 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            samplers[0].queue_ran_out(slow=True)
+    for thread in threads:
+        thread.join(30)
+    assert slow == [(0, i) for i in range(8)] and samplers[0].shards_given_back == 1
+    everything = Counter(slow + trained[1] + trained[2])
+    expected = {(shard, i) for shard, length in enumerate(files.lengths) for i in range(length)}
+    assert set(everything) == expected and max(everything.values()) == 1, everything
+    assert (0, 8) in files.opened  # read on from where rank 0's reads stood
+
+
+def test_a_rank_that_is_not_slow_reads_its_shard_to_the_end_when_the_queue_runs_out():
+    files = Files([12])
+    sampler = ShardQueueSampler(1, 4, 0, 1, _Counting(), slow_ratio=2)
+    sampler.queue_ran_out(slow=False)
+    reader = ShardReader(ProtocolSource(files), identity)
+    rows: list = []
+    train(sampler, reader, rows)
+    assert rows == [(0, i) for i in range(12)] and sampler.shards_given_back == 0
+
+
+class _Counting:
+    value = 0
+
+    def add(self, key, amount):
+        self.value += amount
+        return self.value

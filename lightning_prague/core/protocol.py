@@ -387,10 +387,17 @@ RECORDS: dict[str, Record] = {
     "resume": _session_record("resume"),
     "stop": _session_record("stop", {"reason": text(64)}),
     # chunks of the work queue this rank now holds (`tickets`: the claim values of their tickets) or trained;
-    # `end`: it claims no more from that queue (`lightning_prague.core.plane.queue_end`)
+    # `back`: shards it gives back untrained from a position (a slow rank at a stream's tail); `end`: it
+    # claims no more from that queue (`lightning_prague.core.plane.queue_end`)
     "work": _session_record(
         "work",
-        {"hold": _CHUNKS, "tickets": list_of(optional(_TICKET), 1 << 16), "done": _CHUNKS, "end": BOOLEAN},
+        {
+            "hold": _CHUNKS,
+            "tickets": list_of(optional(_TICKET), 1 << 16),
+            "done": _CHUNKS,
+            "back": list_of(pair_of(integer()), 1 << 16),
+            "end": BOOLEAN,
+        },
         key=_KEY,
     ),
     # where this rank stands in its own shard of the epoch (lock-step shards, not the work queue): it has

@@ -758,13 +758,17 @@ class Counters:
         tickets: Sequence[int | None] = (),
         done: Sequence[int] = (),
         end: bool = False,
+        back: Sequence[tuple[int, int]] = (),
     ) -> None:
         """Tell the control plane, without waiting, of chunks of the queue `cursor` this rank now holds
-        (with the claim values of their `tickets`) or has trained (`done`); `end`: it claims no more
-        from that queue (it left the epoch's tail)."""
+        (with the claim values of their `tickets`), has trained (`done`) or gives back untrained from a
+        position (`back`: `(shard, position)`); `end`: it claims no more from that queue (it left the
+        epoch's tail)."""
         fields: dict[str, Any] = {"key": cursor}
         if end:
             fields["end"] = True
+        if back:
+            fields["back"] = [[int(chunk), int(position)] for chunk, position in back]
         if hold:
             fields["hold"], fields["tickets"] = list(hold), list(tickets)
         if done:

@@ -306,12 +306,19 @@ class ProgressCounter:
         self.epoch_end = self._published_end()
         return self.epoch_end
 
-    def end_shard_stream(self) -> int:
-        """This worker's reads of a sharded stream ended (the queue's last claims returned together): the
-        first to get here marks the ticket count (`stream_end`) without ending anyone's claims; returns it."""
+    def mark_shard_stream_end(self) -> None:
+        """A sharded stream's queue ran out here (this worker is about to wait at its end): the first to
+        get here marks the ticket count, without ending anyone's claims. The others learn of it with
+        their next ticket (`stream_end`): progress boundaries stop there, and a slow worker gives its
+        shards in progress back (`lightning_prague.core.data.shard_queue`)."""
         if increment(self.store, self._key("enders")) == 1:
             claimed = increment(self.store, self._key("claims"), ENDED) - ENDED
             self.store.set(self._key("end"), str(self._origin + self.world_size + claimed))
+
+    def end_shard_stream(self) -> int:
+        """This worker's reads of a sharded stream ended (the queue's last claims returned together): the
+        mark (`mark_shard_stream_end`), if nobody made it yet; returns it (`stream_end`)."""
+        self.mark_shard_stream_end()
         self.stream_end = self.epoch_end = self._published_end()
         return self.stream_end
 

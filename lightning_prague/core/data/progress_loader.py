@@ -72,8 +72,11 @@ class ProgressLoader:
         #: this rank's last ticket, and how many tickets the job claimed between its last two (the
         #: job's claims during one of this rank's steps: large for a slow rank)
         self._last_ticket: Optional[int] = None
-        self._ticket_gap = counter.world_size
+        self._ticket_gap: float = counter.world_size
+        self._gaps = 0  # gaps measured (the first replaces the guess; the later ones are averaged)
         counter.keep_claiming = isinstance(sampler, ShardQueueSampler)
+        if isinstance(sampler, ShardQueueSampler):
+            sampler.on_queue_end = counter.mark_shard_stream_end
         if sampler is not None and batches_per_epoch is not None and not (getattr(loader, "num_workers", 0) or 0):
             # the loader runs in this process: the sampler is asked for a chunk exactly when the batch is
             # built, so the batch's ticket can come in the same message as its chunk (one per batch)
@@ -189,9 +192,18 @@ class ProgressLoader:
                 ticket = claim() if claim is not None else (self.counter.claim() if self.armed else None)
                 if ticket is not None:
                     self._holds(len(self.tickets), ticket)
-                    if self._last_ticket is not None and ticket > self._last_ticket:
-                        self._ticket_gap = ticket - self._last_ticket
+                    # (a sharded stream: while its queue runs, before anyone waits at its end: a wait there
+                    # is no step, and once the others wait the job claims only this rank's tickets)
+                    if self._last_ticket is not None and ticket > self._last_ticket and self.counter.stream_end is None:
+                        gap = ticket - self._last_ticket
+                        self._ticket_gap = gap if self._gaps == 0 else 0.7 * self._ticket_gap + 0.3 * gap
+                        self._gaps += 1
                     self._last_ticket = ticket
+                    if shards is not None and self.counter.stream_end is not None:
+                        # another rank's reads ended: a rank during whose steps the job claims many more
+                        # tickets than one per member is slow, and gives its shards in progress back
+                        slow = self._gaps > 0 and self._ticket_gap > shards.slow_ratio * self.counter.world_size
+                        shards.queue_ran_out(slow)
             if self.armed and ticket is None:
                 stream_end = self.counter.stream_end
                 if self.counter.budget_spent and not (stream_end is not None and self.counter.budget > stream_end):

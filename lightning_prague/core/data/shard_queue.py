@@ -12,7 +12,10 @@ item of the same queue, and of the same ledger at the control plane, is **a shar
   position; no reply, no round trip), and `done` once the shard's end was trained. A lost rank's
   shards go back to the queue with their positions, and whoever claims one reads it on from there.
   A batch the lost rank trained but had not reported died with its model: it is read again, once;
-* a slow rank leaves the epoch's tail to the others as with chunks (`WorkQueueSampler._leave_tail`).
+* a slow rank leaves the epoch's tail to the others as with chunks (`WorkQueueSampler._leave_tail`),
+  and once the queue ran out (a rank that found it empty marked it before waiting at its end) a slow
+  rank gives the shards it reads back from where its reads stand, after training what it read, to
+  the ranks waiting there (`queue_ran_out`): they do not wait for its whole shard.
 
 **Reading, in the rank's process or in `DataLoader` worker processes.** The sampler runs in the rank's
 own process and yields `ShardRead`s (which shard, from which position, how many samples); the
@@ -147,6 +150,17 @@ class ShardQueueSampler(WorkQueueSampler):
         #: the positions a resumed checkpoint's shards go on from (`resume_shards`)
         self._resume_positions: dict[int, int] = {}
         self.shards_taken = 0  # in the current epoch
+        #: the queue ran out of shards (another rank's reads ended) and this rank is slow: it gives the
+        #: shards it reads back from where its reads stand (`queue_ran_out`)
+        self._giving_back = False
+        #: per shard being given back: the position it goes back from, and its reads not yet taken
+        self._back_at: dict[int, int] = {}
+        self._unread: dict[int, int] = {}
+        #: shards given back this epoch
+        self.shards_given_back = 0
+        #: called once this rank's last reading slot finds the queue empty, before it waits at its end
+        #: (`ProgressCounter.mark_shard_stream_end`: how the others learn that the queue ran out)
+        self.on_queue_end: Optional[Callable[[], None]] = None
 
     # -- the reads -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[ShardRead]:  # type: ignore[override]
@@ -154,7 +168,11 @@ class ShardQueueSampler(WorkQueueSampler):
         self._ends.clear()
         self._in_training.clear()
         self._trained_to.clear()
+        self._back_at.clear()
+        self._unread.clear()
+        self._giving_back = False
         self.shards_taken = 0
+        self.shards_given_back = 0
         #: per slot: [shard, the position of its next read], or None while it needs a shard
         reading: list[Optional[list[int]]] = [None] * self.slots
         retired: set[int] = set()
@@ -168,6 +186,14 @@ class ShardQueueSampler(WorkQueueSampler):
             current = reading[slot]
             if current is not None and current[0] in self._ends:
                 reading[slot] = current = None  # its shard ended: the slot takes another
+            if self._giving_back and (current is None or current[0] not in self._ends):
+                # the queue is empty and this rank slow: the rest of its shard goes to a faster rank, from
+                # where its reads stand, once the reads issued so far are trained (`_give_back_when_trained`)
+                if current is not None:
+                    self._back_at[current[0]] = current[1]
+                    self._give_back_when_trained(current[0])
+                retired.add(slot)
+                continue
             if current is None:
                 if first:  # this rank's place among the members (no claim), or a resumed checkpoint's shards
                     shard = first.pop(0)
@@ -185,7 +211,10 @@ class ShardQueueSampler(WorkQueueSampler):
                     claimed_at = self.clock()
                     # at the queue's end only the last slot that reads waits there (it parks while a
                     # member may give shards back); a slot beside others that read just retires
-                    shard, position = self._claim_shard(park=not others)
+                    shard, position = self._claim_shard(park=not others and self.on_queue_end is None)
+                    if shard >= self.num_chunks and not others and self.on_queue_end is not None:
+                        self.on_queue_end()  # before it waits: the others learn that the queue ran out
+                        shard, position = self._claim_shard(park=True)
                     self._observe(previous, claimed_at, shard)
                     previous = (self.clock(), shard)
                     if shard >= self.num_chunks:
@@ -198,6 +227,7 @@ class ShardQueueSampler(WorkQueueSampler):
                 self.total_chunks_taken += 1
                 log.debug("rank %d: slot %d reads shard %d from %d", self.rank, slot, shard, start)
                 reading[slot] = current = [shard, start]
+            self._unread[current[0]] = self._unread.get(current[0], 0) + 1
             yield ShardRead(slot, current[0], current[1], self.batch_size)
             current[1] += self.batch_size
 
@@ -212,16 +242,47 @@ class ShardQueueSampler(WorkQueueSampler):
         if report is not None:
             report(self._cursor_key, hold=[shard], tickets=[position])
 
+    # -- the tail: a slow rank gives its shards in progress back -----------------------------------
+    def queue_ran_out(self, slow: bool) -> None:
+        """Another rank's reads ended: the queue holds no more shards, and the ranks that read on read
+        the shards they hold. If this rank is `slow`, the rest of each shard it reads goes back to the
+        queue from where its reads stand, for the faster ranks that wait there, instead of making them
+        wait for it: exactly once, since it gives a shard back only once it trained every read of it
+        it issued (until then it holds it, and a loss requeues it from its trained position)."""
+        if slow and not self._giving_back and self.slow_ratio > 0:
+            log.debug(
+                "rank %d: the queue ran out and this rank is slow: it gives its shards in progress back", self.rank
+            )
+            self._giving_back = True
+
+    def _give_back_when_trained(self, shard: int) -> None:
+        """Give `shard` back (see `queue_ran_out`) once every read of it issued was taken and trained."""
+        at = self._back_at.get(shard)
+        if at is None or self._unread.get(shard, 0) or self._in_training.get(shard, 0):
+            return
+        del self._back_at[shard]
+        if shard in self._ends:  # its reads found its end: nothing left to give
+            self._report_done(shard)
+            return
+        self._trained_to.pop(shard, None)
+        self.shards_given_back += 1
+        report = getattr(self._store, "report", None)
+        if report is not None:  # (it claims no more: parked claims need not wait for it)
+            report(self._cursor_key, back=[(shard, at)], end=True)
+        log.debug("rank %d: gave shard %d back from position %d", self.rank, shard, at)
+
     # -- what the loader returned, and what was trained ------------------------------------------
     def take(self, item: StreamBatch) -> Any:
         """A batch the loader returned: the user's batch to hand to the trainer, or `None` for a read
         past its shard's end (nothing to train)."""
         read = item.read
+        self._unread[read.shard] = max(0, self._unread.get(read.shard, 0) - 1)
         if item.rows < read.count:
             self._ends.setdefault(read.shard, read.start + item.rows)
         if item.rows == 0:
             if not self._in_training.get(read.shard):
                 self._report_done(read.shard)
+            self._give_back_when_trained(read.shard)
             return None
         self._in_training[read.shard] = self._in_training.get(read.shard, 0) + 1
         self.untrained.append(TrainedTo(read.shard, read.start + item.rows))
@@ -237,6 +298,7 @@ class ShardQueueSampler(WorkQueueSampler):
             self._report_done(shard)
             return
         self._report_position(shard, end)
+        self._give_back_when_trained(shard)
 
     def _report_done(self, shard: int) -> None:
         if self._ends.get(shard, -1) < 0:

@@ -264,11 +264,14 @@ class CoordinatorSession:
             self.values.setdefault(key + REQUEUED, []).extend([c, t] for c, t in orphans)
 
     def report_work(self, rank: int, message: dict[str, Any]) -> None:
-        """A `work` message: chunks `rank` now holds (with their tickets) or has trained."""
+        """A `work` message: chunks `rank` now holds (with their tickets), has trained, or gives back."""
         key = message["key"]
         hold = message.get("hold", [])
         self.work.hold(rank, key, hold, message.get("tickets", [None] * len(hold)))
         self.work.done(rank, key, message.get("done", []))
+        for chunk, position in message.get("back", []):  # only what it holds: it is requeued from there
+            if self.work.give_back(rank, key, int(chunk)):
+                self.values.setdefault(key + REQUEUED, []).append([int(chunk), int(position)])
         if message.get("end"):
             self.ends.finish(key, rank)
 

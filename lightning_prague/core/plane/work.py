@@ -106,6 +106,16 @@ class WorkLedger:
                     early.add(chunk)
         log.debug("work: rank %d trained chunks %s of %s", rank, list(chunks), key)
 
+    def give_back(self, rank: int, key: str, chunk: int) -> bool:
+        """`rank` gives `chunk` of `key`'s queue back untrained from where it stands (a slow rank's shard
+        in progress at the epoch's tail, `lightning_prague.core.data.shard_queue`): it holds it no more.
+        False where it did not hold it (nothing to give back)."""
+        held = self._held.get(rank, {}).get(key, {})
+        if held.pop(chunk, _ABSENT) is _ABSENT:
+            return False
+        log.debug("work: rank %d gives chunk %d of %s back", rank, chunk, key)
+        return True
+
     def lose(self, rank: int) -> dict[str, Held]:
         """What the lost `rank` held untrained, by queue (it holds nothing after this)."""
         held = self._held.pop(rank, {})
