@@ -173,7 +173,7 @@ class ProgressLoader:
         reads = iter(self.loader)
 
         def fetch() -> Any:
-            """The next user batch (`_END`: none), and its ticket's claim sent ahead (`self.ahead`)."""
+            """The next user batch of the loader (`_END`: none left)."""
             for batch in reads:
                 if shards is not None:  # a read of a sharded stream: the user's batch, or none past a shard's end
                     batch = shards.take(batch)
@@ -218,7 +218,8 @@ class ProgressLoader:
             if self._may_claim_ahead(ticket):
                 # the next batch, and its ticket's claim, before this one is trained: the round trip overlaps it
                 following = fetch()
-                claim = self.counter.begin_claim() if following is not _END else None
+                value = stashed.popleft() if stashed and following is not _END else None
+                claim = self.counter.begin_claim() if following is not _END and value is None else None
                 yield batch
             else:
                 yield batch
