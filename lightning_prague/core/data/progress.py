@@ -198,10 +198,10 @@ class ProgressCounter:
     epoch_end: Optional[int] = field(default=None, init=False)
     #: a claim failed because the step budget is spent (not because the epoch's data ended)
     budget_spent: bool = field(default=False, init=False)
-    #: a sharded stream: the first rank whose reads ended does not end the others' (they train the
-    #: shards they hold to their ends); it marks where progress boundaries stop (`stream_end`)
+    #: a sharded stream: the first rank that found the queue empty does not end the others' reads (they
+    #: train the shards they hold to their ends); it marks where progress boundaries stop (`stream_end`)
     keep_claiming: bool = field(default=False, init=False)
-    #: in a sharded stream's epoch, the ticket count when the first rank's reads ended: boundaries
+    #: in a sharded stream's epoch, the ticket count when the first rank found the queue empty: boundaries
     #: after it are left to the epoch's end on every rank (some rank would have no batch to meet them with)
     stream_end: Optional[int] = field(default=None, init=False)
     #: this worker's place among the members (its first ticket's offset): its rank until some are lost
@@ -274,7 +274,7 @@ class ProgressCounter:
         if epoch != self.epoch:  # answered after the epoch moved on: nothing of it is trained
             return None
         if value > ENDED:
-            if self.keep_claiming:  # (the ticket is claimed after the first rank's reads ended: boundaries stop)
+            if self.keep_claiming:  # (claimed after the first rank found the queue empty: boundaries stop)
                 self.stream_end = self._published_end()
                 return self.accept(value - ENDED)
             self.epoch_end = self._published_end()
