@@ -256,7 +256,10 @@ def _start_interpreter(argv: list[str], log_file: Path, secret: bytes, append: b
     package = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env[SECRET_VARIABLE] = secret.decode()  # its environment, not its command line: `ps` shows that
-    with open(log_file, "a" if append else "w") as err:
+    # (an adopted supervisor's log has a name others can know, in the temporary folder by default: never
+    # through a symbolic link someone left there, and only ours to read)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    with os.fdopen(os.open(log_file, flags, 0o600), "w") as err:
         return subprocess.Popen(
             [sys.executable, "-c", BOOTSTRAP, package, *argv],
             stdin=subprocess.DEVNULL,
