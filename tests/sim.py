@@ -100,7 +100,7 @@ def simulate(
         else:
             item = action[1]
             members = tuple(item["members"])
-            assert set(item) <= {"t", "gid", "members", "version", "weights"}, f"unexpected field in {item}"
+            assert set(item) <= {"t", "gid", "members", "version", "weights", "e"}, f"unexpected field in {item}"
             result.groups[item["gid"]] = members
             for m in members:
                 inbox[m].popleft()

@@ -96,6 +96,18 @@ def test_a_member_lost_before_it_reported_decides_against_on_every_member_even_l
     assert verdicts_of(table.report(0, "g2", [0, 2], True, departed={2})) == {0: False}
 
 
+def test_a_collective_of_a_readmitted_ranks_earlier_process_is_decided_against():
+    """Rank 2 was drawn in membership epoch 3, lost before it reported, and readmitted (a new process)
+    in epoch 4 before anyone reported: the new process never reports, and nobody waits for it."""
+    table = GroupVerdicts()
+    table.depart(2, departed={2})  # (nothing open yet)
+    table.readmitted(2, 4)
+    assert verdicts_of(table.report(0, "g7", [0, 2], True, departed=set(), epoch=3)) == {0: False}
+    # a collective drawn in the epoch of its admission, or later, waits for the new process's report
+    assert table.report(0, "g8", [0, 2], True, departed=set(), epoch=4) == []
+    assert verdicts_of(table.report(2, "g8", [0, 2], True, departed=set(), epoch=4)) == {0: True, 2: True}
+
+
 def test_a_member_lost_after_it_reported_does_not_change_the_verdict():
     table = GroupVerdicts()
     table.report(2, "g1", [0, 1, 2], True, departed=set())

@@ -110,6 +110,27 @@ def test_a_joiner_that_fails_after_its_admission_departs_and_may_come_back(plane
     assert admissions(join(plane, 2, rejoin=True), 2)[0]["epoch"] == 2
 
 
+def test_a_group_drawn_before_a_ranks_loss_gets_its_verdict_after_the_rank_rejoined():
+    """Rank 0's group with rank 2 is issued; rank 2's process dies before it reports its sum, and a new
+    process for rank 2 is admitted before rank 0 reports: rank 0 gets its verdict (against) at once,
+    not at its timeout (the new process never takes part in its predecessor's group)."""
+    plane = ControlPlane()
+    for rank in range(WORLD):
+        join(plane, rank)
+    groups = []
+    for req in range(1, 20):
+        groups += [i for i in send(plane, 0, "ready", req=req).get(0, []) if i["t"] == "group" and 2 in i["members"]]
+        if groups:
+            break
+        for rank in (1, 3):  # (each runs what it was drawn into: with `avoid_busy` busy ranks are not drawn)
+            send(plane, rank, "ready", req=req)
+    group = groups[0]
+    plane.on_disconnect(2)
+    assert admissions(join(plane, 2, rejoin=True), 2)[0]["epoch"] > group["e"]
+    out = send(plane, 0, "summed", key=f"g{group['gid']}", members=group["members"], ok=True, epoch=group["e"])
+    assert [i["apply"] for i in out[0] if i["t"] == "verdict"] == [False]
+
+
 def test_a_rank_readmitted_after_an_earlier_process_closed_departs_when_it_crashes(plane_without_2):
     plane = plane_without_2
     session = plane.sessions[1]

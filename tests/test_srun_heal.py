@@ -79,7 +79,7 @@ def results(directory: Path) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def srun_jobs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
     """The three jobs under one emulated `srun` (its output names every task that failed):
-    name -> (its directory, the launcher's output and the job's task logs)."""
+    name -> (its directory, the launcher's output and the job's logs)."""
     root = tmp_path_factory.mktemp("srun")
     jobs = {"prague": ("prague", 0), "decent_adam": ("decent_adam", 0), "kept": ("prague", 1)}
     steps, gates = [], []
@@ -121,8 +121,15 @@ def srun_jobs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
         watcher.start()
     done = run_forked("lightning_prague.tools.cluster.srun", argv, environment, root, JOB_TIMEOUT + 30)
     launcher = done.stdout + done.stderr
-    logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(root.glob("*.log")))
-    return {name: (root / name, launcher + logs) for name in jobs}
+    return {name: (root / name, launcher + job_logs(root, str(4801 + i))) for i, name in enumerate(jobs)}
+
+
+def job_logs(root: Path, job_id: str) -> str:
+    """The tail of every log of job `job_id`: its tasks' and its supervisor's (named by the job's port)."""
+    steps = json.loads((root / "steps.json").read_text())
+    port = next(step["export"]["MASTER_PORT"] for step in steps if step["job_id"] == job_id)
+    paths = [*sorted(root.glob(f"job{job_id}.*.log")), *sorted(root.glob(f"lightning_prague_logs/*-{port}-*.log"))]
+    return "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-2500:]}" for p in paths)
 
 
 def launcher_lines(output: str, job_id: str) -> list[str]:
@@ -137,8 +144,8 @@ def test_a_new_srun_step_of_the_job_rejoins_its_running_fit(srun_jobs, strategy)
     directory, output = srun_jobs[strategy]
     job_id = str(4801 + ["prague", "decent_adam"].index(strategy))
     found = results(directory)
-    assert sorted(found) == list(range(TASKS)), f"results of ranks {sorted(found)}\n{output[-12000:]}"
-    assert len({r["params_sha256"] for r in found.values()}) == 1, output[-12000:]
+    assert sorted(found) == list(range(TASKS)), f"results of ranks {sorted(found)}\n{output[-16000:]}"
+    assert len({r["params_sha256"] for r in found.values()}) == 1, output[-16000:]
     for rank, result in found.items():
         assert result["epochs_run"] == EPOCHS, (rank, result["epochs_run"], output[-8000:])
     for rank in NEW_STEPS:

@@ -413,7 +413,10 @@ RECORDS: dict[str, Record] = {
         "round", {"slots": list_of(_RANK, MAX_RANK + 1), "start": BOOLEAN}, key=text(128), round=_COUNT
     ),
     # this rank's completeness of a group collective, before it writes anything back (`GroupVerdicts`)
-    "summed": _session_record("summed", key=text(128), members=list_of(_RANK, MAX_RANK + 1), ok=BOOLEAN),
+    # `epoch`: the membership epoch its members were drawn in (`GroupVerdicts.readmitted`)
+    "summed": _session_record(
+        "summed", {"epoch": _COUNT}, key=text(128), members=list_of(_RANK, MAX_RANK + 1), ok=BOOLEAN
+    ),
     "parked": _session_record("parked", request=True),
     "history": _session_record("history", request=True),
     "ready": _session_record("ready", {"version": _COUNT}, request=True),

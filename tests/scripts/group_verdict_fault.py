@@ -48,8 +48,9 @@ def die_at(comm: GroupComm, stage: int, partial: bool) -> None:
 def die_after_reporting(worker: GroupWorker) -> None:
     session = worker.session
 
-    def verdict(key, members, complete, operation, timeout=None):
-        session.send("summed", key=key, members=[int(m) for m in members], ok=bool(complete))
+    def verdict(key, members, complete, operation, timeout=None, epoch=None):
+        drawn = {} if epoch is None else {"epoch": epoch}
+        session.send("summed", key=key, members=[int(m) for m in members], ok=bool(complete), **drawn)
         time.sleep(0.5)  # the report reaches the control plane before the connection closes
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -524,17 +524,26 @@ class Session:
         return item
 
     def verdict(
-        self, key: str, members: Sequence[int], complete: bool, operation: str, timeout: float | None = None
+        self,
+        key: str,
+        members: Sequence[int],
+        complete: bool,
+        operation: str,
+        timeout: float | None = None,
+        epoch: int | None = None,
     ) -> bool:
         """Whether group collective `key` among `members` takes effect on every member: this rank
         reports its own completeness (`complete`) and waits for the control plane's verdict, the
         same for every member (`lightning_prague.core.plane.verdicts`). A `Decide` of a group sum.
 
+        `epoch`: the membership epoch the control plane drew the members in (a member readmitted since
+        then is another process, which never takes part: its earlier one counts as lost).
         Raises `CoordinationTimeout` naming the members and `operation` if no verdict came within
         `timeout` (default: the session's), and `ControlPlaneLost` once the control plane is lost.
         """
         self._rejected = None
-        self.send("summed", key=key, members=[int(m) for m in members], ok=bool(complete))
+        drawn = {} if epoch is None else {"epoch": int(epoch)}
+        self.send("summed", key=key, members=[int(m) for m in members], ok=bool(complete), **drawn)
         limit = self.timeout if timeout is None else timeout
         late = (
             f"the control plane gave no verdict on {operation} over ranks {list(members)} within {limit:.0f}s (a "

@@ -79,6 +79,8 @@ class _InFlight:
     weighted: WeightedGroup
     #: the round's name at the control plane (its verdict): the same on every member of it
     key: str = ""
+    #: the membership epoch the control plane named the round's members in
+    epoch: int | None = None
     #: the round's group in the schedule, before the control plane named who takes part in it
     planned: WeightedGroup | None = None
     #: whether the round took effect on every member (the control plane's verdict)
@@ -197,7 +199,8 @@ class LaggedGossip(Exchanger):
             taking_part = [self.worker.rank]
         flight.weighted = surviving(planned, taking_part)
         flight.key = f"r{flight.round_index}.{min(flight.weighted.members)}"
-        return self.worker.epoch_comm(int(answer.get("epoch", 0)))
+        flight.epoch = int(answer.get("epoch", 0))
+        return self.worker.epoch_comm(flight.epoch)
 
     def _sum(self, flight: _InFlight, ready: Marker) -> Marker:
         """In the communication thread: the round's members, its group sums, and from them the round's
@@ -227,7 +230,7 @@ class LaggedGossip(Exchanger):
             drift.add_average(total, 1.0 / size)
             drift.add_distance(flat, total, 1.0 / size)
             flat.mul_(a - 1.0).add_(total, alpha=b)
-        flight.applied = self.worker.verdicts(flight.key, members, operation)(complete)
+        flight.applied = self.worker.verdicts(flight.key, members, operation, flight.epoch)(complete)
         if not flight.applied:  # a round a member left mid-way is skipped by every member of it
             for flat in buffers.flats:
                 flat.zero_()

@@ -311,6 +311,7 @@ class BackgroundAverager(_ThreadedExchanger):
         if self.busy:
             raise CoordinationTimeout(
                 f"rank {self.worker.rank}: the background group exchange did not finish within {self.timeout:.0f}s"
+                f" (it was at {self.worker.doing})"
             )
         self._fold_in()
         if self._thread is not None:

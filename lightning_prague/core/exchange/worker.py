@@ -215,6 +215,11 @@ class GroupWorker:
             self.stats.messages += 1
         return item
 
+    @property
+    def doing(self) -> str:
+        """What this rank's exchange is at now (a group request, a group average, a meeting), for errors."""
+        return self._doing
+
     def _next_item(self, waiting_for: str, deadline: float | None = None) -> dict[str, Any]:
         """The next inbox item within `timeout`, or by `deadline` (a meeting's overall bound)."""
         limit = self.timeout if deadline is None else max(0.0, deadline - time.monotonic())
@@ -263,17 +268,18 @@ class GroupWorker:
             self.tensors, comm, members, weight=weight, operation=operation, sums=self.spare(), decide=decide
         )
 
-    def verdicts(self, key: str, members: Sequence[int], operation: str) -> Decide:
+    def verdicts(self, key: str, members: Sequence[int], operation: str, epoch: int | None = None) -> Decide:
         """The `Decide` of a group collective `key` (the same on every member) among `members`: the
         control plane's verdict (`Session.verdict`: all-or-nothing on every member). A collective
-        that decides more than once (bucket by bucket) asks under `key`, then `key.1`, `key.2`, ..."""
+        that decides more than once (bucket by bucket) asks under `key`, then `key.1`, `key.2`, ...
+        `epoch`: the membership epoch the control plane drew the members in, where it said."""
         calls = itertools.count()
 
         def decide(complete: bool) -> bool:
             index = next(calls)
             part = f"{key}.{index}" if index else key
             try:
-                return self.session.verdict(part, members, complete, operation, timeout=self.timeout)
+                return self.session.verdict(part, members, complete, operation, timeout=self.timeout, epoch=epoch)
             except CoordinationTimeout as err:
                 raise self.session.explain(err, f"the verdict on {operation} over ranks {list(members)}") from err
 
@@ -295,11 +301,14 @@ class GroupWorker:
             weights = item.get("weights")
             weight = None if weights is None else float(weights[members.index(self.rank)])
             operation = f"group average #{item['gid']}"
-            decide = self.verdicts(f"g{item['gid']}", members, operation)
+            decide = self.verdicts(f"g{item['gid']}", members, operation, item.get("e"))
+            doing, self._doing = self._doing, f"{operation} over ranks {list(members)}"
             try:
                 error, applied = (target or self.average_live)(self.comm, members, weight, operation, decide)
             except CoordinationTimeout as err:
                 raise self.session.explain(err, f"{operation} over ranks {list(members)}") from err
+            finally:
+                self._doing = doing
             if not applied:
                 gone = sorted(self.comm.failed_peers) or "(elsewhere in the group)"
                 log.info("rank %d: %s was cancelled on every member: lost ranks %s", self.rank, operation, gone)

@@ -551,7 +551,10 @@ class ControlPlane:
             members = message["members"]
             if any(m >= session.world_size for m in members):
                 raise ValueError(f"rank {rank} reported a collective of ranks {members} outside the session")
-            for member, item in session.verdicts.report(rank, message["key"], members, message["ok"], session.departed):
+            verdicts = session.verdicts.report(
+                rank, message["key"], members, message["ok"], session.departed, message.get("epoch")
+            )
+            for member, item in verdicts:
                 out.setdefault(member, []).append(item)
         elif op == "close":
             session.came_back(rank)
@@ -626,6 +629,7 @@ class ControlPlane:
             session.closed.discard(rank)  # an earlier process of it may have closed: this one departs when lost
             session.members.add(rank)
             session.hangs.joined(rank)
+            session.verdicts.readmitted(rank, session.generator.epoch)
             log.warning("session %d: rank %d rejoined the fit", session.number, rank)
 
     @staticmethod

@@ -519,7 +519,9 @@ class GroupGenerator:
     def _issue(self, members: Group, out: dict[int, list[Item]], versions: list[int] | None = None) -> int:
         gid = self.next_gid
         self.next_gid += 1
-        item: Item = {"t": "group", "gid": gid, "members": list(members)}
+        # `e`: the membership epoch it is issued in; a member readmitted since is another process than
+        # the one drawn (`GroupVerdicts.readmitted`)
+        item: Item = {"t": "group", "gid": gid, "members": list(members), "e": self.epoch}
         if versions is not None:
             item["version"] = max(versions)
             weights = self.policy.weights(versions)

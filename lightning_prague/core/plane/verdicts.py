@@ -9,11 +9,14 @@ waits for this table's verdict, the same for every member:
 - a member said it is incomplete, or departed before it reported: it takes effect on none.
 
 A member that reported and departed afterwards does not change the verdict (its share is in every
-sum). A verdict decided by a departure is kept until every live member has had it, so a member
-that reports late learns the same. The table holds only undecided collectives and decided ones
-that live members have yet to fetch; a rank may have at most `MAX_OPEN_PER_RANK` of them open
-(a rank runs one group at a time; a report beyond that, or one a rank would never send, is refused
-with an error to its sender only), so nothing in it grows with the number of steps.
+sum). A member readmitted (a new process for its rank, `readmitted`) after the membership epoch the
+collective's members were drawn in is not the process that was drawn: that one departed, and the new
+one never reports, so a collective first reported after the readmission is decided against too. A
+verdict decided by a departure is kept until every live member has had it, so a member that reports
+late learns the same. The table holds only undecided collectives and decided ones that live members
+have yet to fetch; a rank may have at most `MAX_OPEN_PER_RANK` of them open (a rank runs one group at
+a time; a report beyond that, or one a rank would never send, is refused with an error to its sender
+only), so nothing in it grows with the number of steps.
 """
 
 from __future__ import annotations
@@ -48,12 +51,27 @@ class GroupVerdicts:
     def __init__(self) -> None:
         self._open: dict[str, _Open] = {}
         self._per_rank: dict[int, int] = {}
+        #: rank -> the membership epoch its current process was admitted in (ranks that rejoined)
+        self._admitted: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def report(self, rank: int, key: str, members: Sequence[int], ok: bool, departed: Container[int]) -> list[Verdict]:
-        """`rank`'s completeness of collective `key` among `members`; returns the verdicts now due.
+    def readmitted(self, rank: int, epoch: int) -> None:
+        """A new process for `rank` was admitted in membership epoch `epoch` (its earlier one departed)."""
+        self._admitted[rank] = epoch
+
+    def report(
+        self,
+        rank: int,
+        key: str,
+        members: Sequence[int],
+        ok: bool,
+        departed: Container[int],
+        epoch: int | None = None,
+    ) -> list[Verdict]:
+        """`rank`'s completeness of collective `key` among `members`, drawn in membership epoch `epoch`
+        (if known); returns the verdicts now due.
 
         Raises `ValueError` (the sender broke the protocol) for a rank outside `members`, fewer than
         two members, other members than an earlier report of `key` named, a second report of the
@@ -67,7 +85,7 @@ class GroupVerdicts:
         entry = self._open.get(key)
         if entry is None:
             entry = self._open[key] = _Open(group)
-            if any(m in departed for m in group):  # a member was lost before it could report
+            if any(m in departed or self._drawn_before(m, epoch) for m in group):  # lost before it could report
                 entry.apply = False
         elif entry.members != group:
             raise ValueError(
@@ -87,6 +105,10 @@ class GroupVerdicts:
         if rank in departed:  # it left after an error and still runs what was issued to it: against, as for all
             due.append((rank, {"t": "verdict", "key": key, "apply": False}))
         return due
+
+    def _drawn_before(self, rank: int, epoch: int | None) -> bool:
+        """Whether `rank`'s process in a collective drawn in `epoch` was an earlier one than its current."""
+        return epoch is not None and self._admitted.get(rank, -1) > epoch
 
     def depart(self, rank: int, departed: Container[int]) -> list[Verdict]:
         """`rank` is gone: every collective it had not reported is decided against; returns the
