@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import run_core_ranks
+from helpers import SCRIPTS, run_core_ranks, run_forked_together
 
 from lightning_prague.core import job as job_module
 from lightning_prague.core.auth import LAUNCH_VARIABLE
@@ -44,7 +44,7 @@ def test_a_killed_rank_0_rejoins_and_two_new_workers_join_the_running_fit(tmp_pa
     """One job for both: rank 0 is killed and forked again by the agent; ranks 4 and 5 (`max_workers=6`)
     are started by hand once the four are training, as a user adds workers to a running job."""
     out = tmp_path / "result.json"
-    command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", "prague", "--devices", "4"]
+    command = ["--strategy", "prague", "--devices", "4"]
     command += ["--epochs", "15", "--step-time", "0.1", "--profile", "homogeneous", "--fault", "0:20:kill"]
     command += ["--max-workers", "6", "--hang-timeout", "10", "--json", str(out)]
     command += ["--csv-dir", str(tmp_path / "csv")]
@@ -52,27 +52,18 @@ def test_a_killed_rank_0_rejoins_and_two_new_workers_join_the_running_fit(tmp_pa
     command += ["--max-restarts", "1", "--start-method", "fork"]  # the agent forks the ranks and the restart
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **{LAUNCH_VARIABLE: "scale-up-test"})
-    logs = [open(tmp_path / f"log{i}.txt", "w") for i in range(3)]  # noqa: SIM115  (pipes would fill up)
-    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=logs[0])
-    joiners: list[subprocess.Popen] = []
-    try:
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / f"pid.{r}").exists() for r in range(4)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        for local in (0, 1):
-            joiner_env = {**env, "NODE_RANK": "1", "LOCAL_RANK": str(local), REJOIN_VARIABLE: "1"}
-            joiners.append(
-                subprocess.Popen(
-                    joiner_command, cwd=tmp_path, env=joiner_env, stdout=subprocess.DEVNULL, stderr=logs[1 + local]
-                )
-            )
-        for proc in [job, *joiners]:
-            proc.wait(timeout=240)
-    finally:
-        for proc in [job, *joiners]:
-            proc.kill()
-        for log in logs:
-            log.close()
+    # the job and the two joiners, forked from this process (no interpreter starts); the joiners start
+    # once the four are training
+    started = [str(tmp_path / f"pid.{r}") for r in range(4)]
+    runs = [("lightning_prague.demo.run", command, env, tmp_path)]
+    for local in (0, 1):
+        joiner_env = {**env, "NODE_RANK": "1", "LOCAL_RANK": str(local), REJOIN_VARIABLE: "1"}
+        runs.append(
+            (SCRIPTS / "gated.py", [*started, "--", "lightning_prague.demo.run", *joiner_command], joiner_env, tmp_path)
+        )
+    job, *joiners = run_forked_together(runs, timeout=240)
+    for i, proc in enumerate([job, *joiners]):
+        (tmp_path / f"log{i}.txt").write_text(proc.stderr)
     stderr, *errors = [(tmp_path / f"log{i}.txt").read_text() for i in range(3)]
     assert job.returncode == 0, stderr[-4000:]  # the agent: every rank's last process exited 0
     assert [p.returncode for p in joiners] == [0, 0], [e[-3000:] for e in errors]
