@@ -151,6 +151,41 @@ def _start_forked(procs: list[multiprocessing.process.BaseProcess]) -> None:
         gc.unfreeze()
 
 
+def _run_in_session(module: str, argv: list[str], environ: dict[str, str], log: Path, cwd: Path) -> None:
+    """Body of a `ForkedJob`: a session of its own, then the module (see `_run_script_in_child`)."""
+    os.setsid()
+    sys.path.insert(0, str(cwd))
+    _run_script_in_child(module, argv, environ, log, cwd)
+
+
+class ForkedJob:
+    """``python -m MODULE ARGV...`` in ``cwd`` with the environment ``environ``, its output in ``log``,
+    in a session of its own, as ``subprocess.Popen(..., start_new_session=True)`` starts it, but forked
+    from this process, which has imported torch and Lightning already (no interpreter start, no
+    import). The part of `subprocess.Popen` the tests use: ``pid``, ``poll``, ``wait``, ``returncode``."""
+
+    def __init__(self, module: str, argv: list[str], environ: dict[str, str], cwd: Path, log: Path) -> None:
+        self.args = [sys.executable, "-m", module, *argv]
+        self._child = multiprocessing.get_context("fork").Process(
+            target=_run_in_session, args=(module, argv, environ, log, cwd)
+        )
+        _start_forked([self._child])
+        self.pid = self._child.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._child.exitcode
+
+    def poll(self) -> int | None:
+        return self._child.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._child.join(timeout)
+        if self._child.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self._child.exitcode
+
+
 def run_core_ranks(
     tmp: Path,
     world: int,
@@ -487,7 +522,7 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-def dump_stacks(job: subprocess.Popen, log: Path, seconds: float = 3.0) -> str:
+def dump_stacks(job: subprocess.Popen | ForkedJob, log: Path, seconds: float = 3.0) -> str:
     """The end of the log of a demo job (`python -m lightning_prague.demo.run`, started with
     `start_new_session=True`) a test gives up on, after every process of it printed its threads'
     stacks there (SIGQUIT: the demo's `faulthandler`; its supervisor runs in a session of its own)."""

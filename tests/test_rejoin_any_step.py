@@ -25,11 +25,12 @@ import math
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import dump_stacks, free_port
+from helpers import ForkedJob, dump_stacks, free_port
+
+import lightning_prague.demo.run  # noqa: F401  (imported once here: the jobs' agents are forked from this process)
 
 #: the digits' training samples and the batch size: one long epoch of 719 batches
 SAMPLES, BATCH = 1438, 2
@@ -48,7 +49,7 @@ LATER_EPOCH = "decent_adam-later-epoch"
 
 
 def _command(strategy: str, rank: int, out: Path) -> list[str]:
-    command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", strategy, "--devices", "4"]
+    command = ["--strategy", strategy, "--devices", "4"]
     command += ["--epochs", "1", "--batch-size", str(BATCH), "--step-time", "0.05", "--profile", "homogeneous"]
     command += ["--fault", f"{rank}:{KILLED_AT}:kill", "--max-restarts", "1", "--hang-timeout", "10"]
     command += ["--start-method", START_METHOD[strategy]]
@@ -58,7 +59,7 @@ def _command(strategy: str, rank: int, out: Path) -> list[str]:
 
 
 def _later_epoch_command(out: Path) -> list[str]:
-    command = [sys.executable, "-m", "lightning_prague.demo.run", "--strategy", "decent_adam", "--devices", "4"]
+    command = ["--strategy", "decent_adam", "--devices", "4"]
     command += ["--start-method", "fork"]
     command += ["--epochs", "8", "--step-time", "0.05", "--profile", "homogeneous", "--fault", "2:20:kill"]
     command += ["--fault", f"1:{PLANE_KILLED[LATER_EPOCH]}:kill-plane"]
@@ -78,24 +79,22 @@ def long_epoch_jobs(tmp_path_factory) -> dict[str, tuple[int, dict[int, dict], s
         out = tmp_path_factory.mktemp(name)
         env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        log = open(out / "log.txt", "w")  # noqa: SIM115  (a pipe could fill up)
-        job = subprocess.Popen(command(out), cwd=out, env=env, stderr=log, start_new_session=True)
-        runs[name] = (out, log, job)
+        # the agent forked from this process (no interpreter start); the prague job's ranks are new interpreters
+        job = ForkedJob("lightning_prague.demo.run", command(out), env, out, out / "log.txt")
+        runs[name] = (out, job)
     results = {}
     try:
-        for name, (out, log, job) in runs.items():
+        for name, (out, job) in runs.items():
             try:
                 job.wait(timeout=240)
             except subprocess.TimeoutExpired:
                 pytest.fail(f"the {name} job did not end within 240 s:\n{dump_stacks(job, out / 'log.txt')}")
-            log.close()
             ranks = {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("result*.json"))}
             results[name] = (job.returncode, ranks, (out / "log.txt").read_text(), out)
     finally:
-        for _, log, job in runs.values():
+        for _, job in runs.values():
             if job.poll() is None:
                 os.killpg(job.pid, signal.SIGKILL)
-            log.close()
     return results
 
 
