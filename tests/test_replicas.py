@@ -1,0 +1,90 @@
+"""Replica groups' layout (which ranks form each replica, which average with which) and the average
+of several replicas' models slice by slice, rank `i` of each with rank `i` of the others, on gloo in
+real processes (`lightning_prague.core.replicas`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import run_core_ranks
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.replicas import NODE, ReplicaLayout
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_consecutive_ranks_form_each_replica_and_a_column_holds_one_rank_of_each():
+    layout = ReplicaLayout(8, 2)
+    assert layout.replicas == 4
+    assert [layout.replica_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [layout.index_of(r) for r in range(8)] == [0, 1] * 4
+    assert layout.ranks_of(2) == (4, 5) and layout.leader_of(3) == 6
+    assert layout.column(5, [3, 0, 2]) == (1, 5, 7)  # index 1 of replicas 0, 2 and 3
+    with pytest.raises(ValueError, match="not among replicas"):
+        layout.column(5, [0, 1])
+    with pytest.raises(ValueError, match="outside a job of 8 ranks"):
+        layout.replica_of(8)
+    with pytest.raises(ValueError, match="outside a job of 4 replicas"):
+        layout.ranks_of(4)
+
+
+def test_node_means_the_ranks_of_a_node_and_bad_sizes_are_refused_by_name():
+    assert ReplicaLayout.resolve(NODE, 8, ranks_per_node=4) == ReplicaLayout(8, 4)
+    assert ReplicaLayout.resolve(2, 8, ranks_per_node=4) == ReplicaLayout(8, 2)
+    assert ReplicaLayout(5).replicas == 5  # the default: every rank a replica of its own
+    for bad, why in [(3, "does not divide the job's 8 ranks"), (0, "positive number"), (True, "positive number"),
+                     ("nodes", "positive number"), (2.0, "positive number")]:  # fmt: skip
+        with pytest.raises(ConfigurationError, match=why):
+            ReplicaLayout.resolve(bad, 8, ranks_per_node=4)
+
+
+@given(st.integers(1, 16), st.integers(0, 200))
+def test_the_slices_of_a_replica_cover_the_model_once_in_near_equal_parts(size, numel):
+    layout = ReplicaLayout(size, size)
+    bounds = [layout.slice_bounds(i, numel) for i in range(size)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, in order, no overlap
+    lengths = [stop - start for start, stop in bounds]
+    assert max(lengths) - min(lengths) <= 1
+
+
+def model(replica: int, numel: int) -> torch.Tensor:
+    """(as `scripts/replica_worker.py` builds each replica's model)"""
+    return torch.arange(numel, dtype=torch.float64) * (replica + 1) + 100.0 * replica
+
+
+#: 6 ranks: replicas of 2 (all three, then two of them), of 3, and of 1 (two ranks alone)
+CASES = [
+    {"replica_size": 2, "replicas": [0, 1, 2], "numel": 11},
+    {"replica_size": 2, "replicas": [0, 2], "numel": 11},
+    {"replica_size": 3, "replicas": [0, 1], "numel": 7},
+    {"replica_size": 1, "replicas": [1, 4], "numel": 5},
+]
+WORLD = 6
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_core_ranks(tmp_path_factory.mktemp("replicas"), WORLD, json.dumps(CASES), script="replica_worker.py")
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_replicas_averaged_by_slices_hold_the_mean_of_their_models_and_the_others_are_untouched(runs, index):
+    case = CASES[index]
+    layout = ReplicaLayout(WORLD, case["replica_size"])
+    mean = sum(model(r, case["numel"]) for r in case["replicas"]) / len(case["replicas"])
+    for rank in range(WORLD):
+        result = runs[rank][index]
+        replica = layout.replica_of(rank)
+        got = torch.tensor(result["flat"], dtype=torch.float64)
+        if replica in case["replicas"]:
+            assert result["applied"] is True and result["whole"] is True, (rank, result)
+            torch.testing.assert_close(got, mean)
+        else:
+            assert result["applied"] is None
+            torch.testing.assert_close(got, model(replica, case["numel"]))
