@@ -12,6 +12,8 @@ from helpers import SCRIPTS, run_core_ranks
 sys.path.insert(0, str(SCRIPTS))
 from lost_member import start  # noqa: E402
 
+from lightning_prague.core.comm.collectives import GATHER_INLINE  # noqa: E402
+
 pytestmark = pytest.mark.timeout(120)
 WORLD = 8
 
@@ -92,12 +94,19 @@ def gather_runs(tmp_path_factory):
 
 
 def test_a_member_dying_mid_send_of_a_gather_leaves_the_survivors_in_step(gather_runs):
-    """Lightning's collectives over the members (`MemberCollectives`) run two sums each; with the
-    control plane's decision after each, no survivor goes on to the second sum of a gather the
-    others gave up, so the next gather, without the lost rank, is exact on every survivor."""
+    """Lightning's collectives over the members (`MemberCollectives`) run one or two sums each; with
+    the control plane's decision after each, no survivor takes a gather the others gave up (nor goes
+    on to a second sum of it), so the next gather, without the lost rank, is exact on every survivor."""
     survivors = [r for r in gather_runs if r]
     assert [r["rank"] for r in survivors] == [0, 1, 2]
     for result in survivors:
         assert result["first"] is None, f"rank {result['rank']} took a gather the others dropped"
         assert result["members"] == [0, 1, 2]
         assert result["second"] == [[0.0], [1.0, 1.0], [2.0, 2.0, 2.0]]
+        # a tensor larger than the first sum carries: its values come in a second sum, on every member
+        expected = [
+            torch.arange(2 * rows).reshape(rows, 2) + 1000 * r for r, rows in ((0, GATHER_INLINE), (1, 1), (2, 2))
+        ]
+        assert len(result["large"]) == len(expected), result["large"]
+        for got, want in zip(result["large"], expected):
+            assert torch.equal(torch.tensor(got), want), (got, want)

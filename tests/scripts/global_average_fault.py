@@ -10,7 +10,8 @@ is then complete while the others' are not) and SIGKILLs itself.
 strategy does at a synchronization point, and write their tensor, their members and how many
 averages they tried. `gather`: a gather of `MemberCollectives` with the control plane's decision
 (as Lightning's collectives run during a fit); the survivors write whether it returned, meet
-again (without the lost rank) and gather again.
+again (without the lost rank) and gather again, then gather tensors of two dimensions, rank 0's
+larger than a gather's first sum carries (`GATHER_INLINE`: a second sum).
 """
 
 import json
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_prague.core import BucketedTensors, GroupComm, GroupWorker, SessionConfig, init_job, make_policy
-from lightning_prague.core.comm.collectives import MemberCollectives
+from lightning_prague.core.comm.collectives import GATHER_INLINE, MemberCollectives
 
 
 def die_after_the_first_send(comm: GroupComm) -> None:
@@ -52,14 +53,19 @@ def main() -> None:
             attempts += 1
         result = {"rank": rank, "params": params.tolist(), "members": list(worker.members), "attempts": attempts}
     else:
-        mine = torch.full((rank + 1,), float(rank))  # shapes differ: a gather's two sums
+        mine = torch.full((rank + 1,), float(rank))  # shapes differ
         first = MemberCollectives(worker.comm, 30, agree=worker.agree).gather(mine)
         worker.synchronize("end/again")
         second = MemberCollectives(worker.comm, 30, agree=worker.agree).gather(mine)
+        rows = GATHER_INLINE if rank == 0 else rank  # rank 0's 2 x GATHER_INLINE values take a second sum
+        large = MemberCollectives(worker.comm, 30, agree=worker.agree).gather(
+            torch.arange(2 * rows, dtype=torch.int64).reshape(rows, 2) + 1000 * rank
+        )
         result = {
             "rank": rank,
             "first": None if first is None else [t.tolist() for t in first],
             "second": None if second is None else [t.tolist() for t in second],
+            "large": None if large is None else [t.tolist() for t in large],
             "members": list(worker.members),
         }
     worker.close()
