@@ -110,3 +110,9 @@ def test_a_member_dying_mid_send_of_a_gather_leaves_the_survivors_in_step(gather
         assert len(result["large"]) == len(expected), result["large"]
         for got, want in zip(result["large"], expected):
             assert torch.equal(torch.tensor(got), want), (got, want)
+        # broadcasts: a small object in one sum, a larger one in two, one nobody could read refused by all
+        assert result["small"] == [True, {"path": "/ckpt/epoch=1.ckpt", "stop": True}]
+        assert result["big"] == [True, [float(i) for i in range(1000)]]
+        assert "rank 0 broadcast Unreadable, which torch.load(weights_only=True) cannot read" in result["refused"] or (
+            result["rank"] != 0 and "rank 0 broadcast an object" in result["refused"]
+        ), result["refused"]

@@ -11,7 +11,9 @@ strategy does at a synchronization point, and write their tensor, their members 
 averages they tried. `gather`: a gather of `MemberCollectives` with the control plane's decision
 (as Lightning's collectives run during a fit); the survivors write whether it returned, meet
 again (without the lost rank) and gather again, then gather tensors of two dimensions, rank 0's
-larger than a gather's first sum carries (`GATHER_INLINE`: a second sum).
+larger than a gather's first sum carries (`GATHER_INLINE`: a second sum), and broadcast a small
+object, one larger than a broadcast's first sum carries (`BROADCAST_INLINE`) and one the others
+could not read (refused on every member).
 """
 
 import json
@@ -24,6 +26,10 @@ import torch.distributed as dist
 
 from lightning_prague.core import BucketedTensors, GroupComm, GroupWorker, SessionConfig, init_job, make_policy
 from lightning_prague.core.comm.collectives import GATHER_INLINE, MemberCollectives
+
+
+class Unreadable:
+    """An object of a class of the user's: `torch.load(weights_only=True)` does not read it back."""
 
 
 def die_after_the_first_send(comm: GroupComm) -> None:
@@ -61,11 +67,22 @@ def main() -> None:
         large = MemberCollectives(worker.comm, 30, agree=worker.agree).gather(
             torch.arange(2 * rows, dtype=torch.int64).reshape(rows, 2) + 1000 * rank
         )
+        members = MemberCollectives(worker.comm, 30, agree=worker.agree)
+        small = members.broadcast_object({"path": "/ckpt/epoch=1.ckpt", "stop": True}, src=1)  # one sum
+        big = members.broadcast_object([float(i) for i in range(1000)], src=2)  # beyond BROADCAST_INLINE: two
+        try:
+            members.broadcast_object(Unreadable(), src=0)
+            refused = ""
+        except TypeError as err:
+            refused = str(err)
         result = {
             "rank": rank,
             "first": None if first is None else [t.tolist() for t in first],
             "second": None if second is None else [t.tolist() for t in second],
             "large": None if large is None else [t.tolist() for t in large],
+            "small": small,
+            "big": big,
+            "refused": refused,
             "members": list(worker.members),
         }
     worker.close()

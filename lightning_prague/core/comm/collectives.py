@@ -15,7 +15,9 @@ direct agreement (`GroupComm.agree_among`), so the results are alike and the mem
 messages stay in step.
 A gather costs one sum when no member's tensor has more than `GATHER_INLINE` elements (a
 metric's state, a logged value: the shapes and the values in one slot per member), else two (the
-shapes, then the padded tensors); a broadcast of an object two sums (its size, then its bytes).
+shapes, then the padded tensors); a broadcast of an object one sum when `torch.save` writes it in
+at most `BROADCAST_INLINE` bytes (a path, a flag, a small dict: its size and its bytes together),
+else two (its size, then its bytes).
 Each sum is followed by its agreement, a meeting at the control plane, which costs more than the
 sum of a few values on a loaded machine: at an epoch's end of the demo on 4 ranks, 12 sums of
 Lightning's and torchmetrics' per rank before the gathers took one sum, 8 after. An object travels as `torch.save`
@@ -39,6 +41,9 @@ from lightning_prague.core.comm.groups import GroupComm
 #: elements of each member's tensor a gather's first sum carries beside the shapes: a gather of
 #: tensors no larger takes one sum (and one agreement) instead of two
 GATHER_INLINE = 64
+#: bytes of an object a broadcast's first sum carries beside its size (`torch.save` writes a short
+#: string or a flag in about 1.3 KB): a broadcast of an object no larger takes one sum instead of two
+BROADCAST_INLINE = 2048
 
 
 class MemberCollectives:
@@ -125,22 +130,36 @@ class MemberCollectives:
         """
         mine = self.comm.rank == src
         payload = encode_object(obj) if mine else b""
-        size = self._sum(torch.tensor([float(len(payload) if payload is not None else -1)]), "a broadcast's size")
-        if size is None:
+        first = torch.zeros(1 + BROADCAST_INLINE, dtype=torch.float64)
+        if mine:
+            first[0] = float(len(payload)) if payload is not None else -1.0
+            if payload is not None and len(payload) <= BROADCAST_INLINE:
+                first[1 : 1 + len(payload)] = _as_values(payload)
+        summed = self._sum(first, "a broadcast")
+        if summed is None:
             return False, None
-        if size.item() < 0:
+        size = int(summed[0].item())
+        if size < 0:
             kind = type(obj).__name__ if mine else "an object"
             raise TypeError(
                 f"rank {src} broadcast {kind}, which torch.load(weights_only=True) cannot read: broadcasts among the "
                 "members carry tensors, numbers, strings and lists, tuples and dicts of them"
             )
-        buffer = torch.zeros(int(size.item()), dtype=torch.float64)
-        if mine:
-            buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8).double())
-        data = self._sum(buffer, "a broadcast")
-        if data is None:
-            return False, None
+        if size <= BROADCAST_INLINE:  # (the same branch on every member: the size is the sum's)
+            data = summed[1 : 1 + size]
+        else:
+            buffer = torch.zeros(size, dtype=torch.float64)
+            if mine:
+                buffer.copy_(_as_values(payload))
+            data = self._sum(buffer, "a broadcast's bytes")
+            if data is None:
+                return False, None
         return True, decode_object(bytes(data.to(torch.uint8).tolist()))
+
+
+def _as_values(payload: bytes) -> torch.Tensor:
+    """An object's bytes as the values a sum carries (one per byte)."""
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).double()
 
 
 def encode_object(obj: Any) -> bytes | None:
