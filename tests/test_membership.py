@@ -4,15 +4,20 @@ mixing that stays doubly stochastic, and a lost worker's untrained chunks back i
 from __future__ import annotations
 
 import random
+import types
+from datetime import timedelta
 
 import pytest
 import torch
-from helpers import run_core_ranks
+from helpers import CREDENTIALS, run_core_ranks
 
+from lightning_prague.core.client.control import Session
+from lightning_prague.core.errors import CoordinationTimeout, MemberLost
 from lightning_prague.core.exchange.gossip import surviving
 from lightning_prague.core.grouping.bipartite import BipartiteGraph
 from lightning_prague.core.grouping.policies import POLICY_NAMES, GossipPolicy, make_policy
 from lightning_prague.core.grouping.topology import TOPOLOGIES, is_doubly_stochastic, make_topology
+from lightning_prague.core.membership import RendezvousStore
 from lightning_prague.core.plane.coordinator import CoordinatorSession
 from lightning_prague.core.plane.generator import GroupGenerator
 from lightning_prague.core.protocol import SessionConfig
@@ -109,3 +114,43 @@ def test_a_membership_epochs_group_is_made_by_each_member_alone_and_a_pair_conne
     for rank in (0, 1):
         assert results[rank]["pair"] == [3.0] * 4
         assert results[rank]["pair_seconds"] < 1.5, results[rank]  # the late rank (3 s) held nobody
+        # a pair's first exchange on an epoch whose third member departed (a donor's first send to a
+        # joiner after another member left): it connects, as a pair needs only its two members
+        assert results[rank]["pair_after_departure"] == [3.0] * 4, results[rank]
+
+
+class _EmptyStore:
+    def check(self, keys: list[str]) -> bool:
+        return False
+
+
+@pytest.mark.parametrize(
+    "pairwise, departed, raised, match",
+    [
+        # a third member left: the pair's wait goes on, to its bound (which names the peer's key)
+        (True, {1}, CoordinationTimeout, r"waiting for ranks \[2\]"),
+        (True, {2}, MemberLost, r"ranks \[2\] left the job"),  # the peer the key names (index 2) left
+        (False, {1}, MemberLost, r"ranks \[1\] left the job"),  # a group's build waits for every member
+    ],
+)
+def test_a_pairs_wait_for_its_peers_address_ends_only_with_that_peer_on_a_pairwise_group(
+    pairwise, departed, raised, match
+):
+    store = RendezvousStore(_EmptyStore(), 0, (0, 1, 2), "a pair's connect", lambda: departed, 0.0, 0.3, pairwise)
+    store.settle()
+    with pytest.raises(raised, match=match):
+        store.wait(["lightning_prague-s1-e2-0-1-2//cpu//0/2"], timedelta(seconds=0.3))
+
+
+def test_a_rank_readmitted_since_an_epoch_is_gone_from_that_epochs_group_and_not_from_later_ones():
+    """A member hears rank 1 depart, then its new process admitted in epoch 2: for epoch 1's group
+    (whose rank 1 was the dead process) rank 1 is gone, for epoch 2's it is a member."""
+    client = types.SimpleNamespace(rank=0, timeout=5.0, closed=False, credentials=CREDENTIALS, on_left_out=None)
+    session = Session(client, 1, 4)  # type: ignore[arg-type]
+    session.deliver({"t": "departed", "rank": 1, "reason": "its process ended", "members": [0, 2, 3], "s": 1})
+    assert session.departed_for(1) == {1} and session.departed_for(2) == {1}
+    admission = {"t": "members", "epoch": 2, "members": [0, 1, 2, 3], "joined": [1], "donor": 0, "s": 1}
+    session.deliver(admission)
+    assert 1 not in session.departed
+    assert session.departed_for(1) == {1}  # epoch 1's rank 1 was its dead process
+    assert session.departed_for(2) == set() and session.departed_for(3) == set()

@@ -564,6 +564,9 @@ class _ScriptedSession:
     def await_admission(self, wait: float) -> dict:
         return self.admission
 
+    def departed_for(self, epoch: int) -> set[int]:
+        return set(self.departed)
+
     def close(self, failed: bool = False) -> None:
         self.closed.append(failed)
 

@@ -288,7 +288,8 @@ class Membership:
             what = f"the process group of membership epoch {epoch} among ranks {list(ranks)}"
             base = dist.PrefixStore(GROUPS_PREFIX, self.store) if self.store is not None else _default_store()
             bound = self._pg_seconds()
-            store = RendezvousStore(base, self.rank, ranks, what, departed, time.monotonic() + bound, bound)
+            pairwise = "nccl" not in self.backend  # (lazily connected: see `_new_group`)
+            store = RendezvousStore(base, self.rank, ranks, what, departed, time.monotonic() + bound, bound, pairwise)
             store.settle()  # every wait is bounded by its own timeout (and a departure)
             name = f"lightning_prague-s{self.sessions}-e{epoch}-" + "-".join(map(str, ranks))
             log.debug("rank %d: creating %s", self.rank, what)
@@ -383,7 +384,7 @@ class Membership:
             donor = int(admit["donor"])
             if self.rank not in members or donor not in members or donor == self.rank:
                 raise MemberLost(f"rank {self.rank}: the fit's admission named members {list(members)}, donor {donor}")
-            departed = lambda: session.departed  # noqa: E731
+            departed = lambda: session.departed_for(epoch)  # noqa: E731
             connected = established_connections()
             self.adopt_epoch(epoch, members, departed)
             comm = GroupComm(self.rank, self.world_size, timeout, self.group)
@@ -518,7 +519,13 @@ def _new_group(
 class RendezvousStore(dist.Store):
     """The store a rebuilt group's rendezvous runs on: the default store, with waits that poll, so
     that they give up when a member departs (`departed`), when the rebuild is abandoned or when its
-    `deadline` passes, each time with an error that names the operation and the ranks missing."""
+    `deadline` passes, each time with an error that names the operation and the ranks missing.
+
+    `pairwise`: the group's pairs connect one by one, each at its first operation (a membership
+    epoch's group on gloo): a wait then gives up only when a member it waits for departs (a store
+    key of gloo's names the peer's index), not when a third member does. A donor's first send to a
+    joiner went on failing at once when another member departed between the joiner's admission and
+    that send, and the joiner waited out its timeout for the state (`tests/test_membership.py`)."""
 
     def __init__(
         self,
@@ -529,9 +536,11 @@ class RendezvousStore(dist.Store):
         departed: Callable[[], Collection[int]],
         deadline: float,
         bound: float,
+        pairwise: bool = False,
     ) -> None:
         super().__init__()
         self.base = base
+        self.pairwise = pairwise
         self.rank = rank
         self.members = members
         self.what = what
@@ -551,9 +560,9 @@ class RendezvousStore(dist.Store):
             seconds = timeout.total_seconds() if timeout is not None else self.bound
             limit = time.monotonic() + seconds
         pause = 0.002
+        watched = self._watched(keys)
         while not self.base.check(keys):
-            others = [m for m in self.members if m != self.rank]
-            gone = sorted(r for r in others if r in self.departed())
+            gone = sorted(r for r in watched if r in self.departed())
             if gone:
                 raise MemberLost(f"rank {self.rank}: ranks {gone} left the job while {self.what}")
             if self.abandoned:
@@ -566,6 +575,17 @@ class RendezvousStore(dist.Store):
                 )
             time.sleep(pause)
             pause = min(POLL_SECONDS, pause * 2)
+
+    def _watched(self, keys: list[str]) -> list[int]:
+        """The members whose departure ends a wait on `keys`: those the keys name on a `pairwise`
+        group, else (or for a key that names none) every other member."""
+        others = [m for m in self.members if m != self.rank]
+        if not self.pairwise:
+            return others
+        named = self._ranks(keys)
+        if not all(isinstance(r, int) for r in named):
+            return others
+        return [r for r in named if isinstance(r, int) and r != self.rank]
 
     def _ranks(self, keys: list[str]) -> list[object]:
         """The members whose keys these are (a rendezvous key ends with the member's index)."""

@@ -5,8 +5,10 @@ Usage: epoch_group_worker.py RANK WORLD PORT OUT_JSON LATE_RANK
 Every rank joins the job; then each makes membership epoch 1's group among every rank
 (`Membership.epoch_group`, as a member does when an admission reaches it), rank LATE_RANK only 3 s
 after the others. Ranks 0 and 1 sum a tensor over the new group at once (the pair connects at its
-first exchange: nobody waits for the late rank), then every rank sums over all of them. Each writes
-how long its creation and its sums took and what they gave.
+first exchange: nobody waits for the late rank), then every rank sums over all of them. Then ranks 0
+and 1 make epoch 2's group as if the late rank had departed, and sum over their pair on it (a third
+member's departure must not fail the pair's connection). Each writes how long its creation and its
+sums took and what they gave.
 """
 
 import json
@@ -50,7 +52,17 @@ def main() -> None:
         "everyone": everyone.tolist() if complete else None,
         "epochs": sorted(job.epoch_groups),
     }
-    job.retire_epochs()  # (the job's group is not epoch 1's: it is dropped)
+    if rank in (0, 1):  # epoch 2: the late rank departed before this pair's first exchange on it
+        group = job.epoch_group(2, members, lambda: {late})
+        comm = GroupComm(rank, world, 30, group)
+        comm.rebind(group, members)
+        tensor = torch.full((4,), float(rank + 1))
+        try:
+            complete = comm.sum_(tensor, (0, 1), "the pair's first exchange after a departure")
+            result["pair_after_departure"] = tensor.tolist() if complete else None
+        except Exception as err:  # (what it did before: a third member's departure failed the pair)
+            result["pair_after_departure"] = f"{type(err).__name__}: {err}"
+    job.retire_epochs()  # (the job's group is neither epoch's: both are dropped)
     result["epochs_after_retire"] = sorted(job.epoch_groups)
     with open(out, "w") as f:
         json.dump(result, f)

@@ -244,6 +244,8 @@ class Session:
         self.members: list[int] = list(range(world_size if starting is None else starting))
         #: rank -> (when this rank heard of its departure, why) for ranks that left and came back
         self.rejoined: dict[int, tuple[float, str]] = {}
+        #: rank -> the membership epoch its current process was admitted in (ranks that rejoined)
+        self.admitted_in: dict[int, int] = {}
         #: `None`, or why the job is stopping (`"sigterm"`, `"request"`), as soon as it is announced
         self.stop_reason: str | None = None
         self.counters = Counters(self)
@@ -561,6 +563,7 @@ class Session:
         for old in [e for e in self.epochs if e < epoch - 8]:  # (retired long ago)
             del self.epochs[old]
         for rank in item.get("joined", ()):
+            self.admitted_in[int(rank)] = epoch
             why = self.departed.pop(int(rank), None)
             when = self.departed_at.pop(int(rank), None)
             if why is not None:  # (a free place that a new worker took was never a member)
@@ -573,6 +576,13 @@ class Session:
                 log.warning("rank %d: ranks %s rejoined the job; members %s", self.rank, item["joined"], self.members)
             else:  # (a control plane that took the job back: its store is new)
                 log.warning("rank %d: membership epoch %d, members %s, in the new store", self.rank, epoch, members)
+
+    def departed_for(self, epoch: int) -> set[int]:
+        """The ranks gone from membership epoch `epoch`'s group: those that departed, and those whose
+        process now is one admitted in a later epoch (the process of that group died; the new one is
+        never in it). What a wait on that group's peers gives up on (a pair's first connect)."""
+        later = {rank for rank, admitted in list(self.admitted_in.items()) if admitted > epoch}
+        return set(self.departed) | later
 
     def take_admissions(self, inside_only: bool = False) -> list[Message]:
         """The `members` items (admissions) that came since the last call, oldest first; `inside_only`:

@@ -534,7 +534,7 @@ class GroupWorker:
         epoch, members = int(item["epoch"]), [int(m) for m in item["members"]]
         if epoch in job.epoch_groups and job.group is job.epoch_groups[epoch][0]:
             return  # (followed already)
-        group = job.adopt_epoch(epoch, members, lambda: self.session.departed)
+        group = job.adopt_epoch(epoch, members, lambda: self.session.departed_for(epoch))
         if self.switch_in_order:
             self.comm.rebind(group, job.members)
         log.debug("rank %d: membership epoch %d: members %s", self.rank, epoch, list(job.members))
@@ -551,7 +551,7 @@ class GroupWorker:
             raise CoordinationTimeout(
                 f"rank {self.rank}: the control plane named membership epoch {epoch}, which it never announced here"
             )
-        return self.comm.view(job.epoch_group(epoch, members, lambda: self.session.departed), members)
+        return self.comm.view(job.epoch_group(epoch, members, lambda: self.session.departed_for(epoch)), members)
 
     def donate(self, snapshot: Callable[[], Callable[[], bytes]], inside_only: bool = False) -> list[int]:
         """At a batch boundary or a synchronization point, on the training thread: follow the
@@ -569,7 +569,7 @@ class GroupWorker:
             admitted += joined
             if self.job is None:
                 continue
-            group = self.job.epoch_group(epoch, members, lambda: self.session.departed)
+            group = self.job.epoch_group(epoch, members, lambda e=epoch: self.session.departed_for(e))
             receivers = [j for j in joined if j not in self.session.departed]
             if int(item.get("donor", -1)) != self.rank or not receivers:
                 continue
