@@ -361,7 +361,25 @@ _JSON = st.recursive(
     max_leaves=20,
 )
 _OPS = st.sampled_from([*RECORDS, "kv", "exec", ""])
-_FIELDS = st.sampled_from(["s", "rank", "req", "do", "key", "pid", "config", "item", "sync", "progress", "x"])
+_FIELDS = st.sampled_from(
+    [
+        "s",
+        "rank",
+        "req",
+        "do",
+        "key",
+        "pid",
+        "config",
+        "item",
+        "sync",
+        "progress",
+        "members",
+        "ok",
+        "epoch",
+        "back",
+        "x",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -380,6 +398,29 @@ def test_the_decoder_accepts_only_records_of_the_protocol(op, do, fields):
     for key, value in decoded.items():
         rule = record.required.get(key) or record.optional[key]
         assert rule(value), (key, value)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"op": "summed", "key": "g1", "members": [0, 1], "ok": True, "epoch": -1},
+        {"op": "summed", "key": "g1", "members": [0, 1], "ok": True, "epoch": "3"},
+        {"op": "summed", "key": "g1", "members": [0, 1], "ok": True, "epoch": 1.5},
+        {"op": "summed", "key": "g1", "members": [0, 1], "ok": True, "epoch": 1 << 80},
+        {"op": "work", "key": "q", "back": [[1, 2, 3]]},
+        {"op": "work", "key": "q", "back": [[1, -2]]},
+        {"op": "work", "key": "q", "back": [["1", 2]]},
+        {"op": "work", "key": "q", "back": 7},
+    ],
+)
+def test_a_verdicts_membership_epoch_and_a_shard_given_back_are_typed_and_bounded(fields):
+    """The fields a rank adds to `summed` (the epoch its group was drawn in) and to `work` (shards given
+    back from a position): anything but a count, or a pair of counts, is a bad message."""
+    message = {"s": 1, "rank": 0, **fields}
+    with pytest.raises(BadMessage):
+        decode_message(json.dumps(message).encode())
+    good = {**message, "epoch": 3} if fields["op"] == "summed" else {**message, "back": [[1, 40]]}
+    assert decode_message(json.dumps(good).encode())["op"] == fields["op"]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))

@@ -12,6 +12,8 @@ independent: each conserves the sum of its slice over the replicas, so the model
 Across replicas (between nodes) a rank sends `1/K` of the model, where `K` is the replica size;
 inside the replica the reassembly sends the whole model once per rank (an intra-node link). A
 model sharded over the replica's ranks, each rank holding its own slice, needs no reassembly.
+Each call allocates one buffer the size of the model (the reassembly's) and one of its slice: no
+strategy averages replicas yet; the one that does keeps them across steps, as the exchangers do.
 """
 
 from __future__ import annotations
