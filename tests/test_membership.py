@@ -117,6 +117,11 @@ def test_a_membership_epochs_group_is_made_by_each_member_alone_and_a_pair_conne
         # a pair's first exchange on an epoch whose third member departed (a donor's first send to a
         # joiner after another member left): it connects, as a pair needs only its two members
         assert results[rank]["pair_after_departure"] == [3.0] * 4, results[rank]
+    # a peer that made epoch 3's group (its addresses published) and died before its pair connected:
+    # the first exchange with it ends incomplete once it is counted departed (1 s), whichever end of
+    # the connection gloo gave each side (it waited for the peer 5 x the group's timeout before)
+    for peer, (complete, seconds) in results[0]["dead_peers"].items():
+        assert complete is False and seconds < 10.0, (peer, results[0])
 
 
 class _EmptyStore:

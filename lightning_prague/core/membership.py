@@ -65,7 +65,7 @@ import torch.distributed as dist
 
 from lightning_prague.core.client.control import Session
 from lightning_prague.core.client.partition import established_connections, shut_down_connections
-from lightning_prague.core.comm.groups import GroupComm
+from lightning_prague.core.comm.groups import GroupComm, watch_lazy_connects
 from lightning_prague.core.comm.transfer import receive_payload
 from lightning_prague.core.errors import ControlPlaneError, CoordinationTimeout, MemberLost
 from lightning_prague.core.protocol import SessionConfig
@@ -298,6 +298,8 @@ class Membership:
             )
             if self.pg_timeout is not None:
                 dist.distributed_c10d._set_pg_timeout(self.pg_timeout, group)
+            if pairwise:  # a peer that dies before its pair connects must not hold this rank in gloo
+                watch_lazy_connects(group, departed)
             self.epoch_groups[epoch] = (group, ranks)
             self._epoch_stores[epoch] = store  # gloo waits on it at each pair's first operation: kept alive
             return group

@@ -74,7 +74,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -125,6 +125,32 @@ def issue_lock(group: Any) -> threading.Lock:
         if lock is None:
             lock = _issue_locks[group] = threading.Lock()
         return lock
+
+
+class LazyPairs:
+    """The pairs of a lazily connected gloo process group (a membership epoch's: each pair connects at
+    its first operation) that have connected on this process, and who departed from the group.
+
+    Gloo connects a pair inside the first operation's *posting*, in native code that no departure
+    reaches: a rank whose peer published its address at the group's creation and died before
+    connecting waits for it there for five times the group's timeout (measured on torch 2.13: 150
+    minutes under the default 30 minutes). So the first operation on each pair is posted by a thread
+    of its own while the caller watches `departed` and its deadline; a peer that departs meanwhile
+    fails the operation as a lost peer (the thread stays behind, held by gloo, on a pair nobody uses
+    again: its peer is gone from this group)."""
+
+    def __init__(self, departed: Callable[[], Collection[int]]) -> None:
+        self.departed = departed
+        self.connected: set[int] = set()
+
+
+_lazy_pairs: weakref.WeakKeyDictionary[Any, LazyPairs] = weakref.WeakKeyDictionary()
+
+
+def watch_lazy_connects(group: Any, departed: Callable[[], Collection[int]]) -> None:
+    """`group` connects its pairs lazily (gloo): post each pair's first operation watching
+    `departed()`, the ranks gone from the group (see `LazyPairs`)."""
+    _lazy_pairs[group] = LazyPairs(departed)
 
 
 def backend_device(backend: str) -> torch.device:
@@ -476,13 +502,48 @@ class GroupComm:
                 works = _communicate(dist.batch_isend_irecv, ops)
             return [(None, work) for work in works]
         posted: list[tuple[dist.P2POp | None, dist.Work | None]] = []
+        lazy = _lazy_pairs.get(self.pg)
         for op in ops:
             try:
-                posted.append((op, _communicate(op.op, op.tensor, op.peer, op.group)))
+                if lazy is not None and op.peer not in lazy.connected:
+                    posted.append((op, self._post_connecting(op, lazy)))
+                else:
+                    posted.append((op, _communicate(op.op, op.tensor, op.peer, op.group)))
             except PeerFailure as err:
                 self._peer_failed(op, err)
                 posted.append((op, None))
         return posted
+
+    def _post_connecting(self, op: dist.P2POp, lazy: LazyPairs) -> dist.Work:
+        """Post `op`, the first on its pair of a lazily connected group, by a thread of its own, and
+        wait for it (its connect) within this comm's timeout and until its peer departs (`LazyPairs`)."""
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def post() -> None:
+            try:
+                outcome["work"] = op.op(op.tensor, op.peer, op.group)
+            except BaseException as err:  # handed to the caller
+                outcome["error"] = err
+            finally:
+                done.set()
+
+        threading.Thread(target=post, name=f"prague-connect-{self.rank}-{op.peer}", daemon=True).start()
+        deadline = time.monotonic() + self.timeout
+        pause = 0.001
+        while not done.wait(pause):
+            if op.peer in lazy.departed():
+                raise PeerFailure(f"rank {op.peer} left the job while rank {self.rank} connected to it")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the connection to rank {op.peer} did not open")
+            pause = min(ISSUE_POLL_SECONDS, pause * 2)
+        if "error" in outcome:
+            error = outcome["error"]
+            if isinstance(error, RuntimeError):  # (as `_communicate` takes the backend's errors)
+                raise PeerFailure(str(error)) from error
+            raise error
+        lazy.connected.add(op.peer)
+        return outcome["work"]
 
     def _complete(
         self, posted: list[tuple[dist.P2POp | None, dist.Work | None]], deadline: float, nbytes: int, pairs: int
@@ -529,8 +590,12 @@ class GroupComm:
 
     def _gone(self, members: Sequence[int]) -> bool:
         """Whether a wait on `members`' operation should give up: one of them departed (gloo), or any
-        member of the communicator did (NCCL: see the module docstring)."""
-        return self.abandon(self.everyone if self.batched else members)
+        member of the communicator did (NCCL: see the module docstring). On a membership epoch's group
+        a member also departed from it if a new process took its rank since (`LazyPairs.departed`)."""
+        if self.abandon(self.everyone if self.batched else members):
+            return True
+        lazy = _lazy_pairs.get(self.pg)
+        return lazy is not None and any(m in lazy.departed() for m in members if m != self.rank)
 
     @contextmanager
     def _issuing(self, deadline: float, members: Sequence[int]) -> Iterator[None]:

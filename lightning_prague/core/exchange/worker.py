@@ -303,6 +303,13 @@ class GroupWorker:
             operation = f"group average #{item['gid']}"
             decide = self.verdicts(f"g{item['gid']}", members, operation, item.get("e"))
             doing, self._doing = self._doing, f"{operation} over ranks {list(members)}"
+            log.debug(
+                "rank %d: %s over ranks %s (membership epoch %s) begins",
+                self.rank,
+                operation,
+                list(members),
+                item.get("e"),
+            )
             try:
                 error, applied = (target or self.average_live)(self.comm, members, weight, operation, decide)
             except CoordinationTimeout as err:

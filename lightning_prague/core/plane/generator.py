@@ -110,6 +110,7 @@ rebuilt per request, and who is lagging is re-evaluated every `ceil(N / 8)` repo
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -119,6 +120,8 @@ from lightning_prague.core.grouping.policies import Group, GroupingPolicy
 from lightning_prague.core.protocol import ADMITTING_AT, COMMIT, REQUEUE, SIGTERM, STOP_SYNC, is_synchronization_point
 
 Item = dict[str, Any]
+
+log = logging.getLogger(__name__)
 
 
 class Candidates(Sequence[int]):
@@ -529,6 +532,7 @@ class GroupGenerator:
                 item["weights"] = weights
         for r in members:
             self._push(out, r, item)
+        log.debug("groups: #%d over ranks %s (membership epoch %d)", gid, list(members), self.epoch)
         if self.record_history:
             self.issued.append((gid, members))
         return gid
