@@ -210,3 +210,22 @@ def test_near_a_synchronization_point_a_ticket_is_not_claimed_ahead():
     assert store.log[at - 1] == "sent 4"  # ticket 6's claim, sent ahead: 8 - 5 > 2 x 1
     at = store.log.index("handed 4 ticket 6")
     assert store.log[at - 1] == "answered 4" and store.log[at + 1 :] == []  # 8 - 6 = 2: nothing sent ahead
+
+
+def test_a_batch_held_back_at_the_step_budget_says_the_epoch_goes_on():
+    """With the budget spent inside an epoch, the loader hands the batch it fetched over untrained and
+    ends: Lightning's fetcher, a batch ahead, then takes that batch for the epoch's last. The loader
+    says the epoch goes on past the budget, so that a checkpoint taken there resumes inside the epoch
+    (`PragueStrategyBase.save_checkpoint`; it once resumed at the next epoch, under load)."""
+    store = _CountingStore()
+    loader = _loader(store, lambda: None)
+    loader.counter.budget = 5
+    handed = []
+    for batch in loader:
+        handed.append((batch, loader.current_ticket))
+        if loader.current_ticket is not None:
+            assert not loader.held_back_at_budget
+            loader.batch_trained()
+    assert handed[-1][1] is None and [t for _, t in handed[:-1]] == [1, 3, 4, 5]
+    assert loader.held_back_at_budget  # the fifth batch exists: the epoch is not over
+    assert len(handed) < 12

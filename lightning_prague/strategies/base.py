@@ -688,4 +688,9 @@ class DecentralizedStrategy(DDPStrategy):
                 "consensus model. Save at epoch ends (ModelCheckpoint(every_n_epochs=...)) for the consensus model.",
                 stacklevel=2,
             )
+        loader = self.progress.loader if self.progress is not None else None
+        if loader is not None and loader.held_back_at_budget:
+            # stopped by `max_steps` inside an epoch: Lightning took the batch held back for the last of
+            # its epoch and would resume at the next epoch, skipping the rest of this one
+            epoch_under_way(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)

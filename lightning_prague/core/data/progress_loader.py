@@ -302,6 +302,13 @@ class ProgressLoader:
         """The ticket of the batch being trained (or of the next one, between batches)."""
         return self.tickets[0] if self.tickets else None
 
+    @property
+    def held_back_at_budget(self) -> bool:
+        """A batch of this epoch was fetched and handed over untrained because the step budget was
+        spent: the epoch's data goes on past the budget, so a checkpoint taken now resumes inside the
+        epoch, although Lightning's fetcher, which looked one batch ahead, found the loader's end."""
+        return self.counter.budget_spent and None in self.tickets
+
     # -- synchronization points and checkpoints ---------------------------------------------------
     def set_members(self, members: list[int]) -> None:
         """The ranks still in the job (a release's): the work queue and the tickets of the next epoch
