@@ -86,6 +86,7 @@ from lightning_prague.strategies.rejoin import (
     TAKEN_AT_EPOCH_END,
     PeerState,
     epoch_under_way,
+    held_inside_epoch,
     members_metrics,
     resume_epoch_progress,
 )
@@ -676,7 +677,10 @@ class DecentralizedStrategy(DDPStrategy):
                 accumulate = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
                 resume_epoch_progress(checkpoint, resumed, accumulate)
             return checkpoint
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if held_inside_epoch(checkpoint):  # (a checkpoint at the step budget, written before `save_checkpoint`
+            epoch_under_way(checkpoint)  # said so: Lightning would resume at the next epoch, skipping this one's rest)
+        return checkpoint
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

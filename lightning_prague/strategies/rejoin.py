@@ -208,6 +208,18 @@ def epoch_under_way(checkpoint: dict[str, Any]) -> None:
         progress["is_last_batch"] = False
 
 
+def held_inside_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Whether the work queue's state in `checkpoint` (`ProgressLoader.state_dict`) holds chunks handed
+    out and not trained, or shards in progress: its epoch goes on, whatever Lightning's fetcher, which
+    looks a batch ahead, said of the epoch's last batch (a checkpoint at the step budget)."""
+    fit_loop, _ = _fit_loop(checkpoint)
+    state = fit_loop.get("state_dict")
+    loaders = state.get("combined_loader") if isinstance(state, dict) else None
+    if not isinstance(loaders, list):
+        return False
+    return any(isinstance(s, dict) and bool(s.get("pending") or s.get("positions")) for s in loaders)
+
+
 def resume_epoch_progress(checkpoint: dict[str, Any], batches: int, accumulate: int = 1) -> None:
     """Make `checkpoint` (a donor's, taken inside an epoch) resume its epoch's loop at `batches`: where
     the lost rank this process replaces stood in its own shard, not where the donor stands. Its step

@@ -117,6 +117,12 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--checkpoint-dir", type=Path)
     parser.add_argument("--resume", type=Path)
+    parser.add_argument(
+        "--resume-as-last-batch",
+        action="store_true",
+        help="resume from a copy of --resume that says its epoch's last batch was reached (as Lightning's fetcher, "
+        "a batch ahead, wrote a checkpoint at the step budget before the strategy corrected it)",
+    )
     parser.add_argument("--streaming", action="store_true")
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--accumulate", type=int, default=1)
@@ -157,7 +163,13 @@ def main() -> None:
         limit_val_batches=2,
     )
     model = Model(args)
-    trainer.fit(model, train, val, ckpt_path=args.resume)
+    resume = args.resume
+    if resume is not None and args.resume_as_last_batch:
+        state = torch.load(resume, weights_only=False)
+        state["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] = True
+        resume = args.json.parent / "resume-as-last-batch.ckpt"
+        torch.save(state, resume)
+    trainer.fit(model, train, val, ckpt_path=resume)
     saved = sorted(p.name for p in Path(checkpoint.dirpath).glob("*.ckpt")) if checkpoint else []
     args.json.write_text(json.dumps({"checkpoints": saved}))
 
