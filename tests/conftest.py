@@ -1,9 +1,21 @@
-"""Fixtures shared by the end-to-end training tests."""
+"""Fixtures shared by the end-to-end training tests, and the rule that runs some tests alone.
+
+The suite runs on two pytest-xdist workers (`-n 2 --dist loadfile` in `pyproject.toml`): most
+multi-process tests wait as much as they compute, so two modules at once halve the wall time on two
+cores. A test that asserts how much more work fast workers did than a straggler (`serial`) measures
+this machine's speed, and a second module's processes on the same cores change it: such a test, and
+the fixture whose jobs it measures, run with the other worker paused (`SerialLock`).
+"""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
 
 import pytest
 from helpers import CREDENTIALS, TrainingRun, run_many
@@ -157,3 +169,74 @@ def plane():
     server.start()
     yield control, server
     server.close()
+
+
+#: fixtures whose jobs' relative speeds the tests that use them assert: such tests run alone (`serial`)
+SPEED_MEASURING_FIXTURES = {"straggler_runs"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "serial: the test measures relative speeds; under pytest-xdist it runs with the other worker paused"
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SPEED_MEASURING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.serial)
+
+
+class SerialLock:
+    """Tests of every xdist worker hold a shared lock while they run; a `serial` test holds it alone.
+
+    A `serial` test first closes a gate that no test may pass, then waits for the tests in progress
+    to end: so it never waits behind a queue of the other worker's tests (writer preference). Both
+    are `flock`s on files named by the test run, which the kernel releases if a worker dies."""
+
+    def __init__(self, base: Path) -> None:
+        self._gate: IO[str] = open(base.with_suffix(".gate"), "a+")  # (held for the session)
+        self._lock: IO[str] = open(base.with_suffix(".lock"), "a+")
+
+    @contextmanager
+    def hold(self, alone: bool) -> Iterator[None]:
+        if alone:
+            fcntl.flock(self._gate, fcntl.LOCK_EX)
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(self._gate, fcntl.LOCK_SH)
+            fcntl.flock(self._lock, fcntl.LOCK_SH)
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(self._gate, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        for held in (self._gate, self._lock):
+            held.close()
+            Path(held.name).unlink(missing_ok=True)
+
+
+_serial_lock: SerialLock | None = None
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _serial_lock is not None:
+        _serial_lock.close()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # (outside pytest-timeout: the wait is no test's time)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Under pytest-xdist, each test's setup, call and teardown under the `SerialLock`."""
+    global _serial_lock
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # one process: nothing runs beside a test
+        yield
+        return
+    if _serial_lock is None:
+        _serial_lock = SerialLock(Path(os.environ.get("TMPDIR", "/tmp")) / f"lightning-prague-tests-{run}")
+    with _serial_lock.hold(item.get_closest_marker("serial") is not None):
+        yield

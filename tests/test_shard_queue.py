@@ -290,6 +290,7 @@ def test_a_meeting_report_with_positions_no_rank_would_send_is_refused(positions
         check_message({**good, "positions": positions})
 
 
+@pytest.mark.serial  # rank 0 must stay slow beside the others' threads
 def test_a_slow_rank_gives_the_rest_of_its_shard_back_at_the_tail_and_every_sample_is_trained_once(sessions):
     """Rank 0 reads a long shard; ranks 1 and 2 empty the queue and wait at its end. Once the queue ran out,
     rank 0 (slow) gives the rest of its shard back from where its reads stand, after training what it
