@@ -1,6 +1,6 @@
 """Fixtures shared by the end-to-end training tests, and the rule that runs some tests alone.
 
-The suite may run on two pytest-xdist workers (`-n 2 --dist loadfile`): most multi-process tests
+The suite runs on two pytest-xdist workers (`-n 2 --dist loadfile`): most multi-process tests
 wait as much as they compute, so two modules at once cut the wall time on two cores by a third. A
 test that asserts how much more work fast workers did than a straggler (`serial`) measures this
 machine's speed, and a second module's processes on the same cores change it: such a test, and the

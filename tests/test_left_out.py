@@ -18,7 +18,7 @@ from lightning_prague.core.client.control import Session
 from lightning_prague.core.errors import ConfigurationError, LeftOut
 from lightning_prague.core.plane.liveness import HangDetector
 from lightning_prague.core.protocol import LEFT_OUT, HangRule
-from lightning_prague.strategies.in_place import RejoinInPlace
+from lightning_prague.strategies.in_place import MAX_COMEBACKS, EpochMovedOn, RejoinInPlace
 from lightning_prague.strategies.options import StrategyOptions
 from lightning_prague.strategies.survivors import Survivors
 
@@ -276,6 +276,45 @@ def test_rejoin_in_place_runs_the_fit_again_from_a_peer_only_when_left_out():
 
     with pytest.raises(ValueError, match="a bug"):  # not left out: the error stands
         RejoinInPlace(failing, trainer)("model")
+
+
+def test_a_lock_step_joiner_admitted_as_its_epoch_ended_leaves_and_asks_again():
+    """A lock-step rank admitted inside epoch e whose donor's state is of e + 1 (`EpochMovedOn`) is not
+    done with the fit: it leaves (its attempt ends as a failed one, so the plane departs it) and asks
+    again as a joiner, up to `MAX_COMEBACKS` times; it was once a fit that ended on 3 ranks."""
+    calls: list[object] = []
+
+    class Strategy:
+        session = types.SimpleNamespace(left_out=None, fit_ended=False)
+        exceptions: list[BaseException] = []
+        comebacks = 0
+
+        def on_exception(self, error: BaseException) -> None:
+            self.exceptions.append(error)
+
+        def leave_in_place(self) -> None:
+            self.comebacks += 1
+
+    trainer = types.SimpleNamespace(strategy=Strategy(), global_rank=2, training=False, should_stop=True)
+    trainer._teardown = lambda: calls.append("teardown")
+
+    def fit(model: object, ckpt_path: object = None) -> str:
+        calls.append(ckpt_path)
+        if len(calls) == 1:
+            raise EpochMovedOn("rank 2 stood in epoch 1 and the others are in epoch 2")
+        return "done"
+
+    assert RejoinInPlace(fit, trainer)("model", ckpt_path="lightning-prague://peer") == "done"
+    assert calls == ["lightning-prague://peer", "teardown", "lightning-prague://peer"]
+    assert trainer.strategy.comebacks == 1 and isinstance(trainer.strategy.exceptions[0], EpochMovedOn)
+
+    def always_moved_on(model: object, ckpt_path: object = None) -> str:
+        raise EpochMovedOn("rank 2 stood in epoch 1 and the others are in epoch 2")
+
+    trainer.strategy = Strategy()
+    with pytest.raises(EpochMovedOn):  # bounded: the last one ends the fit with its error
+        RejoinInPlace(always_moved_on, trainer)("model")
+    assert trainer.strategy.comebacks == MAX_COMEBACKS
 
 
 @pytest.mark.timeout(200)

@@ -25,7 +25,10 @@ nothing of the job at all (`predecessor_failed`): the job's control plane was lo
 `ControlPlaneLost` rather than report a fit that ended. A rank of lock-step shards (`decent_adam`,
 `grouping="static"`) that comes back in a later epoch than the one it was left out in is admitted
 at the members' epoch's end, as a new process for a rank lost in an earlier epoch is (inside that
-epoch its shard holds nothing for it; in the same epoch it trains the rest of its shard). A rank that keeps being
+epoch its shard holds nothing for it; in the same epoch it trains the rest of its shard). One whose
+admission raced with the members' epoch's end (admitted inside the epoch its rank stood in, it
+receives the state of the next: `EpochMovedOn`) leaves and asks again, and is admitted at that
+epoch's end; this counts as a comeback. A rank that keeps being
 left out comes back at most `MAX_COMEBACKS` times per process; after that its fit fails with the
 last `LeftOut` (the others go on). Any other error ends the fit as before.
 """
@@ -53,10 +56,11 @@ MAX_COMEBACKS = 3
 
 class EpochMovedOn(Exception):
     """A rank of lock-step shards (`decent_adam`, `grouping="static"`) was admitted inside a later epoch
-    than the one its rank stood in: it has nothing to train there, and its fit ends (the others trained
-    its part). The control plane admits such a rank at the members' epoch's end instead, so this only
-    guards against an admission that raced with the members' epoch's end. Raised while its
-    admission's state is loaded."""
+    than the one its rank stood in: it has nothing to train there. The control plane admits such a
+    rank at the members' epoch's end, so this happens only where its admission raced with the members'
+    epoch's end (admitted inside epoch e, the donor's state is of e + 1). Raised while its admission's
+    state is loaded; `RejoinInPlace` then leaves the fit and asks again (its rank still stands in
+    epoch e, so it is admitted at the members' epoch's end)."""
 
 
 class RejoinInPlace:
@@ -75,9 +79,15 @@ class RejoinInPlace:
             try:
                 return self.function(*args, **kwargs)
             except EpochMovedOn as moved_on:
-                log.warning("%s: its fit ends here", moved_on)
-                end_attempt(self.trainer, moved_on)
-                return None
+                if comebacks >= MAX_COMEBACKS:
+                    raise
+                comebacks += 1
+                log.warning(
+                    "%s: it leaves and asks again, to be admitted at the members' epoch's end (comeback %d of at "
+                    "most %d)", moved_on, comebacks, MAX_COMEBACKS,
+                )  # fmt: skip
+                self.come_back(moved_on)
+                args, kwargs = with_checkpoint(self.function, args, kwargs, PEER_CHECKPOINT, force=True)
             except FitEnded as ended:
                 if restarts() == 0:  # started by hand to rejoin: the address may be wrong
                     raise
@@ -109,9 +119,14 @@ class RejoinInPlace:
                     "rank %s was left out of the fit (%s): it rejoins the fit in place (comeback %d of at most %d)",
                     getattr(self.trainer, "global_rank", "?"), reason, comebacks, MAX_COMEBACKS,
                 )  # fmt: skip
-                end_attempt(self.trainer, error)
-                self.trainer.strategy.leave_in_place()
+                self.come_back(error)
                 args, kwargs = with_checkpoint(self.function, args, kwargs, PEER_CHECKPOINT, force=True)
+
+    def come_back(self, error: BaseException) -> None:
+        """End the attempt that raised `error` (it leaves the fit, as a failed rank does) and make the
+        job a joiner of the same fit again."""
+        end_attempt(self.trainer, error)
+        self.trainer.strategy.leave_in_place()
 
 
 def predecessor_failed() -> int | None:
