@@ -202,3 +202,31 @@ def test_a_rank_gives_back_only_what_it_holds_and_a_waiting_claim_gets_it_from_i
     session.settle_queues(out)
     assert replies(out) == {1: [3, 8]}  # rank 1 reads chunk 3 on from position 8, and holds it
     assert session.work.lose(1) == {KEY: [(3, 8)]}
+
+
+def test_a_shard_given_back_goes_to_a_parked_claim_and_is_refused_once_nobody_claims():
+    """A slow rank's give-back (`give_back`, a sharded stream's tail) is taken while a claim is parked, and
+    refused once the parked claims were released and their ranks ended their epoch (a member at a meeting
+    releases them): nobody would claim the shard again, so its holder keeps it."""
+    session = session_of()
+    out = queue_handed_out(session)
+    claim(session, 1, 2, out)  # ranks 1 and 2 wait at the queue's end; rank 0 reads chunk 5 (a shard)
+    claim(session, 2, 2, out)
+    session.report_work(0, {"key": KEY, "hold": [5], "tickets": [8]})
+    session.kv(0, 5, {"do": "give_back", "key": KEY, "shard": 5, "position": 8}, out)
+    assert replies(out) == {0: True, 1: [5, 8]}  # taken: rank 1 reads it on from 8
+    out = {}
+    session.report_work(1, {"key": KEY, "done": [5]})
+    claim(session, 1, 3, out)  # it waits at the queue's end again, for rank 0 (it holds its chunk 0)
+    assert replies(out) == {}
+    session.generator.parked[0] = "step"  # rank 0 at a meeting: the parked claims return empty
+    session.settle_queues(out)
+    assert sorted(replies(out)) == [1, 2] and all(chunk >= NUM for chunk, _ in replies(out).values())
+    session.generator.parked.pop(0)
+    out = {}
+    session.kv(0, 6, {"do": "give_back", "key": KEY, "shard": 0, "position": 4}, out)
+    assert replies(out) == {0: False}  # nobody would read it: rank 0 keeps it
+    assert 0 in session.work.holders(KEY)
+    out = {}
+    session.kv(0, 7, {"do": "give_back", "key": KEY, "shard": 4, "position": 0}, out)
+    assert replies(out) == {0: False}  # (a shard it does not hold: nothing to give)

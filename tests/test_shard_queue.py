@@ -328,6 +328,39 @@ def test_a_slow_rank_gives_the_rest_of_its_shard_back_at_the_tail_and_every_samp
     assert (0, 8) in files.opened  # read on from where rank 0's reads stood
 
 
+def test_a_shard_nobody_would_read_is_kept_by_the_slow_rank_and_read_in_a_further_pass(sessions):
+    """Rank 0 (slow) would give the rest of its shard back at the queue's end, but nobody claims any more
+    (here ranks 1 and 2 closed; in a job, a meeting at a checkpoint boundary released their parked claims
+    and they ended their epoch). The control plane refuses the shard: rank 0 keeps it and, once its
+    reads ended, reads it on from where it stood in a further pass, then the queue. Before, the shard
+    went back to a queue nobody claimed from again, and its rest was never trained."""
+    files = Files([24, 8, 8])
+    reader = ShardReader(ProtocolSource(files), identity)
+    for session in sessions[1:]:
+        session.close()
+    sampler = ShardQueueSampler(files.num_shards, 4, 0, 3, sessions[0].counters, slow_ratio=2)
+    sampler.set_members([0])
+    rows: list = []
+    passes = 0
+    while True:  # as `ProgressLoader` drives it: a further pass while the sampler kept shards
+        passes += 1
+        for read in sampler:
+            batch = sampler.take(reader[read])
+            if batch is None:
+                continue
+            rows.extend(batch)
+            sampler.trained(sampler.untrained.popleft())
+            if len(rows) == 8:
+                sampler.queue_ran_out(slow=True)
+        if not sampler.continue_kept():
+            break
+    everything = Counter(rows)
+    expected = {(shard, i) for shard, length in enumerate(files.lengths) for i in range(length)}
+    assert set(everything) == expected and max(everything.values()) == 1, everything
+    assert passes == 2 and sampler.shards_given_back == 0
+    assert rows[:12] == [(0, i) for i in range(12)]  # read on from row 8 of its shard, before the queue
+
+
 def test_a_rank_that_is_not_slow_reads_its_shard_to_the_end_when_the_queue_runs_out():
     files = Files([12])
     sampler = ShardQueueSampler(1, 4, 0, 1, _Counting(), slow_ratio=2)

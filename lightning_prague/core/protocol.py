@@ -453,6 +453,11 @@ KV_RECORDS: dict[str, Record] = {
             "park": BOOLEAN,
         },
     ),
+    # a slow rank at a stream's tail offers a shard's rest from a position; the reply says whether a claimer
+    # takes it (`lightning_prague.core.data.shard_queue`)
+    "give_back": Record(
+        "'kv' give_back", {**_KV, "do": one_of("give_back"), "key": _KEY, "shard": _COUNT, "position": _COUNT}
+    ),
     "get": Record("'kv' get", {**_KV, "do": one_of("get"), "key": _KEY}),
     "check": Record("'kv' check", {**_KV, "do": one_of("check"), "keys": list_of(_KEY, 64)}),
     "delete": Record("'kv' delete", {**_KV, "do": one_of("delete"), "key": _KEY}),

@@ -770,6 +770,13 @@ class Counters:
             what = f"{what} (at the queue's end)"
         return ClaimInFlight(self, self.session.begin("kv", what, do="claim", **fields), park)
 
+    def give_back(self, cursor: str, shard: int, position: int) -> bool:
+        """Offer the rest of `shard` of the queue `cursor`, which this rank holds, from `position` (a slow
+        rank at a stream's tail): True if it went back to the queue for a claimer (this rank holds it no
+        more, and claims no more from that queue), False if nobody would read it (this rank keeps it)."""
+        what = f"giving shard {shard} of {cursor!r} back"
+        return bool(self._kv("give_back", what, key=cursor, shard=int(shard), position=int(position)))
+
     def report(
         self,
         cursor: str,

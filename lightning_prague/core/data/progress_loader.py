@@ -173,14 +173,19 @@ class ProgressLoader:
         reads = iter(self.loader)
 
         def fetch() -> Any:
-            """The next user batch of the loader (`_END`: none left)."""
-            for batch in reads:
-                if shards is not None:  # a read of a sharded stream: the user's batch, or none past a shard's end
-                    batch = shards.take(batch)
-                    if batch is None:
-                        continue
-                return batch
-            return _END
+            """The next user batch of the loader (`_END`: none left). A sharded stream's reads go on in a
+            further pass over the shards this rank kept where nobody took them (`continue_kept`)."""
+            nonlocal reads
+            while True:
+                for batch in reads:
+                    if shards is not None:  # a read of a sharded stream: the user's batch, or none past a shard's end
+                        batch = shards.take(batch)
+                        if batch is None:
+                            continue
+                    return batch
+                if shards is None or not shards.continue_kept():
+                    return _END
+                reads = iter(self.loader)
 
         batch = fetch()
         value = stashed.popleft() if stashed else None

@@ -15,7 +15,11 @@ item of the same queue, and of the same ledger at the control plane, is **a shar
 * a slow rank leaves the epoch's tail to the others as with chunks (`WorkQueueSampler._leave_tail`),
   and once the queue ran out (a rank that found it empty marked it before waiting at its end) a slow
   rank gives the shards it reads back from where its reads stand, after training what it read, to
-  the ranks waiting there (`queue_ran_out`): they do not wait for its whole shard.
+  the ranks waiting there (`queue_ran_out`): they do not wait for its whole shard. A give-back is a
+  request: the control plane takes the shard only where a claim is parked or another member still
+  claims. Where nobody would read it (a meeting at a checkpoint boundary released the parked claims:
+  the others ended their epoch), the rank keeps it, and once its reads ended it reads the shards it
+  kept itself, in a further pass of its loader (`continue_kept`), so nothing is left unread.
 
 **Reading, in the rank's process or in `DataLoader` worker processes.** The sampler runs in the rank's
 own process and yields `ShardRead`s (which shard, from which position, how many samples); the
@@ -158,21 +162,37 @@ class ShardQueueSampler(WorkQueueSampler):
         self._unread: dict[int, int] = {}
         #: shards given back this epoch
         self.shards_given_back = 0
+        #: shard -> the position a give-back nobody took left it at: this rank reads it on itself
+        self._kept: dict[int, int] = {}
+        #: shards given back while a batch of them was in training (`continue_kept`): its report is no hold
+        self._given: set[int] = set()
+        #: the shards a further pass of this epoch reads (`continue_kept`), and whether this pass is one
+        self._continuing: Optional[dict[int, int]] = None
+        self._no_give_back = False
         #: called once this rank's last reading slot finds the queue empty, before it waits at its end
         #: (`ProgressCounter.mark_shard_stream_end`: how the others learn that the queue ran out)
         self.on_queue_end: Optional[Callable[[], None]] = None
 
     # -- the reads -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[ShardRead]:  # type: ignore[override]
-        first = self._start_epoch()
-        self._ends.clear()
-        self._in_training.clear()
-        self._trained_to.clear()
-        self._back_at.clear()
-        self._unread.clear()
+        continuing, self._continuing = self._continuing, None
+        if continuing is None:
+            first = self._start_epoch()
+            self._ends.clear()
+            self._in_training.clear()
+            self._trained_to.clear()
+            self._back_at.clear()
+            self._unread.clear()
+            self._kept.clear()
+            self._given.clear()
+            self._no_give_back = False
+            self.shards_taken = 0
+            self.shards_given_back = 0
+        else:  # a further pass of the epoch: the shards kept, held already, then claims as at the queue's end
+            first = sorted(continuing)
+            self._resume_positions.update(continuing)
+            self._no_give_back = True
         self._giving_back = False
-        self.shards_taken = 0
-        self.shards_given_back = 0
         #: per slot: [shard, the position of its next read], or None while it needs a shard
         reading: list[Optional[list[int]]] = [None] * self.slots
         retired: set[int] = set()
@@ -197,10 +217,10 @@ class ShardQueueSampler(WorkQueueSampler):
             if current is None:
                 if first:  # this rank's place among the members (no claim), or a resumed checkpoint's shards
                     shard = first.pop(0)
-                    if self.shards_taken:  # (all but the first are claimed by number: held from then on)
+                    if self.shards_taken and continuing is None:  # (all but the first are claimed by number)
                         self._claim_shard(park=False, shard=shard)
                     start = self._resume_positions.pop(shard, 0)
-                    if start:  # the control plane holds it from where it stood, whatever happens next
+                    if start and continuing is None:  # the control plane holds it from there, whatever happens
                         self._report_position(shard, start)
                 else:
                     others = any(r is not None for s, r in enumerate(reading) if s != slot and s not in retired)
@@ -249,7 +269,7 @@ class ShardQueueSampler(WorkQueueSampler):
         queue from where its reads stand, for the faster ranks that wait there, instead of making them
         wait for it: exactly once, since it gives a shard back only once it trained every read of it
         it issued (until then it holds it, and a loss requeues it from its trained position)."""
-        if slow and not self._giving_back and self.slow_ratio > 0:
+        if slow and not self._giving_back and self.slow_ratio > 0 and not self._no_give_back:
             log.debug(
                 "rank %d: the queue ran out and this rank is slow: it gives its shards in progress back", self.rank
             )
@@ -264,12 +284,38 @@ class ShardQueueSampler(WorkQueueSampler):
         if shard in self._ends:  # its reads found its end: nothing left to give
             self._report_done(shard)
             return
+        self._give_back(shard, at)
+
+    def _give_back(self, shard: int, at: int) -> bool:
+        """Offer the rest of `shard` from `at` to the control plane: taken (this rank holds it no more)
+        or kept, to be read on by this rank once its reads ended (`continue_kept`)."""
+        give_back = getattr(self._store, "give_back", None)
+        if give_back is None or not give_back(self._cursor_key, shard, at):
+            self._kept[shard] = at
+            log.debug("rank %d: nobody would read shard %d from %d: it keeps it", self.rank, shard, at)
+            return False
         self._trained_to.pop(shard, None)
         self.shards_given_back += 1
-        report = getattr(self._store, "report", None)
-        if report is not None:  # (it claims no more: parked claims need not wait for it)
-            report(self._cursor_key, back=[(shard, at)], end=True)
         log.debug("rank %d: gave shard %d back from position %d", self.rank, shard, at)
+        return True
+
+    def continue_kept(self) -> bool:
+        """This rank's reads of the epoch ended (its loader ran dry; the batch Lightning fetched ahead may
+        still be in training): decide the give-backs still waiting for that batch now, from where its
+        reads stand (a shard given back so is no longer held here: that batch's rows are the ones a loss
+        of this rank before its step would skip), and whether a further pass of the loader must read
+        the shards kept (no one took them). True if so: iterate the loader again."""
+        for shard, at in sorted(self._back_at.items()):
+            del self._back_at[shard]
+            if shard in self._ends:  # (its end is trained with that batch: reported done then)
+                continue
+            if self._give_back(shard, at):
+                self._given.add(shard)
+        if not self._kept:
+            return False
+        self._continuing, self._kept = dict(self._kept), {}
+        log.debug("rank %d: reads on the shards it kept: %s", self.rank, self._continuing)
+        return True
 
     # -- what the loader returned, and what was trained ------------------------------------------
     def take(self, item: StreamBatch) -> Any:
@@ -294,6 +340,8 @@ class ShardQueueSampler(WorkQueueSampler):
         shard, end = chunk
         left = self._in_training.get(shard, 1) - 1
         self._in_training[shard] = left
+        if shard in self._given:  # given back from where its reads stood: another rank holds it from there
+            return
         if self._ends.get(shard) == end or (left == 0 and shard in self._ends):
             self._report_done(shard)
             return

@@ -220,6 +220,9 @@ class CoordinatorSession:
                 self._settle(key, out)
                 return
             self._reply(rank, req, [chunk, ticket], out)
+        elif do == "give_back":  # a slow rank's shard at a stream's tail, taken only where a claimer will read it
+            self._reply(rank, req, self._give_back(rank, key, int(message["shard"]), int(message["position"])), out)
+            self._settle(key, out)
         elif do == "get":  # waits for the key, as TCPStore.get does
             if key in values:
                 self._reply(rank, req, values[key], out)
@@ -274,6 +277,19 @@ class CoordinatorSession:
                 self.values.setdefault(key + REQUEUED, []).append([int(chunk), int(position)])
         if message.get("end"):
             self.ends.finish(key, rank)
+
+    def _give_back(self, rank: int, key: str, shard: int, position: int) -> bool:
+        """`rank` offers the rest of `shard`, which it holds, from `position`: it goes back to the queue
+        if a claim is parked there or another live member still claims from it, and `rank` claims no
+        more (it left the tail); otherwise nobody would read it (the others ended their epoch: a meeting
+        released their parked claims), so `rank` keeps it and reads it on itself. False too where it
+        did not hold it."""
+        if not self.ends.still_claiming(key, self.members, rank) or not self.work.give_back(rank, key, shard):
+            log.debug("session %d: rank %d keeps shard %d of %s: nobody would read it", self.number, rank, shard, key)
+            return False
+        self.values.setdefault(key + REQUEUED, []).append([shard, position])
+        self.ends.finish(key, rank)
+        return True
 
     def settle_queues(self, out: Out) -> None:
         """Answer the parked claims that may return now (`lightning_prague.core.plane.queue_end`):

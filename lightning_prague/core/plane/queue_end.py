@@ -28,7 +28,7 @@ done on many queues only pushes out the queues nobody waits on).
 from __future__ import annotations
 
 import logging
-from collections.abc import Container
+from collections.abc import Collection, Container
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,15 @@ class QueueEnds:
                 queue.done.add(rank)
                 changed = changed or bool(queue.parked)
         return changed
+
+    def still_claiming(self, key: str, live: Collection[int], rank: int) -> bool:
+        """Whether a claim on `key` is parked, or a live member other than `rank` among those that
+        claimed on it (`live` are the members) is not done claiming: someone will claim a chunk given
+        back now. A queue nobody parked on or finished yet counts every other member."""
+        queue = self._queues.get(key)
+        if queue is None:
+            return any(r != rank for r in live)
+        return bool(queue.parked) or any(r != rank and r not in queue.done for r in live)
 
     def parked(self, key: str) -> list[int]:
         queue = self._queues.get(key)
