@@ -1,21 +1,23 @@
 """A lost worker comes back inside one long epoch, and every batch is trained once.
 
-Two real jobs, run side by side with a third (the slow part): four CPU workers under the strategy's
-launcher with `max_restarts=1` (new interpreters under `prague`, forked ranks under `decent_adam`),
-one epoch of 719 batches (the digits in batches of 2), 50 ms steps. In each job one rank kills
-itself with SIGKILL at its 20th batch: rank 2 under `prague` (the work queue), rank 0 (the leader)
-under `decent_adam` (lock-step shards). The agent starts the rank again, and the new process is
+Three real jobs, run side by side with a fourth (the slow part): four CPU workers under the strategy's
+launcher with `max_restarts=1` (new interpreters under `prague`, forked ranks under `decent_adam` and
+`prague` with `grouping="static"`), one epoch of 719 batches (the digits in batches of 2), 50 ms
+steps. In each job one rank kills itself with SIGKILL at its 20th batch: rank 2 under `prague` (the
+work queue), rank 0 (the leader) under `decent_adam` and rank 1 under static grouping (lock-step
+shards). The agent starts the rank again, and the new process is
 admitted at once, in a membership epoch of its own, with no meeting of the members (not at an
 epoch's end that would come too late), gets the fit's state from a live member, and trains the rest
 of the epoch with the others: the work queue's batches, or the rest of the lost rank's own shard
 (gossip rounds take it in at a round every member of its groups agrees on).
 
-The control plane dies too, after the admission: rank 1 SIGKILLs the supervisor at its 130th batch
-(and at its 60th in the third job). Rank 0 starts it again: its first process under `prague`, and
-under `decent_adam` the new process that replaced it (it adopted the supervisor its predecessor
-started, and tells it died by the journal's lock). The plane takes the job back from its journal and
-renews the admission's membership epoch in its new store, every rank reconnects, and every batch is
-still trained once (`test_plane_restart.py` for the mechanism).
+The control plane dies too, after the admission (not in the static grouping's job): rank 1 SIGKILLs
+the supervisor at its 130th batch (and at its 60th in the later-epoch job). Rank 0 starts it again:
+its first process under `prague`, and under `decent_adam` the new process that replaced it (it
+adopted the supervisor its predecessor started, and tells it died by the journal's lock). The plane
+takes the job back from its journal and renews the admission's membership epoch in its new store,
+every rank reconnects, and every batch is still trained once (`test_plane_restart.py` for the
+mechanism).
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ import lightning_prague.demo.run  # noqa: F401  (imported once here: the jobs' a
 #: the digits' training samples and the batch size: one long epoch of 719 batches
 SAMPLES, BATCH = 1438, 2
 KILLED_AT = 20  # the killed process trained the 19 batches before it
-CASES = {"prague": 2, "decent_adam": 0}
+#: `prague-static`: `prague` with `grouping="static"`, lock-step shards as `decent_adam`'s
+CASES = {"prague": 2, "decent_adam": 0, "prague-static": 1}
+#: the cases whose ranks train lock-step shards (each rank its own, padded to the same length)
+LOCK_STEP = ("decent_adam", "prague-static")
 #: how the agent starts the ranks: new interpreters (the default), or forks of itself (no import per
 #: rank: restarts within a second)
-START_METHOD = {"prague": "popen", "decent_adam": "fork"}
+START_METHOD = {"prague": "popen", "decent_adam": "fork", "prague-static": "fork"}
 #: the jobs whose control plane rank 1 kills, and at which of its batches (after the admission)
 PLANE_KILLED = {"prague": 130, "decent_adam": 130, "decent_adam-later-epoch": 60}
 
@@ -49,7 +54,9 @@ LATER_EPOCH = "decent_adam-later-epoch"
 
 
 def _command(strategy: str, rank: int, out: Path) -> list[str]:
-    command = ["--strategy", strategy, "--devices", "4"]
+    command = ["--strategy", strategy.partition("-")[0], "--devices", "4"]
+    if strategy.endswith("-static"):
+        command += ["--grouping", "static"]
     command += ["--epochs", "1", "--batch-size", str(BATCH), "--step-time", "0.05", "--profile", "homogeneous"]
     command += ["--fault", f"{rank}:{KILLED_AT}:kill", "--max-restarts", "1", "--hang-timeout", "10"]
     command += ["--start-method", START_METHOD[strategy]]
@@ -111,14 +118,15 @@ def test_a_killed_rank_rejoins_inside_one_long_epoch_and_every_batch_is_trained_
     assert all(results[r]["epochs_run"] == 1 for r in results)
     # every batch trained once: by the survivors, the new process, and the 19 the killed one trained
     trained = sum(results[r]["batches_this_process"] for r in results) + KILLED_AT - 1
-    if strategy == "decent_adam":  # lock-step shards: each of the 4 padded to the same length
+    if strategy in LOCK_STEP:  # lock-step shards: each of the 4 padded to the same length
         batches = 4 * math.ceil(math.ceil(SAMPLES / 4) / BATCH)
     else:  # the work queue: one pass over the data
         batches = math.ceil(SAMPLES / BATCH)
     assert trained == batches, (strategy, {r: results[r]["batches_this_process"] for r in results})
     # and the fit ended on one consensus model
     assert len({results[r]["params_sha256"] for r in results}) == 1
-    assert_plane_taken_back(stderr)
+    if strategy in PLANE_KILLED:
+        assert_plane_taken_back(stderr)
 
 
 def test_a_successor_resumes_the_epoch_where_the_lost_rank_stood_with_its_steps_moved_to_match():
