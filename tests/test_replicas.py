@@ -88,3 +88,26 @@ def test_replicas_averaged_by_slices_hold_the_mean_of_their_models_and_the_other
         else:
             assert result["applied"] is None
             torch.testing.assert_close(got, model(replica, case["numel"]))
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    return run_core_ranks(tmp_path_factory.mktemp("sharded"), 4, "2", script="sharded_replica_worker.py")
+
+
+def test_replicas_sharded_with_fsdp2_averaged_shard_by_shard_hold_the_mean_of_their_models(sharded_runs):
+    """4 ranks, replicas of 2, each replica's model sharded over its 2 ranks (FSDP2 on gloo), trained
+    apart; then rank i of each replica averages its own shards with rank i of the other: each replica's
+    whole model is the mean of both, and a rank held about half the model's bytes."""
+    layout = ReplicaLayout(4, 2)
+    before = {layout.replica_of(r): run["before"] for r, run in enumerate(sharded_runs)}
+    for rank, run in enumerate(sharded_runs):  # a replica's ranks hold one model between them
+        assert run["before"] == before[layout.replica_of(rank)]
+    assert before[0] != before[1]  # the replicas trained apart
+    for run in sharded_runs:
+        assert run["applied"] is True
+        for got, first, second in zip(run["after"], before[0], before[1]):
+            mean = (torch.tensor(first, dtype=torch.float64) + torch.tensor(second, dtype=torch.float64)) / 2
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), mean, rtol=1e-6, atol=1e-6)
+    params = sum(len(p) for p in before[0]) * 4  # float32 bytes of the whole model
+    assert all(run["local_bytes"] <= params / 2 + 4 * 17 for run in sharded_runs)  # (a row of padding at most)

@@ -11,7 +11,9 @@ independent: each conserves the sum of its slice over the replicas, so the model
 
 Across replicas (between nodes) a rank sends `1/K` of the model, where `K` is the replica size;
 inside the replica the reassembly sends the whole model once per rank (an intra-node link). A
-model sharded over the replica's ranks, each rank holding its own slice, needs no reassembly.
+model sharded over the replica's ranks, each rank holding its own slice, needs no reassembly:
+`average_sharded_replicas` averages each rank's local shards (FSDP2's `fully_shard` on the
+replica's ranks: rank `i` of every replica holds shard `i` of each parameter) over its column.
 Each call allocates one buffer the size of the model (the reassembly's) and one of its slice: no
 strategy averages replicas yet; the one that does keeps them across steps, as the exchangers do.
 """
@@ -53,3 +55,33 @@ def average_replicas_by_slices(
     if whole:
         flat.copy_(own)
     return applied, whole
+
+
+def average_sharded_replicas(
+    comm: GroupComm,
+    shards: Sequence[torch.Tensor],
+    layout: ReplicaLayout,
+    replicas: Sequence[int],
+    decide: Decide | None = None,
+    operation: str = "a sharded replica average",
+) -> bool:
+    """In place: this rank's `shards` (its local shard of each parameter of a model sharded over its
+    replica's ranks, in the model's order: `DTensor.to_local()` under FSDP2) become their mean over
+    its column of `replicas`: the same shards of the same parameters on rank `i` of each replica.
+    One sum of `1/K` of the model per rank, and nothing inside the replica. `decide` as in
+    `average_replicas_by_slices`; returns whether the average took effect (all-or-nothing over the
+    column: the shards stay as they were otherwise)."""
+    column = layout.column(comm.rank, replicas)
+    flat = torch.cat([shard.detach().reshape(-1).to(comm.device, torch.float64) for shard in shards])
+    what = f"{operation}: shard {layout.index_of(comm.rank)} over ranks {list(column)}"
+    complete = comm.sum_(flat, column, what)
+    applied = decide(complete) if decide is not None else complete
+    if applied:
+        flat.div_(len(column))
+        offset = 0
+        with torch.no_grad():
+            for shard in shards:
+                count = shard.numel()
+                shard.copy_(flat[offset : offset + count].view(shard.shape))
+                offset += count
+    return applied
