@@ -244,22 +244,32 @@ def test_a_rank_left_out_for_a_while_that_came_back_is_no_lost_worker():
     assert list(strategy.lost_workers) == [3]
 
 
+class _Strategy:
+    """What `RejoinInPlace` uses of a strategy: its session's left-out reason, the failed attempt's end,
+    and the comeback (which clears the reason and counts)."""
+
+    def __init__(self, left_out: str | None) -> None:
+        self.session = types.SimpleNamespace(left_out=left_out, fit_ended=False)
+        self.exceptions: list[BaseException] = []
+        self.comebacks = 0
+
+    def on_exception(self, error: BaseException) -> None:
+        self.exceptions.append(error)
+
+    def leave_in_place(self) -> None:
+        self.session = types.SimpleNamespace(left_out=None, fit_ended=False)
+        self.comebacks += 1
+
+
+def _trainer(strategy: _Strategy, calls: list[object]) -> types.SimpleNamespace:
+    trainer = types.SimpleNamespace(strategy=strategy, global_rank=2, training=False, should_stop=True)
+    trainer._teardown = lambda: calls.append("teardown")
+    return trainer
+
+
 def test_rejoin_in_place_runs_the_fit_again_from_a_peer_only_when_left_out():
     calls: list[object] = []
-    left_out = types.SimpleNamespace(left_out=f"{LEFT_OUT}: blocked", fit_ended=False)
-
-    class Strategy:
-        session = left_out
-        exceptions: list[BaseException] = []
-
-        def on_exception(self, error: BaseException) -> None:
-            self.exceptions.append(error)
-
-        def leave_in_place(self) -> None:
-            self.session = types.SimpleNamespace(left_out=None, fit_ended=False)
-
-    trainer = types.SimpleNamespace(strategy=Strategy(), global_rank=2, training=False, should_stop=True)
-    trainer._teardown = lambda: calls.append("teardown")
+    trainer = _trainer(_Strategy(f"{LEFT_OUT}: blocked"), calls)
 
     def fit(model: object, ckpt_path: object = None) -> str:
         calls.append(ckpt_path)
@@ -283,20 +293,7 @@ def test_a_lock_step_joiner_admitted_as_its_epoch_ended_leaves_and_asks_again():
     done with the fit: it leaves (its attempt ends as a failed one, so the plane departs it) and asks
     again as a joiner, up to `MAX_COMEBACKS` times; it was once a fit that ended on 3 ranks."""
     calls: list[object] = []
-
-    class Strategy:
-        session = types.SimpleNamespace(left_out=None, fit_ended=False)
-        exceptions: list[BaseException] = []
-        comebacks = 0
-
-        def on_exception(self, error: BaseException) -> None:
-            self.exceptions.append(error)
-
-        def leave_in_place(self) -> None:
-            self.comebacks += 1
-
-    trainer = types.SimpleNamespace(strategy=Strategy(), global_rank=2, training=False, should_stop=True)
-    trainer._teardown = lambda: calls.append("teardown")
+    trainer = _trainer(_Strategy(None), calls)
 
     def fit(model: object, ckpt_path: object = None) -> str:
         calls.append(ckpt_path)
@@ -311,7 +308,7 @@ def test_a_lock_step_joiner_admitted_as_its_epoch_ended_leaves_and_asks_again():
     def always_moved_on(model: object, ckpt_path: object = None) -> str:
         raise EpochMovedOn("rank 2 stood in epoch 1 and the others are in epoch 2")
 
-    trainer.strategy = Strategy()
+    trainer.strategy = _Strategy(None)
     with pytest.raises(EpochMovedOn):  # bounded: the last one ends the fit with its error
         RejoinInPlace(always_moved_on, trainer)("model")
     assert trainer.strategy.comebacks == MAX_COMEBACKS
