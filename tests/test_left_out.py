@@ -15,7 +15,8 @@ from helpers import CREDENTIALS, run_external_ranks
 import lightning_prague.demo.run  # noqa: F401  (imported once here: the ranks are forked from this process)
 from lightning_prague.core import ControlPlane, SessionConfig, make_policy
 from lightning_prague.core.client.control import Session
-from lightning_prague.core.errors import ConfigurationError, LeftOut
+from lightning_prague.core.errors import ConfigurationError, FitEnded, LeftOut
+from lightning_prague.core.job import RESTARTS_VARIABLE
 from lightning_prague.core.plane.liveness import HangDetector
 from lightning_prague.core.protocol import LEFT_OUT, HangRule
 from lightning_prague.strategies.in_place import MAX_COMEBACKS, EpochMovedOn, RejoinInPlace
@@ -288,7 +289,7 @@ def test_rejoin_in_place_runs_the_fit_again_from_a_peer_only_when_left_out():
         RejoinInPlace(failing, trainer)("model")
 
 
-def test_a_lock_step_joiner_admitted_as_its_epoch_ended_leaves_and_asks_again():
+def test_a_lock_step_joiner_admitted_as_its_epoch_ended_leaves_and_asks_again(monkeypatch):
     """A lock-step rank admitted inside epoch e whose donor's state is of e + 1 (`EpochMovedOn`) is not
     done with the fit: it leaves (its attempt ends as a failed one, so the plane departs it) and asks
     again as a joiner, up to `MAX_COMEBACKS` times; it was once a fit that ended on 3 ranks."""
@@ -312,6 +313,21 @@ def test_a_lock_step_joiner_admitted_as_its_epoch_ended_leaves_and_asks_again():
     with pytest.raises(EpochMovedOn):  # bounded: the last one ends the fit with its error
         RejoinInPlace(always_moved_on, trainer)("model")
     assert trainer.strategy.comebacks == MAX_COMEBACKS
+
+    attempts: list[object] = []
+
+    def ended_meanwhile(model: object, ckpt_path: object = None) -> str:
+        attempts.append(ckpt_path)
+        if len(attempts) == 1:
+            raise EpochMovedOn("rank 2 stood in epoch 1 and the others are in epoch 2")
+        raise FitEnded("rank 2 cannot rejoin fit 1: the fit ended")
+
+    # the others finished the fit before it was admitted again: its fit ends without an error, even in the
+    # process its launcher started first (a process started by hand to rejoin a fit raises `FitEnded`)
+    monkeypatch.delenv(RESTARTS_VARIABLE, raising=False)
+    trainer.strategy = _Strategy(None)
+    assert RejoinInPlace(ended_meanwhile, trainer)("model") is None
+    assert len(attempts) == 2 and trainer.strategy.comebacks == 1
 
 
 @pytest.mark.timeout(200)

@@ -19,7 +19,8 @@ to them). It then comes back as a new process for its rank would, without a new 
 
 Nobody fences it, the launcher restarts nothing, and nothing runs the user's script again. If the
 others finished the fit while it was left out, its fit ends when it wakes, without an error; so does
-that of a process a restarter started for a lost rank that finds the fit ended (`FitEnded`: the
+that of a process that came back in place and finds the fit ended before its admission, and that of
+a process a restarter started for a lost rank that finds the fit ended (`FitEnded`: the
 others trained its part before it was up), unless its predecessor's fit had failed and it finds
 nothing of the job at all (`predecessor_failed`): the job's control plane was lost, and it fails with
 `ControlPlaneLost` rather than report a fit that ended. A rank of lock-step shards (`decent_adam`,
@@ -89,7 +90,7 @@ class RejoinInPlace:
                 self.come_back(moved_on)
                 args, kwargs = with_checkpoint(self.function, args, kwargs, PEER_CHECKPOINT, force=True)
             except FitEnded as ended:
-                if restarts() == 0:  # started by hand to rejoin: the address may be wrong
+                if restarts() == 0 and comebacks == 0:  # started by hand to rejoin: the address may be wrong
                     raise
                 failed = predecessor_failed()
                 if ended.nothing_listens and failed is not None:
@@ -98,9 +99,8 @@ class RejoinInPlace:
                         "nothing of the job is left to rejoin: its control plane was lost (or the fit failed "
                         "everywhere), so this restart fails too instead of reporting a fit that ended"
                     ) from None
-                log.warning(
-                    "%s; this process, started again for its rank, has nothing to train: its fit ends here", ended
-                )
+                how = "which came back in place" if comebacks else "started again for its rank"
+                log.warning("%s; this process, %s, has nothing to train: its fit ends here", ended, how)
                 end_attempt(self.trainer, ended)
                 return None
             except Exception as error:  # (an interrupt, a SystemExit: never a comeback)
