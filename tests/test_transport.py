@@ -81,6 +81,31 @@ def test_a_server_that_is_not_there_is_an_error_naming_the_rank_and_the_address(
         MessageLink(host, port, 5, timeout=2, credentials=CREDENTIALS)
 
 
+def test_a_new_process_waits_for_its_predecessors_connection_to_close_and_another_live_one_is_refused(
+    monkeypatch,
+):
+    """A process started for a rank whose previous process died an instant ago can reach the server before
+    the server reads that connection's close: the server refuses its hello (a live rank's connection is
+    never taken over) and says why, and the new process tries again until the old connection closed. It
+    once failed a rejoin under srun. A rank whose other process lives is refused for good, with a message
+    that says so."""
+    import lightning_prague.core.client.link as link_module
+
+    server = _echo_server()
+    host, port = server.address
+    first = MessageLink(host, port, 3, timeout=10, credentials=CREDENTIALS)
+    closer = threading.Timer(1.0, first.close)
+    closer.start()
+    start = time.monotonic()
+    second = MessageLink(host, port, 3, timeout=10, credentials=CREDENTIALS)  # in once the first one closed
+    assert 0.9 < time.monotonic() - start < 8
+    monkeypatch.setattr(link_module, "CONNECTED_ALREADY_SECONDS", 1.0)
+    with pytest.raises(CoordinationTimeout, match="rank 3: the control plane still held a connection of this rank"):
+        MessageLink(host, port, 3, timeout=10, credentials=CREDENTIALS)
+    second.close()
+    server.close()
+
+
 def _clients(server: MessageServer, world: int) -> list[ControlClient]:
     host, port = server.address
     return [ControlClient(host, port, rank, timeout=10, credentials=CREDENTIALS) for rank in range(world)]

@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 RESEND_MESSAGES = 4096
 #: seconds between two attempts to reconnect
 RECONNECT_SECONDS = 0.5
+#: seconds a new process tries again while the server still holds a connection of its rank (its
+#: predecessor's, which the server has not seen close yet)
+CONNECTED_ALREADY_SECONDS = 10.0
 #: messages that are not numbered: the beats (the hang detector's alone) and the transport's own
 _UNNUMBERED = frozenset({HELLO, "beat", "echo"})
 
@@ -105,13 +108,34 @@ class MessageLink:
         self.server_error: str | None = None
         self.address = f"{host}:{port}"
         self._buffer = bytearray()
-        try:
-            self._handshake(credentials)
-        except BaseException:
-            self._sock.close()
-            raise
+        self._connect_first(credentials)
         self._reader = threading.Thread(target=self._read_forever, name=f"prague-control-{rank}", daemon=True)
         self._reader.start()
+
+    def _connect_first(self, credentials: Credentials) -> None:
+        """The handshake on the socket opened; while the server holds a connection of this rank still
+        (the process this one replaces died an instant ago, and the server has not read its close yet),
+        a new connection and handshake every `RECONNECT_SECONDS`, for up to `CONNECTED_ALREADY_SECONDS`."""
+        deadline = time.monotonic() + CONNECTED_ALREADY_SECONDS
+        while True:
+            try:
+                self._handshake(credentials)
+                return
+            except _ConnectedAlready as err:
+                self._sock.close()
+                if time.monotonic() >= deadline:
+                    raise CoordinationTimeout(
+                        f"rank {self.rank}: {self.peer} still held a connection of this rank after "
+                        f"{CONNECTED_ALREADY_SECONDS:.0f}s ({err}): another process of this rank lives (or its node "
+                        "is cut off and not yet declared lost), or two processes were given the same rank"
+                    ) from None
+                log.debug("rank %d: %s holds a connection of this rank still; trying again", self.rank, self.peer)
+                time.sleep(RECONNECT_SECONDS)
+                self._buffer = bytearray()
+                self._sock = self._open_socket()
+            except BaseException:
+                self._sock.close()
+                raise
 
     def _open_socket(self) -> socket.socket:
         host, port = self._host, self._port
@@ -156,6 +180,8 @@ class MessageLink:
         except OSError as err:
             raise CoordinationTimeout(f"rank {self.rank}: {self.peer} took no hello ({err})") from None
         welcome = self._handshake_line("its welcome (it refused this rank: another secret, or a rank connected twice)")
+        if welcome.get("t") == REFUSED:  # it proved the secret, and the server holds a connection of this rank
+            raise _ConnectedAlready(str(welcome.get("error"))[:500])
         expected = credentials.welcome_proof(server_nonce, nonce, self.rank)
         if welcome.get("t") != WELCOME or not proof_holds(expected, str(welcome.get("proof"))):
             raise CoordinationTimeout(
@@ -430,6 +456,10 @@ class MessageLink:
         if threading.current_thread() is not self._reader:
             self._reader.join(5.0)
         self.closed = True
+
+
+class _ConnectedAlready(CoordinationTimeout):
+    """The server refused this rank's hello: it holds a connection of the same rank still."""
 
 
 class _Refused(Exception):

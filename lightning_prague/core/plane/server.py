@@ -432,7 +432,8 @@ class MessageServer:
             )
             return False
         if rank in self._by_rank:  # a live rank's connection is never taken over
-            self._refuse(selector, conn, f"a hello for rank {rank}, which is connected already")
+            # (it proved the secret: it is told why, and retries while a dead predecessor's connection closes)
+            self._refuse(selector, conn, f"a hello for rank {rank}, which is connected already", tell=True)
             return False
         self._unproven.pop(id(conn), None)
         conn.rank = rank
@@ -441,8 +442,9 @@ class MessageServer:
         self.messages_in += 1
         return True
 
-    def _refuse(self, selector: selectors.BaseSelector, conn: _Connection, why: str) -> None:
-        """Drop one connection that broke the protocol; the plane and every other connection go on."""
+    def _refuse(self, selector: selectors.BaseSelector, conn: _Connection, why: str, tell: bool = False) -> None:
+        """Drop one connection that broke the protocol; the plane and every other connection go on.
+        `tell`: say why even before the connection is bound to a rank (it proved the secret)."""
         now = time.monotonic()
         if now - self._refusals_since >= REFUSALS_WINDOW:  # a new window: say how many were not logged
             if self._refusals_unlogged:
@@ -460,7 +462,7 @@ class MessageServer:
             why,
         )
         self.refused += 1
-        if conn.rank is not None and not conn.closed:  # a rank that proved who it is learns why (best effort)
+        if (conn.rank is not None or tell) and not conn.closed:  # a rank that proved who it is learns why
             try:
                 conn.sock.send(bytes(conn.outbuf) + encode_line({"t": REFUSED, "error": why[:500]}))
             except OSError:
