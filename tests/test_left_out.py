@@ -348,3 +348,23 @@ def test_a_blocked_worker_is_left_out_and_comes_back_in_place_and_a_hung_one_is_
     assert "it rejoins the fit in place" in logs[1] and "rejoined the job inside the epoch" in logs[1], logs[1][-3000:]
     assert results[1]["batches_this_process"] > 5  # it trained on after the step that blocked
     assert len({result["params_sha256"] for result in results.values()}) == 1  # one model at the end
+
+
+@pytest.mark.timeout(200)
+def test_a_lock_step_rank_that_wakes_in_a_later_epoch_comes_back_in_place_at_an_epoch_end(tmp_path):
+    """`decent_adam` (lock-step shards), 6 short epochs, rank 1 blocked for 9 s at its 3rd batch: left out
+    after 1.5 s, it wakes epochs later, when its shard holds nothing of the others' epoch. It comes back
+    in place (no new process, no fence) and is admitted at their epoch's end, not inside it; every rank
+    finishes every epoch with one model, and nobody counts it lost."""
+    args = ["--strategy", "decent_adam", "--epochs", "6", "--batch-size", "32", "--step-time", "0.05"]
+    args += ["--hang-timeout", "20", "--leave-out-after", "1.5", "--fault", "1:3:block=9"]
+    codes, logs = run_external_ranks(tmp_path, WORLD, *args, timeout=150)
+    assert codes == [0] * WORLD, (codes, logs[1][-3000:])
+    results = {0: json.loads((tmp_path / "result.json").read_text())}
+    results.update({r: json.loads((tmp_path / f"result.rank{r}.json").read_text()) for r in range(1, WORLD)})
+    assert "it rejoins the fit in place" in logs[1], logs[1][-3000:]
+    assert "rejoined the job at 'epoch_end@epoch" in logs[1], logs[1][-3000:]  # at an epoch's end
+    assert all(result["epochs_run"] == 6 for result in results.values()), results
+    assert len({result["params_sha256"] for result in results.values()}) == 1  # one model at the end
+    assert all(not result["lost_workers"] for result in results.values())  # only left out for a while
+    assert results[1]["batches_this_process"] > 12  # it trained whole epochs after it woke
