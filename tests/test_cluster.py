@@ -29,9 +29,10 @@ What runs (about a minute on two cores):
   example restarts a lost worker through ``train.py --max-restarts`` (its keeper); in two of them a
   rank is lost once the first epoch is over (`lose_a_rank`): torchrun's rank 0 training process (on
   the node of the control plane, which lives in a process of its own) is killed once its keeper's
-  warm spare runs, and the spare rejoins as its new process; Kubernetes' pod 0 (rank 0: on the
-  plane service, like any other) is lost and a replacement pod with the same index (nothing kept;
-  its interpreter warm, `GATED_POD`) rejoins; both train again and finish with the others' model.
+  warm spare is warm (its CPU time stands still: imports done), and the spare rejoins as its new
+  process; Kubernetes' pod 0 (rank 0: on the plane service, like any other) is lost and a
+  replacement pod with the same index (nothing kept; its interpreter warm, `GATED_POD`) rejoins;
+  both train again and finish with the others' model.
 - **srun-style jobs of the demo** (``lightning_prague.tools.cluster.srun``, forked from one import):
   - ``prague`` with ``max_workers=6``: rank 2 kills itself, a new process with its old SLURM
     variables as a new step of the job (``SLURM_STEP_ID=1``, ``LIGHTNING_PRAGUE_REJOIN=1``) rejoins,
@@ -112,8 +113,8 @@ EXAMPLE_STRATEGIES = {"slurm": "partial_reduce", "torchrun": "adpsgd", "kubernet
 #: index, nothing kept, starts: the plane service on node2 lives on); their fits last long enough for
 #: the new process to rejoin and train
 LOST_RANK = {"torchrun": 0, "kubernetes": 0}
-#: (torchrun's rank 0 comes back through its keeper's spare, which took 15-20 s under this module's own load
-#: while the survivor trained an epoch in 0.4 s: 55 epochs were once too few for it to train a batch)
+#: (torchrun's rank 0 is killed once its keeper's spare is warm: killed while the spare still imported, it came
+#: back 15-20 s later, and the survivor, at 0.4 s an epoch, had finished 55 epochs before it trained a batch)
 EXAMPLE_EPOCHS = {"slurm": 2, "torchrun": 150, "kubernetes": 28}
 #: the job scripts that make a secret file per job in its root directory (slurm's is given the plane's)
 SECRET_FILES = ("torchrun",)
@@ -413,16 +414,42 @@ def keeper_children(variables: set[str]) -> dict[str, int]:
     return children
 
 
+class IdleProcesses:
+    """Which processes stopped using the CPU: a warm spare has imported torch and Lightning and waits on
+    its input (killed before that, torchrun's rank 0 came back 15-20 s later, its spare still importing)."""
+
+    #: seconds a process's CPU time must stay the same
+    QUIET_SECONDS = 1.0
+
+    def __init__(self) -> None:
+        self._since: dict[int, tuple[int, float]] = {}
+
+    def settled(self, pid: int) -> bool:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return False
+        ticks = int(fields[11]) + int(fields[12])  # utime + stime
+        now = time.monotonic()
+        seen = self._since.get(pid)
+        if seen is None or seen[0] != ticks:
+            self._since[pid] = (ticks, now)
+            return False
+        return now - seen[1] >= self.QUIET_SECONDS
+
+
 #: the gate of the Kubernetes example's replacement pod (`GATED_POD`), in the example's folder
 REPLACEMENT_GATE = "replacement.gate"
 
 
 def lose_a_rank(examples: dict[str, Example], deadline: float) -> None:
     """Once each of `LOST_RANK`'s first epoch is over (its first checkpoint): torchrun's rank 0
-    training process is killed (SIGKILL) once its keeper's warm spare runs (it starts 5 s after the
-    keeper), and its keeper starts it again; Kubernetes' pod 0 is lost (its processes SIGKILLed) and
-    the replacement pod with the same index starts (`REPLACEMENT_GATE`)."""
+    training process is killed (SIGKILL) once its keeper's warm spare is warm (it starts 5 s after the
+    keeper, and its CPU time then stands still: `IdleProcesses`), and its keeper starts it again;
+    Kubernetes' pod 0 is lost (its processes SIGKILLed) and the replacement pod with the same index
+    starts (`REPLACEMENT_GATE`)."""
     waiting = list(LOST_RANK)
+    warm = IdleProcesses()
     while waiting and time.monotonic() < deadline:
         for launcher in list(waiting):
             example = examples[launcher]
@@ -431,7 +458,7 @@ def lose_a_rank(examples: dict[str, Example], deadline: float) -> None:
             if launcher == "torchrun":
                 rank = LOST_RANK[launcher]
                 kept = keeper_children({"TORCHELASTIC_RUN_ID=example-torchrun", f"RANK={rank}"})
-                if "training" not in kept or "spare" not in kept:
+                if "training" not in kept or "spare" not in kept or not warm.settled(kept["spare"]):
                     continue
                 os.kill(kept["training"], signal.SIGKILL)
                 example.lost = f"killed rank {rank}'s training process (pid {kept['training']})"

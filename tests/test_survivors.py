@@ -137,9 +137,11 @@ def test_fewer_than_min_workers_stop_the_job_with_a_checkpoint(tmp_path):
 def test_forked_ranks_go_on_without_a_lost_one_and_fit_says_when_rank_0_left_no_result(tmp_path):
     """`start_method="fork"`: the process that called `fit` forks the ranks and watches them. Rank 0 is
     killed and rank 2 fails in a step: rank 1 finishes the fit alone (torch.multiprocessing would have
-    ended it), and `fit` in the calling process fails, naming rank 0's status: no result came back."""
+    ended it), and `fit` in the calling process fails, naming rank 0's status: no result came back. Both
+    faults strike at the rank's first batch, the one the work queue sets aside for it: under load a rank
+    can leave the epoch's tail to the others before its 3rd batch (it did once, and nobody killed it)."""
     args = ["--strategy", "prague", "--epochs", "1", "--step-time", "0.05", "--devices", "3", "--start-method", "fork"]
-    args += ["--hang-timeout", str(HANG_TIMEOUT), "--fault", "0:3:kill", "--fault", "2:4:raise"]
+    args += ["--hang-timeout", str(HANG_TIMEOUT), "--fault", "0:1:kill", "--fault", "2:1:raise"]
     proc, _ = run_training(tmp_path, *args, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "local rank 0's last process exited with status -9" in proc.stderr, proc.stderr[-3000:]
