@@ -419,7 +419,7 @@ class IdleProcesses:
     its input (killed before that, torchrun's rank 0 came back 15-20 s later, its spare still importing)."""
 
     #: seconds a process's CPU time must stay the same
-    QUIET_SECONDS = 1.0
+    QUIET_SECONDS = 1.5
 
     def __init__(self) -> None:
         self._since: dict[int, tuple[int, float]] = {}
@@ -650,7 +650,7 @@ def jobs(cluster, tmp_path_factory) -> Jobs:
     gate = examples["kubernetes"].directory / REPLACEMENT_GATE
     lost_pod = LOST_RANK["kubernetes"]  # its replacement: warm, behind its gate
     start_pod(cluster, examples["kubernetes"], lost_pod, f"{cluster.nodes[lost_pod].name}-replacement", gate)
-    losing = threading.Thread(target=lose_a_rank, args=(examples, time.monotonic() + JOB_TIMEOUT / 2))
+    losing = threading.Thread(target=lose_a_rank, args=(examples, time.monotonic() + JOB_TIMEOUT))
     losing.start()
     made: dict[tuple[str, str], Job] = {}
     for path, strategies in (("torchrun", TORCHRUN), ("srun", SRUN)):
