@@ -97,6 +97,31 @@ def test_the_last_rank_taking_chunks_never_leaves_the_tail_to_nobody(counters):
     assert sum(s.chunks_left_to_others > 0 for s in samplers) == 3, [s.chunks_left_to_others for s in samplers]
 
 
+class _LiveMembers:
+    """The session's counters as a sampler sees them, its session knowing only `members` alive."""
+
+    def __init__(self, counters, members: list[int]) -> None:
+        self._counters = counters
+        self.session = SimpleNamespace(members=members)
+
+    def __getattr__(self, name):
+        return getattr(self._counters, name)
+
+
+def test_with_ranks_lost_in_the_epoch_the_last_live_rank_taking_chunks_does_not_leave(counters):
+    """5 ranks, 3 of them lost in the epoch (they claim nothing after their first chunk): the 2 survivors
+    both believe they are slow. One leaves the tail, the other does not, and together they train every
+    chunk the queue hands out. The guard counted the epoch's 5 members, so both left and most of the
+    epoch was trained by nobody (28 of 45 batches, under load, in `test_exactly_once.py`)."""
+    survivors = [_AlwaysSlow(200, 4, r, 5, counters, seed=2) for r in (0, 3)]
+    for s in survivors:
+        s._store = _LiveMembers(counters, [0, 3])
+        s._my_seconds, s._others_rate = 1.0, 100.0
+    taken = _interleaved(survivors, [1, 1])
+    assert sum(len(part) for part in taken) == (50 - 3) * 4  # every chunk but the lost ranks' first ones
+    assert sum(s.chunks_left_to_others > 0 for s in survivors) == 1, [s.chunks_left_to_others for s in survivors]
+
+
 class _CountingStore:
     """A store client that counts the operations a sampler sends."""
 

@@ -383,14 +383,25 @@ class WorkQueueSampler(Sampler[int]):
         if not self.may_leave_tail():
             return False
         # the last rank still taking chunks must not leave, whatever its estimates say: the rest
-        # of the epoch would be trained by nobody (one store operation per leaving rank and epoch)
-        if increment(self._connect(), _KEYS.key(self.epoch, "left")) >= self.world_size:
+        # of the epoch would be trained by nobody (one store operation per leaving rank and epoch).
+        # Counted among the live members: with ranks lost in this epoch, the epoch's members (its
+        # world size) counted them, and every survivor once left (found under load: 3 of 5 ranks
+        # killed, the 2 survivors both left, and 28 of the epoch's 45 batches were never trained)
+        if increment(self._connect(), _KEYS.key(self.epoch, "left")) >= self._live_members():
             return False
         self.chunks_left_to_others = remaining
         report = getattr(self._store, "report", None)
         if report is not None:  # the others' claims at the queue's end need not wait for this rank
             report(self._cursor_key, end=True)
         return True
+
+    def _live_members(self) -> int:
+        """The epoch's members still in the job, as this rank's session last heard (its members, once
+        others were lost), else the epoch's members."""
+        members = getattr(getattr(self._connect(), "session", None), "members", None)
+        if isinstance(members, (list, tuple, set)) and members:
+            return min(self.world_size, len(members))
+        return self.world_size
 
     @staticmethod
     def _ema(old: float | None, new: float, weight: float = 0.5) -> float:
