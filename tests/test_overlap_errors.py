@@ -70,3 +70,50 @@ def test_a_thread_that_dies_before_taking_its_exchange_does_not_stall_drain(monk
         exchanger.drain()
     assert time.monotonic() - start < 10
     exchanger.close()
+
+
+class WaitingWorker(FailingWorker):
+    """A GroupWorker whose group request waits for a group the others never join: they wait for this rank
+    at the queue's end while it holds work. The control plane answers the request once this rank says it
+    leaves (`send_leave`), then sends `left`."""
+
+    doing = "group request #1"
+
+    def __init__(self, live: BucketedTensors) -> None:
+        super().__init__(live)
+        import threading
+
+        self.left = threading.Event()
+        self.leaves_sent: list[str] = []
+
+    def partial_sync(self, target, version):
+        assert self.left.wait(30), "the request was never answered: nobody said this rank leaves"
+        return None
+
+    def send_leave(self) -> None:
+        import threading
+
+        if not self.left.is_set():
+            self.leaves_sent.append(threading.current_thread().name)
+            self.left.set()
+
+    def leave(self) -> None:  # (from the communication thread, after its exchange)
+        self.send_leave()
+
+
+def test_a_rank_that_leaves_while_its_exchange_waits_for_a_group_says_so_itself_after_a_grace():
+    """Found under load: a `partial_reduce` rank that failed in a step joined its communication thread
+    before leaving, for up to its timeout; that thread waited for a first-ready group the others, parked
+    at the queue's end waiting for this rank, never joined: every rank waited until the test's timeout.
+    The training thread now sends the `leave` itself after a short grace."""
+    from lightning_prague.core.exchange.overlap import LEAVE_GRACE_SECONDS
+
+    live = BucketedTensors([torch.ones(4)])
+    worker = WaitingWorker(live)
+    exchanger = BackgroundAverager(worker, live, 300.0)  # type: ignore[arg-type]
+    exchanger.step()  # the exchange blocks in its group request
+    start = time.monotonic()
+    exchanger.leave()
+    assert time.monotonic() - start < LEAVE_GRACE_SECONDS + 5
+    assert worker.leaves_sent == ["MainThread"]  # said by the training thread, once
+    exchanger.close()

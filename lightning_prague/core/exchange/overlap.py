@@ -42,6 +42,9 @@ from lightning_prague.core.exchange.worker import GroupAnswer, GroupWorker
 
 log = logging.getLogger(__name__)
 _LEAVE = "leave"  # a job: leave the session from the thread (`GroupWorker.leave`)
+#: seconds a leaving rank waits for its communication thread's exchange in flight before it sends its
+#: `leave` itself (`BackgroundAverager.leave`)
+LEAVE_GRACE_SECONDS = 2.0
 
 
 def communication_threads() -> list[str]:
@@ -326,9 +329,19 @@ class BackgroundAverager(_ThreadedExchanger):
 
     def leave(self) -> None:
         # the thread finishes the exchange in flight and leaves itself (`GroupWorker.leave`), after
-        # its requests, so the coordinator answers every one of them before `left`
+        # its requests, so the coordinator answers every one of them before `left`. An exchange that
+        # waits for a group the others cannot join while this rank holds work (they wait for it at the
+        # queue's end) ends only once the control plane hears that this rank leaves: after a short
+        # grace, the `leave` goes from here (its group request went out before it blocked)
         if self.running:
             self._jobs.put(_LEAVE)
+            thread = self._thread
+            if thread is not None:
+                thread.join(min(self.timeout, LEAVE_GRACE_SECONDS))
+                if thread.is_alive():
+                    log.debug("rank %d: the communication thread is at %s: leaving from here", self.worker.rank,
+                              self.worker.doing)  # fmt: skip
+                    self.worker.send_leave()
             self._join("its last exchange before leaving")
             self._raise_pending()
         else:

@@ -202,6 +202,7 @@ class GroupWorker:
         self.on_admission: Callable[[], None] | None = None
         self._owes_resume = False  # a meeting was released: `resumed` tells the control plane once
         self._warned_layout = False
+        self._leave_sent = False  # `leave` went to the control plane (`send_leave`)
 
     # -- messaging -------------------------------------------------------------------------
     def _send(self, op: str, **fields: Any) -> None:
@@ -653,9 +654,18 @@ class GroupWorker:
         returns True once that thread has executed everything up to `left` and ended, False if no
         such thread runs (this thread then reads the inbox itself, as without `served`).
         """
-        self._send("leave")
+        self.send_leave()
         if served is None or not served():
             self._serve_until_left()
+
+    def send_leave(self) -> None:
+        """Send `leave` once (see `leave`). A training thread that gives up on the fit sends it itself
+        where the communication thread is blocked on an answer that may need this rank's departure (a
+        first-ready group that the others, waiting for this rank at the queue's end, never join); that
+        thread's requests went out before it blocked, so the `leave` still follows them."""
+        if not self._leave_sent:
+            self._leave_sent = True
+            self._send("leave")
 
     def _serve_until_left(self) -> None:
         """Execute what was already assigned to this rank until the coordinator's `left` item
