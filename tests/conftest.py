@@ -4,8 +4,7 @@ The suite runs on two pytest-xdist workers (`-n 2 --dist loadfile`): most multi-
 wait as much as they compute, so two modules at once cut the wall time on two cores by a third. A
 test that asserts how much more work fast workers did than a straggler (`serial`) measures this
 machine's speed, and a second module's processes on the same cores change it: such a test, and the
-fixture whose jobs it measures, run with the other worker paused (`SerialLock`); so do the emulated
-cluster's jobs (`test_cluster.py`), whose restarted ranks race their start against the survivors' fit.
+fixture whose jobs it measures, run with the other worker paused (`SerialLock`).
 """
 
 from __future__ import annotations
@@ -179,8 +178,7 @@ SPEED_MEASURING_FIXTURES = {"straggler_runs"}
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "serial: the test measures relative speeds, or races a process start against a fit; under pytest-xdist it "
-        "runs with the other worker paused",
+        "serial: the test measures relative speeds; under pytest-xdist it runs with the other worker paused",
     )
 
 

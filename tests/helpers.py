@@ -522,6 +522,83 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent's process id, or None once the process is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    return [child for child in pids if parent_of(child) == pid]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _environ(pid: int) -> set[str]:
+    try:
+        return set(Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0"))
+    except OSError:
+        return set()
+
+
+def _is_spare(pid: int) -> bool:
+    return b"lightning_prague.strategies.spare" in _cmdline(pid)
+
+
+def keeper_children(variables: set[str]) -> dict[str, int]:
+    """The processes of the keeper (``keeper.py``) that has ``variables`` in its environment: its
+    training process (``"training"``) and its warm spare (``"spare"``), those that run."""
+    children: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or b"keeper.py" not in _cmdline(int(entry.name)):
+            continue
+        if variables <= _environ(int(entry.name)):
+            for child in children_of(int(entry.name)):
+                children["spare" if _is_spare(child) else "training"] = child
+    return children
+
+
+def spare_beside(training: int) -> int | None:
+    """The warm spare that the keeper of training process `training` keeps, if it keeps one now."""
+    keeper = parent_of(training)
+    spares = [child for child in children_of(keeper) if _is_spare(child)] if keeper is not None else []
+    return spares[0] if spares else None
+
+
+class IdleProcesses:
+    """Which processes stopped using the CPU: a warm spare has imported torch and Lightning and waits on
+    its input (killed before that, a rank's new process came back 15-20 s later, its spare still
+    importing, once after the fit had ended)."""
+
+    #: seconds a process's CPU time must stay the same
+    QUIET_SECONDS = 1.5
+
+    def __init__(self) -> None:
+        self._since: dict[int, tuple[int, float]] = {}
+
+    def settled(self, pid: int) -> bool:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return False
+        ticks = int(fields[11]) + int(fields[12])  # utime + stime
+        now = time.monotonic()
+        seen = self._since.get(pid)
+        if seen is None or seen[0] != ticks:
+            self._since[pid] = (ticks, now)
+            return False
+        return now - seen[1] >= self.QUIET_SECONDS
+
+
 def dump_stacks(job: subprocess.Popen | ForkedJob, log: Path, seconds: float = 3.0) -> str:
     """The end of the log of a demo job (`python -m lightning_prague.demo.run`, started with
     `start_new_session=True`) a test gives up on, after every process of it printed its threads'

@@ -67,7 +67,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import run_forked
+from helpers import IdleProcesses, keeper_children, run_forked
 
 from lightning_prague.strategies.keeper import SPARE_VARIABLE
 from lightning_prague.tools.cluster import Cluster, ClusterUnavailable, clean_environment
@@ -78,10 +78,10 @@ from lightning_prague.tools.cluster.srun import Layout, task_environment
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "cluster"
 
-#: `serial`: under pytest-xdist these jobs run alone. Their lost ranks' new processes must start (an
-#: interpreter, Lightning, the model) before the survivors finish the fit; beside another module's jobs on
-#: 2 cores that once took 20 s, and torchrun's rank 0 came back to a fit that had ended
-pytestmark = [pytest.mark.timeout(240), pytest.mark.serial]
+#: Not `serial` (under pytest-xdist the other worker goes on beside these jobs): their lost ranks' new
+#: processes start from warm spares (torchrun's rank 0 is killed once its spare is idle), a replacement
+#: pod waits warm behind its gate, and the fits last long enough for a cold start beside another module
+pytestmark = [pytest.mark.timeout(240)]
 
 STRATEGIES = ("prague", "partial_reduce", "adpsgd", "decent_adam")
 EVERY_WAY = bool(os.environ.get("LPC_CLUSTER_ALL"))  # every strategy's demo on both launch paths too
@@ -382,60 +382,6 @@ def start_pod(cluster: Cluster, example: Example, index: int, name: str = "", ga
         command = [*container["command"], line.replace("exec python ", 'exec python -c "$GATED_POD" "$POD_GATE" ', 1)]
         env.update(GATED_POD=GATED_POD, POD_GATE=str(gate))
     example.start(cluster, node, command, env, name)
-
-
-def _environ(pid: int) -> set[str]:
-    try:
-        return set(Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0"))
-    except OSError:
-        return set()
-
-
-def keeper_children(variables: set[str]) -> dict[str, int]:
-    """The processes of the keeper that has ``variables`` in its environment: its training process
-    (``"training"``) and its warm spare (``"spare"``), those that run."""
-    children: dict[str, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"keeper.py" not in cmdline or not variables <= _environ(int(entry.name)):
-            continue
-        for child in Path("/proc").iterdir():
-            try:
-                if child.name.isdigit() and (child / "stat").read_text().rsplit(")", 1)[1].split()[1] == entry.name:
-                    spare = b"lightning_prague.strategies.spare" in (child / "cmdline").read_bytes()
-                    children["spare" if spare else "training"] = int(child.name)
-            except (OSError, IndexError):
-                continue
-    return children
-
-
-class IdleProcesses:
-    """Which processes stopped using the CPU: a warm spare has imported torch and Lightning and waits on
-    its input (killed before that, torchrun's rank 0 came back 15-20 s later, its spare still importing)."""
-
-    #: seconds a process's CPU time must stay the same
-    QUIET_SECONDS = 1.5
-
-    def __init__(self) -> None:
-        self._since: dict[int, tuple[int, float]] = {}
-
-    def settled(self, pid: int) -> bool:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            return False
-        ticks = int(fields[11]) + int(fields[12])  # utime + stime
-        now = time.monotonic()
-        seen = self._since.get(pid)
-        if seen is None or seen[0] != ticks:
-            self._since[pid] = (ticks, now)
-            return False
-        return now - seen[1] >= self.QUIET_SECONDS
 
 
 #: the gate of the Kubernetes example's replacement pod (`GATED_POD`), in the example's folder

@@ -10,10 +10,11 @@ import, on 127.0.0.1 with gloo), run side by side:
   with `LIGHTNING_PRAGUE_REJOIN=1`. Every fit returns, with one model, and each new process trains
   at least 50 batches.
 - `prague` with `max_restarts=1`: every task's process becomes its rank's keeper
-  (`lightning_prague.strategies.keeper`), which keeps a warm spare; rank 1's training process kills
-  itself at its 250th batch (its spare stands ready by then) and its keeper starts it again in
-  place, in the spare. The new process rejoins and trains; every task (keeper) exits 0, as the fit
-  finished.
+  (`lightning_prague.strategies.keeper`), which keeps a warm spare; rank 1's training process is
+  killed (SIGKILL) once it trains and its spare stands ready (the spare's CPU time stands still:
+  killed at a fixed batch instead, the spare was once still importing under load, and the new
+  process came after the fit), and its keeper starts it again in place, in the spare. The new
+  process rejoins and trains; every task (keeper) exits 0, as the fit finished.
 
 About 20 s on two cores.
 """
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, free_port, process_alive, run_forked
+from helpers import ROOT, IdleProcesses, free_port, process_alive, run_forked, spare_beside
 
 from lightning_prague.strategies.keeper import SPARE_VARIABLE
 from lightning_prague.tools.cluster.srun import Layout, expand_nodelist, slurm_variables
@@ -38,9 +40,13 @@ TASKS = 4
 #: a new step of the job starts each of these ranks again once its process is gone: rank -> (batch it
 #: kills itself at, its new step's id, what the step exports on top of the job's environment)
 NEW_STEPS = {2: (10, 1, {}), 1: (40, 2, {"LIGHTNING_PRAGUE_REJOIN": "1"})}
-#: the rank the keeper of the `max_restarts` job restarts, and the batch it kills itself at
-KEPT, KEPT_AT = 1, 250
+#: the rank the keeper of the `max_restarts` job restarts
+KEPT = 1
 EPOCHS = 2
+#: the epochs of the job whose keeper restarts a rank: its spare is warm 20-30 s into the fit under
+#: load (its interpreter starts 5 s after the keeper's and imports torch and Lightning beside 12 ranks),
+#: and the survivors must still be training when the new process rejoins
+KEPT_EPOCHS = 4
 #: the fewest batches a new process trains
 MIN_BATCHES = 50
 JOB_TIMEOUT = 200
@@ -51,7 +57,8 @@ def demo_args(strategy: str, out: Path, faults: list[str], restarts: int = 0) ->
     8 times over for a job whose keeper restarts a rank (its new process is a fresh interpreter, which
     imports torch and Lightning: the fit must outlast that on two loaded cores)."""
     return [
-        "--strategy", strategy, "--devices", str(TASKS), "--epochs", str(EPOCHS), "--batch-size", "8",
+        "--strategy", strategy, "--devices", str(TASKS), "--epochs", str(KEPT_EPOCHS if restarts else EPOCHS),
+        "--batch-size", "8",
         "--epoch-repeats", "8" if restarts else "4", "--step-time", "0.02", "--profile", "homogeneous",
         "--hang-timeout", "30", "--grouping-timeout", "60", "--max-restarts", str(restarts), "--json", str(out),
         *(arg for fault in faults for arg in ("--fault", fault)),
@@ -68,6 +75,21 @@ def gate_after_kill(directory: Path, rank: int, gate: Path, deadline: float) -> 
     while pid is not None and process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     gate.touch()
+
+
+def kill_once_the_spare_is_warm(directory: Path, rank: int, deadline: float) -> None:
+    """SIGKILL rank `rank`'s training process once it trains (its ``pid`` file) and its keeper's spare
+    is warm; write what was done to ``killed.RANK``."""
+    pid_file, warm = directory / f"pid.{rank}", IdleProcesses()
+    while time.monotonic() < deadline:
+        pid = int(pid_file.read_text()) if pid_file.exists() and pid_file.read_text().strip() else None
+        spare = spare_beside(pid) if pid is not None else None
+        if pid is not None and spare is not None and warm.settled(spare):
+            os.kill(pid, signal.SIGKILL)
+            (directory / f"killed.{rank}").write_text(f"killed training process {pid} beside warm spare {spare}")
+            return
+        time.sleep(0.1)
+    (directory / f"killed.{rank}").write_text("never killed: no warm spare beside a training process in time")
 
 
 def results(directory: Path) -> dict[int, dict]:
@@ -87,10 +109,7 @@ def srun_jobs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
         directory = root / name
         directory.mkdir()
         job_id, port = str(4801 + i), str(free_port())
-        if restarts:
-            faults = [f"{KEPT}:{KEPT_AT}:kill"]
-        else:
-            faults = [f"{rank}:{batch}:kill" for rank, (batch, _, _) in NEW_STEPS.items()]
+        faults = [] if restarts else [f"{rank}:{batch}:kill" for rank, (batch, _, _) in NEW_STEPS.items()]
         argv = demo_args(strategy, directory / "result.json", faults, restarts)
         if restarts:  # the keepers of the ranks never lost keep no spare (a spare's imports cost the loaded cores)
             others = [t for t in range(TASKS) if t != KEPT]
@@ -117,6 +136,8 @@ def srun_jobs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
     environment.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     deadline = time.monotonic() + JOB_TIMEOUT
     watchers = [threading.Thread(target=gate_after_kill, args=(*g, deadline), daemon=True) for g in gates]
+    kill = threading.Thread(target=kill_once_the_spare_is_warm, args=(root / "kept", KEPT, deadline), daemon=True)
+    watchers.append(kill)
     for watcher in watchers:
         watcher.start()
     done = run_forked("lightning_prague.tools.cluster.srun", argv, environment, root, JOB_TIMEOUT + 30)
@@ -164,6 +185,8 @@ def test_the_keeper_of_max_restarts_restarts_a_killed_rank_under_srun(srun_jobs)
     spare, which rejoins and trains; every task exits 0 (the keeper exits as its last process did)."""
     directory, output = srun_jobs["kept"]
     found = results(directory)
+    killed = (directory / f"killed.{KEPT}").read_text()
+    assert killed.startswith("killed"), killed
     assert sorted(found) == list(range(TASKS)), f"results of ranks {sorted(found)}\n{output[-12000:]}"
     assert len({r["params_sha256"] for r in found.values()}) == 1, output[-12000:]
     assert found[KEPT]["restarts"] == 1 and found[KEPT]["batches_this_process"] > 0, found[KEPT]
