@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lightning_prague.core.errors import ConfigurationError
-from lightning_prague.core.replicas import NODE, ReplicaLayout
+from lightning_prague.core.grouping.topology import make_topology
+from lightning_prague.core.replicas import NODE, ReplicaLayout, column_schedule
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,6 +32,36 @@ def test_consecutive_ranks_form_each_replica_and_a_column_holds_one_rank_of_each
         layout.replica_of(8)
     with pytest.raises(ValueError, match="outside a job of 4 replicas"):
         layout.ranks_of(4)
+
+
+@given(
+    topology=st.sampled_from(["complete", "ring", "one_peer_exp", "static"]),
+    replicas=st.sampled_from([2, 4, 8]),
+    size=st.integers(1, 4),
+)
+def test_a_schedule_over_replicas_runs_column_by_column_and_mixes_each_replica_as_one(topology, replicas, size):
+    """Rank `i` of each replica of a group averages with rank `i` of the others, with the group's
+    weights: the ranks' mixing matrix is the replicas' one for each index (`W kron I_K`)."""
+    layout = ReplicaLayout(replicas * size, size)
+    over_replicas = make_topology(topology, replicas, 1)
+    ranks = column_schedule(over_replicas, layout)
+    assert ranks.world_size == layout.world_size and ranks.period == over_replicas.period
+    # the columns never meet in the schedule; a replica's ranks meet at every step (their gradient average)
+    assert ranks.coverage == over_replicas.coverage
+    for t in range(over_replicas.period):
+        expected = torch.kron(over_replicas.mixing_matrix(t), torch.eye(size, dtype=torch.float64))
+        assert torch.equal(ranks.mixing_matrix(t), expected)
+        for rank in range(layout.world_size):
+            group = ranks.group_of(rank, t)
+            assert {layout.index_of(m) for m in group.members} == {layout.index_of(rank)}  # its column only
+            planned = over_replicas.group_of(layout.replica_of(rank), t)
+            assert [layout.replica_of(m) for m in group.members] == list(planned.members)
+            assert group.self_weight == planned.self_weight
+
+
+def test_a_schedule_must_be_drawn_over_the_jobs_replicas():
+    with pytest.raises(ValueError, match="over 8 workers, the job has 4 replicas"):
+        column_schedule(make_topology("ring", 8, 1), ReplicaLayout(8, 2))
 
 
 def test_node_means_the_ranks_of_a_node_and_bad_sizes_are_refused_by_name():

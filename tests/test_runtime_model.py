@@ -301,3 +301,77 @@ def test_every_plan_option_says_what_it_is_and_its_default(capsys):
     with pytest.raises(SystemExit):
         plan(["--help"])
     assert "training processes (ranks) in the job (default: 8)" in " ".join(capsys.readouterr().out.split())
+
+
+# -- replica groups (issue 50): a replica is one worker whose step trains a batch on each of its ranks
+
+
+def test_a_replicas_step_is_its_slowest_rank_plus_the_all_reduce_its_backward_pass_cannot_hide():
+    members = [ComputeProfile(0.1), ComputeProfile(0.3)]
+    assert runtime_model.ReplicaProfile(members, allreduce=0.05).mean == pytest.approx(0.35)
+    hidden = runtime_model.ReplicaProfile(members, allreduce=0.05, last_bucket=0.01, backward=0.5)
+    assert hidden.mean == pytest.approx(0.31), "only the last bucket is exposed"
+    assert runtime_model.ReplicaProfile(members[:1], allreduce=1.0).mean == pytest.approx(0.1), "alone: no all-reduce"
+    jittered = runtime_model.ReplicaProfile([ComputeProfile(0.1, sigma=0.5)] * 2, allreduce=0.0)
+    assert jittered.mean > ComputeProfile(0.1, sigma=0.5).mean, "the slower of two draws, on average"
+
+
+def test_replicas_of_one_rank_predict_exactly_what_ranks_alone_do():
+    fast, slow = Link(bandwidth=10 * MB, latency=0.0), Link(bandwidth=MB, latency=0.0)
+    cluster = Cluster(2, intra=fast, inter=slow, node_links=(fast, slow))
+    workers = [ComputeProfile(0.1, sigma=0.2)] * 4
+    assert predict(workers, MB, cluster=cluster, replica_size=1) == predict(workers, MB, cluster=cluster)
+
+
+def test_replicas_pay_for_a_slow_node_behind_slow_links_and_cost_for_a_slow_rank_inside_a_fast_node():
+    intra, gbit = Link(bandwidth=100e9, latency=1e-5), Link(bandwidth=1e9 / 8, latency=1e-4)
+    nodes = Cluster(2, intra=intra, inter=gbit, node_links=(gbit,) * 4)
+    slow_node = [ComputeProfile(0.05, slowdown=3.0 if rank >= 6 else 1.0) for rank in range(8)]
+    alone = by_name(predict(slow_node, 100 * MB, cluster=nodes, backward_fraction=2 / 3))
+    paired = by_name(predict(slow_node, 100 * MB, cluster=nodes, backward_fraction=2 / 3, replica_size=2))
+    for name in ("prague", "partial_reduce", "adpsgd"):
+        # the same compute either way (node 3's ranks are equally slow), less to drain behind the node links
+        assert paired[name].throughput == pytest.approx(alone[name].throughput, rel=0.01)
+        assert paired[name].sync_wait < 0.75 * alone[name].sync_wait, (name, paired[name], alone[name])
+        assert paired[name].replica_size == 2 and paired[name].name == f"{name} (replicas of 2)"
+    assert paired["decent_adam"].throughput > alone["decent_adam"].throughput, "one model crosses each link, not two"
+    assert paired["ddp"] == alone["ddp"], "DDP is every rank in lock-step either way"
+    slow_rank = [ComputeProfile(0.05, slowdown=5.0 if rank == 1 else 1.0) for rank in range(8)]
+    fast_links = Cluster(2, intra=intra, inter=Link(bandwidth=100e9 / 8, latency=1e-5))
+    alone = by_name(predict(slow_rank, MB, cluster=fast_links, strategies=["prague"]))["prague"]
+    paired = by_name(predict(slow_rank, MB, cluster=fast_links, strategies=["prague"], replica_size=2))["prague"]
+    assert alone.throughput == pytest.approx(7 / 0.05 + 1 / 0.25)
+    assert paired.throughput < 2 * (1 / 0.25 + 3 / 0.05) <= 0.9 * alone.throughput, "rank 0 waits for rank 1"
+
+
+def test_replicas_see_a_cluster_of_their_own():
+    a, b = Link(bandwidth=4 * MB, latency=0.001), Link(bandwidth=MB, latency=0.002)
+    cluster = Cluster(2, inter=a, node_links=(a, a, b, b))
+    assert cluster.of_replicas(1, 4) is cluster
+    per_node = cluster.of_replicas(2, 4)
+    assert per_node.workers_per_node == 1 and per_node.node_links == cluster.node_links
+    assert Cluster(4, node_links=(a, b)).of_replicas(2, 2).workers_per_node == 2
+    spanning = cluster.of_replicas(4, 4)  # a replica's slices leave through both of its nodes' links
+    assert spanning.workers_per_node == 1 and [link.bandwidth for link in spanning.node_links] == [8 * MB, 2 * MB]
+    assert spanning.node_links[1].latency == 0.002
+    with pytest.raises(ConfigurationError, match="replica_size=3 neither divides"):
+        cluster.of_replicas(3, 4)
+    with pytest.raises(ConfigurationError, match="one replica, which is DDP"):
+        predict([ComputeProfile(0.1)] * 4, MB, cluster=Cluster(2), replica_size=4)
+    with pytest.raises(ConfigurationError, match="does not divide the job's 4 ranks"):
+        predict([ComputeProfile(0.1)] * 4, MB, replica_size=3)
+
+
+def test_plan_predicts_each_strategy_alone_and_in_replicas_and_says_which_pays(capsys):
+    argv = ["--workers", "8", "--workers-per-node", "2", "--slow", "6:3", "--slow", "7:3", "--model-mb", "100",
+            "--node-bandwidth-gbps", "1", "1", "1", "1", "--strategies", "ddp", "decent_adam"]  # fmt: skip
+    predictions = plan([*argv, "--replica-size", "node"])
+    out = capsys.readouterr().out
+    assert [p.name for p in predictions] == ["ddp", "decent_adam", "decent_adam (replicas of 2)"]
+    assert "decent_adam (replicas of 2)" in out and "recommended: decent_adam (replicas of 2)" in out
+    for size, message in (("3", "does not divide the job's 8 ranks"), ("8", "one replica, which is DDP"),
+                          ("two", "a positive number of ranks or 'node', not 'two'")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            plan([*argv, "--replica-size", size])
+        err = capsys.readouterr().err
+        assert f"--replica-size {size}: " in err and message in err, err

@@ -298,13 +298,16 @@ def test_a_slow_rank_gives_the_rest_of_its_shard_back_at_the_tail_and_every_samp
     import time
 
     files = Files([40, 8, 8, 8, 8, 8])
-    reader = ShardReader(ProtocolSource(files), identity)
+    # each rank its own reader, as in its own process: one shared reader's open iterator would read shard
+    # 0 on for a waiting rank without opening it again where rank 0's reads stood
+    readers = {r: ShardReader(ProtocolSource(files), identity) for r in range(3)}
+    reader = readers[0]
     samplers = {
         r: ShardQueueSampler(files.num_shards, 4, r, 3, s.counters, slow_ratio=2 if r == 0 else 0)
         for r, s in enumerate(sessions)
     }
     trained: dict[int, list] = {1: [], 2: []}
-    threads = [threading.Thread(target=train, args=(samplers[r], reader, trained[r])) for r in (1, 2)]
+    threads = [threading.Thread(target=train, args=(samplers[r], readers[r], trained[r])) for r in (1, 2)]
     for thread in threads:
         thread.start()
     slow: list = []

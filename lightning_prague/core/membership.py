@@ -518,6 +518,19 @@ def _new_group(
     return group
 
 
+def new_named_group(
+    members: tuple[int, ...],
+    backend: str,
+    name: str,
+    timeout: timedelta,
+    what: str,
+    device_id: Optional[torch.device] = None,
+) -> dist.ProcessGroup:
+    """A process group of `members` made by them only, named `name` (unique in the job, the same on
+    every member) on the default group's store; its waits are bounded by `timeout`."""
+    return _new_group(members, backend, _default_store(), name, timeout, what, device_id)
+
+
 class RendezvousStore(dist.Store):
     """The store a rebuilt group's rendezvous runs on: the default store, with waits that poll, so
     that they give up when a member departs (`departed`), when the rebuild is abandoned or when its

@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--weighting", default="uniform", help="partial_reduce: uniform or staleness")
     parser.add_argument("--topology", default="ring", help="decent_adam's topology")
+    parser.add_argument(
+        "--replica-size", default="1", help="consecutive ranks training one model synchronously ('node': a node's)"
+    )
     parser.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZERS))
     parser.add_argument("--accum-steps", type=int, default=4, help="tau of accum_adam / accum_adamw")
     parser.add_argument("--lr-decay", type=float, default=1.0, help="multiply the LR by this after every epoch")
@@ -140,6 +143,8 @@ def build_strategy(args: argparse.Namespace) -> Any:
         "hang_factor": args.hang_factor,
         "leave_out_after": args.leave_out_after,
     }
+    if args.replica_size != "1":  # (given only where asked: every strategy takes it, only decent_adam uses it)
+        shared["replica_size"] = int(args.replica_size) if args.replica_size.isdigit() else args.replica_size
     if args.strategy in ("prague", "partial_all_reduce"):
         return lightning_prague.PartialAllReduceStrategy(
             group_size=args.group_size, grouping=args.grouping, overlap=args.overlap, **shared

@@ -35,10 +35,13 @@ are three objects of the core: the process's `Job` (the supervisor, the store, o
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 import warnings
 from abc import abstractmethod
 from collections.abc import Callable
+from datetime import timedelta
 from functools import partial
 from typing import Any, Literal, Optional, Union
 
@@ -71,6 +74,8 @@ from lightning_prague.core.job import Job, init_job
 from lightning_prague.core.plane.launch import LOG_DIR_VARIABLE
 from lightning_prague.core.plane.service import plane_address
 from lightning_prague.core.protocol import HangRule
+from lightning_prague.core.replicas.layout import ReplicaLayout
+from lightning_prague.core.replicas.sync import replica_group, synchronous
 from lightning_prague.strategies import _patches
 from lightning_prague.strategies._checks import check_layer_sync, check_lightning_internals, check_trainer
 from lightning_prague.strategies.collectives import RoutedCollectives
@@ -94,6 +99,11 @@ from lightning_prague.strategies.stops import Stops
 from lightning_prague.strategies.survivors import Survivors
 from lightning_prague.strategies.sync_points import Synchronizer, SyncPoints
 
+log = logging.getLogger(__name__)
+
+#: seconds a rank whose replica's gradient average failed waits to hear which rank of it was lost
+REPLICA_LOSS_NOTICE_SECONDS = 5.0
+
 #: `DDP_TIMEOUT`, `watchdog_margin` (`options`) and `SyncPoints` (`sync_points`) are importable from here as before
 __all__ = ["DDP_TIMEOUT", "DecentralizedStrategy", "SyncPoints", "watchdog_margin"]
 
@@ -115,6 +125,8 @@ class DecentralizedStrategy(DDPStrategy):
     avoid_stragglers = False
     #: draw into a group only workers not busy in an unfinished one (`GroupGenerator.avoid_busy`)
     avoid_busy = False
+    #: it trains in replica groups (`replica_size`): its policy is drawn over replicas
+    takes_replicas = False
 
     def __init__(
         self,
@@ -140,6 +152,7 @@ class DecentralizedStrategy(DDPStrategy):
         max_workers: Optional[int] = None,
         plane: Optional[str] = None,
         plane_wait: Optional[float] = None,
+        replica_size: Union[int, str] = 1,
         **ddp_kwargs: Any,
     ) -> None:
         """Options every asynchronous strategy shares.
@@ -223,6 +236,13 @@ class DecentralizedStrategy(DDPStrategy):
                 back from its journal, `docs/fault_tolerance.md`, "The control plane dies too"); 0:
                 the control plane is lost at once and every fit fails with `ControlPlaneLost`. Unset:
                 `LIGHTNING_PRAGUE_PLANE_WAIT`, else 60.
+            replica_size: consecutive ranks that train one model synchronously (their gradients
+                averaged at every step by `DistributedDataParallel` on the replica's own process
+                group) and decentralize as one unit: `"node"` for the ranks of a node; 1 (the
+                default): every rank on its own. So far only `strategy="decent_adam"` takes it (its
+                topology is drawn over replicas, rank `i` of each averaging with rank `i` of the
+                others); a lost rank loses its replica, which does not come back (`max_restarts`
+                and `max_workers` must stay unset). See `docs/design/replicas.md`.
             **ddp_kwargs: options of Lightning's `DDPStrategy` / `DistributedDataParallel`, for code
                 moved from DDP. The model is not wrapped in `DistributedDataParallel` (replicas
                 average parameters in groups, not gradients), so `find_unused_parameters`,
@@ -239,7 +259,13 @@ class DecentralizedStrategy(DDPStrategy):
             min_workers=min_workers, hang_timeout=hang_timeout, hang_factor=hang_factor,
             leave_out_after=leave_out_after, sync_timeout=sync_timeout, coordinator_port=coordinator_port,
             max_restarts=max_restarts, max_workers=max_workers, plane=plane, plane_wait=plane_wait,
+            replica_size=replica_size,
         )  # fmt: skip
+        if replica_size != 1 and not self.takes_replicas:
+            raise ConfigurationError(
+                f"replica_size={replica_size!r}: strategy={self.strategy_name!r} does not train in replica groups "
+                "yet; strategy='decent_adam' does (docs/design/replicas.md)"
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -262,6 +288,8 @@ class DecentralizedStrategy(DDPStrategy):
         self.job: Job | None = None
         #: this fit's session: control session, worker, exchanger (`None` outside an asynchronous fit)
         self.training: TrainingSession | None = None
+        #: this rank's replica's process group during a fit in replica groups (`replica_size`)
+        self._replica_group: dist.ProcessGroup | None = None
         #: this rank's phase between synchronization points
         self.controller = SyncController()
         #: Lightning reported an exception (`on_exception`) during this fit
@@ -306,6 +334,8 @@ class DecentralizedStrategy(DDPStrategy):
     #: seconds a rank waits for its control plane to come back; `None`: `LIGHTNING_PRAGUE_PLANE_WAIT`, else 60
     plane_wait = Option[Optional[float]]()
     hang_rule = Option[HangRule]()
+    #: consecutive ranks that train one model synchronously (`"node"`: a node's); see `replicas`
+    replica_size = Option[Union[int, str]]()
 
     # -- this fit's session (None outside an asynchronous fit) ------------------------------------
     @property
@@ -346,6 +376,17 @@ class DecentralizedStrategy(DDPStrategy):
     def workers_per_node(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices else 1
 
+    @property
+    def replicas(self) -> ReplicaLayout:
+        """This job's replica groups (`replica_size`): every rank its own replica by default."""
+        layout = ReplicaLayout.resolve(self.replica_size, self.world_size, self.workers_per_node)
+        if layout.replica_size > 1 and layout.replicas < 2:
+            raise ConfigurationError(
+                f"replica_size={self.replica_size!r} makes the job's {self.world_size} ranks one replica: that is "
+                "DDP (strategy='ddp'), with nothing to decentralize"
+            )
+        return layout
+
     @override
     def setup(self, trainer: Trainer) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -363,6 +404,11 @@ class DecentralizedStrategy(DDPStrategy):
             # which loads the training data (through the work queue) there
             self.training = TrainingSession(self._require_job(), self.session_plan(policy))
             self.training.open()
+            if self.training.admission is not None and self.replicas.replica_size > 1:
+                raise ConfigurationError(
+                    f"rank {self.global_rank}'s new process cannot rejoin: a lost rank lost its replica, and a replica "
+                    "does not come back yet (docs/design/replicas.md)"
+                )
             if self.training.admission is not None:  # rejoined: the others train on, unaligned with it
                 self.controller.batch_starts()
                 trainer.num_sanity_val_steps = 0  # the fit is under way: no sanity check (and no collectives)
@@ -496,6 +542,18 @@ class DecentralizedStrategy(DDPStrategy):
         if self.job is not None and self.job.rejoined:
             return  # its state comes from a live member; the default group may hold ranks that moved on
         _sync_module_states(self.model)
+        layout = self.replicas
+        if layout.replica_size > 1:  # a replica's ranks average their gradients each step (core.replicas.sync)
+            assert self.job is not None
+            group = replica_group(
+                layout,
+                self.global_rank,
+                self._get_process_group_backend(),
+                timedelta(seconds=self.operation_timeout),
+                self.root_device if self.root_device.type != "cpu" else None,
+            )
+            self._replica_group = group
+            self.model = synchronous(self.model, group, self.determine_ddp_device_ids())
 
     @override
     def teardown(self) -> None:
@@ -514,6 +572,9 @@ class DecentralizedStrategy(DDPStrategy):
         self.controller.reset()
         self.failed = False
         super().teardown()
+        if self._replica_group is not None:
+            dist.destroy_process_group(self._replica_group)
+            self._replica_group = None
 
     def progressed(self) -> None:
         """A training or validation batch starts: progress for the hang detector (and, in a long
@@ -540,7 +601,29 @@ class DecentralizedStrategy(DDPStrategy):
             self.failed = False
         if self.session is not None:  # its exception path (a checkpoint) may outlast a lost control plane
             self.session.fit_failed()
+            self._say_replica_lost()
         super().on_exception(exception)
+
+    def _say_replica_lost(self) -> None:
+        """Where this rank fails because a rank of its replica was lost, say so: the error it fails with is
+        the backend's (a gloo pair's read error, an NCCL timeout)."""
+        if self._replica_group is None or self.session is None:
+            return
+        layout = self.replicas
+        ranks = layout.ranks_of(layout.replica_of(self.global_rank))
+        deadline = time.monotonic() + REPLICA_LOSS_NOTICE_SECONDS  # (the backend's error comes first)
+        while not (lost := {r: self.session.departed[r] for r in ranks if r in self.session.departed}):
+            if time.monotonic() > deadline:
+                log.error("rank %d failed: its replica (ranks %s) leaves with it", self.global_rank, list(ranks))
+                return
+            time.sleep(0.05)
+        log.error(
+            "rank %d leaves the job with its replica (ranks %s): rank(s) %s of it were lost (%s)",
+            self.global_rank,
+            list(ranks),
+            sorted(lost),
+            "; ".join(lost.values()),
+        )
 
     # -- training step ------------------------------------------------------------------------
     @override

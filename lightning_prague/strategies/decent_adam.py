@@ -14,6 +14,7 @@ from lightning_prague.core.exchange.overlap import Exchanger
 from lightning_prague.core.exchange.worker import GroupWorker
 from lightning_prague.core.grouping.policies import GroupingPolicy, SchedulePolicy
 from lightning_prague.core.grouping.topology import make_topology
+from lightning_prague.core.replicas.columns import column_schedule
 from lightning_prague.strategies.base import DecentralizedStrategy
 
 Topology = Literal["complete", "ring", "one_peer_exp", "alternating_exp_ring", "static"]
@@ -70,6 +71,8 @@ class DecentAdamStrategy(DecentralizedStrategy):
         schedule: a user schedule instead of a named topology: a list of rounds, each a list of
             groups, each a list of ranks or `{"members": [...], "self_weight": w}`. Validated:
             every round must put every rank in exactly one group. Given, it replaces `topology`.
+            With `replica_size`, a topology or schedule is over the replicas (replica `r`: ranks
+            `rK .. rK+K-1`), and rank `i` of each replica averages with rank `i` of the others.
         workers_per_node: the node size the node-aware topologies assume; default: the devices
             per node Lightning runs.
         overlap: issue each exchange in the background and wait just before the next update;
@@ -77,12 +80,13 @@ class DecentAdamStrategy(DecentralizedStrategy):
         **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`, `timeout`,
             `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`, `leave_out_after`,
             `sync_timeout`, `coordinator_port`, `max_restarts`, `max_workers`, `plane`,
-            `plane_wait`) and Lightning's
+            `plane_wait`, `replica_size`) and Lightning's
             plugins; see `DecentralizedStrategy`.
     """
 
     strategy_name = "decent_adam"
     shards_by_work_queue = False
+    takes_replicas = True
 
     def __init__(
         self,
@@ -107,8 +111,14 @@ class DecentAdamStrategy(DecentralizedStrategy):
 
     def make_policy(self) -> GroupingPolicy:
         per_node = self.node_size or self.workers_per_node
-        schedule = make_topology(self.topology, self.capacity, per_node, self.schedule_spec)
-        return SchedulePolicy(schedule, self.seed)
+        layout = self.replicas
+        if layout.replica_size == 1:
+            return SchedulePolicy(make_topology(self.topology, self.capacity, per_node, self.schedule_spec), self.seed)
+        # drawn over the replicas (a node holding `per_node / K` of them), run by the ranks column by column
+        over_replicas = make_topology(
+            self.topology, layout.replicas, max(1, per_node // layout.replica_size), self.schedule_spec
+        )
+        return SchedulePolicy(column_schedule(over_replicas, layout), self.seed)
 
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors, policy: GroupingPolicy) -> Exchanger:
         assert isinstance(policy, SchedulePolicy)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Generic, Optional, TypeVar
+from typing import Any, Generic, Optional, TypeVar, Union
 
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.grouping.policies import GroupingPolicy
 from lightning_prague.core.plane.service import plane_address
 from lightning_prague.core.protocol import HangRule, SessionConfig, resolve_control_port
+from lightning_prague.core.replicas.layout import NODE
 
 T = TypeVar("T")
 
@@ -64,6 +65,8 @@ class StrategyOptions:
     plane: Optional[str] = None
     #: seconds a rank waits for its control plane to come back; `None`: `LIGHTNING_PRAGUE_PLANE_WAIT`, else 60
     plane_wait: Optional[float] = None
+    #: consecutive ranks that train one model synchronously and decentralize as one; `"node"`: a node's
+    replica_size: Union[int, str] = 1
 
     def __post_init__(self) -> None:
         timeout = self.timeout
@@ -82,6 +85,21 @@ class StrategyOptions:
             raise ConfigurationError(
                 f"plane_wait={self.plane_wait!r} is invalid: it must be the seconds (0 to 86400) a rank waits for its "
                 "control plane to come back"
+            )
+        size = self.replica_size
+        if size != NODE and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ConfigurationError(
+                f"replica_size={size!r} is invalid: it must be a positive number of ranks or {NODE!r}"
+            )
+        if size != 1 and self.max_restarts:
+            raise ConfigurationError(
+                f"replica_size={size!r} with max_restarts={self.max_restarts}: a lost rank loses its replica, and a "
+                "replica does not come back yet (docs/design/replicas.md); set max_restarts=0"
+            )
+        if size != 1 and self.max_workers is not None:
+            raise ConfigurationError(
+                f"replica_size={size!r} with max_workers={self.max_workers}: new workers cannot join a job of "
+                "replicas yet (docs/design/replicas.md); leave max_workers unset"
             )
         if self.sync_every < 1:
             raise ConfigurationError(f"sync_every={self.sync_every} is invalid: it must be at least 1 local step")

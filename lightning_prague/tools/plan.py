@@ -5,11 +5,17 @@
     lightning-prague plan --timings stragglers.json   # written by StragglerMonitor(path="stragglers.json")
     lightning-prague plan --workers 16 --workers-per-node 4 --inter-bandwidth-gbps 10 --topology alternating_exp_ring
     lightning-prague plan --workers 4 --step-time 0.1 --model-mb 2.5 --node-bandwidth-gbps 0.2 0.2 0.2 0.01
+    lightning-prague plan --workers 8 --workers-per-node 2 --slow 6:3 --slow 7:3 --model-mb 100 --replica-size node
 
 With `--node-bandwidth-gbps` (one rate per node: what its link carries each way) a transfer between
 two nodes runs at the slower of their links, exchanges that leave a node at once share its link,
 and the asynchronous strategies' synchronization points (their drain and global average) are
 priced too (see `lightning_prague.tools.runtime_model`).
+
+With `--replica-size K` (or `node`: `--workers-per-node`) each decentralized strategy is predicted
+twice: every rank on its own, and in replicas of `K` consecutive ranks that train synchronously and
+decentralize as one (issue 50's design, `docs/design/replicas.md`: no strategy takes `replica_size`
+yet); the recommendation says which pays.
 
 Prints per strategy the predicted time per iteration, throughput, share of the physical limit
 (the sum of the workers' speeds) and the extra wait at each synchronization point, and recommends
@@ -24,6 +30,7 @@ from pathlib import Path
 
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.grouping.topology import TOPOLOGIES, make_topology
+from lightning_prague.core.replicas.layout import NODE, ReplicaLayout
 from lightning_prague.tools.runtime_model import (
     STRATEGY_MODELS,
     Cluster,
@@ -109,6 +116,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="host seconds (s) every step pays that a slow device does not stretch",
     )
     parser.add_argument("--seed", type=int, default=0, help="seeds the simulated grouping decisions and jitter")
+    parser.add_argument(
+        "--replica-size",
+        default="1",
+        help="also predict the decentralized strategies over replicas of this many consecutive ranks ('node': "
+        "--workers-per-node), each training synchronously",
+    )
     return parser
 
 
@@ -126,9 +139,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.group_size = min(3, workers) if args.group_size is None else args.group_size
         if not 2 <= args.group_size <= max(2, workers):
             problems.append(f"--group-size {args.group_size}: must be between 2 and the worker count ({workers})")
+        problems += replica_problems(args, workers)
         if "decent_adam" in args.strategies:
             try:
                 make_topology(args.topology, workers, args.workers_per_node)
+                if args.replica_size > 1:
+                    replicas = Cluster(args.workers_per_node).of_replicas(args.replica_size, workers)
+                    make_topology(args.topology, workers // args.replica_size, replicas.workers_per_node)
             except ConfigurationError as err:
                 problems.append(f"--topology {args.topology}: {err}")
     if problems:
@@ -169,6 +186,23 @@ def check(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def replica_problems(args: argparse.Namespace, workers: int) -> list[str]:
+    """What is wrong with `--replica-size` for `workers` ranks; sets `args.replica_size` to a number."""
+    spec = str(args.replica_size)
+    try:
+        size = args.workers_per_node if spec == NODE else int(spec) if spec.strip().isdigit() else spec
+        layout = ReplicaLayout.resolve(size, workers, args.workers_per_node)
+        if layout.replica_size > 1:
+            if layout.replicas < 2:
+                raise ConfigurationError(f"it makes the {workers} workers one replica, which is DDP")
+            Cluster(args.workers_per_node).of_replicas(layout.replica_size, workers)
+    except (ValueError, ConfigurationError) as err:
+        args.replica_size = 1
+        return [f"--replica-size {spec}: {err}"]
+    args.replica_size = layout.replica_size
+    return []
+
+
 def profiles_from(args: argparse.Namespace) -> list[ComputeProfile]:
     if args.timings:
         rows = json.loads(args.timings.read_text())
@@ -190,12 +224,12 @@ def profiles_from(args: argparse.Namespace) -> list[ComputeProfile]:
 
 def format_table(predictions: list[Prediction]) -> str:
     lines = [
-        f"{'strategy':<15} {'s/iteration':>12} {'batches/s':>10} {'of limit':>9} {'sync wait':>10} "
+        f"{'strategy':<32} {'s/iteration':>12} {'batches/s':>10} {'of limit':>9} {'sync wait':>10} "
         f"{'sync average':>12}  method"
     ]
     for p in predictions:
         lines.append(
-            f"{p.strategy:<15} {p.seconds_per_iteration:>12.4f} {p.throughput:>10.1f} "
+            f"{p.name:<32} {p.seconds_per_iteration:>12.4f} {p.throughput:>10.1f} "
             f"{p.throughput / p.limit:>8.0%} {p.sync_wait:>9.3f}s {p.sync_seconds:>11.3f}s  {p.method}"
         )
     return "\n".join(lines)
@@ -212,10 +246,7 @@ def main(argv: list[str] | None = None) -> list[Prediction]:
         if args.node_bandwidth_gbps is None
         else tuple(Link(bandwidth=g * 1e9 / 8, latency=args.latency_ms / 1000) for g in args.node_bandwidth_gbps),
     )
-    predictions = predict(
-        workers,
-        int(args.model_mb * 2**20),
-        strategies=args.strategies,
+    common = dict(
         group_size=args.group_size,
         seed=args.seed,
         cluster=cluster,
@@ -224,7 +255,12 @@ def main(argv: list[str] | None = None) -> list[Prediction]:
         bucket_bytes=int(args.bucket_mb * 2**20),
         grouping=args.grouping,
     )
+    model_bytes = int(args.model_mb * 2**20)
+    predictions = predict(workers, model_bytes, strategies=args.strategies, **common)
+    decentralized = [name for name in args.strategies if name != "ddp"]
+    if args.replica_size > 1 and decentralized:
+        predictions += predict(workers, model_bytes, strategies=decentralized, replica_size=args.replica_size, **common)
     print(format_table(predictions))
     best = recommend(predictions)
-    print(f"physical limit: {predictions[0].limit:.1f} batches/s; recommended: {best.strategy}")
+    print(f"physical limit: {predictions[0].limit:.1f} batches/s; recommended: {best.name}")
     return predictions

@@ -54,6 +54,18 @@ all-reduce got 92-95%, and two exchanges crossing 100 Mbit/s at once took 0.44 s
 link carrying `k` transfers of `b` bytes at once takes `max(k b / bandwidth, b / single_flow)`,
 and the library's ring (groups above `ALL_TO_ALL_MAX`) runs at `bandwidth`.
 
+Replica groups (`replica_size=K`, issue 50's design: `docs/design/replicas.md`). `K` consecutive
+ranks train one model synchronously, as DDP does, and the strategy runs with the replica as its unit.
+A replica is modelled as one worker (`ReplicaProfile`): each of its steps trains `K` batches and
+takes its slowest rank's compute plus the part of its gradient all-reduce (among its ranks, inside
+a node on the `intra` link) that its backward pass cannot hide, the same formula as `ddp`'s. The
+replicas then see a cluster of their own (`Cluster.of_replicas`): `workers_per_node / K` of them on
+a node, or one replica spanning several nodes that leaves through all of their links. When
+replicas average, rank `i` of each sends only slice `i` of the model, the `K` slices side by side:
+together one model leaves each replica, where without replicas each of its `K` ranks sends a whole
+one. So replicas pay where the nodes' links are the bottleneck and the stragglers come by node,
+and cost where one rank is slow inside a fast node (its replica waits for it each step).
+
 The physical limit is the sum of the workers' speeds, `sum_i 1 / E[c_i]`.
 """
 
@@ -70,6 +82,7 @@ from lightning_prague.core.exchange.gossip import IDLE_AFTER
 from lightning_prague.core.grouping.bipartite import BipartiteGraph
 from lightning_prague.core.grouping.policies import StaticPolicy
 from lightning_prague.core.grouping.topology import Schedule, make_topology
+from lightning_prague.core.replicas.layout import ReplicaLayout
 
 STRATEGY_MODELS = ("ddp", "prague", "partial_reduce", "adpsgd", "decent_adam")
 #: the most idle rounds `_phase_end` simulates at one meeting
@@ -109,6 +122,48 @@ class ComputeProfile:
         if self.period and ((step + phase) % self.period) < self.duty * self.period:
             factor *= self.periodic_factor
         return self.step_time * self.slowdown * factor + self.overhead
+
+
+class ReplicaProfile:
+    """`K` ranks training one model synchronously, modelled as one worker whose step trains `K`
+    batches: its slowest member's compute, plus what of the replica's gradient all-reduce
+    (`allreduce` seconds, `last_bucket` at least) the backward pass (`backward` of the slowest step)
+    cannot hide. `first`: the first member's rank (each member's periodic phase is its rank)."""
+
+    #: Monte Carlo draws of a replica's mean step when its members' steps vary (fixed seed: repeatable)
+    MEAN_DRAWS = 4000
+
+    def __init__(
+        self,
+        members: Sequence[ComputeProfile],
+        allreduce: float,
+        last_bucket: float = 0.0,
+        backward: float = 0.0,
+        first: int = 0,
+    ) -> None:
+        if not members:
+            raise ConfigurationError("a replica has at least one rank")
+        self.members = tuple(members)
+        self.allreduce, self.last_bucket, self.backward, self.first = allreduce, last_bucket, backward, first
+        self.deterministic = all(m.deterministic for m in self.members)
+        if self.deterministic:
+            self.mean = self._step(max(m.mean for m in self.members))
+        else:
+            rng = random.Random(first)
+            self.mean = sum(self.sample(rng, t) for t in range(self.MEAN_DRAWS)) / self.MEAN_DRAWS
+
+    def _step(self, slowest: float) -> float:
+        if len(self.members) < 2:
+            return slowest
+        return slowest + max(self.last_bucket, self.allreduce - self.backward * slowest)
+
+    def sample(self, rng: random.Random, step: int, phase: int = 0) -> float:
+        """One step of the replica (`phase` is ignored: each member's phase is its own rank)."""
+        return self._step(max(m.sample(rng, step, self.first + j) for j, m in enumerate(self.members)))
+
+
+#: a worker the model simulates: one rank, or a replica of several
+Worker = ComputeProfile | ReplicaProfile
 
 
 @dataclass(frozen=True)
@@ -159,6 +214,32 @@ class Cluster:
 
     def node_of(self, rank: int) -> int:
         return rank // self.workers_per_node
+
+    def of_replicas(self, size: int, nodes: int) -> Cluster:
+        """The cluster that replicas of `size` consecutive ranks see as their workers, on `nodes` nodes:
+        `workers_per_node / size` replicas on a node, or, where a replica spans `size / workers_per_node`
+        whole nodes, one per node whose link is the sum of theirs (its `size` slices leave through
+        all of them at once)."""
+        per_node = self.workers_per_node
+        if size == 1:
+            return self
+        if per_node % size == 0:
+            return Cluster(per_node // size, self.intra, self.inter, self.node_links)
+        if size % per_node:
+            raise ConfigurationError(
+                f"replica_size={size} neither divides nor is a multiple of the {per_node} workers of a node"
+            )
+        span = size // per_node
+
+        def joined(links: Sequence[Link]) -> Link:
+            return Link(sum(link.bandwidth for link in links), max(link.latency for link in links),
+                        sum(link.flow_bandwidth for link in links))  # fmt: skip
+
+        links = None
+        if self.node_links is not None:
+            own = [self.link_of(node) for node in range(nodes)]
+            links = tuple(joined(own[r * span : (r + 1) * span]) for r in range(nodes // span))
+        return Cluster(1, self.intra, joined([self.inter] * span), links)
 
     def link_of(self, node: int) -> Link:
         """Node `node`'s own link to the others."""
@@ -246,6 +327,13 @@ class Prediction:
     sync_wait: float = 0.0
     #: seconds each synchronization point spends averaging every replica (a world-wide all-reduce)
     sync_seconds: float = 0.0
+    #: consecutive ranks that train one model synchronously and decentralize as one (1: every rank alone)
+    replica_size: int = 1
+
+    @property
+    def name(self) -> str:
+        """The strategy, with its replica groups where it has them."""
+        return self.strategy if self.replica_size == 1 else f"{self.strategy} (replicas of {self.replica_size})"
 
 
 def _ddp(
@@ -271,7 +359,7 @@ def _ddp(
     return total / steps, "monte carlo"
 
 
-def _independent(workers: Sequence[ComputeProfile], comm: float, steps: int, rng: random.Random) -> tuple[float, str]:
+def _independent(workers: Sequence[Worker], comm: float, steps: int, rng: random.Random) -> tuple[float, str]:
     if all(w.deterministic for w in workers):
         return sum(1.0 / max(w.mean, comm) for w in workers), "closed form"
     rate = 0.0
@@ -280,9 +368,7 @@ def _independent(workers: Sequence[ComputeProfile], comm: float, steps: int, rng
     return rate, "monte carlo"
 
 
-def _residual_wait(
-    workers: Sequence[ComputeProfile], rng: random.Random, trials: int = 200, slow_ratio: float = 2.0
-) -> float:
+def _residual_wait(workers: Sequence[Worker], rng: random.Random, trials: int = 200, slow_ratio: float = 2.0) -> float:
     """Expected time from the moment the work queue runs dry until every worker has finished its step.
 
     A worker `slow_ratio` times slower than the others' mean leaves the epoch's tail to them
@@ -313,7 +399,7 @@ def _residual_wait(
 
 
 def _lagged_gossip(
-    workers: Sequence[ComputeProfile],
+    workers: Sequence[Worker],
     schedule: Schedule,
     cluster: Cluster,
     nbytes: int,
@@ -397,7 +483,7 @@ def _phase_end(
 
 
 def _background(
-    workers: Sequence[ComputeProfile], cluster: Cluster, size: int, nbytes: int, steps: int, rng: random.Random
+    workers: Sequence[Worker], cluster: Cluster, size: int, nbytes: int, steps: int, rng: random.Random
 ) -> tuple[float, str, float]:
     """Strategies whose exchanges run in a background thread, one at a time, skipped while one is in
     flight (`core.exchange.overlap.BackgroundAverager`): no step waits for an exchange, so each worker runs
@@ -438,7 +524,7 @@ def _leftover_exchange(cluster: Cluster, n: int, size: int, nbytes: int, rng: ra
 
 
 def _passive_drain(
-    workers: Sequence[ComputeProfile],
+    workers: Sequence[Worker],
     cluster: Cluster,
     graph: BipartiteGraph,
     nbytes: int,
@@ -491,6 +577,33 @@ def _passive_drain(
     return total / count if count else 0.0
 
 
+def _replicas(
+    workers: Sequence[ComputeProfile],
+    cluster: Cluster,
+    size: int,
+    model_bytes: int,
+    bucket_bytes: int,
+    backward_fraction: float,
+) -> tuple[list[Worker], Cluster]:
+    """The units a decentralized strategy runs over, and the cluster they see: the ranks themselves,
+    or replicas of `size` consecutive ranks (`ReplicaProfile`, `Cluster.of_replicas`)."""
+    if size == 1:
+        return list(workers), cluster
+    layout = ReplicaLayout(len(workers), size)
+    if layout.replicas < 2:
+        raise ConfigurationError(
+            f"replica_size={size} makes the {len(workers)} workers one replica, which is DDP ('ddp' predicts it)"
+        )
+    units: list[Worker] = []
+    for replica in range(layout.replicas):
+        ranks = layout.ranks_of(replica)
+        allreduce = cluster.allreduce_seconds(ranks, model_bytes)
+        last_bucket = cluster.allreduce_seconds(ranks, min(bucket_bytes, model_bytes))
+        units.append(ReplicaProfile([workers[r] for r in ranks], allreduce, last_bucket, backward_fraction, ranks[0]))
+    nodes = -(-len(workers) // cluster.workers_per_node)
+    return units, cluster.of_replicas(size, nodes)
+
+
 def predict(
     workers: Sequence[ComputeProfile],
     model_bytes: int,
@@ -504,13 +617,16 @@ def predict(
     backward_fraction: float = 0.0,
     bucket_bytes: int = 25 * 2**20,
     grouping: str = "random",
+    replica_size: int = 1,
 ) -> list[Prediction]:
     """Predicted throughput of each strategy on this cluster (see the module docstring).
 
     `link`: one link kind between every pair of workers (ignored when `cluster` is given).
     `topology`: decent_adam's. `backward_fraction`: the share of a step's compute that is the
     backward pass DDP overlaps its bucketed all-reduce with (about 2/3 on accelerators; 0 when the
-    step time is padding, as with `SlowdownInjector`).
+    step time is padding, as with `SlowdownInjector`); a replica overlaps its own all-reduce the same
+    way. `replica_size`: the decentralized strategies run over replicas of that many consecutive
+    ranks (`ddp` is always every rank in lock-step).
     """
     if not workers:
         raise ConfigurationError("the runtime model needs at least one worker")
@@ -521,48 +637,50 @@ def predict(
         raise ConfigurationError(f"backward_fraction={backward_fraction} must be between 0 and 1")
     cluster = cluster or Cluster.uniform(link or Link())
     n = len(workers)
-    everyone = range(n)
     limit = sum(1.0 / w.mean for w in workers)
+    units, on = _replicas(workers, cluster, replica_size, model_bytes, bucket_bytes, backward_fraction)
+    count = len(units)
     out = []
     residual: float | None = None  # shared by the work-queue strategies
     for name in strategies:
         rng = random.Random(seed)
-        sync_wait = 0.0
         if name == "ddp":
+            everyone = range(n)
             allreduce = cluster.allreduce_seconds(everyone, model_bytes)
             last_bucket = cluster.allreduce_seconds(everyone, min(bucket_bytes, model_bytes))
             seconds, method = _ddp(workers, allreduce, last_bucket, backward_fraction, steps, rng)
-            throughput = n / seconds
-        elif name == "decent_adam":
-            schedule = make_topology(topology, n, cluster.workers_per_node)
-            throughput, sync_wait = _lagged_gossip(workers, schedule, cluster, model_bytes, steps, rng)
+            out.append(Prediction(name, n / seconds, seconds, limit, method))
+            continue
+        sync_wait = 0.0
+        if name == "decent_adam":
+            schedule = make_topology(topology, count, on.workers_per_node)
+            throughput, sync_wait = _lagged_gossip(units, schedule, on, model_bytes, steps, rng)
             method = "monte carlo"
         elif name == "prague" and grouping == "static":
-            schedule = StaticPolicy(n, min(group_size, n), seed, cluster.workers_per_node).schedule  # as the strategy
-            throughput, sync_wait = _lagged_gossip(workers, schedule, cluster, model_bytes, steps, rng)
+            schedule = StaticPolicy(count, min(group_size, count), seed, on.workers_per_node).schedule  # as prague
+            throughput, sync_wait = _lagged_gossip(units, schedule, on, model_bytes, steps, rng)
             method = "monte carlo"
-        elif cluster.node_links is not None:
-            size = 2 if name == "adpsgd" else min(group_size, n)
-            throughput, method, drain = _background(workers, cluster, size, model_bytes, steps, rng)
-            if name == "adpsgd" and n > 1:  # passive workers queue the actives' exchanges
-                drain = _passive_drain(workers, cluster, BipartiteGraph.ring(n), model_bytes, steps, rng)
+        elif on.node_links is not None:
+            size = 2 if name == "adpsgd" else min(group_size, count)
+            throughput, method, drain = _background(units, on, size, model_bytes, steps, rng)
+            if name == "adpsgd" and count > 1:  # passive workers queue the actives' exchanges
+                drain = _passive_drain(units, on, BipartiteGraph.ring(count), model_bytes, steps, rng)
             elif name == "partial_reduce":  # and the workers left over from full groups average last
-                drain += _leftover_exchange(cluster, n, size, model_bytes, rng)
+                drain += _leftover_exchange(on, count, size, model_bytes, rng)
             if residual is None:
-                residual = _residual_wait(workers, random.Random(seed))
+                residual = _residual_wait(units, random.Random(seed))
             sync_wait = max(residual, drain)
         else:
-            size = 2 if name == "adpsgd" else min(group_size, n)
-            exchange = cluster.random_group_seconds(n, size, model_bytes)
-            throughput, method = _independent(workers, exchange, steps, rng)
+            size = 2 if name == "adpsgd" else min(group_size, count)
+            exchange = on.random_group_seconds(count, size, model_bytes)
+            throughput, method = _independent(units, exchange, steps, rng)
             if residual is None:
-                residual = _residual_wait(workers, random.Random(seed))
+                residual = _residual_wait(units, random.Random(seed))
             sync_wait = residual
+        throughput *= replica_size  # a unit's step trains a batch on each of its ranks
         # a synchronization point of a decentralized strategy averages every replica (`average_at_sync`)
-        sync_seconds = (
-            0.0 if name == "ddp" or cluster.node_links is None else cluster.exchange_seconds(everyone, model_bytes)
-        )
-        out.append(Prediction(name, throughput, n / throughput, limit, method, sync_wait, sync_seconds))
+        sync_seconds = 0.0 if on.node_links is None else on.exchange_seconds(range(count), model_bytes)
+        out.append(Prediction(name, throughput, n / throughput, limit, method, sync_wait, sync_seconds, replica_size))
     return out
 
 

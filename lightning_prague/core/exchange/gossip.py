@@ -38,6 +38,12 @@ already decided with it (`surviving`), and one admitted inside the phase (a lost
 comes in at a round every member of its groups agrees on, with no meeting: it asks for that round
 when it starts training (`take_up`), and the answer names the membership epoch whose process group
 holds the round's members (`GroupWorker.epoch_comm`).
+
+**Replicas.** A schedule drawn over replicas runs column by column
+(`lightning_prague.core.replicas.columns`): a group's `joint` ranks (its replicas' other columns)
+ask who takes part together, a replica with a rank gone takes part in none of its columns
+(`Schedule.whole`), and the round's verdict is one for all of them, so every column of a replica
+mixes, or none does.
 """
 
 from __future__ import annotations
@@ -83,6 +89,9 @@ class _InFlight:
     epoch: int | None = None
     #: the round's group in the schedule, before the control plane named who takes part in it
     planned: WeightedGroup | None = None
+    #: the ranks the round is decided with, all-or-nothing (this group's and, for a replica's column,
+    #: its other columns': `WeightedGroup.joint`), once decided; `()`: its own members
+    joint: tuple[int, ...] = ()
     #: whether the round took effect on every member (the control plane's verdict)
     applied: bool = True
     #: `||x_i - mean||^2 / ||mean||^2` of the round's group (a tensor, set by the communication thread)
@@ -190,15 +199,16 @@ class LaggedGossip(Exchanger):
         module docstring), set on `flight`; returns the comm whose process group holds them."""
         planned = flight.planned
         assert planned is not None
-        key = f"m{flight.round_index}.{min(planned.members)}"
-        answer = self.worker.session.round_members(
-            key, flight.round_index, planned.members, f"gossip round {flight.round_index}"
-        )
-        taking_part = [int(m) for m in answer.get("members", ())]
+        joint = planned.joint or planned.members  # a replica's columns ask, and are decided, together
+        key = f"m{flight.round_index}.{min(joint)}"
+        answer = self.worker.session.round_members(key, flight.round_index, joint, f"gossip round {flight.round_index}")
+        # a replica with a rank gone takes part in none of its columns (`Schedule.whole`)
+        taking_part = list(self.schedule.whole([int(m) for m in answer.get("members", ())]))
         if self.worker.rank not in taking_part:  # (it asked to start later: it sits this round out)
             taking_part = [self.worker.rank]
         flight.weighted = surviving(planned, taking_part)
-        flight.key = f"r{flight.round_index}.{min(flight.weighted.members)}"
+        flight.joint = tuple(m for m in planned.joint if m in taking_part) if len(taking_part) > 1 else ()
+        flight.key = f"r{flight.round_index}.{min(flight.joint or flight.weighted.members)}"
         flight.epoch = int(answer.get("epoch", 0))
         return self.worker.epoch_comm(flight.epoch)
 
@@ -230,7 +240,8 @@ class LaggedGossip(Exchanger):
             drift.add_average(total, 1.0 / size)
             drift.add_distance(flat, total, 1.0 / size)
             flat.mul_(a - 1.0).add_(total, alpha=b)
-        flight.applied = self.worker.verdicts(flight.key, members, operation, flight.epoch)(complete)
+        decided_with = flight.joint or members
+        flight.applied = self.worker.verdicts(flight.key, decided_with, operation, flight.epoch)(complete)
         if not flight.applied:  # a round a member left mid-way is skipped by every member of it
             for flat in buffers.flats:
                 flat.zero_()

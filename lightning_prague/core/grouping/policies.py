@@ -242,7 +242,10 @@ class SchedulePolicy(GroupingPolicy):
 
     def spec(self) -> dict[str, Any]:
         rounds = [[[list(g.members), g.self_weight] for g in groups] for groups in self.schedule.rounds]
-        return {**super().spec(), "name": self.schedule.name, "rounds": rounds}
+        spec = {**super().spec(), "name": self.schedule.name, "rounds": rounds}
+        if self.schedule.coupled:
+            spec["coupled"] = [list(ranks) for ranks in self.schedule.coupled]
+        return spec
 
 
 class StaticPolicy(SchedulePolicy):
@@ -444,6 +447,7 @@ SPEC_RECORDS: dict[str, Record] = {
     "schedule": Record(
         "the 'schedule' policy",
         {**_BASE, "name": text(64), "rounds": list_of(list_of(_GROUP, MAX_WORKERS), 1 << 12)},
+        {"coupled": list_of(list_of(integer(0, MAX_WORKERS - 1), MAX_WORKERS), MAX_WORKERS)},
     ),
     "static": Record("the 'static' policy", {**_BASE, "workers_per_node": _WORLD}),
     "first_ready": Record(
@@ -476,7 +480,7 @@ def policy_from_spec(spec: Any) -> GroupingPolicy:
         rounds = [
             [WeightedGroup(tuple(members), float(weight)) for members, weight in groups] for groups in args["rounds"]
         ]
-        return SchedulePolicy(Schedule(world, rounds, args["name"]), seed)
+        return SchedulePolicy(Schedule(world, rounds, args["name"], args.get("coupled", ())), seed)
     if kind == "gossip":
         return GossipPolicy(BipartiteGraph(world, [tuple(edge) for edge in args["edges"]]), seed)
     if kind == "static":

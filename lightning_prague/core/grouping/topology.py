@@ -46,10 +46,15 @@ TOPOLOGIES = ("complete", "ring", "one_peer_exp", "alternating_exp_ring", "stati
 
 @dataclass(frozen=True)
 class WeightedGroup:
-    """An edge group: `members` (sorted global ranks) and the weight each keeps of its own model."""
+    """An edge group: `members` (sorted global ranks) and the weight each keeps of its own model.
+
+    `joint`: the ranks (these members among them) whose round is decided together with this group's,
+    all-or-nothing, and who take part in it only all together (a replica's columns, each averaging
+    its own slice of one model: `lightning_prague.core.replicas.columns`); `()`: its own members."""
 
     members: tuple[int, ...]
     self_weight: float
+    joint: tuple[int, ...] = ()
 
     @classmethod
     def uniform(cls, members: Sequence[int]) -> WeightedGroup:
@@ -68,7 +73,15 @@ class WeightedGroup:
 class Schedule:
     """A validated cycle of rounds of weighted groups over `world_size` workers."""
 
-    def __init__(self, world_size: int, rounds: Sequence[Sequence[WeightedGroup]], name: str = "custom") -> None:
+    def __init__(
+        self,
+        world_size: int,
+        rounds: Sequence[Sequence[WeightedGroup]],
+        name: str = "custom",
+        coupled: Sequence[Sequence[int]] = (),
+    ) -> None:
+        """`coupled`: sets of ranks that depend on each other at every step outside the schedule (a
+        replica's ranks average their gradients each step): they count as connected in every round."""
         if world_size < 1:
             raise ConfigurationError(f"a topology needs at least one worker, got world_size={world_size}")
         if not rounds:
@@ -76,6 +89,15 @@ class Schedule:
         self.world_size = world_size
         self.name = name
         self.rounds = [list(r) for r in rounds]
+        self.coupled = tuple(tuple(sorted(set(ranks))) for ranks in coupled)
+        self._coupled: dict[int, frozenset[int]] = {}
+        for ranks in self.coupled:
+            for rank in ranks:
+                if not 0 <= rank < world_size or rank in self._coupled:
+                    raise ConfigurationError(
+                        f"topology {name!r}: coupled rank {rank} is outside a world of {world_size} or in two sets"
+                    )
+                self._coupled[rank] = frozenset(ranks)
         self._member_of = [self._validate_round(i, r) for i, r in enumerate(self.rounds)]
         self._coverage: int | None = None
         self.coverage  # noqa: B018  (validates that the rounds connect every worker)
@@ -114,6 +136,12 @@ class Schedule:
         if not is_doubly_stochastic(self._matrix(groups)):
             raise ConfigurationError(f"{where}: the mixing matrix is not doubly stochastic")
         return owner
+
+    def whole(self, members: Sequence[int]) -> tuple[int, ...]:
+        """`members` without those whose coupled ranks (`coupled`) are not all among them: a replica
+        with a rank gone takes part in nothing, its other ranks neither."""
+        present = set(members)
+        return tuple(m for m in members if self._coupled.get(m, frozenset()) <= present)
 
     @property
     def period(self) -> int:
@@ -157,6 +185,7 @@ class Schedule:
         for depth in range(1, self.world_size * self.period + 1):
             round_index = start - depth
             reached = {m for r in reached for m in self.group_of(r, round_index).members}
+            reached |= {m for r in reached for m in self._coupled.get(r, ())}
             if len(reached) == self.world_size:
                 return depth
         if self.world_size == 1:

@@ -1,0 +1,85 @@
+"""One `decent_adam` fit in replica groups (`replica_size`), run as a cluster launcher runs each rank.
+
+Usage: replica_fit.py --out DIR --replica-size K [--epochs E] [--kill RANK:BATCH]
+
+Every rank writes `DIR/replica.rankR.json`: the SHA-256 of its parameters after each of its first
+`RECORDED` training batches (after the optimizer step and the gossip mix), at fit's end, how many
+batches it trained, and the validation accuracy at the end. `--kill RANK:BATCH`: rank RANK SIGKILLs
+itself at the start of its BATCH-th batch (it writes nothing).
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+from pathlib import Path
+
+import lightning as L
+import torch
+
+import lightning_prague
+from lightning_prague.demo import DigitsClassifier, DigitsDataModule
+
+#: training batches whose parameters every rank records
+RECORDED = 24
+
+
+def digest(module: torch.nn.Module) -> str:
+    data = b"".join(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for p in module.parameters())
+    return hashlib.sha256(data).hexdigest()
+
+
+class Record(L.Callback):
+    def __init__(self, out: Path, kill: tuple[int, int] | None) -> None:
+        self.out, self.kill = out, kill
+        self.record: dict = {"digests": [], "batches": 0}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.kill is not None and trainer.global_rank == self.kill[0] and self.record["batches"] + 1 == self.kill[1]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.record["batches"] += 1
+        if len(self.record["digests"]) < RECORDED:
+            self.record["digests"].append(digest(pl_module))
+
+    def on_fit_end(self, trainer, pl_module):
+        self.record.update(
+            rank=trainer.global_rank,
+            final=digest(pl_module),
+            val_acc=float(trainer.callback_metrics["val_acc"]),
+            lost=sorted(int(r) for r in trainer.strategy.lost_workers),
+        )
+        (self.out / f"replica.rank{trainer.global_rank}.json").write_text(json.dumps(self.record))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--replica-size", required=True)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--kill", help="RANK:BATCH")
+    args = parser.parse_args()
+    kill = tuple(int(x) for x in args.kill.split(":")) if args.kill else None
+    L.seed_everything(0, verbose=False)
+    size = int(args.replica_size) if args.replica_size.isdigit() else args.replica_size
+    strategy = lightning_prague.DecentAdamStrategy(topology="ring", replica_size=size, seed=0, timeout=60.0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=strategy,
+        max_epochs=args.epochs,
+        callbacks=[Record(args.out, kill)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        default_root_dir=args.out,
+    )
+    trainer.fit(DigitsClassifier(lr=0.05), DigitsDataModule(batch_size=32))
+
+
+if __name__ == "__main__":
+    main()
