@@ -80,7 +80,20 @@ def test_rates_and_profiles():
         parse_rate("0mbit")
     with pytest.raises(ValueError, match="no cluster profile"):
         cluster_profile("mesh", 1e9, 20)
-    assert set(CLUSTER_PROFILES) == {"slow_node", "inter_node"}
+    assert set(CLUSTER_PROFILES) == {"slow_node", "inter_node", "slow_node_pairs"}
+
+
+def test_issue_50s_cluster_slows_node4s_ranks_and_runs_decent_adam_in_replicas_of_a_node_too(available, tmp_path):
+    args = bench.parse_args(["--cluster", "slow_node_pairs", "--rate", "1gbit", "--out", str(tmp_path)])
+    (profile,) = profiles_from(args)
+    assert (profile.nodes, profile.workers_per_node, profile.rates) == (4, 2, (1e9,) * 4)
+    labels = [label for label, _, _ in runs(args, profile)]
+    assert labels[-2:] == ["decent_adam/alternating_exp_ring", "decent_adam/ring/replicas"]
+    assert "decent_adam/ring/replicas" not in [label for label, _, _ in runs(args)], "only where the profile asks"
+    argv = cluster_bench.demo_argv("decent_adam", ("--replica-size", "node"), profile, args)
+    assert argv[argv.index("--profile") + 1] == "straggler" and argv[argv.index("--slow-factor") + 1] == "3.0"
+    assert [argv[i + 1] for i, arg in enumerate(argv) if arg == "--slow-rank"] == ["6", "7"]
+    assert model_name("decent_adam/ring/replicas") == ("decent_adam", {"topology": "ring", "replica_size": "node"})
 
 
 def test_every_strategy_runs_after_ddp_with_the_variants_compared(available, tmp_path):

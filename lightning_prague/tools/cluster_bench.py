@@ -11,7 +11,10 @@ over the shaped links. The profiles:
 - ``slow_node`` (a): 4 nodes x 1 worker, three links at ``--rate``, the last node's 20x slower
   (``--slow-ratio``);
 - ``inter_node`` (b): 2 nodes x 4 workers, fast inside a node, ``--rate / 2`` between the nodes
-  (steps twice as long: eight workers share this machine's cores).
+  (steps twice as long: eight workers share this machine's cores);
+- ``slow_node_pairs`` (issue 50's cluster): 4 nodes x 2 workers, every link at ``--rate``, node4's
+  two ranks 3x slower; besides the other runs, ``decent_adam`` in replica groups of a node
+  (``--replica-size node``: each node's two ranks one synchronous replica, gossip between nodes).
 
 Runs: DDP (first: speed-ups are against it), ``prague`` with its ``random`` and ``static``
 grouping, ``partial_reduce``, ``adpsgd``, and ``decent_adam`` with its ``ring`` and
@@ -85,6 +88,11 @@ class ClusterProfile:
     hidden: int  # width of the digits MLP: the model's size
     batch_size: int = 32
     description: str = ""
+    #: ranks whose steps take `slow_factor` times as long (the demo's straggler profile)
+    slow_ranks: tuple[int, ...] = ()
+    slow_factor: float = 1.0
+    #: whether its runs include the strategies that take replica groups, in replicas of a node
+    replicas: bool = False
 
     @property
     def nodes(self) -> int:
@@ -130,10 +138,19 @@ def cluster_profile(name: str, rate: float, slow_ratio: float) -> ClusterProfile
             name, 4, (rate / 2, rate / 2), step_time=0.2, epochs=4, hidden=768,
             description="2 nodes x 4 workers, loopback inside a node, links between nodes at half --rate",
         )  # fmt: skip
+    if name == "slow_node_pairs":
+        return ClusterProfile(
+            name, 2, (rate,) * 4, step_time=0.2, epochs=3, hidden=768, slow_ranks=(6, 7), slow_factor=3.0,
+            replicas=True, description="4 nodes x 2 workers, every link at --rate, node4's ranks 3x slower",
+        )  # fmt: skip
     raise ValueError(f"no cluster profile {name!r}; choose from {', '.join(CLUSTER_PROFILES)}")
 
 
-CLUSTER_PROFILES = ("slow_node", "inter_node")
+CLUSTER_PROFILES = ("slow_node", "inter_node", "slow_node_pairs")
+#: the runs in replica groups of a node (profiles with `replicas`): the strategies that take them
+REPLICA_RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("decent_adam/ring/replicas", "decent_adam", ("--topology", "ring", "--replica-size", "node")),
+)
 
 
 def profiles_from(args: argparse.Namespace) -> list[ClusterProfile]:
@@ -166,10 +183,12 @@ def check(args: argparse.Namespace) -> list[str]:
     return problems
 
 
-def runs(args: argparse.Namespace) -> list[tuple[str, str, tuple[str, ...]]]:
-    """The runs of a profile: DDP and the chosen strategies, each with its variants."""
+def runs(args: argparse.Namespace, profile: ClusterProfile | None = None) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The runs of a profile: DDP and the chosen strategies, each with its variants (and in replica
+    groups where the profile has them)."""
     chosen = {"ddp", *args.strategies}
-    return [run for run in RUNS if run[1] in chosen]
+    extra = REPLICA_RUNS if profile is not None and profile.replicas else ()
+    return [run for run in (*RUNS, *extra) if run[1] in chosen]
 
 
 def load_cluster_tool() -> Any:
@@ -255,8 +274,17 @@ def demo_argv(strategy: str, extra: tuple[str, ...], profile: ClusterProfile, ar
         str(profile.epochs),
         "--step-time",
         str(profile.step_time),
-        "--profile",
-        "homogeneous",
+        *(
+            (
+                "--profile",
+                "straggler",
+                "--slow-factor",
+                str(profile.slow_factor),
+                *(arg for rank in profile.slow_ranks for arg in ("--slow-rank", str(rank))),
+            )
+            if profile.slow_ranks
+            else ("--profile", "homogeneous")
+        ),
         "--hidden",
         str(profile.hidden),
         "--batch-size",
@@ -325,7 +353,10 @@ def summarize(label: str, profile: ClusterProfile, result: dict[str, Any], args:
         "strategy": label,
         "profile": profile.name,
         **measured(result, args.target_acc),
-        "limit": profile.world * result["batch_size"] / profile.step_time,
+        "limit": sum(
+            result["batch_size"] / (profile.step_time * (profile.slow_factor if r in profile.slow_ranks else 1.0))
+            for r in range(profile.world)
+        ),
         "batches_per_worker": result["batches_per_worker"],
         "batch_size": result["batch_size"],
     }
@@ -339,11 +370,13 @@ def ddp_bytes(profile: ClusterProfile) -> int:
 def model_name(label: str) -> tuple[str, dict[str, Any]]:
     """The runtime model's strategy and options for a run's label."""
     strategy, _, variant = label.partition("/")
+    variant, _, grouped = variant.partition("/")
+    options: dict[str, Any] = {"replica_size": "node"} if grouped == "replicas" else {}
     if strategy == "prague" and variant == "static":
-        return "prague", {"grouping": "static"}
+        return "prague", {"grouping": "static", **options}
     if strategy == "decent_adam":
-        return "decent_adam", {"topology": variant or "ring"}
-    return strategy, {}
+        return "decent_adam", {"topology": variant or "ring", **options}
+    return strategy, options
 
 
 def add_cluster_predictions(rows: list[dict[str, Any]], profiles: dict[str, ClusterProfile], seed: int = 0) -> None:
@@ -366,7 +399,8 @@ def add_cluster_predictions(rows: list[dict[str, Any]], profiles: dict[str, Clus
             overhead = max(0.0, ddp["train_seconds"] - ddp["step_seconds"]) / profile.epochs
             steps = ddp["batches"] / profile.world
             nominal = profile.model_cluster().allreduce_seconds(range(profile.world), ddp_bytes(profile))
-            beyond_compute = max(0.0, ddp["step_seconds"] / steps - profile.step_time)
+            slowest = profile.step_time * (profile.slow_factor if profile.slow_ranks else 1.0)  # DDP's pace
+            beyond_compute = max(0.0, ddp["step_seconds"] / steps - slowest)
             measured = min(ddp.get("measured_allreduce_seconds") or nominal, beyond_compute)
             efficiency = min(1.0, nominal / measured) if measured > 0 else 1.0
             step_overhead = beyond_compute - measured
@@ -381,9 +415,12 @@ def add_cluster_predictions(rows: list[dict[str, Any]], profiles: dict[str, Clus
         # a link kept busy (exchanges sharing it, the library's ring) carries what DDP's ring got through
         # it; one exchange by itself what the probe's did
         exchanges = profile.model_cluster(efficiency, loopback, single_flow=p2p_efficiency)
-        workers = [ComputeProfile(profile.step_time, overhead=step_overhead) for _ in range(profile.world)]
+        slowdowns = [profile.slow_factor if r in profile.slow_ranks else 1.0 for r in range(profile.world)]
+        workers = [ComputeProfile(profile.step_time, slowdown=slow, overhead=step_overhead) for slow in slowdowns]
         for row in mine:
             strategy, options = model_name(row["strategy"])
+            if options.get("replica_size") == "node":
+                options["replica_size"] = profile.workers_per_node
             prediction = predict(
                 workers,
                 ddp_bytes(profile) if strategy == "ddp" else nbytes,
@@ -440,7 +477,7 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
             print(cluster.describe(), flush=True)
             port += 2
             exchange, loopback = probe_cluster(cluster, profile, port)
-            for label, strategy, extra in runs(args):
+            for label, strategy, extra in runs(args, profile):
                 port += 1
                 directory = args.out / "logs" / f"{profile.name}-{label.replace('/', '-')}"
                 argv = demo_argv(strategy, extra, profile, args)
