@@ -29,7 +29,8 @@ def results(directory) -> dict[int, dict]:
 def test_the_ranks_of_a_replica_step_as_one_model_and_the_replicas_gossip(tmp_path):
     """4 ranks in replicas of 2: after every step the two ranks of a replica hold bitwise one model
     (their gradients averaged, their columns mixed alike), the two replicas hold different ones (each
-    its own batches between mixes), and the fit ends with one model that learned the digits."""
+    its own batches between mixes), and the fit ends with one model that learned the digits. A rank's
+    sums across replicas are of its half of the model."""
     codes, logs = run_script_ranks(tmp_path, 4, "replica_fit.py", ["--out", str(tmp_path), "--replica-size", "2"])
     assert codes == [0] * 4, (codes, logs[0][-3000:])
     found = results(tmp_path)
@@ -41,6 +42,9 @@ def test_the_ranks_of_a_replica_step_as_one_model_and_the_replicas_gossip(tmp_pa
     assert len({r["final"] for r in found.values()}) == 1, "one model at the end of the fit"
     assert found[0]["val_acc"] >= 0.85, found[0]["val_acc"]
     assert {r["batches"] for r in found.values()} == {found[0]["batches"]}, "equal shards: every rank's own batches"
+    for result in found.values():  # each rank sends its half of the model across replicas, never the whole
+        half = result["state_elements"] / 2
+        assert result["column_sums"] and all(half - 1 <= n <= half + 1 for n in result["column_sums"]), result
 
 
 def test_a_lost_rank_loses_its_replica_and_the_other_replicas_finish_with_one_model(tmp_path):

@@ -240,9 +240,9 @@ class DecentralizedStrategy(DDPStrategy):
                 averaged at every step by `DistributedDataParallel` on the replica's own process
                 group) and decentralize as one unit: `"node"` for the ranks of a node; 1 (the
                 default): every rank on its own. So far only `strategy="decent_adam"` takes it (its
-                topology is drawn over replicas, rank `i` of each averaging with rank `i` of the
-                others); a lost rank loses its replica, which does not come back (`max_restarts`
-                and `max_workers` must stay unset). See `docs/design/replicas.md`.
+                topology is drawn over replicas, rank `i` of each averaging its slice of the model
+                with rank `i` of the others); a lost rank loses its replica, which does not come
+                back (`max_restarts` and `max_workers` must stay unset). See `docs/replica_groups.md`.
             **ddp_kwargs: options of Lightning's `DDPStrategy` / `DistributedDataParallel`, for code
                 moved from DDP. The model is not wrapped in `DistributedDataParallel` (replicas
                 average parameters in groups, not gradients), so `find_unused_parameters`,

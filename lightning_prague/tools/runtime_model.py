@@ -61,12 +61,10 @@ takes its slowest rank's compute plus the part of its gradient all-reduce (among
 a node on the `intra` link) that its backward pass cannot hide, the same formula as `ddp`'s. The
 replicas then see a cluster of their own (`Cluster.of_replicas`): `workers_per_node / K` of them on
 a node, or one replica spanning several nodes that leaves through all of their links. When
-replicas average, rank `i` of each averages with rank `i` of the others (its column), and today
-every column moves the whole model (`REPLICA_SLICES`), so a replica's exchange moves `K` models
-across its node's link, as its `K` ranks on their own would; by the design's slices (rank `i`
-sends only slice `i`) it would move one. So replicas pay where the stragglers come by node and the
-units' count matters (fewer replicas to mix, a replica's ranks never drifting apart), and cost where
-one rank is slow inside a fast node (its replica waits for it each step).
+replicas average, rank `i` of each averages only slice `i` of the model with rank `i` of the others
+(its column), the `K` slices side by side: together one model leaves each replica, where without
+replicas each of its `K` ranks sends a whole one. So replicas pay where the nodes' links are the
+bottleneck, and cost where one rank is slow inside a fast node (its replica waits for it each step).
 
 The physical limit is the sum of the workers' speeds, `sum_i 1 / E[c_i]`.
 """
@@ -166,10 +164,6 @@ class ReplicaProfile:
 
 #: a worker the model simulates: one rank, or a replica of several
 Worker = ComputeProfile | ReplicaProfile
-
-#: whether rank `i` of a replica moves only slice `i` of the model across replicas (the design,
-#: `docs/design/replicas.md`); not yet: each of a replica's columns averages the whole model
-REPLICA_SLICES = False
 
 
 @dataclass(frozen=True)
@@ -646,8 +640,6 @@ def predict(
     limit = sum(1.0 / w.mean for w in workers)
     units, on = _replicas(workers, cluster, replica_size, model_bytes, bucket_bytes, backward_fraction)
     count = len(units)
-    # what one replica's exchange moves across its links: its columns side by side
-    unit_bytes = model_bytes if REPLICA_SLICES else model_bytes * replica_size
     out = []
     residual: float | None = None  # shared by the work-queue strategies
     for name in strategies:
@@ -662,25 +654,25 @@ def predict(
         sync_wait = 0.0
         if name == "decent_adam":
             schedule = make_topology(topology, count, on.workers_per_node)
-            throughput, sync_wait = _lagged_gossip(units, schedule, on, unit_bytes, steps, rng)
+            throughput, sync_wait = _lagged_gossip(units, schedule, on, model_bytes, steps, rng)
             method = "monte carlo"
         elif name == "prague" and grouping == "static":
             schedule = StaticPolicy(count, min(group_size, count), seed, on.workers_per_node).schedule  # as prague
-            throughput, sync_wait = _lagged_gossip(units, schedule, on, unit_bytes, steps, rng)
+            throughput, sync_wait = _lagged_gossip(units, schedule, on, model_bytes, steps, rng)
             method = "monte carlo"
         elif on.node_links is not None:
             size = 2 if name == "adpsgd" else min(group_size, count)
-            throughput, method, drain = _background(units, on, size, unit_bytes, steps, rng)
+            throughput, method, drain = _background(units, on, size, model_bytes, steps, rng)
             if name == "adpsgd" and count > 1:  # passive workers queue the actives' exchanges
-                drain = _passive_drain(units, on, BipartiteGraph.ring(count), unit_bytes, steps, rng)
+                drain = _passive_drain(units, on, BipartiteGraph.ring(count), model_bytes, steps, rng)
             elif name == "partial_reduce":  # and the workers left over from full groups average last
-                drain += _leftover_exchange(on, count, size, unit_bytes, rng)
+                drain += _leftover_exchange(on, count, size, model_bytes, rng)
             if residual is None:
                 residual = _residual_wait(units, random.Random(seed))
             sync_wait = max(residual, drain)
         else:
             size = 2 if name == "adpsgd" else min(group_size, count)
-            exchange = on.random_group_seconds(count, size, unit_bytes)
+            exchange = on.random_group_seconds(count, size, model_bytes)
             throughput, method = _independent(units, exchange, steps, rng)
             if residual is None:
                 residual = _residual_wait(units, random.Random(seed))

@@ -4,7 +4,8 @@ Usage: replica_fit.py --out DIR --replica-size K [--epochs E] [--kill RANK:BATCH
 
 Every rank writes `DIR/replica.rankR.json`: the SHA-256 of its parameters after each of its first
 `RECORDED` training batches (after the optimizer step and the gossip mix), at fit's end, how many
-batches it trained, and the validation accuracy at the end. `--kill RANK:BATCH`: rank RANK SIGKILLs
+batches it trained, the validation accuracy at the end, and the sizes of its sums over its column
+(what it sent across replicas) against its model's. `--kill RANK:BATCH`: rank RANK SIGKILLs
 itself at the start of its BATCH-th batch (it writes nothing).
 """
 
@@ -19,10 +20,31 @@ import lightning as L
 import torch
 
 import lightning_prague
+from lightning_prague.core.comm.averaging import averaged_state
 from lightning_prague.demo import DigitsClassifier, DigitsDataModule
 
 #: training batches whose parameters every rank records
 RECORDED = 24
+
+
+#: the size of every group sum whose members are one rank of each of several replicas (a column)
+COLUMN_SUMS: list[int] = []
+
+
+def record_column_sums(replica_size: int) -> None:
+    """Wrap `GroupComm.sum_` to note the elements of each sum over a column (every member with the same
+    index in its replica, more than one member): what a rank sends across replicas."""
+    from lightning_prague.core.comm.groups import GroupComm
+
+    summed = GroupComm.sum_
+
+    def sum_(self, tensor, members, *args, **kwargs):
+        members = tuple(members)
+        if len(members) > 1 and len({m % replica_size for m in members}) == 1:
+            COLUMN_SUMS.append(tensor.numel())
+        return summed(self, tensor, members, *args, **kwargs)
+
+    GroupComm.sum_ = sum_
 
 
 def digest(module: torch.nn.Module) -> str:
@@ -50,6 +72,8 @@ class Record(L.Callback):
             final=digest(pl_module),
             val_acc=float(trainer.callback_metrics["val_acc"]),
             lost=sorted(int(r) for r in trainer.strategy.lost_workers),
+            column_sums=sorted(set(COLUMN_SUMS)),
+            state_elements=sum(t.numel() for t in averaged_state(pl_module)),
         )
         (self.out / f"replica.rank{trainer.global_rank}.json").write_text(json.dumps(self.record))
 
@@ -64,6 +88,7 @@ def main() -> None:
     kill = tuple(int(x) for x in args.kill.split(":")) if args.kill else None
     L.seed_everything(0, verbose=False)
     size = int(args.replica_size) if args.replica_size.isdigit() else args.replica_size
+    record_column_sums(size if isinstance(size, int) else 1)
     strategy = lightning_prague.DecentAdamStrategy(topology="ring", replica_size=size, seed=0, timeout=60.0)
     trainer = L.Trainer(
         accelerator="cpu",

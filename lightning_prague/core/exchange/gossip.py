@@ -43,7 +43,11 @@ holds the round's members (`GroupWorker.epoch_comm`).
 (`lightning_prague.core.replicas.columns`): a group's `joint` ranks (its replicas' other columns)
 ask who takes part together, a replica with a rank gone takes part in none of its columns
 (`Schedule.whole`), and the round's verdict is one for all of them, so every column of a replica
-mixes, or none does.
+mixes, or none does. Rank `i` of a replica averages only slice `i` of each bucket with its column
+(`share_of`), so a replica sends one model out of its node per round, not one per rank; once the
+verdict says the round takes effect, the replica's ranks sum their slices' changes among
+themselves (a sum of the whole bucket inside the node, each rank contributing its slice and zeros),
+and every rank of it adds the same change.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from lightning_prague.core.errors import CoordinationTimeout
 from lightning_prague.core.exchange.overlap import Exchanger
 from lightning_prague.core.exchange.worker import GroupWorker
 from lightning_prague.core.grouping.topology import Schedule, WeightedGroup
+from lightning_prague.core.replicas.layout import share_of
 
 log = logging.getLogger(__name__)
 
@@ -233,15 +238,29 @@ class LaggedGossip(Exchanger):
         drift = Drift(self.live.device)
         complete = True
         members = flight.weighted.members
+        # a replica's ranks hold one model: each averages only its own slice of every bucket across the
+        # replicas (its column), so no rank sends more than its share of the model out of its node
+        coupled = self.schedule.coupled_with(self.worker.rank)
+        index, parts = coupled.index(self.worker.rank), len(coupled)
         for flat in buffers.flats:
-            total = self._scratch_for(flat)
-            total.copy_(flat)
+            start, stop = share_of(flat.numel(), index, parts)
+            part = flat[start:stop]
+            total = self._scratch_for(flat)[: stop - start]
+            total.copy_(part)
             complete &= comm.sum_(total, members, operation)
             drift.add_average(total, 1.0 / size)
-            drift.add_distance(flat, total, 1.0 / size)
-            flat.mul_(a - 1.0).add_(total, alpha=b)
+            drift.add_distance(part, total, 1.0 / size)
+            part.mul_(a - 1.0).add_(total, alpha=b)
+            if parts > 1:  # the other slices' changes come from the replica's other ranks
+                flat[:start].zero_()
+                flat[stop:].zero_()
         decided_with = flight.joint or members
         flight.applied = self.worker.verdicts(flight.key, decided_with, operation, flight.epoch)(complete)
+        if flight.applied and parts > 1:  # the replica puts its slices' changes together (inside its node)
+            whole = True
+            for flat in buffers.flats:
+                whole &= comm.sum_(flat, coupled, f"{operation}: the slices of its replica (ranks {list(coupled)})")
+            flight.applied = whole  # (not whole: a rank of the replica is gone, and the replica with it)
         if not flight.applied:  # a round a member left mid-way is skipped by every member of it
             for flat in buffers.flats:
                 flat.zero_()

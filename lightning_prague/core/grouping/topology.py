@@ -137,6 +137,10 @@ class Schedule:
             raise ConfigurationError(f"{where}: the mixing matrix is not doubly stochastic")
         return owner
 
+    def coupled_with(self, rank: int) -> tuple[int, ...]:
+        """The ranks coupled with `rank` (`coupled`), itself among them, sorted; `(rank,)` if none."""
+        return tuple(sorted(self._coupled.get(rank, (rank,))))
+
     def whole(self, members: Sequence[int]) -> tuple[int, ...]:
         """`members` without those whose coupled ranks (`coupled`) are not all among them: a replica
         with a rank gone takes part in nothing, its other ranks neither."""

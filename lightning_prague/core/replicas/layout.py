@@ -94,6 +94,13 @@ class ReplicaLayout:
         replica averages: as equal as can be, the first `numel % replica_size` one element longer."""
         if not 0 <= index < self.replica_size:
             raise ValueError(f"index {index} is outside a replica of {self.replica_size} ranks")
-        base, extra = divmod(numel, self.replica_size)
-        start = index * base + min(index, extra)
-        return start, start + base + (1 if index < extra else 0)
+        return share_of(numel, index, self.replica_size)
+
+
+def share_of(numel: int, index: int, parts: int) -> tuple[int, int]:
+    """[start, stop) of part `index` of `parts` near-equal parts of `numel` elements, the first
+    `numel % parts` one element longer: the slice of a flat model (or of a bucket of it) that rank
+    `index` of a replica of `parts` ranks averages across replicas."""
+    base, extra = divmod(numel, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
