@@ -1,6 +1,7 @@
-"""Replica groups in a strategy (`replica_size`, issue 50): `decent_adam`'s ranks train in replicas of
-consecutive ranks, synchronously inside each (`DistributedDataParallel` on the replica's own process
-group) and by gossip across them, column by column. Real fits of 4 and 6 ranks on gloo, started as
+"""Replica groups in a strategy (`replica_size`, issue 50): `decent_adam`'s ranks (and `prague`'s with
+its static schedule) train in replicas of consecutive ranks, synchronously inside each
+(`DistributedDataParallel` on the replica's own process group) and by gossip across them, column by
+column. Real fits of 4 and 6 ranks on gloo, started as
 a cluster launcher starts them (`scripts/replica_fit.py`), and the options refused by name."""
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ def results(directory) -> dict[int, dict]:
     return {r["rank"]: r for r in found}
 
 
-def test_the_ranks_of_a_replica_step_as_one_model_and_the_replicas_gossip(tmp_path):
+@pytest.mark.parametrize("strategy", ["decent_adam", "prague-static"])
+def test_the_ranks_of_a_replica_step_as_one_model_and_the_replicas_gossip(tmp_path, strategy):
     """4 ranks in replicas of 2: after every step the two ranks of a replica hold bitwise one model
     (their gradients averaged, their columns mixed alike), the two replicas hold different ones (each
     its own batches between mixes), and the fit ends with one model that learned the digits. A rank's
     sums across replicas are of its half of the model."""
-    codes, logs = run_script_ranks(tmp_path, 4, "replica_fit.py", ["--out", str(tmp_path), "--replica-size", "2"])
+    argv = ["--out", str(tmp_path), "--replica-size", "2", "--strategy", strategy]
+    codes, logs = run_script_ranks(tmp_path, 4, "replica_fit.py", argv)
     assert codes == [0] * 4, (codes, logs[0][-3000:])
     found = results(tmp_path)
     assert sorted(found) == [0, 1, 2, 3]
@@ -73,6 +76,7 @@ def test_a_lost_rank_loses_its_replica_and_the_other_replicas_finish_with_one_mo
     "strategy,kwargs,message",
     [
         ("PartialAllReduceStrategy", {"replica_size": 2}, "strategy='prague' does not train in replica groups yet"),
+        ("PartialReduceStrategy", {"replica_size": 2}, "'prague' with grouping='static'"),
         ("ADPSGDStrategy", {"replica_size": "node"}, "strategy='adpsgd' does not train in replica groups yet"),
         ("DecentAdamStrategy", {"replica_size": 0}, "replica_size=0 is invalid"),
         ("DecentAdamStrategy", {"replica_size": "gpu"}, "replica_size='gpu' is invalid"),

@@ -125,7 +125,7 @@ class DecentralizedStrategy(DDPStrategy):
     avoid_stragglers = False
     #: draw into a group only workers not busy in an unfinished one (`GroupGenerator.avoid_busy`)
     avoid_busy = False
-    #: it trains in replica groups (`replica_size`): its policy is drawn over replicas
+    #: it trains in replica groups (`replica_size`): its schedule is drawn over replicas (lock-step shards)
     takes_replicas = False
 
     def __init__(
@@ -239,10 +239,11 @@ class DecentralizedStrategy(DDPStrategy):
             replica_size: consecutive ranks that train one model synchronously (their gradients
                 averaged at every step by `DistributedDataParallel` on the replica's own process
                 group) and decentralize as one unit: `"node"` for the ranks of a node; 1 (the
-                default): every rank on its own. So far only `strategy="decent_adam"` takes it (its
-                topology is drawn over replicas, rank `i` of each averaging its slice of the model
-                with rank `i` of the others); a lost rank loses its replica, which does not come
-                back (`max_restarts` and `max_workers` must stay unset). See `docs/replica_groups.md`.
+                default): every rank on its own. So far `strategy="decent_adam"` and `"prague"` with
+                `grouping="static"` take it (their schedule is drawn over replicas, rank `i` of each
+                averaging its slice of the model with rank `i` of the others); a lost rank loses its
+                replica, which does not come back (`max_restarts` and `max_workers` must stay
+                unset). See `docs/replica_groups.md`.
             **ddp_kwargs: options of Lightning's `DDPStrategy` / `DistributedDataParallel`, for code
                 moved from DDP. The model is not wrapped in `DistributedDataParallel` (replicas
                 average parameters in groups, not gradients), so `find_unused_parameters`,
@@ -264,7 +265,7 @@ class DecentralizedStrategy(DDPStrategy):
         if replica_size != 1 and not self.takes_replicas:
             raise ConfigurationError(
                 f"replica_size={replica_size!r}: strategy={self.strategy_name!r} does not train in replica groups "
-                "yet; strategy='decent_adam' does (docs/design/replicas.md)"
+                "yet; strategy='decent_adam' does, and 'prague' with grouping='static' (docs/replica_groups.md)"
             )
         super().__init__(
             accelerator=accelerator,

@@ -12,6 +12,7 @@ from lightning_prague.core.exchange.gossip import LaggedGossip
 from lightning_prague.core.exchange.overlap import BackgroundAverager, BlockingExchanger, Exchanger
 from lightning_prague.core.exchange.worker import GroupWorker
 from lightning_prague.core.grouping.policies import GroupingPolicy, SchedulePolicy, StaticPolicy, make_policy
+from lightning_prague.core.replicas.columns import column_schedule
 from lightning_prague.strategies.base import DecentralizedStrategy
 
 Grouping = Literal["random", "buffer", "division", "static"]
@@ -41,7 +42,8 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
             every worker knows its group of every round, so no exchange asks the coordinator: the
             rounds run as gossip (`lightning_prague.core.exchange.gossip.LaggedGossip`) and, since a
             worker's group waits for it every round, training keeps Lightning's distributed
-            sampler (equal shards, step-based settings allowed), as `decent_adam` does.
+            sampler (equal shards, step-based settings allowed), as `decent_adam` does. It is the
+            grouping that takes `replica_size` (the schedule drawn over the replicas).
         avoid_stragglers: leave workers that lag far behind out of other workers' groups (they
             still average through the groups they ask for); see `GroupGenerator.lagging`.
         avoid_busy: draw into a worker's group only workers that are not in an unfinished group
@@ -76,6 +78,8 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
                 f"grouping={grouping!r} is not a grouping policy of strategy='prague'; choose one of "
                 f"{', '.join(PRAGUE_POLICIES)}"
             )
+        # the static schedule runs in lock-step, so it can be drawn over replica groups (`replica_size`)
+        self.takes_replicas = grouping == "static"
         super().__init__(**kwargs)
         self.group_size = group_size
         self.grouping = grouping
@@ -89,6 +93,11 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
             self.shards_by_work_queue = False
 
     def make_policy(self) -> GroupingPolicy:
+        layout = self.replicas
+        if layout.replica_size > 1:  # the static schedule over the replicas, run by the ranks column by column
+            per_node = max(1, self.workers_per_node // layout.replica_size)
+            over_replicas = StaticPolicy(layout.replicas, self.group_size, self.seed, per_node).schedule
+            return SchedulePolicy(column_schedule(over_replicas, layout), self.seed)
         policy = make_policy(self.grouping, self.capacity, self.group_size, self.seed, self.workers_per_node)
         if isinstance(policy, StaticPolicy) and policy.workers_per_node != self.group_size:
             nodes, per_node = self.capacity // policy.workers_per_node, policy.workers_per_node

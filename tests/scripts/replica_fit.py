@@ -1,6 +1,8 @@
-"""One `decent_adam` fit in replica groups (`replica_size`), run as a cluster launcher runs each rank.
+"""One `decent_adam` (or `prague` with `grouping="static"`) fit in replica groups (`replica_size`), run
+as a cluster launcher runs each rank.
 
-Usage: replica_fit.py --out DIR --replica-size K [--epochs E] [--kill RANK:BATCH]
+Usage: replica_fit.py --out DIR --replica-size K [--strategy decent_adam|prague-static] [--epochs E]
+       [--kill RANK:BATCH]
 
 Every rank writes `DIR/replica.rankR.json`: the SHA-256 of its parameters after each of its first
 `RECORDED` training batches (after the optimizer step and the gossip mix), at fit's end, how many
@@ -84,12 +86,18 @@ def main() -> None:
     parser.add_argument("--replica-size", required=True)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--kill", help="RANK:BATCH")
+    parser.add_argument("--strategy", default="decent_adam", choices=["decent_adam", "prague-static"])
     args = parser.parse_args()
     kill = tuple(int(x) for x in args.kill.split(":")) if args.kill else None
     L.seed_everything(0, verbose=False)
     size = int(args.replica_size) if args.replica_size.isdigit() else args.replica_size
     record_column_sums(size if isinstance(size, int) else 1)
-    strategy = lightning_prague.DecentAdamStrategy(topology="ring", replica_size=size, seed=0, timeout=60.0)
+    if args.strategy == "decent_adam":
+        strategy = lightning_prague.DecentAdamStrategy(topology="ring", replica_size=size, seed=0, timeout=60.0)
+    else:
+        strategy = lightning_prague.PartialAllReduceStrategy(
+            grouping="static", group_size=2, replica_size=size, seed=0, timeout=60.0
+        )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
