@@ -844,7 +844,9 @@ def listeners(cluster):
 
 def test_links_are_shaped_both_ways(cluster, listeners):
     size = 2_000_000  # bytes: 16 Mbit, well above the token bucket's burst (256 KiB)
+    sent = cluster.sent_bytes("node1")
     fast = send_seconds(cluster, "node1", "node2", size)
+    assert size <= cluster.sent_bytes("node1") - sent < 1.2 * size, "what node1 sent out of its link, headers too"
     cluster.shape("node2", "32mbit")  # 0.5 s each way, less the burst
     try:
         to_node2 = send_seconds(cluster, "node1", "node2", size)

@@ -6,7 +6,8 @@ Each profile builds an emulated cluster (`lightning_prague/tools/cluster`: one n
 Debian-style ``/etc/hosts``, links shaped with ``tc tbf``; it needs root) and
 runs the digits workload on it, with a model wide enough that one exchange at the full link rate
 takes about one step. Ranks inside a node talk over its loopback (fast); ranks on different nodes
-over the shaped links. The profiles:
+over the shaped links. Each run's row holds what crossed between the nodes per batch trained (the
+nodes' interface counters: every protocol, exchanges and control plane alike). The profiles:
 
 - ``slow_node`` (a): 4 nodes x 1 worker, three links at ``--rate``, the last node's 20x slower
   (``--slow-ratio``);
@@ -447,14 +448,16 @@ def add_cluster_predictions(rows: list[dict[str, Any]], profiles: dict[str, Clus
 def format_table(rows: list[dict[str, Any]]) -> str:
     header = (
         f"{'profile':<11} {'strategy':<33} {'samples/s':>9} {'predicted':>9} {'error':>6} {'vs ddp':>7} "
-        f"{'final acc':>9} {'train s':>8} {'batches per worker':<24}"
+        f"{'final acc':>9} {'train s':>8} {'MB/batch':>8} {'batches per worker':<24}"
     )
     lines = [header]
     for r in rows:
+        crossed = r.get("inter_node_bytes_per_batch")
         lines.append(
             f"{r['profile']:<11} {r['strategy']:<33} {r['throughput']:>9.0f} {r['predicted_throughput']:>9.0f} "
             f"{r['predicted_error']:>+6.0%} {r['speedup_vs_ddp']:>6.2f}x {r['final_acc']:>9.4f} "
-            f"{r['train_seconds']:>8.1f} {' '.join(str(b) for b in r['batches_per_worker']):<24}"
+            f"{r['train_seconds']:>8.1f} {'-' if crossed is None else f'{crossed / 2**20:.2f}':>8} "
+            f"{' '.join(str(b) for b in r['batches_per_worker']):<24}"
         )
     return "\n".join(lines)
 
@@ -483,8 +486,13 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
                 port += 1
                 directory = args.out / "logs" / f"{profile.name}-{label.replace('/', '-')}"
                 argv = demo_argv(strategy, extra, profile, args)
+                sent = sum(cluster.sent_bytes(node) for node in cluster.nodes)
                 result = run_on_cluster(cluster, profile, argv, directory, port, args.job_timeout)
+                sent = sum(cluster.sent_bytes(node) for node in cluster.nodes) - sent
                 row = summarize(label, profile, result, args)
+                # what crossed between nodes (every protocol: exchanges, all-reduces, the store, the control
+                # plane, validation's averages) per batch trained by any rank
+                row["inter_node_bytes_per_batch"] = sent / max(1, sum(result["batches_per_worker"]))
                 row["group_size"] = min(args.group_size, profile.world)
                 row["probe_exchange_seconds"] = exchange
                 row["probe_loopback_seconds"] = loopback

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import json
 import os
 import re
 import shlex
@@ -346,6 +347,17 @@ class Cluster:
         if proc.returncode != 0:
             raise ClusterError(f"{shlex.join(argv)} on {self.node(node).name} failed: {proc.stderr.strip()}")
         return proc.stdout
+
+    def sent_bytes(self, node: Node | str | int) -> int:
+        """Bytes ``node`` has sent out of its link since the cluster was built (its interface's counter):
+        what crossed between nodes, every protocol included."""
+        self._check_running()
+        target = self.node(node)
+        shown = sh(["ip", "-n", target.namespace, "-j", "-s", "link", "show", "dev", target.ifname]).stdout
+        try:
+            return int(json.loads(shown)[0]["stats64"]["tx"]["bytes"])
+        except (ValueError, KeyError, IndexError, TypeError) as err:
+            raise ClusterError(f"no byte counter of {target.ifname} on {target.name} in {shown[:200]!r}") from err
 
     def cut(self, node: Node | str | int) -> None:
         """Partition ``node`` from the others: its switch port goes down, packets to and from it are lost."""
