@@ -50,6 +50,37 @@ def test_the_ranks_of_a_replica_step_as_one_model_and_the_replicas_gossip(tmp_pa
         assert result["column_sums"] and all(half - 1 <= n <= half + 1 for n in result["column_sums"]), result
 
 
+def test_a_model_sharded_over_each_replica_trains_shard_by_shard_and_checkpoints_whole(tmp_path):
+    """`shard=True`, 4 ranks in replicas of 2: each rank holds half of every parameter (FSDP2 over its
+    replica), the replica's two ranks make one model (gathered, bitwise the same after every step),
+    the replicas differ between mixes and end as one; each rank's sums across replicas are of its own
+    shards, nothing more; and the checkpoint holds the whole model, which a plain module loads."""
+    import torch
+
+    from lightning_prague.demo import DigitsClassifier, DigitsDataModule
+
+    argv = ["--out", str(tmp_path), "--replica-size", "2", "--shard"]
+    codes, logs = run_script_ranks(tmp_path, 4, "replica_fit.py", argv)
+    assert codes == [0] * 4, (codes, logs[0][-3000:])
+    found = results(tmp_path)
+    for first, second in ((0, 1), (2, 3)):
+        assert found[first]["digests"] == found[second]["digests"], f"replica of ranks {first} and {second}"
+    assert all(a != b for a, b in zip(found[0]["digests"], found[2]["digests"])), "the replicas train apart"
+    assert len({r["final"] for r in found.values()}) == 1, "one model at the end of the fit"
+    for result in found.values():
+        assert result["sharded"] and result["state_elements"] < 0.6 * result["model_elements"], result
+        assert max(result["column_sums"]) == result["state_elements"], "its own shards, no slice of them"
+    checkpoint = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    model = DigitsClassifier()
+    model.load_state_dict(checkpoint["state_dict"])  # strict: every tensor whole, by its plain name
+    data = DigitsDataModule()
+    data.setup("fit")
+    x, y = data.val_set.tensors
+    with torch.no_grad():
+        assert float((model.eval()(x).argmax(-1) == y).float().mean()) >= 0.85
+    assert "net.0.weight" in checkpoint["optimizer_states"][0]["state"], "the optimizer's state whole, by name"
+
+
 def test_a_lost_rank_loses_its_replica_and_the_other_replicas_finish_with_one_model(tmp_path):
     """6 ranks in replicas of 2; rank 3 is killed at its 10th batch: rank 2, its replica's other rank,
     fails at its next gradient average and leaves; ranks 0, 1, 4 and 5 finish the fit with one model,
@@ -82,6 +113,8 @@ def test_a_lost_rank_loses_its_replica_and_the_other_replicas_finish_with_one_mo
         ("DecentAdamStrategy", {"replica_size": "gpu"}, "replica_size='gpu' is invalid"),
         ("DecentAdamStrategy", {"replica_size": 2, "max_restarts": 1}, "set max_restarts=0"),
         ("DecentAdamStrategy", {"replica_size": 2, "max_workers": 8}, "leave max_workers unset"),
+        ("DecentAdamStrategy", {"shard": True}, "shard=True shards the model over the ranks of a replica"),
+        ("PartialAllReduceStrategy", {"grouping": "static", "shard": "yes", "replica_size": 2}, "shard='yes'"),
     ],
 )
 def test_replica_sizes_no_fit_can_use_are_refused_by_name(strategy, kwargs, message):

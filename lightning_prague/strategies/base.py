@@ -75,6 +75,14 @@ from lightning_prague.core.plane.launch import LOG_DIR_VARIABLE
 from lightning_prague.core.plane.service import plane_address
 from lightning_prague.core.protocol import HangRule
 from lightning_prague.core.replicas.layout import ReplicaLayout
+from lightning_prague.core.replicas.sharding import (
+    full_model_state,
+    full_optimizer_state,
+    is_sharded,
+    load_full_optimizer_state,
+    replica_mesh,
+    shard_model,
+)
 from lightning_prague.core.replicas.sync import replica_group, synchronous
 from lightning_prague.strategies import _patches
 from lightning_prague.strategies._checks import check_layer_sync, check_lightning_internals, check_trainer
@@ -153,6 +161,7 @@ class DecentralizedStrategy(DDPStrategy):
         plane: Optional[str] = None,
         plane_wait: Optional[float] = None,
         replica_size: Union[int, str] = 1,
+        shard: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         """Options every asynchronous strategy shares.
@@ -244,6 +253,14 @@ class DecentralizedStrategy(DDPStrategy):
                 averaging its slice of the model with rank `i` of the others); a lost rank loses its
                 replica, which does not come back (`max_restarts` and `max_workers` must stay
                 unset). See `docs/replica_groups.md`.
+            shard: shard the model over each replica's ranks with FSDP2 (`fully_shard` on the
+                replica's ranks: parameters, gradients and optimizer state split `replica_size`
+                ways) instead of keeping it whole on each; needs `replica_size`. The strategy shards
+                every top-level submodule that holds parameters, then the module, unless
+                `configure_model` sharded it already (on `strategy.device_mesh`, the replica's
+                ranks); the exchanges then average each rank's own shards with the same shards of
+                the other replicas. Checkpoints hold the whole model and optimizer state (gathered
+                inside the replica), loadable by a plain Lightning job.
             **ddp_kwargs: options of Lightning's `DDPStrategy` / `DistributedDataParallel`, for code
                 moved from DDP. The model is not wrapped in `DistributedDataParallel` (replicas
                 average parameters in groups, not gradients), so `find_unused_parameters`,
@@ -260,7 +277,7 @@ class DecentralizedStrategy(DDPStrategy):
             min_workers=min_workers, hang_timeout=hang_timeout, hang_factor=hang_factor,
             leave_out_after=leave_out_after, sync_timeout=sync_timeout, coordinator_port=coordinator_port,
             max_restarts=max_restarts, max_workers=max_workers, plane=plane, plane_wait=plane_wait,
-            replica_size=replica_size,
+            replica_size=replica_size, shard=shard,
         )  # fmt: skip
         if replica_size != 1 and not self.takes_replicas:
             raise ConfigurationError(
@@ -291,6 +308,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.training: TrainingSession | None = None
         #: this rank's replica's process group during a fit in replica groups (`replica_size`)
         self._replica_group: dist.ProcessGroup | None = None
+        self._device_mesh: Any = None
         #: this rank's phase between synchronization points
         self.controller = SyncController()
         #: Lightning reported an exception (`on_exception`) during this fit
@@ -337,6 +355,8 @@ class DecentralizedStrategy(DDPStrategy):
     hang_rule = Option[HangRule]()
     #: consecutive ranks that train one model synchronously (`"node"`: a node's); see `replicas`
     replica_size = Option[Union[int, str]]()
+    #: the model is sharded over each replica's ranks (FSDP2)
+    shard = Option[bool]()
 
     # -- this fit's session (None outside an asynchronous fit) ------------------------------------
     @property
@@ -376,6 +396,38 @@ class DecentralizedStrategy(DDPStrategy):
     @property
     def workers_per_node(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices else 1
+
+    def replica_group(self) -> dist.ProcessGroup:
+        """This rank's replica's process group, made by its ranks when first asked for in a fit."""
+        if self._replica_group is None:
+            self._replica_group = replica_group(
+                self.replicas,
+                self.global_rank,
+                self._get_process_group_backend(),
+                timedelta(seconds=self.operation_timeout),
+                self.root_device if self.root_device.type != "cpu" else None,
+            )
+        return self._replica_group
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ranks of this rank's replica as a 1-D `DeviceMesh` (dimension `"shard"`), for
+        `configure_model` to `fully_shard` the model on with `shard=True`; `None` without replicas."""
+        if self.replicas.replica_size == 1:
+            return None
+        if self._device_mesh is None:
+            self._device_mesh = replica_mesh(self.replica_group(), self.root_device.type)
+        return self._device_mesh
+
+    def _column(self, everyone: tuple[int, ...]) -> tuple[int, ...]:
+        """This rank's column among the live ranks `everyone`: rank `i` of each replica all of whose ranks
+        are live (a replica with a rank gone takes part in nothing; this rank alone if its own is one)."""
+        layout = self.replicas
+        live = set(everyone)
+        whole = [r for r in range(layout.replicas) if set(layout.ranks_of(r)) <= live]
+        if layout.replica_of(self.global_rank) not in whole:
+            return (self.global_rank,)
+        return layout.column(self.global_rank, whole)
 
     @property
     def replicas(self) -> ReplicaLayout:
@@ -426,6 +478,8 @@ class DecentralizedStrategy(DDPStrategy):
         self.training.start(averaged_state(self.lightning_module))  # the parameters on their final device
         assert self.training.worker is not None  # a joiner this rank's meeting waits for: its state goes out there
         self.training.worker.on_admission = lambda: self.synchronizer.follow_admissions(inside_only=True)
+        if self.shard:  # a synchronization point averages each shard with the same shards of the other replicas
+            self.training.worker.averaged_with = self._column
         self.loaders.sharded_members = self._require_job().members
         for module in self.lightning_module.modules():  # torchmetrics' syncs survive a lost rank too
             if isinstance(module, Metric) and module.dist_sync_fn is None:
@@ -542,19 +596,16 @@ class DecentralizedStrategy(DDPStrategy):
         assert self.model is not None
         if self.job is not None and self.job.rejoined:
             return  # its state comes from a live member; the default group may hold ranks that moved on
-        _sync_module_states(self.model)
-        layout = self.replicas
-        if layout.replica_size > 1:  # a replica's ranks average their gradients each step (core.replicas.sync)
-            assert self.job is not None
-            group = replica_group(
-                layout,
-                self.global_rank,
-                self._get_process_group_backend(),
-                timedelta(seconds=self.operation_timeout),
-                self.root_device if self.root_device.type != "cpu" else None,
-            )
-            self._replica_group = group
-            self.model = synchronous(self.model, group, self.determine_ddp_device_ids())
+        if not is_sharded(self.model):  # (sharded in configure_model: its shards come from one seed)
+            _sync_module_states(self.model)
+        if self.replicas.replica_size == 1:
+            return
+        # a replica's ranks average their gradients each step (core.replicas.sync), or hold shards of its model
+        if self.shard:
+            assert isinstance(self.model, LightningModule)
+            shard_model(self.model, self.device_mesh)
+        else:
+            self.model = synchronous(self.model, self.replica_group(), self.determine_ddp_device_ids())
 
     @override
     def teardown(self) -> None:
@@ -573,9 +624,10 @@ class DecentralizedStrategy(DDPStrategy):
         self.controller.reset()
         self.failed = False
         super().teardown()
-        if self._replica_group is not None:
+        if self._replica_group is not None and not is_sharded(self.lightning_module):
+            # (a sharded model keeps its replica's group: its parameters are shards over it, after the fit too)
             dist.destroy_process_group(self._replica_group)
-            self._replica_group = None
+            self._replica_group = self._device_mesh = None
 
     def progressed(self) -> None:
         """A training or validation batch starts: progress for the hang detector (and, in a long
@@ -717,10 +769,29 @@ class DecentralizedStrategy(DDPStrategy):
         run starts every worker from the same state, and from all workers' rather than rank 0's.
         Between synchronization points (a checkpoint of one rank's replica), or if the workers'
         states differ in layout (one never stepped), this rank's own state."""
+        if self.shard and self._replica_group is not None:  # gathered whole inside the replica: this replica's
+            return full_optimizer_state(self.lightning_module, optimizer)
         state = super().optimizer_state(optimizer)
         if self.peer_state.dumping:  # the state sent to a rejoining rank: this replica's own
             return state
         return self.synchronizer.optimizer_state(state)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state; with `shard=True` the whole model, gathered inside the replica (a
+        collective of the replica's ranks: every rank saves a checkpoint together)."""
+        if is_sharded(self.lightning_module):
+            return full_model_state(self.lightning_module)
+        return super().lightning_module_state_dict()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Lightning's, but a whole optimizer state is split into this rank's shards with `shard=True`."""
+        if not is_sharded(self.lightning_module):
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            load_full_optimizer_state(self.lightning_module, optimizer, state)
 
     @property
     @override

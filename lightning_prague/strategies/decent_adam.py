@@ -80,7 +80,7 @@ class DecentAdamStrategy(DecentralizedStrategy):
         **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`, `timeout`,
             `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`, `leave_out_after`,
             `sync_timeout`, `coordinator_port`, `max_restarts`, `max_workers`, `plane`,
-            `plane_wait`, `replica_size`) and Lightning's
+            `plane_wait`, `replica_size`, `shard`) and Lightning's
             plugins; see `DecentralizedStrategy`.
     """
 
@@ -122,7 +122,9 @@ class DecentAdamStrategy(DecentralizedStrategy):
 
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors, policy: GroupingPolicy) -> Exchanger:
         assert isinstance(policy, SchedulePolicy)
-        return LaggedGossip(worker, tensors, policy.schedule, self.operation_timeout, overlap=self.overlap)
+        return LaggedGossip(
+            worker, tensors, policy.schedule, self.operation_timeout, overlap=self.overlap, slices=not self.shard
+        )
 
     def setup(self, trainer: Trainer) -> None:
         super().setup(trainer)

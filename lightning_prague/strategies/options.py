@@ -67,6 +67,8 @@ class StrategyOptions:
     plane_wait: Optional[float] = None
     #: consecutive ranks that train one model synchronously and decentralize as one; `"node"`: a node's
     replica_size: Union[int, str] = 1
+    #: shard the model over each replica's ranks (FSDP2's `fully_shard`) instead of keeping it whole on each
+    shard: bool = False
 
     def __post_init__(self) -> None:
         timeout = self.timeout
@@ -90,6 +92,13 @@ class StrategyOptions:
         if size != NODE and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ConfigurationError(
                 f"replica_size={size!r} is invalid: it must be a positive number of ranks or {NODE!r}"
+            )
+        if not isinstance(self.shard, bool):
+            raise ConfigurationError(f"shard={self.shard!r} is invalid: it must be True or False")
+        if self.shard and size == 1:
+            raise ConfigurationError(
+                "shard=True shards the model over the ranks of a replica: set replica_size (a number of ranks, or "
+                f"{NODE!r})"
             )
         if size != 1 and self.max_restarts:
             raise ConfigurationError(

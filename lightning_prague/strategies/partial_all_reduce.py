@@ -57,7 +57,7 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`, `timeout`,
             `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`, `leave_out_after`,
             `sync_timeout`, `coordinator_port`, `max_restarts`, `max_workers`, `plane`,
-            `plane_wait`, `replica_size`) and Lightning's
+            `plane_wait`, `replica_size`, `shard`) and Lightning's
             plugins; see `DecentralizedStrategy`.
     """
 
@@ -110,7 +110,8 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors, policy: GroupingPolicy) -> Exchanger:
         if isinstance(policy, SchedulePolicy):  # the static schedule: no coordinator round trip per exchange
             return LaggedGossip(
-                worker, tensors, policy.schedule, self.operation_timeout, overlap=self.overlap, lagged=self.overlap
-            )
+                worker, tensors, policy.schedule, self.operation_timeout, overlap=self.overlap, lagged=self.overlap,
+                slices=not self.shard,
+            )  # fmt: skip
         kind = BackgroundAverager if self.overlap else BlockingExchanger
         return kind(worker, tensors, self.operation_timeout)

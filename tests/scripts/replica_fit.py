@@ -20,6 +20,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.tensor import DTensor
 
 import lightning_prague
 from lightning_prague.core.comm.averaging import averaged_state
@@ -49,8 +51,15 @@ def record_column_sums(replica_size: int) -> None:
     GroupComm.sum_ = sum_
 
 
+def whole(parameter: torch.Tensor) -> torch.Tensor:
+    """The whole parameter (gathered inside the replica where it is sharded: every rank calls this)."""
+    return parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+
+
 def digest(module: torch.nn.Module) -> str:
-    data = b"".join(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for p in module.parameters())
+    data = b"".join(
+        whole(p).detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for p in module.parameters()
+    )
     return hashlib.sha256(data).hexdigest()
 
 
@@ -76,6 +85,9 @@ class Record(L.Callback):
             lost=sorted(int(r) for r in trainer.strategy.lost_workers),
             column_sums=sorted(set(COLUMN_SUMS)),
             state_elements=sum(t.numel() for t in averaged_state(pl_module)),
+            model_elements=sum(whole(p).numel() for p in pl_module.parameters())
+            + sum(b.numel() for b in pl_module.buffers() if b.is_floating_point()),
+            sharded=any(isinstance(p, DTensor) for p in pl_module.parameters()),
         )
         (self.out / f"replica.rank{trainer.global_rank}.json").write_text(json.dumps(self.record))
 
@@ -87,27 +99,29 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--kill", help="RANK:BATCH")
     parser.add_argument("--strategy", default="decent_adam", choices=["decent_adam", "prague-static"])
+    parser.add_argument("--shard", action="store_true", help="shard the model over each replica (FSDP2)")
     args = parser.parse_args()
     kill = tuple(int(x) for x in args.kill.split(":")) if args.kill else None
     L.seed_everything(0, verbose=False)
     size = int(args.replica_size) if args.replica_size.isdigit() else args.replica_size
     record_column_sums(size if isinstance(size, int) else 1)
     if args.strategy == "decent_adam":
-        strategy = lightning_prague.DecentAdamStrategy(topology="ring", replica_size=size, seed=0, timeout=60.0)
+        strategy = lightning_prague.DecentAdamStrategy(
+            topology="ring", replica_size=size, shard=args.shard, seed=0, timeout=60.0
+        )
     else:
         strategy = lightning_prague.PartialAllReduceStrategy(
-            grouping="static", group_size=2, replica_size=size, seed=0, timeout=60.0
+            grouping="static", group_size=2, replica_size=size, shard=args.shard, seed=0, timeout=60.0
         )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=strategy,
         max_epochs=args.epochs,
-        callbacks=[Record(args.out, kill)],
+        callbacks=[Record(args.out, kill), ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,
         num_sanity_val_steps=0,
         default_root_dir=args.out,
     )

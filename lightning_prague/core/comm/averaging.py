@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_prague.core.comm.exact import storage_key, unique_tensors
 from lightning_prague.core.comm.groups import Decide, GroupComm
@@ -22,13 +23,15 @@ def averaged_state(module: nn.Module) -> list[torch.Tensor]:
     """The tensors that replicas average: parameters and floating-point buffers (a complex buffer as
     its real view), the live tensors of the module, each once.
 
-    A tensor shared by several modules (tied weights: `module.parameters()` yields a shared parameter
-    once; two tensor objects over the same memory count once as well) is averaged once, in place, so
-    it stays shared. Integer and boolean buffers (BatchNorm's `num_batches_tracked`, masks) have no
-    mean: every global average makes them the element-wise maximum over the members instead
+    A parameter sharded with FSDP2 (`shard=True`) is this rank's own shard of it. A tensor shared by
+    several modules (tied weights: `module.parameters()` yields a shared parameter once; two tensor
+    objects over the same memory count once as well) is averaged once, in place, so it stays shared.
+    Integer and boolean buffers (BatchNorm's `num_batches_tracked`, masks) have no mean: every global
+    average makes them the element-wise maximum over the members instead
     (`lightning_prague.core.comm.exact`).
     """
-    tensors = [p.data for p in module.parameters()]
+    # a parameter sharded with FSDP2 (a DTensor): this rank's shard, in place
+    tensors = [p.data.to_local() if isinstance(p.data, DTensor) else p.data for p in module.parameters()]
     tensors += [
         torch.view_as_real(b.data) if b.is_complex() else b.data
         for b in module.buffers()

@@ -135,6 +135,7 @@ class LaggedGossip(Exchanger):
         name: str = "gossip",
         idle_after: float = IDLE_AFTER,
         lagged: bool = True,
+        slices: bool = True,
     ) -> None:
         if schedule.world_size != worker.world_size:
             raise ValueError(f"topology for {schedule.world_size} workers used by a world of {worker.world_size}")
@@ -145,6 +146,9 @@ class LaggedGossip(Exchanger):
         #: `False`: mix each round in as soon as it is issued, so the next gradient is taken at the
         #: averaged parameters (Prague's blocking Partial All-Reduce); implies waiting at once
         self.lagged = lagged
+        #: the ranks coupled with this one (a replica's) hold one model, each averaging its slice of it;
+        #: `False`: each holds its own part already (a model sharded over the replica)
+        self.slices = slices
         self.round = 0  #: exchanges issued so far; equal on every worker at synchronization points
         self._flight: _InFlight | None = None
         self._phase_open = False
@@ -240,7 +244,7 @@ class LaggedGossip(Exchanger):
         members = flight.weighted.members
         # a replica's ranks hold one model: each averages only its own slice of every bucket across the
         # replicas (its column), so no rank sends more than its share of the model out of its node
-        coupled = self.schedule.coupled_with(self.worker.rank)
+        coupled = self.schedule.coupled_with(self.worker.rank) if self.slices else (self.worker.rank,)
         index, parts = coupled.index(self.worker.rank), len(coupled)
         for flat in buffers.flats:
             start, stop = share_of(flat.numel(), index, parts)

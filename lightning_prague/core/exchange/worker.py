@@ -186,6 +186,9 @@ class GroupWorker:
         #: where a global average finds the model's state now: `() -> (averaged tensors, exact buffers)`,
         #: e.g. `averaged_state(module)` and `exact_state(module)`; `None`: the tensors of construction
         self.live_state: Callable[[], tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] | None = None
+        #: which of the live ranks a synchronization point's average runs over, from this rank's view (a
+        #: model sharded over replicas: rank `i` of each replica, its column); `None`: every live rank
+        self.averaged_with: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None
         #: ranks admitted in the last synchronization point's release (an epoch's end): not aligned with
         #: the others until the next one, so the collectives of this aligned stretch run without them
         self.fresh: set[int] = set()
@@ -711,7 +714,7 @@ class GroupWorker:
         Call only where ranks are aligned (right after `synchronize`); it changes no tensor.
         The sums run on the backend's device; the one number is read once, at the end.
         """
-        everyone = self.comm.everyone
+        everyone = self._averaged_over()
         count = len(everyone)
         drift = Drift(self.tensors.device)
         sums = self.spare()
@@ -743,7 +746,8 @@ class GroupWorker:
         """
         tensors, exact = self._state_now()
         sums = self.spare() if tensors is self.tensors else None
-        maxima = ExactMaxima(exact, self.comm, self.comm.everyone, "global average")
+        over = self._averaged_over()
+        maxima = ExactMaxima(exact, self.comm, over, "global average")
         applied = False
         try:
             complete = maxima.gather(layout_signature(tensors.tensors, exact), self.agree)
@@ -752,9 +756,7 @@ class GroupWorker:
                 def decide(mine: bool) -> bool:
                     return self.agree(mine and complete)
 
-                _, applied = average_(
-                    tensors, self.comm, self.comm.everyone, operation="global average", sums=sums, decide=decide
-                )
+                _, applied = average_(tensors, self.comm, over, operation="global average", sums=sums, decide=decide)
         except CoordinationTimeout as err:
             raise self.session.explain(err, "the global average") from err
         if applied:
@@ -768,6 +770,12 @@ class GroupWorker:
             )
         log.warning("rank %d: a rank was lost during the global average; meeting again without it", self.rank)
         return False
+
+    def _averaged_over(self) -> tuple[int, ...]:
+        """The ranks this rank's synchronization-point average runs over (`averaged_with`); whether it takes
+        effect is still decided over every live rank, all or nothing."""
+        everyone = tuple(self.comm.everyone)
+        return everyone if self.averaged_with is None else self.averaged_with(everyone)
 
     def _state_now(self) -> tuple[BucketedTensors, list[torch.Tensor]]:
         """What a global average changes: the floating-point tensors (those of construction, pointed

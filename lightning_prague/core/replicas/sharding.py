@@ -1,0 +1,77 @@
+"""A model sharded over its replica's ranks (`shard=True`): FSDP2 on the replica's process group.
+
+Each replica's `K` ranks hold `1/K` of every parameter, of its gradient and of the optimizer's state
+(`torch.distributed.fsdp.fully_shard` on a 1-D device mesh of the replica's ranks only, so that FSDP2
+itself never averages across replicas: its reduce-scatter averages the replica's gradients). Rank
+`i` of every replica holds the same shard `i` of each parameter, so the decentralized exchanges
+average each rank's local shards (`DTensor.to_local()`, in place) with the same shards of the other
+replicas (`lightning_prague.core.comm.averaging.averaged_state` takes them), and nothing is put
+together inside the replica. The whole model exists only where it is computed (FSDP2 gathers a
+module's parameters for its forward and backward) and in checkpoints, gathered inside the replica.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+log = logging.getLogger(__name__)
+
+#: methods of a LightningModule that Lightning calls instead of `forward`: FSDP2 gathers the root's
+#: parameters around them too
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+#: a whole state gathered on the replica's first rank only, in host memory (the others get none)
+_WHOLE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def replica_mesh(group: torch.distributed.ProcessGroup, device_type: str) -> DeviceMesh:
+    """The replica's ranks (its process `group`) as a 1-D device mesh, dimension `"shard"`."""
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",))
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether `module`, or a module in it, is sharded with FSDP2."""
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def shard_model(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Shard `module` over `mesh` in place: each top-level submodule that holds parameters, then the
+    module itself (its own parameters, and the root that gathers the others in turn), unless it is
+    sharded already (`configure_model` did it: only the root is added where missing)."""
+    if not is_sharded(module):
+        for child in module.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mesh=mesh)
+    if not isinstance(module, FSDPModule):
+        fully_shard(module, mesh=mesh)
+    for name in STEP_METHODS:
+        if callable(getattr(module, name, None)):
+            register_fsdp_forward_method(module, name)
+    log.debug("sharded %s over %s", type(module).__name__, mesh)
+
+
+def full_model_state(module: nn.Module) -> dict[str, Any]:
+    """The whole model's state dict, gathered inside the replica (a collective of its ranks): on its
+    first rank in host memory, empty on the others."""
+    return get_model_state_dict(module, options=_WHOLE)
+
+
+def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The whole optimizer state (keyed by parameter names), gathered as `full_model_state`."""
+    return get_optimizer_state_dict(module, optimizer, options=_WHOLE)
+
+
+def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Split a whole optimizer state (`full_optimizer_state`'s) into this rank's shards."""
+    set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
