@@ -79,6 +79,19 @@ def test_a_model_sharded_over_each_replica_trains_shard_by_shard_and_checkpoints
     with torch.no_grad():
         assert float((model.eval()(x).argmax(-1) == y).float().mean()) >= 0.85
     assert "net.0.weight" in checkpoint["optimizer_states"][0]["state"], "the optimizer's state whole, by name"
+    # and a sharded fit resumes from it: one more epoch, from the step it stood at, split into shards again
+    # (by a module that shards itself in configure_model on the strategy's mesh: the checkpoint loads into shards)
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    last = tmp_path / "ckpt" / "last.ckpt"
+    argv = ["--out", str(resumed), "--replica-size", "2", "--shard", "--epochs", "4", "--resume", str(last),
+            "--configure-model"]  # fmt: skip
+    codes, logs = run_script_ranks(resumed, 4, "replica_fit.py", argv)
+    assert codes == [0] * 4, (codes, logs[0][-3000:])
+    again = results(resumed)
+    assert {r["global_step"] for r in again.values()} == {checkpoint["global_step"] * 4 // 3}, "one more epoch of steps"
+    assert {r["batches"] for r in again.values()} == {checkpoint["global_step"] // 3}
+    assert len({r["final"] for r in again.values()}) == 1 and again[0]["val_acc"] >= 0.85
 
 
 def test_a_lost_rank_loses_its_replica_and_the_other_replicas_finish_with_one_model(tmp_path):

@@ -79,6 +79,7 @@ from lightning_prague.core.replicas.sharding import (
     full_model_state,
     full_optimizer_state,
     is_sharded,
+    load_full_model_state,
     load_full_optimizer_state,
     replica_mesh,
     shard_model,
@@ -783,6 +784,15 @@ class DecentralizedStrategy(DDPStrategy):
         if is_sharded(self.lightning_module):
             return full_model_state(self.lightning_module)
         return super().lightning_module_state_dict()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Lightning's, but a whole model is split into this rank's shards where `configure_model`
+        sharded the module already (the strategy shards it after loading otherwise)."""
+        if is_sharded(self.lightning_module):
+            load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict)
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

@@ -88,8 +88,19 @@ class Record(L.Callback):
             model_elements=sum(whole(p).numel() for p in pl_module.parameters())
             + sum(b.numel() for b in pl_module.buffers() if b.is_floating_point()),
             sharded=any(isinstance(p, DTensor) for p in pl_module.parameters()),
+            global_step=trainer.global_step,
         )
         (self.out / f"replica.rank{trainer.global_rank}.json").write_text(json.dumps(self.record))
+
+
+class ShardedInConfigureModel(DigitsClassifier):
+    """The digits model that shards its own layers on the strategy's mesh (the replica's ranks)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if not isinstance(self.net, FSDPModule):
+            fully_shard(self.net, mesh=self.trainer.strategy.device_mesh)
 
 
 def main() -> None:
@@ -100,6 +111,8 @@ def main() -> None:
     parser.add_argument("--kill", help="RANK:BATCH")
     parser.add_argument("--strategy", default="decent_adam", choices=["decent_adam", "prague-static"])
     parser.add_argument("--shard", action="store_true", help="shard the model over each replica (FSDP2)")
+    parser.add_argument("--resume", type=Path, help="resume the fit from this checkpoint")
+    parser.add_argument("--configure-model", action="store_true", help="the module shards its layers itself")
     args = parser.parse_args()
     kill = tuple(int(x) for x in args.kill.split(":")) if args.kill else None
     L.seed_everything(0, verbose=False)
@@ -125,7 +138,8 @@ def main() -> None:
         num_sanity_val_steps=0,
         default_root_dir=args.out,
     )
-    trainer.fit(DigitsClassifier(lr=0.05), DigitsDataModule(batch_size=32))
+    model = (ShardedInConfigureModel if args.configure_model else DigitsClassifier)(lr=0.05)
+    trainer.fit(model, DigitsDataModule(batch_size=32), ckpt_path=args.resume)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
@@ -70,6 +71,11 @@ def full_model_state(module: nn.Module) -> dict[str, Any]:
 def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The whole optimizer state (keyed by parameter names), gathered as `full_model_state`."""
     return get_optimizer_state_dict(module, optimizer, options=_WHOLE)
+
+
+def load_full_model_state(module: nn.Module, state: dict[str, Any], strict: bool = True) -> None:
+    """Split a whole model's state dict (`full_model_state`'s, or any plain one) into this rank's shards."""
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
