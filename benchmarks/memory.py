@@ -4,6 +4,7 @@
     python benchmarks/memory.py --params 5e6 --strategies ddp prague --out memory-small.json
     python benchmarks/memory.py --where                           # also: what every thread ran at the peak
     python benchmarks/memory.py --mmap-threshold 131072           # resident memory = live tensors
+    python benchmarks/memory.py --strategies ddp decent_adam decent_adam/replicas decent_adam/sharded
 
 Each strategy (and Lightning's `strategy="ddp"` first, the baseline) runs as a command of its own
 (`python benchmarks/memory.py --run STRATEGY ...`) with Lightning's default launcher
@@ -14,6 +15,8 @@ ReLU between them, as wide as makes `--params` float32 parameters (25M: 4 layers
 worker: the dataset holds `steps x batch x devices` samples; the work-queue strategies let a fast
 worker take a few more), MSE loss, SGD with momentum 0.9, no validation, no checkpoints, no logger.
 `prague` and `partial_reduce` run with `group_size=--group-size` (default 2, as AD-PSGD's pairs);
+`decent_adam/replicas` and `decent_adam/sharded` (asked for by name) train in replica groups of 2
+ranks (`replica_size=2`), the model whole on each rank or sharded over the pair (`shard=True`);
 every other option of the strategies is their default (`bucket_mb=25`, overlap on, the end-of-fit
 global average on). Each rank reads its own peak at the end of fit (after the strategy's teardown):
 `resource.getrusage(RUSAGE_SELF).ru_maxrss` and `VmHWM` of `/proc/self/status` (they agree; the
@@ -67,6 +70,8 @@ from typing import Any
 MiB = 2**20
 GROUPED = ("prague", "partial_reduce")  # the strategies with a group_size option
 STRATEGIES = ("ddp", "prague", "partial_reduce", "adpsgd", "decent_adam")
+#: runs in replica groups of 2 (issue 50), when asked for: the model whole on each rank, or sharded over the pair
+REPLICA_RUNS = ("decent_adam/replicas", "decent_adam/sharded")
 
 
 # -- measuring, inside a rank ------------------------------------------------------------------
@@ -219,8 +224,11 @@ def model_width(params: float, layers: int) -> int:
 def make_strategy(name: str, group_size: int, ours: dict[str, Any]) -> Any:
     if name == "ddp":
         return "ddp"  # Lightning's, as users select it
+    name, _, variant = name.partition("/")
     cls = ours[name][0]
     options: dict[str, Any] = {"hang_timeout": 60.0}  # two busy cores: no false hang; no effect on memory
+    if variant:  # replica groups of 2 ranks, the model whole on each or sharded over the pair (issue 50)
+        options.update(replica_size=2, shard=variant == "sharded")
     if name in GROUPED:
         options["group_size"] = group_size
     return cls(**options)
@@ -229,7 +237,7 @@ def make_strategy(name: str, group_size: int, ours: dict[str, Any]) -> Any:
 # -- the driver --------------------------------------------------------------------------------
 def measure(strategy: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run `strategy` as a command of its own; every rank's measurements, by rank."""
-    with tempfile.TemporaryDirectory(prefix=f"memory-{strategy}-") as run_dir:
+    with tempfile.TemporaryDirectory(prefix=f"memory-{strategy.replace('/', '-')}-") as run_dir:
         command = [sys.executable, __file__, "--run", strategy, "--run-dir", run_dir]
         command += ["--devices", str(args.devices), "--params", str(args.params), "--layers", str(args.layers)]
         command += ["--steps", str(args.steps), "--batch-size", str(args.batch_size)]
@@ -335,9 +343,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append("--params, --layers, --steps and --batch-size must be positive (params >= layers)")
     if not 2 <= args.group_size <= args.devices:
         problems.append(f"--group-size {args.group_size}: 2 to --devices")
-    unknown = [s for s in args.strategies if s not in STRATEGIES]
+    unknown = [s for s in args.strategies if s not in STRATEGIES + REPLICA_RUNS]
     if unknown:
-        problems.append(f"--strategies: unknown {unknown}; choose from {list(STRATEGIES)}")
+        problems.append(f"--strategies: unknown {unknown}; choose from {list(STRATEGIES + REPLICA_RUNS)}")
     if problems:
         parser.error("; ".join(problems))
     return args

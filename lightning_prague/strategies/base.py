@@ -257,7 +257,7 @@ class DecentralizedStrategy(DDPStrategy):
             shard: shard the model over each replica's ranks with FSDP2 (`fully_shard` on the
                 replica's ranks: parameters, gradients and optimizer state split `replica_size`
                 ways) instead of keeping it whole on each; needs `replica_size`. The strategy shards
-                every top-level submodule that holds parameters, then the module, unless
+                every submodule that holds parameters of its own, then the module, unless
                 `configure_model` sharded it already (on `strategy.device_mesh`, the replica's
                 ranks); the exchanges then average each rank's own shards with the same shards of
                 the other replicas. Checkpoints hold the whole model and optimizer state (gathered

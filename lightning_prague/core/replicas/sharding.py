@@ -47,12 +47,14 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def shard_model(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Shard `module` over `mesh` in place: each top-level submodule that holds parameters, then the
-    module itself (its own parameters, and the root that gathers the others in turn), unless it is
-    sharded already (`configure_model` did it: only the root is added where missing)."""
+    """Shard `module` over `mesh` in place: each submodule that holds parameters of its own (a
+    `Linear`, a norm, an embedding: FSDP2 then gathers one of them at a time for its forward and
+    backward, so the whole model is never gathered at once), then the module itself (its own
+    parameters, and the root), unless it is sharded already (`configure_model` did it, in units of
+    its choice: only the root is added where missing)."""
     if not is_sharded(module):
-        for child in module.children():
-            if any(True for _ in child.parameters()):
+        for child in list(module.modules())[1:]:
+            if any(True for _ in child.parameters(recurse=False)):
                 fully_shard(child, mesh=mesh)
     if not isinstance(module, FSDPModule):
         fully_shard(module, mesh=mesh)
