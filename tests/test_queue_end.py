@@ -230,3 +230,49 @@ def test_a_shard_given_back_goes_to_a_parked_claim_and_is_refused_once_nobody_cl
     out = {}
     session.kv(0, 7, {"do": "give_back", "key": KEY, "shard": 4, "position": 0}, out)
     assert replies(out) == {0: False}  # (a shard it does not hold: nothing to give)
+
+
+def standby(session: CoordinatorSession, rank: int, req: int, out: dict) -> None:
+    """`rank` left the epoch's tail: it stands by in a parked claim (`WorkQueueSampler`)."""
+    message = {"do": "claim", "key": KEY, "first": 3, "ticketed": 0, "num": NUM, "park": True, "standby": True}
+    session.kv(rank, req, message, out)
+
+
+def test_a_rank_that_left_the_tail_takes_the_rest_when_the_ranks_that_took_it_are_lost():
+    """Ranks 0 and 1 leave the tail and stand by; rank 2, the last claimer, is lost with chunk 2 in hand
+    and chunks 4 and 5 never claimed. Nobody else would train them: rank 0 (standing by first) gets
+    the given-back chunk and claims on, rank 1 standing by while rank 0 claims; the queue ends only
+    once all is taken, every chunk claimed exactly once (found in CI: two survivors had left the
+    tail, the three claimers were killed, and 862 of 1438 samples went untrained)."""
+    session = session_of()
+    out: dict = {}
+    claim(session, 0, 1, out, first_claim=True)  # chunk 3
+    session.report_work(0, {"key": KEY, "done": [0, 3]})
+    session.report_work(1, {"key": KEY, "done": [1]})
+    standby(session, 0, 2, out)
+    standby(session, 1, 1, out)
+    assert replies(out) == {0: [3, None]}, "rank 2 still claims: both stand by"
+    out = {}
+    session.depart(2, "killed", out)  # chunk 2 (set aside, ticket 0) back; chunks 4 and 5 never claimed
+    assert replies(out) == {0: [2, 0]}, "rank 1 stands by while rank 0 claims"
+    out = {}
+    claim(session, 0, 3, out)
+    claim(session, 0, 4, out)
+    assert replies(out) == {0: [5, None]}, "rank 0 took the queue's last two chunks (4, then 5)"
+    session.report_work(0, {"key": KEY, "done": [2, 4, 5]})
+    out = {}
+    standby(session, 0, 5, out)  # both stand by, the queue empty: every claim ends the epoch
+    assert {rank: value[0] >= NUM for rank, value in replies(out).items()} == {0: True, 1: True}
+
+
+def test_a_rank_standing_by_ends_its_epoch_with_the_others_when_nothing_is_left():
+    session = session_of()
+    out = queue_handed_out(session)  # chunks 3, 4, 5 out
+    session.report_work(2, {"key": KEY, "done": [2, 5]})
+    standby(session, 2, 2, out)
+    assert replies(out) == {}, "ranks 0 and 1 still claim"
+    session.report_work(0, {"key": KEY, "done": [0, 3]})
+    session.report_work(1, {"key": KEY, "done": [1, 4]})
+    claim(session, 0, 2, out)
+    claim(session, 1, 2, out)  # the queue is empty and nobody is lost: every claim ends the epoch
+    assert set(replies(out)) == {0, 1, 2} and all(value[0] >= NUM for value in replies(out).values())

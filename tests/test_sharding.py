@@ -26,6 +26,24 @@ def counters():
     server.close()
 
 
+class _OthersClaiming:
+    """`counters` for simulations whose ranks all share its one session: the control plane would see
+    nobody else claiming and hand a rank that left the tail and stands by the queue's rest. Here the
+    other simulated ranks are live and claim: a standby claim returns the queue's end, as it does
+    while another member claims (`lightning_prague.core.plane.queue_end`)."""
+
+    def __init__(self, counters) -> None:
+        self.counters = counters
+
+    def begin_claim(self, *args, standby=False, **kwargs):
+        if standby:
+            return SimpleNamespace(result=lambda: (kwargs["num"], None))
+        return self.counters.begin_claim(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.counters, name)
+
+
 def _interleaved(samplers, speeds):
     """Consume the samplers round-robin, sampler i taking speeds[i] chunks per turn."""
     iters = [iter(s) for s in samplers]
@@ -179,7 +197,7 @@ def _run_epoch_on_a_clock(samplers, seconds_per_chunk):
 
 
 def test_a_slow_rank_leaves_the_tail_in_its_first_epoch_before_any_estimate(counters):
-    samplers = [WorkQueueSampler(160, 4, r, 4, counters, seed=4) for r in range(4)]
+    samplers = [WorkQueueSampler(160, 4, r, 4, _OthersClaiming(counters), seed=4) for r in range(4)]
     trained, finish = _run_epoch_on_a_clock(samplers, [1.0, 0.2, 0.2, 0.2])  # rank 0 is 5x slower
     flat = [i for chunks in trained.values() for chunk in chunks for i in chunk]
     assert sorted(flat) == list(range(160)), "every index is trained once"
@@ -192,7 +210,7 @@ def test_a_slow_rank_leaves_the_tail_in_its_first_epoch_before_any_estimate(coun
 def test_with_everyone_s_speeds_a_slow_rank_takes_only_its_first_chunk_of_a_short_epoch(counters):
     # 16 ranks, 45 chunks: the fast ranks empty the queue before rank 0 finishes one chunk, so
     # rank 0 never sees the queue running and cannot tell how fast the others are on its own
-    samplers = [WorkQueueSampler(45 * 4, 4, r, 16, counters, seed=5) for r in range(16)]
+    samplers = [WorkQueueSampler(45 * 4, 4, r, 16, _OthersClaiming(counters), seed=5) for r in range(16)]
     seconds = [1.0] + [0.2] * 15
     first, _ = _run_epoch_on_a_clock(samplers, seconds)
     assert len(first[0]) == 2  # its first chunk and the one fetched with it
@@ -251,7 +269,7 @@ class _RecordedClaims:
     def __init__(self, events: list[tuple[str, int]]) -> None:
         self.events, self.next = events, 1  # (chunk 0 is the rank's own, set aside)
 
-    def begin_claim(self, cursor, first, tickets, ticketed, num, chunk=None, set_aside=None, park=False):
+    def begin_claim(self, cursor, first, tickets, ticketed, num, chunk=None, set_aside=None, park=False, standby=False):
         claimed, self.next = self.next, self.next + 1
         self.events.append(("sent", claimed))
         return SimpleNamespace(result=lambda: (self.events.append(("taken", claimed)), (claimed, None))[1])

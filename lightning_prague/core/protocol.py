@@ -451,6 +451,8 @@ KV_RECORDS: dict[str, Record] = {
             "members": list_of(_RANK, MAX_RANK + 1),
             "preset": list_of(integer(-1, MAX_INT), MAX_RANK + 1),
             "park": BOOLEAN,
+            # a rank that left the epoch's tail: it takes a chunk only if nobody else will
+            "standby": BOOLEAN,
         },
     ),
     # a slow rank at a stream's tail offers a shard's rest from a position; the reply says whether a claimer

@@ -744,6 +744,7 @@ class Counters:
         chunk: int | None = None,
         set_aside: tuple[Sequence[int], Sequence[int]] | None = None,
         park: bool = False,
+        standby: bool = False,
     ) -> ClaimInFlight:
         """A claim on the work queue, sent now, its answer taken later (`ClaimInFlight.result`), so that
         the control plane's round trip overlaps this rank's training: the queue's next chunk (`first`
@@ -754,7 +755,9 @@ class Counters:
         length; `set_aside`: on this rank's first claim of an epoch, the members and the chunk each
         started the epoch with (`lightning_prague.core.plane.work`); `park`: at an emptied queue, wait
         while a live member may still give chunks back, serving `serve` meanwhile
-        (`lightning_prague.core.plane.queue_end`)."""
+        (`lightning_prague.core.plane.queue_end`); `standby`: this rank left the epoch's tail, and its
+        claim waits (parked) until nobody else will take the queue's rest, then gets a chunk of it (or
+        one a lost member gave back), else the queue's end."""
         what = f"a claim on the work queue {cursor!r}"
         fields: dict[str, Any] = {"key": cursor, "first": first, "tickets": tickets, "ticketed": ticketed}
         if num is not None:
@@ -763,12 +766,15 @@ class Counters:
             fields["chunk"] = chunk
         if set_aside is not None:
             fields["members"], fields["preset"] = list(set_aside[0]), list(set_aside[1])
-        if park:
+        if park or standby:
             # at an emptied queue the claim waits while a member may still give chunks back, as long as
             # the epoch's closing meeting would wait for it (`lightning_prague.core.plane.queue_end`)
             fields["park"] = True
             what = f"{what} (at the queue's end)"
-        return ClaimInFlight(self, self.session.begin("kv", what, do="claim", **fields), park)
+        if standby:
+            fields["standby"] = True
+            what = f"{what}, standing by at the epoch's tail"
+        return ClaimInFlight(self, self.session.begin("kv", what, do="claim", **fields), park or standby)
 
     def give_back(self, cursor: str, shard: int, position: int) -> bool:
         """Offer the rest of `shard` of the queue `cursor`, which this rank holds, from `position` (a slow

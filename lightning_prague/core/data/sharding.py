@@ -147,10 +147,12 @@ class WorkQueueSampler(Sampler[int]):
         return self._begin_claim(chunk)()
 
     def _begin_claim(
-        self, chunk: Optional[int] = None, park: Optional[bool] = None
+        self, chunk: Optional[int] = None, park: Optional[bool] = None, standby: bool = False
     ) -> Callable[[], tuple[int, Optional[int]]]:
         """Send a claim now; what it returns gives the claimed chunk and ticket once answered. `park`
-        (default: a claim on the queue, not of `chunk`) lets it wait at an emptied queue.
+        (default: a claim on the queue, not of `chunk`) lets it wait at an emptied queue; `standby`: this
+        rank left the epoch's tail, and gets a chunk only where nobody else would take the queue's rest
+        (a plain store: the queue's end at once).
 
         The control plane holds the chunk for this rank until it is reported trained (`trained`), so
         that it goes back to the queue if this rank is lost first (`lightning_prague.core.plane.work`);
@@ -172,8 +174,11 @@ class WorkQueueSampler(Sampler[int]):
                 chunk=chunk,
                 set_aside=set_aside,
                 park=chunk is None if park is None else park and chunk is None,
+                standby=standby,
             ).result
         assert request is None, "tickets are claimed with chunks only from the control plane's counters"
+        if standby:
+            return lambda: (self.num_chunks, None)
         claimed = chunk if chunk is not None else self._first_claimed + increment(store, self._cursor_key) - 1
         return lambda: (claimed, None)
 
@@ -274,8 +279,12 @@ class WorkQueueSampler(Sampler[int]):
                 continue
             if self._in_flight is None and self._taken is None:
                 if left or (self.slow_ratio > 0 and self._leave_tail(previous)):
-                    return
-                self._in_flight = self._begin_claim()
+                    # it left the rest to the others, but stands by: if they are lost with the queue's rest
+                    # untaken, nobody else would train it (`lightning_prague.core.plane.queue_end`)
+                    self._in_flight = self._begin_claim(standby=True)
+                    left = False  # (what it gets, it trains, and claims on)
+                else:
+                    self._in_flight = self._begin_claim()
             claimed_at = self.clock()
             chunk, ticket = self._take()
             self._observe(previous, claimed_at, chunk)

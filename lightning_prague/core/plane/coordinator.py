@@ -212,6 +212,10 @@ class CoordinatorSession:
                 self._set_aside(key, message["members"], message["preset"])
             if self.ends.claims_on(key, rank):  # it went on to another epoch: no claim waits for it there
                 self.settle_queues(out)
+            if message.get("standby"):  # it left the epoch's tail: a chunk only once nobody else will take one
+                self.ends.park(key, rank, req, int(message.get("num", 0)), standby=message)
+                self._settle(key, out)
+                return
             chunk, ticket = self._next_chunk(key, message)
             if chunk < int(message.get("num", chunk + 1)):
                 self.work.claimed(rank, key, chunk, ticket)
@@ -302,10 +306,23 @@ class CoordinatorSession:
         members = self.work.members(key) or sorted(self.members)
         requeued = self.values.get(key + REQUEUED, [])
         holding = self.work.holders(key)
+        stood_by = False
         for answer in self.ends.settle(key, self.members, members, self.generator.parked, holding, requeued):
-            if answer.given_back:
-                self.work.claimed(answer.rank, key, answer.chunk, answer.ticket)
-            self._reply(answer.rank, answer.req, [answer.chunk, answer.ticket], out)
+            chunk, ticket = answer.chunk, answer.ticket
+            if answer.standby is not None:  # nobody else takes the queue's rest: this rank does, or it ends
+                stood_by = True
+                chunk, ticket = self._next_chunk(key, answer.standby)
+                if chunk < int(answer.standby.get("num", chunk + 1)):
+                    self.work.claimed(answer.rank, key, chunk, ticket)
+                    log.info("session %d: rank %d takes chunk %d of %s: nobody else would", self.number, answer.rank,
+                             chunk, key)  # fmt: skip
+                else:
+                    self.ends.finish(key, answer.rank)
+            elif answer.given_back:
+                self.work.claimed(answer.rank, key, chunk, ticket)
+            self._reply(answer.rank, answer.req, [chunk, ticket], out)
+        if stood_by:  # the other parked claims wait for one that took a chunk, or end with the others
+            self._settle(key, out)
 
     def requeued_work(self) -> list[list[Any]]:
         """What lost ranks gave back and no rank claimed again yet, on every queue: `[chunk, ticket value]`

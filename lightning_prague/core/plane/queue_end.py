@@ -12,7 +12,11 @@ plane while some live member of the epoch may still be lost with chunks in hand,
   then must train its last batch and come: a parked claimer never waits for a rank at a meeting).
 
 A chunk given back by a lost member goes to a parked claimer (the first parked), which trains it
-and claims again. When no live member is left to wait for, every parked claim of the queue returns
+and claims again. A rank that left the epoch's tail (a slow one, leaving the rest to faster ones)
+**stands by** in a parked claim rather than ending its epoch: if every other live member is done or
+parked while the queue still holds chunks (the ranks that took them were lost), it takes the
+queue's next chunk and claims on, and the others' parked claims wait for it; otherwise it ends its
+epoch with them. When no live member is left to wait for, every parked claim of the queue returns
 empty together. A member lost or hung in its epoch thus costs the others a wait until it is found
 (its hang bound), which they would spend at the epoch's closing synchronization point anyway.
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Container
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,8 @@ class _Queue:
     parked: dict[int, tuple[int, int]] = field(default_factory=dict)
     #: ranks that claim no more from this queue
     done: set[int] = field(default_factory=set)
+    #: parked ranks standing by at the epoch's tail -> their claim (to take the queue's next chunk with)
+    standby: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,9 @@ class Answer:
     chunk: int
     ticket: int | None
     given_back: bool = False
+    #: a standby claim that nobody else will take the queue's rest for: the claim to take its next chunk
+    #: with (the coordinator answers the queue's end if it has none)
+    standby: dict[str, Any] | None = None
 
 
 class QueueEnds:
@@ -78,8 +88,9 @@ class QueueEnds:
             queue = self._queues[key] = _Queue()
         return queue
 
-    def park(self, key: str, rank: int, req: int, end: int) -> None:
-        """`rank`'s claim `req` on `key` found the queue empty: it waits for `settle`."""
+    def park(self, key: str, rank: int, req: int, end: int, standby: dict[str, Any] | None = None) -> None:
+        """`rank`'s claim `req` on `key` found the queue empty, or (`standby`: the claim, from a rank that
+        left the epoch's tail) stands by for the queue's rest: it waits for `settle`."""
         queue = self._queue(key)
         if rank in queue.parked:
             raise ValueError(f"rank {rank} already waits on a claim of {key!r}")
@@ -87,6 +98,8 @@ class QueueEnds:
             raise ValueError(f"rank {rank} already waits on claims of {MAX_PARKED_PER_RANK} work queues")
         queue.parked[rank] = (req, end)
         queue.done.discard(rank)
+        if standby is not None:
+            queue.standby[rank] = standby
         log.debug("queue end: rank %d's claim on %s parks", rank, key)
 
     def finish(self, key: str, rank: int) -> None:
@@ -141,6 +154,7 @@ class QueueEnds:
         while requeued and queue.parked:
             rank = next(iter(queue.parked))
             req, _ = queue.parked.pop(rank)
+            queue.standby.pop(rank, None)
             chunk, ticket = requeued.pop(0)
             assert chunk is not None
             answers.append(Answer(rank, req, int(chunk), ticket, given_back=True))
@@ -150,6 +164,13 @@ class QueueEnds:
             for r in members
             if r in live and r not in queue.parked and r not in at_meeting and (r not in queue.done or r in holding)
         ]
+        standing = [rank for rank in queue.parked if rank in queue.standby]
+        if standing and not waited:  # nobody else takes the queue's rest: the ranks standing by do
+            for rank in standing:
+                req, end = queue.parked.pop(rank)
+                answers.append(Answer(rank, req, end, None, standby=queue.standby.pop(rank)))
+            log.debug("queue end: nobody else claims on %s: ranks %s, standing by, take its rest", key, standing)
+            return answers  # (settled again: one that takes a chunk claims again, and the others wait for it)
         if queue.parked and not waited:
             for rank, (req, end) in queue.parked.items():
                 answers.append(Answer(rank, req, end, None))
@@ -164,6 +185,7 @@ class QueueEnds:
         """`rank` is gone: its parked claims are answered by nobody."""
         for queue in self._queues.values():
             queue.parked.pop(rank, None)
+            queue.standby.pop(rank, None)
             queue.done.discard(rank)
 
     def forget(self, key: str) -> list[Answer]:
