@@ -655,7 +655,8 @@ class DecentralizedStrategy(DDPStrategy):
             self.failed = False
         if self.session is not None:  # its exception path (a checkpoint) may outlast a lost control plane
             self.session.fit_failed()
-            self._say_replica_lost()
+            if self.failed:
+                self._say_replica_lost()
         super().on_exception(exception)
 
     def _say_replica_lost(self) -> None:
