@@ -276,3 +276,19 @@ def test_a_rank_standing_by_ends_its_epoch_with_the_others_when_nothing_is_left(
     claim(session, 0, 2, out)
     claim(session, 1, 2, out)  # the queue is empty and nobody is lost: every claim ends the epoch
     assert set(replies(out)) == {0, 1, 2} and all(value[0] >= NUM for value in replies(out).values())
+
+
+def test_a_rank_standing_by_takes_nothing_while_the_others_meet_inside_the_epoch():
+    """The others at a meeting inside the epoch (a validation at a global step) will claim on after it,
+    and that meeting waits for the rank standing by: it ends its epoch, as a rank leaving the tail did,
+    rather than take their chunks (found in CI: a 5x slower rank trained as many batches as the others)."""
+    session = session_of()
+    out: dict = {}
+    claim(session, 0, 1, out, first_claim=True)  # chunk 3; chunks 4 and 5 are still in the queue
+    session.report_work(2, {"key": KEY, "done": [2]})
+    standby(session, 2, 1, out)
+    assert replies(out) == {0: [3, None]}
+    session.generator.parked.update({0: "val@7", 1: "val@7"})  # ranks 0 and 1 wait at a synchronization point
+    out = {}
+    session.settle_queues(out)
+    assert replies(out) == {2: [NUM, None]} and 2 in session.ends._queues[KEY].done

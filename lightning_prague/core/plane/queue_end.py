@@ -16,8 +16,10 @@ and claims again. A rank that left the epoch's tail (a slow one, leaving the res
 **stands by** in a parked claim rather than ending its epoch: if every other live member is done or
 parked while the queue still holds chunks (the ranks that took them were lost), it takes the
 queue's next chunk and claims on, and the others' parked claims wait for it; otherwise it ends its
-epoch with them. When no live member is left to wait for, every parked claim of the queue returns
-empty together. A member lost or hung in its epoch thus costs the others a wait until it is found
+epoch with them, and at once where the others wait at a meeting inside the epoch (a validation at a
+global step: they claim on after it, and the meeting waits for it). When no live member is left
+to wait for, every parked claim of the queue returns empty together. A member lost or hung in its
+epoch thus costs the others a wait until it is found
 (its hang bound), which they would spend at the epoch's closing synchronization point anyway.
 
 What this cannot cover: Lightning fetches one batch ahead, so every rank trains its last batch of an
@@ -165,12 +167,20 @@ class QueueEnds:
             if r in live and r not in queue.parked and r not in at_meeting and (r not in queue.done or r in holding)
         ]
         standing = [rank for rank in queue.parked if rank in queue.standby]
-        if standing and not waited:  # nobody else takes the queue's rest: the ranks standing by do
+        if standing and not waited:
+            # ranks at a meeting inside the epoch (a validation) will claim on after it, and the meeting
+            # waits for the ranks standing by: those end their epoch, as a rank that leaves the tail did
+            coming_back = [r for r in members if r in live and r in at_meeting and r not in queue.done]
             for rank in standing:
                 req, end = queue.parked.pop(rank)
-                answers.append(Answer(rank, req, end, None, standby=queue.standby.pop(rank)))
-            log.debug("queue end: nobody else claims on %s: ranks %s, standing by, take its rest", key, standing)
-            return answers  # (settled again: one that takes a chunk claims again, and the others wait for it)
+                claim = queue.standby.pop(rank)
+                answers.append(Answer(rank, req, end, None, standby=None if coming_back else claim))
+                if coming_back:
+                    queue.done.add(rank)
+            if not coming_back:  # nobody else takes the queue's rest: the ranks standing by do
+                log.debug("queue end: nobody else claims on %s: ranks %s, standing by, take its rest", key, standing)
+                return answers  # (settled again: one that takes a chunk claims again, and the others wait for it)
+            log.debug("queue end: ranks %s at a meeting claim on %s after it: %s end", coming_back, key, standing)
         if queue.parked and not waited:
             for rank, (req, end) in queue.parked.items():
                 answers.append(Answer(rank, req, end, None))
