@@ -19,8 +19,8 @@ queue's next chunk and claims on, and the others' parked claims wait for it; oth
 epoch with them, and at once where the others wait at a meeting inside the epoch (a validation at a
 global step: they claim on after it, and the meeting waits for it). When no live member is left
 to wait for, every parked claim of the queue returns empty together. A member lost or hung in its
-epoch thus costs the others a wait until it is found
-(its hang bound), which they would spend at the epoch's closing synchronization point anyway.
+epoch thus costs the others a wait until it is found (its hang bound), which they would spend at
+the epoch's closing synchronization point anyway.
 
 What this cannot cover: Lightning fetches one batch ahead, so every rank trains its last batch of an
 epoch after its last claim returned. A rank lost while training that batch gives it back when no
