@@ -398,7 +398,7 @@ class DecentralizedStrategy(DDPStrategy):
     def workers_per_node(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices else 1
 
-    def replica_group(self) -> dist.ProcessGroup:
+    def _replica_process_group(self) -> dist.ProcessGroup:
         """This rank's replica's process group, made by its ranks when first asked for in a fit."""
         if self._replica_group is None:
             self._replica_group = replica_group(
@@ -417,7 +417,7 @@ class DecentralizedStrategy(DDPStrategy):
         if self.replicas.replica_size == 1:
             return None
         if self._device_mesh is None:
-            self._device_mesh = replica_mesh(self.replica_group(), self.root_device.type)
+            self._device_mesh = replica_mesh(self._replica_process_group(), self.root_device.type)
         return self._device_mesh
 
     def _column(self, everyone: tuple[int, ...]) -> tuple[int, ...]:
@@ -606,7 +606,7 @@ class DecentralizedStrategy(DDPStrategy):
             assert isinstance(self.model, LightningModule)
             shard_model(self.model, self.device_mesh)
         else:
-            self.model = synchronous(self.model, self.replica_group(), self.determine_ddp_device_ids())
+            self.model = synchronous(self.model, self._replica_process_group(), self.determine_ddp_device_ids())
 
     @override
     def teardown(self) -> None:

@@ -100,6 +100,10 @@ class ClusterProfile:
     def nodes(self) -> int:
         return len(self.rates)
 
+    def slowdown(self, rank: int) -> float:
+        """How many times longer `rank`'s steps take than `step_time`."""
+        return self.slow_factor if rank in self.slow_ranks else 1.0
+
     @property
     def world(self) -> int:
         return self.nodes * self.workers_per_node
@@ -356,10 +360,7 @@ def summarize(label: str, profile: ClusterProfile, result: dict[str, Any], args:
         "strategy": label,
         "profile": profile.name,
         **measured(result, args.target_acc),
-        "limit": sum(
-            result["batch_size"] / (profile.step_time * (profile.slow_factor if r in profile.slow_ranks else 1.0))
-            for r in range(profile.world)
-        ),
+        "limit": sum(result["batch_size"] / (profile.step_time * profile.slowdown(r)) for r in range(profile.world)),
         "batches_per_worker": result["batches_per_worker"],
         "batch_size": result["batch_size"],
     }
@@ -402,7 +403,7 @@ def add_cluster_predictions(rows: list[dict[str, Any]], profiles: dict[str, Clus
             overhead = max(0.0, ddp["train_seconds"] - ddp["step_seconds"]) / profile.epochs
             steps = ddp["batches"] / profile.world
             nominal = profile.model_cluster().allreduce_seconds(range(profile.world), ddp_bytes(profile))
-            slowest = profile.step_time * (profile.slow_factor if profile.slow_ranks else 1.0)  # DDP's pace
+            slowest = profile.step_time * max(map(profile.slowdown, range(profile.world)))  # DDP's pace
             beyond_compute = max(0.0, ddp["step_seconds"] / steps - slowest)
             measured = min(ddp.get("measured_allreduce_seconds") or nominal, beyond_compute)
             efficiency = min(1.0, nominal / measured) if measured > 0 else 1.0
@@ -418,8 +419,10 @@ def add_cluster_predictions(rows: list[dict[str, Any]], profiles: dict[str, Clus
         # a link kept busy (exchanges sharing it, the library's ring) carries what DDP's ring got through
         # it; one exchange by itself what the probe's did
         exchanges = profile.model_cluster(efficiency, loopback, single_flow=p2p_efficiency)
-        slowdowns = [profile.slow_factor if r in profile.slow_ranks else 1.0 for r in range(profile.world)]
-        workers = [ComputeProfile(profile.step_time, slowdown=slow, overhead=step_overhead) for slow in slowdowns]
+        workers = [
+            ComputeProfile(profile.step_time, slowdown=profile.slowdown(r), overhead=step_overhead)
+            for r in range(profile.world)
+        ]
         for row in mine:
             strategy, options = model_name(row["strategy"])
             if options.get("replica_size") == "node":
