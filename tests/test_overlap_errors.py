@@ -17,6 +17,7 @@ class FailingWorker:
     """Stands in for a GroupWorker whose group exchange fails (as a dead peer's would)."""
 
     rank = 2
+    part = None  # (the whole model: no replica)
     version = 0
 
     def __init__(self, live: BucketedTensors) -> None:

@@ -31,6 +31,7 @@ class SlowWorker:
     `fail`, else it completes); counts the times the training thread served the inbox."""
 
     rank = 4
+    part = None  # (the whole model: no replica)
     version = 0
 
     def __init__(self, live: BucketedTensors, fail: bool = True) -> None:

@@ -50,6 +50,42 @@ def test_the_ranks_of_a_replica_step_as_one_model_and_the_replicas_gossip(tmp_pa
         assert result["column_sums"] and all(half - 1 <= n <= half + 1 for n in result["column_sums"]), result
 
 
+@pytest.mark.parametrize("strategy,shard", [("prague", False), ("partial_reduce", True)])
+def test_work_queue_replicas_take_batches_by_speed_and_step_as_one_model(tmp_path, strategy, shard):
+    """The work-queue strategies in replicas of 2 (4 ranks), the second replica's ranks 4x slower: a
+    replica claims one chunk for its two ranks, who train its two halves and so take the same steps,
+    holding bitwise one model after every step (DDP, or FSDP2's shards, inside the replica; each rank's
+    slice or shard averaged with its column, and the slices put back together); the fast replica
+    trains more batches; every training sample of every epoch is trained exactly once (but for the
+    last chunk's padding); the fit ends with one model, and each rank sends only its half across."""
+    argv = ["--out", str(tmp_path), "--replica-size", "2", "--strategy", strategy, "--indexed",
+            "--slow", "2:0.04", "--slow", "3:0.04"]  # fmt: skip
+    if shard:
+        argv.append("--shard")
+    codes, logs = run_script_ranks(tmp_path, 4, "replica_fit.py", argv)
+    assert codes == [0] * 4, (codes, logs[0][-3000:])
+    found = results(tmp_path)
+    assert sorted(found) == [0, 1, 2, 3]
+    for first, second in ((0, 1), (2, 3)):
+        assert found[first]["digests"] == found[second]["digests"], f"replica of ranks {first} and {second}"
+        assert found[first]["batches"] == found[second]["batches"], "a replica's ranks take the same steps"
+    assert any(a != b for a, b in zip(found[0]["digests"], found[2]["digests"])), "the replicas train apart"
+    assert found[0]["batches"] > 1.5 * found[2]["batches"], "the fast replica takes more of the queue"
+    assert len({r["final"] for r in found.values()}) == 1, "one model at the end of the fit"
+    assert found[0]["val_acc"] >= 0.85, found[0]["val_acc"]
+    train_size = 1438  # the digits' training split
+    for epoch in ("0", "1", "2"):
+        trained = [i for r in found.values() for i in r["samples"][epoch]]
+        assert set(trained) == set(range(train_size)), f"epoch {epoch}: every sample trained"
+        assert len(trained) - train_size <= 1, f"epoch {epoch}: once each (but for the last chunk's padding)"
+    for result in found.values():
+        if shard:
+            assert max(result["column_sums"]) == result["state_elements"], "its own shards, no slice of them"
+        else:
+            half = result["state_elements"] / 2
+            assert all(half - 1 <= n <= half + 1 for n in result["column_sums"]), result["column_sums"]
+
+
 def test_a_model_sharded_over_each_replica_trains_shard_by_shard_and_checkpoints_whole(tmp_path):
     """`shard=True`, 4 ranks in replicas of 2: each rank holds half of every parameter (FSDP2 over its
     replica), the replica's two ranks make one model (gathered, bitwise the same after every step),
@@ -119,8 +155,6 @@ def test_a_lost_rank_loses_its_replica_and_the_other_replicas_finish_with_one_mo
 @pytest.mark.parametrize(
     "strategy,kwargs,message",
     [
-        ("PartialAllReduceStrategy", {"replica_size": 2}, "strategy='prague' does not train in replica groups yet"),
-        ("PartialReduceStrategy", {"replica_size": 2}, "'prague' with grouping='static'"),
         ("ADPSGDStrategy", {"replica_size": "node"}, "strategy='adpsgd' does not train in replica groups yet"),
         ("DecentAdamStrategy", {"replica_size": 0}, "replica_size=0 is invalid"),
         ("DecentAdamStrategy", {"replica_size": "gpu"}, "replica_size='gpu' is invalid"),

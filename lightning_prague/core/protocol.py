@@ -22,6 +22,7 @@ from lightning_prague.core.records import (
     BOOLEAN,
     MAX_INT,
     BadRecord,
+    Check,
     Record,
     environment_number,
     hex_digest,
@@ -349,6 +350,11 @@ _CHUNKS = list_of(integer(), 1 << 16)
 #: a ticket as the queue's claims count it: a set-aside ticket is at most 0 (`WorkLedger.set_aside`)
 _TICKET = integer(-MAX_RANK - 1, MAX_INT)
 _HEX = hex_digest(64)
+#: what a replica's follower asks for: `[leader, n]`, the `n`-th answer (from 0) of its leader's claims on a queue
+_FOLLOW = Check(
+    lambda v: isinstance(v, list) and len(v) == 2 and _RANK(v[0]) and _COUNT(v[1]),
+    f"a pair [the leader's rank, the number of its answer]: {_RANK.what}, then {_COUNT.what}",
+)
 #: the fields of every message of a session
 _IN_SESSION = {"s": _SESSION, "rank": _RANK}
 _REQUEST = {**_IN_SESSION, "req": _REQ}
@@ -453,6 +459,9 @@ KV_RECORDS: dict[str, Record] = {
             "park": BOOLEAN,
             # a rank that left the epoch's tail: it takes a chunk only if nobody else will
             "standby": BOOLEAN,
+            # a replica's follower: not a claim of its own, but its leader's answer `n` on the queue, the same
+            # `[chunk, ticket]` (`FollowedClaims` in `lightning_prague.core.plane.queue_end`)
+            "follow": _FOLLOW,
         },
     ),
     # a slow rank at a stream's tail offers a shard's rest from a position; the reply says whether a claimer

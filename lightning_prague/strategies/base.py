@@ -75,6 +75,7 @@ from lightning_prague.core.plane.launch import LOG_DIR_VARIABLE
 from lightning_prague.core.plane.service import plane_address
 from lightning_prague.core.protocol import HangRule
 from lightning_prague.core.replicas.layout import ReplicaLayout
+from lightning_prague.core.replicas.reassembly import SliceReassembly
 from lightning_prague.core.replicas.sharding import (
     full_model_state,
     full_optimizer_state,
@@ -283,7 +284,7 @@ class DecentralizedStrategy(DDPStrategy):
         if replica_size != 1 and not self.takes_replicas:
             raise ConfigurationError(
                 f"replica_size={replica_size!r}: strategy={self.strategy_name!r} does not train in replica groups "
-                "yet; strategy='decent_adam' does, and 'prague' with grouping='static' (docs/replica_groups.md)"
+                "yet; 'prague', 'partial_reduce' and 'decent_adam' do (docs/replica_groups.md)"
             )
         super().__init__(
             accelerator=accelerator,
@@ -395,6 +396,12 @@ class DecentralizedStrategy(DDPStrategy):
         return self.options.capacity(self.world_size)
 
     @property
+    def data_workers(self) -> int:
+        """The workers the work queue and global progress count: the ranks (`capacity`), or in replica
+        groups the replicas, each training one batch per rank at a step."""
+        return self.capacity // self.replicas.replica_size
+
+    @property
     def workers_per_node(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices else 1
 
@@ -469,7 +476,7 @@ class DecentralizedStrategy(DDPStrategy):
                 self.survivors.assign_rank_zero()  # the leader stays whoever leads now
             replacements = {**self.stops.replacements(), **self.loaders.replacements(trainer)}
             if self.shards_by_work_queue:
-                self.progress = GlobalProgress(trainer, self.capacity, self.controller, self.synchronize)
+                self.progress = GlobalProgress(trainer, self.data_workers, self.controller, self.synchronize)
                 replacements.update(self.progress.replacements())
             _patches.install(trainer, replacements, self.strategy_name)
         super().setup(trainer)
@@ -494,8 +501,22 @@ class DecentralizedStrategy(DDPStrategy):
         """The factory of this fit's session: what it needs, from this strategy's options (starts nothing)."""
         options = self.options
         config = options.session_config(self.world_size, policy, self.avoid_stragglers, self.avoid_busy)
-        exchanger = partial(self.make_exchanger, policy=policy)
+        exchanger = partial(self._exchanger, policy=policy)
         return SessionPlan(config, exchanger, options.operation_timeout, options.bucket_bytes, options.sync_bound)
+
+    def _exchanger(self, worker: GroupWorker, tensors: BucketedTensors, policy: GroupingPolicy) -> Exchanger:
+        """`make_exchanger`'s, with a replica's slices put together where its ranks average them apart: a
+        whole model on each rank of a replica, exchanged by the groups of a work-queue strategy (each rank
+        averages its own slice with its column, `lightning_prague.core.replicas.reassembly`)."""
+        layout = self.replicas
+        apart = self.shards_by_work_queue and layout.replica_size > 1 and not self.shard
+        part = (layout.index_of(self.global_rank), layout.replica_size)
+        if apart:
+            worker.part = part
+        exchanger = self.make_exchanger(worker, tensors, policy)
+        if apart:
+            exchanger.reassemble = SliceReassembly(lambda: worker.tensors, self._replica_process_group(), part)
+        return exchanger
 
     def _require_job(self) -> Job:
         if self.job is None:

@@ -84,7 +84,17 @@ class StrategyLoaders:
             assert progress is not None
             if isinstance(dataloader, DataLoader) and not isinstance(dataloader.dataset, IterableDataset):
                 loader = self.shard(dataloader)
-                return progress.wrap(loader, self.progress_loader, batches_per_epoch(loader))
+                sampler = self.sampler
+                assert sampler is not None
+                # (a replica trains one chunk per step: its epoch has as many steps as the queue has chunks)
+                per_epoch = batches_per_epoch(loader) if sampler.replica_size == 1 else sampler.num_chunks
+                return progress.wrap(loader, self.progress_loader, per_epoch)
+            if strategy.replicas.replica_size > 1:
+                raise ConfigurationError(
+                    f"strategy={strategy.strategy_name!r} with replica_size={strategy.replica_size!r} trains from "
+                    "map-style data only: the ranks of a replica must take the same steps, and a stream's shards "
+                    "are shared out rank by rank (docs/replica_groups.md)"
+                )
             source = self.stream_source(dataloader)
             if source is not None:  # a sharded stream: its shards from the work queue
                 assert isinstance(dataloader, DataLoader)
@@ -101,14 +111,17 @@ class StrategyLoaders:
         strategy = self.strategy
         session, progress, trainer = strategy.session, strategy.progress, strategy._trainer
         assert session is not None and progress is not None and trainer is not None
+        replica_size = strategy.replicas.replica_size
         counter = ProgressCounter(
             session.counters,
             strategy.operation_timeout,
             progress.budget,
-            strategy.global_rank,
-            strategy.capacity,
+            strategy.global_rank - strategy.global_rank % replica_size,  # (a replica counts as one worker)
+            strategy.data_workers,
             progress.batches_per_step,
         )
+        if replica_size > 1 and self.sampler is not None:
+            counter.set_members(self.sampler.units_of(strategy._require_job().members))
         return ProgressLoader(
             loader,
             counter,
@@ -137,16 +150,26 @@ class StrategyLoaders:
                 f"custom sampler ({type(dataloader.sampler).__name__}); use shuffle=True or shuffle=False instead"
             )
         assert strategy.session is not None
+        replica_size = strategy.replicas.replica_size
+        if replica_size > 1 and dataloader.drop_last:
+            raise ConfigurationError(
+                f"strategy={name!r} with replica_size={strategy.replica_size!r} cannot drop the last batch of an "
+                "epoch (drop_last=True): the ranks of a replica must take the same steps; use drop_last=False"
+            )
+        # in replica groups a chunk is one step of a replica: a batch for each of its ranks
         self.sampler = WorkQueueSampler(
             len(dataloader.dataset),  # type: ignore[arg-type]
-            dataloader.batch_size,
+            dataloader.batch_size * replica_size,
             strategy.global_rank,
-            strategy.capacity,
+            strategy.data_workers,
             strategy.session.counters,
             shuffle=shuffle,
             seed=strategy.seed,
             timeout=strategy.operation_timeout,
+            replica_size=replica_size,
         )
+        if replica_size > 1:
+            self.sampler.set_members(strategy._require_job().members)
         return _update_dataloader(dataloader, self.sampler, mode=RunningStage.TRAINING)
 
     # -- a sharded stream from the work queue -------------------------------------------------------

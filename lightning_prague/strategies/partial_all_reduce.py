@@ -11,6 +11,7 @@ from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.exchange.gossip import LaggedGossip
 from lightning_prague.core.exchange.overlap import BackgroundAverager, BlockingExchanger, Exchanger
 from lightning_prague.core.exchange.worker import GroupWorker
+from lightning_prague.core.grouping.columns import column_policy
 from lightning_prague.core.grouping.policies import GroupingPolicy, SchedulePolicy, StaticPolicy, make_policy
 from lightning_prague.core.replicas.columns import column_schedule
 from lightning_prague.strategies.base import DecentralizedStrategy
@@ -62,6 +63,7 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
     """
 
     strategy_name = "prague"
+    takes_replicas = True
 
     def __init__(
         self,
@@ -78,8 +80,6 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
                 f"grouping={grouping!r} is not a grouping policy of strategy='prague'; choose one of "
                 f"{', '.join(PRAGUE_POLICIES)}"
             )
-        # the static schedule runs in lock-step, so it can be drawn over replica groups (`replica_size`)
-        self.takes_replicas = grouping == "static"
         super().__init__(**kwargs)
         self.group_size = group_size
         self.grouping = grouping
@@ -94,10 +94,17 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
 
     def make_policy(self) -> GroupingPolicy:
         layout = self.replicas
-        if layout.replica_size > 1:  # the static schedule over the replicas, run by the ranks column by column
+        if layout.replica_size > 1 and self.grouping == "static":
+            # the static schedule over the replicas, run by the ranks column by column
             per_node = max(1, self.workers_per_node // layout.replica_size)
             over_replicas = StaticPolicy(layout.replicas, self.group_size, self.seed, per_node).schedule
             return SchedulePolicy(column_schedule(over_replicas, layout), self.seed)
+        if layout.replica_size > 1:  # groups of replicas, drawn column by column
+            per_node = max(1, self.workers_per_node // layout.replica_size)
+            return column_policy(
+                self.grouping, layout.replicas, layout.replica_size, min(self.group_size, layout.replicas), self.seed,
+                workers_per_node=per_node,
+            )  # fmt: skip
         policy = make_policy(self.grouping, self.capacity, self.group_size, self.seed, self.workers_per_node)
         if isinstance(policy, StaticPolicy) and policy.workers_per_node != self.group_size:
             nodes, per_node = self.capacity // policy.workers_per_node, policy.workers_per_node

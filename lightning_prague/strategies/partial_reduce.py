@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional
 from lightning_prague.core.comm.averaging import BucketedTensors
 from lightning_prague.core.exchange.overlap import BackgroundAverager, BlockingExchanger, Exchanger
 from lightning_prague.core.exchange.worker import GroupWorker
+from lightning_prague.core.grouping.columns import column_policy
 from lightning_prague.core.grouping.policies import FirstReadyPolicy, GroupingPolicy, make_policy
 from lightning_prague.strategies.base import DecentralizedStrategy
 from lightning_prague.strategies.partial_all_reduce import check_group_size
@@ -43,6 +44,7 @@ class PartialReduceStrategy(DecentralizedStrategy):
     """
 
     strategy_name = "partial_reduce"
+    takes_replicas = True
 
     def __init__(
         self,
@@ -63,6 +65,12 @@ class PartialReduceStrategy(DecentralizedStrategy):
         self.overlap = overlap
 
     def make_policy(self) -> GroupingPolicy:
+        layout = self.replicas
+        if layout.replica_size > 1:  # the first ready replicas, column by column
+            return column_policy(
+                "first_ready", layout.replicas, layout.replica_size, min(self.group_size, layout.replicas),
+                self.seed, weighting=self.weighting, alpha=self.alpha, mixing_window=self.mixing_window,
+            )  # fmt: skip
         return make_policy(
             "first_ready",
             self.capacity,

@@ -1,14 +1,17 @@
-"""One `decent_adam` (or `prague` with `grouping="static"`) fit in replica groups (`replica_size`), run
-as a cluster launcher runs each rank.
+"""One fit in replica groups (`replica_size`), run as a cluster launcher runs each rank: `decent_adam`,
+`prague` with `grouping="static"` (lock-step), or the work-queue strategies `prague` (random groups) and
+`partial_reduce`.
 
-Usage: replica_fit.py --out DIR --replica-size K [--strategy decent_adam|prague-static] [--epochs E]
-       [--kill RANK:BATCH]
+Usage: replica_fit.py --out DIR --replica-size K [--strategy decent_adam|prague-static|prague|partial_reduce]
+       [--epochs E] [--kill RANK:BATCH] [--slow RANK:SECONDS]...
 
 Every rank writes `DIR/replica.rankR.json`: the SHA-256 of its parameters after each of its first
 `RECORDED` training batches (after the optimizer step and the gossip mix), at fit's end, how many
 batches it trained, the validation accuracy at the end, and the sizes of its sums over its column
 (what it sent across replicas) against its model's. `--kill RANK:BATCH`: rank RANK SIGKILLs
-itself at the start of its BATCH-th batch (it writes nothing).
+itself at the start of its BATCH-th batch (it writes nothing). `--slow RANK:SECONDS`: rank RANK sleeps
+that long at every batch (a slow node). `--indexed`: the training samples carry their index, and every
+rank records the indices it trained, by epoch (`samples`).
 """
 
 import argparse
@@ -16,6 +19,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import lightning as L
@@ -64,13 +68,17 @@ def digest(module: torch.nn.Module) -> str:
 
 
 class Record(L.Callback):
-    def __init__(self, out: Path, kill: tuple[int, int] | None) -> None:
-        self.out, self.kill = out, kill
-        self.record: dict = {"digests": [], "batches": 0}
+    def __init__(self, out: Path, kill: tuple[int, int] | None, slow: dict[int, float]) -> None:
+        self.out, self.kill, self.slow = out, kill, slow
+        self.record: dict = {"digests": [], "batches": 0, "samples": {}}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.kill is not None and trainer.global_rank == self.kill[0] and self.record["batches"] + 1 == self.kill[1]:
             os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.global_rank in self.slow:
+            time.sleep(self.slow[trainer.global_rank])
+        if len(batch) > 2:  # the samples' indices: which the rank trained, by epoch
+            self.record["samples"].setdefault(str(trainer.current_epoch), []).extend(batch[2].tolist())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.record["batches"] += 1
@@ -93,6 +101,20 @@ class Record(L.Callback):
         (self.out / f"replica.rank{trainer.global_rank}.json").write_text(json.dumps(self.record))
 
 
+class IndexedDigits(DigitsDataModule):
+    """The digits, each training sample with its index (a third tensor)."""
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        x, y = self.train_set.tensors
+        self.train_set = torch.utils.data.TensorDataset(x, y, torch.arange(len(x)))
+
+
+class IndexedClassifier(DigitsClassifier):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch[:2], batch_idx)
+
+
 class ShardedInConfigureModel(DigitsClassifier):
     """The digits model that shards its own layers on the strategy's mesh (the replica's ranks)."""
 
@@ -109,12 +131,17 @@ def main() -> None:
     parser.add_argument("--replica-size", required=True)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--kill", help="RANK:BATCH")
-    parser.add_argument("--strategy", default="decent_adam", choices=["decent_adam", "prague-static"])
+    parser.add_argument(
+        "--strategy", default="decent_adam", choices=["decent_adam", "prague-static", "prague", "partial_reduce"]
+    )
+    parser.add_argument("--indexed", action="store_true", help="record the training samples' indices")
+    parser.add_argument("--slow", action="append", default=[], help="RANK:SECONDS slept at every batch")
     parser.add_argument("--shard", action="store_true", help="shard the model over each replica (FSDP2)")
     parser.add_argument("--resume", type=Path, help="resume the fit from this checkpoint")
     parser.add_argument("--configure-model", action="store_true", help="the module shards its layers itself")
     args = parser.parse_args()
     kill = tuple(int(x) for x in args.kill.split(":")) if args.kill else None
+    slow = {int(rank): float(seconds) for rank, seconds in (item.split(":") for item in args.slow)}
     L.seed_everything(0, verbose=False)
     size = int(args.replica_size) if args.replica_size.isdigit() else args.replica_size
     record_column_sums(size if isinstance(size, int) else 1)
@@ -122,24 +149,33 @@ def main() -> None:
         strategy = lightning_prague.DecentAdamStrategy(
             topology="ring", replica_size=size, shard=args.shard, seed=0, timeout=60.0
         )
-    else:
+    elif args.strategy == "prague-static":
         strategy = lightning_prague.PartialAllReduceStrategy(
             grouping="static", group_size=2, replica_size=size, shard=args.shard, seed=0, timeout=60.0
+        )
+    elif args.strategy == "prague":
+        strategy = lightning_prague.PartialAllReduceStrategy(
+            group_size=2, replica_size=size, shard=args.shard, seed=0, timeout=60.0
+        )
+    else:
+        strategy = lightning_prague.PartialReduceStrategy(
+            group_size=2, replica_size=size, shard=args.shard, seed=0, timeout=60.0
         )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=strategy,
         max_epochs=args.epochs,
-        callbacks=[Record(args.out, kill), ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True)],
+        callbacks=[Record(args.out, kill, slow), ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         default_root_dir=args.out,
     )
-    model = (ShardedInConfigureModel if args.configure_model else DigitsClassifier)(lr=0.05)
-    trainer.fit(model, DigitsDataModule(batch_size=32), ckpt_path=args.resume)
+    kind = ShardedInConfigureModel if args.configure_model else IndexedClassifier if args.indexed else DigitsClassifier
+    data = (IndexedDigits if args.indexed else DigitsDataModule)(batch_size=32)
+    trainer.fit(kind(lr=0.05), data, ckpt_path=args.resume)
 
 
 if __name__ == "__main__":

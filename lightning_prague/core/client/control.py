@@ -745,6 +745,7 @@ class Counters:
         set_aside: tuple[Sequence[int], Sequence[int]] | None = None,
         park: bool = False,
         standby: bool = False,
+        follow: tuple[int, int] | None = None,
     ) -> ClaimInFlight:
         """A claim on the work queue, sent now, its answer taken later (`ClaimInFlight.result`), so that
         the control plane's round trip overlaps this rank's training: the queue's next chunk (`first`
@@ -757,7 +758,11 @@ class Counters:
         while a live member may still give chunks back, serving `serve` meanwhile
         (`lightning_prague.core.plane.queue_end`); `standby`: this rank left the epoch's tail, and its
         claim waits (parked) until nobody else will take the queue's rest, then gets a chunk of it (or
-        one a lost member gave back), else the queue's end."""
+        one a lost member gave back), else the queue's end. `follow`: `(leader, n)`, this rank is a
+        follower in a replica group and claims nothing itself: the answer is the `n`-th (from 0) that
+        `leader`'s claims on `cursor` got, the same `[chunk, ticket]`, waited for as long as the leader's
+        claim may be parked; the other fields are not used then. It fails at once (`ControlPlaneError`)
+        if the leader leaves the job, or is not a live member."""
         what = f"a claim on the work queue {cursor!r}"
         fields: dict[str, Any] = {"key": cursor, "first": first, "tickets": tickets, "ticketed": ticketed}
         if num is not None:
@@ -774,7 +779,13 @@ class Counters:
         if standby:
             fields["standby"] = True
             what = f"{what}, standing by at the epoch's tail"
-        return ClaimInFlight(self, self.session.begin("kv", what, do="claim", **fields), park or standby)
+        if follow is not None:
+            leader, n = int(follow[0]), int(follow[1])
+            fields["follow"] = [leader, n]
+            what = f"{what}, following answer {n} of rank {leader} (the leader of its replica)"
+        # a follow waits as long as its leader's claim may be parked: it is treated as parked
+        parked = park or standby or follow is not None
+        return ClaimInFlight(self, self.session.begin("kv", what, do="claim", **fields), parked)
 
     def give_back(self, cursor: str, shard: int, position: int) -> bool:
         """Offer the rest of `shard` of the queue `cursor`, which this rank holds, from `position` (a slow

@@ -18,6 +18,22 @@ from lightning_prague.core.comm.exact import storage_key, unique_tensors
 from lightning_prague.core.comm.groups import Decide, GroupComm
 from lightning_prague.core.comm.norms import Drift
 
+#: `(index, parts)`: an average covers only part `index` of `parts` near-equal parts of each flat
+#: bucket (`share_of`): rank `index` of a replica averages its own slice of the model with the same
+#: rank of the other replicas (`lightning_prague.core.replicas.reassembly` puts the slices together)
+Part = tuple[int, int]
+
+
+def part_bounds(numel: int, part: Part | None) -> tuple[int, int]:
+    """[start, stop) of `part` of a flat bucket of `numel` elements (all of it where `part` is `None`):
+    the first `numel % parts` parts one element longer, as `ReplicaLayout.slice_bounds` cuts them."""
+    if part is None:
+        return 0, numel
+    index, parts = part
+    base, extra = divmod(numel, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
 
 def averaged_state(module: nn.Module) -> list[torch.Tensor]:
     """The tensors that replicas average: parameters and floating-point buffers (a complex buffer as
@@ -138,6 +154,7 @@ def average_(
     operation: str = "average",
     sums: FlatBuffers | None = None,
     decide: Decide | None = None,
+    part: Part | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """In place: every member's tensors become the (weighted) average over `members`, or, if a
     member disappeared during it, stay as they were (all-or-nothing: no member keeps a partial sum).
@@ -156,6 +173,8 @@ def average_(
     `decide` (a `Decide`: the control plane's verdict during a fit, `Session.verdict`) turns this
     member's completeness of the sums into the members' common decision, taken before anything is
     written back; without it the members agree directly (`GroupComm.agree_among`).
+
+    `part`: only that part of each bucket is averaged (`Part`); the rest stays as it was.
     """
     scale = 1.0 / len(members) if weight is None else weight
     sums = sums if sums is not None else FlatBuffers(tensors)
@@ -163,12 +182,15 @@ def average_(
     complete = True
     for flat, views, bucket in zip(sums.flats, sums.views, tensors.buckets):
         torch._foreach_copy_(views, bucket)
-        flat.mul_(scale)
-        complete &= comm.sum_(flat, members, operation)  # every bucket, so the members stay in step
+        start, stop = part_bounds(flat.numel(), part)
+        share = flat[start:stop]
+        share.mul_(scale)
+        complete &= comm.sum_(share, members, operation)  # every bucket, so the members stay in step
     applied = _deciding(decide, comm, members, operation)(complete)
     if applied:
         for flat, views, bucket in zip(sums.flats, sums.views, tensors.buckets):
-            drift.add_average(flat)
+            start, stop = part_bounds(flat.numel(), part)
+            drift.add_average(flat[start:stop])
             for t, avg in zip(bucket, views):
                 drift.add_distance(t, avg)
             torch._foreach_copy_(bucket, views)
@@ -183,6 +205,7 @@ def average_difference_(
     weight: float | None = None,
     operation: str = "average",
     decide: Decide | None = None,
+    part: Part | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """`out` becomes `avg - snapshot`, the (weighted, as in `average_`) average over `members` of
     their snapshots minus this member's, or zero everywhere if a member disappeared during it
@@ -190,20 +213,25 @@ def average_difference_(
 
     `snapshot` is not changed; adding `out` to it gives the average, adding `out` to tensors that
     moved on since the snapshot keeps their progress (AD-PSGD's atomic averaging). Returns
-    `(error, applied)` and takes `decide` as `average_` does.
+    `(error, applied)` and takes `decide` and `part` as `average_` does (`out` is zero outside `part`).
     """
     scale = 1.0 / len(members) if weight is None else weight
     drift = Drift(snapshot.live.device)
     complete = True
-    for mine, total in zip(snapshot.flats, out.flats):
-        torch.mul(mine, scale, out=total)
-        complete &= comm.sum_(total, members, operation)
+    for whole, total in zip(snapshot.flats, out.flats):
+        start, stop = part_bounds(whole.numel(), part)
+        if part is not None:  # (outside its part, the change is zero)
+            total.zero_()
+        torch.mul(whole[start:stop], scale, out=total[start:stop])
+        complete &= comm.sum_(total[start:stop], members, operation)
     applied = _deciding(decide, comm, members, operation)(complete)
-    for mine, total in zip(snapshot.flats, out.flats):
+    for whole, total in zip(snapshot.flats, out.flats):
         if applied:
-            drift.add_average(total)
-            total.sub_(mine)
-            drift.add_difference(total)
+            start, stop = part_bounds(whole.numel(), part)
+            share = total[start:stop]
+            drift.add_average(share)
+            share.sub_(whole[start:stop])
+            drift.add_difference(share)
         else:
             total.zero_()
     return drift.error(applied=applied), applied
@@ -218,6 +246,7 @@ def average_chained_(
     weight: float | None = None,
     operation: str = "average",
     decide: Decide | None = None,
+    part: Part | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """A further average of a snapshot that earlier averages changed: `snapshot` becomes the (weighted)
     average over `members` and `change` gains what that changed, committed **bucket by bucket**: a
@@ -229,17 +258,19 @@ def average_chained_(
     which needs none); here each bucket needs only `scratch`, one bucket kept across calls (keyed
     by dtype and device). Every bucket still averages complete sums only: the sum of the members'
     buckets is conserved, and no member takes a partial sum. Returns `(error, applied)` as
-    `average_` does (`applied`: every bucket was).
+    `average_` does (`applied`: every bucket was); `part` as `average_` takes it.
     """
     scale = 1.0 / len(members) if weight is None else weight
     decide = _deciding(decide, comm, members, operation)
     drift = Drift(snapshot.live.device)
     applied = True
-    for mine, total_change in zip(snapshot.flats, change.flats):
-        key = (mine.dtype, mine.device)
-        if key not in scratch or scratch[key].numel() < mine.numel():
+    for whole, whole_change in zip(snapshot.flats, change.flats):
+        key = (whole.dtype, whole.device)
+        if key not in scratch or scratch[key].numel() < whole.numel():
             largest = max(f.numel() for f in snapshot.flats if (f.dtype, f.device) == key)
-            scratch[key] = torch.empty(largest, dtype=mine.dtype, device=mine.device)
+            scratch[key] = torch.empty(largest, dtype=whole.dtype, device=whole.device)
+        start, stop = part_bounds(whole.numel(), part)
+        mine, total_change = whole[start:stop], whole_change[start:stop]
         total = scratch[key][: mine.numel()]
         torch.mul(mine, scale, out=total)
         if not decide(comm.sum_(total, members, operation)):
@@ -268,8 +299,10 @@ class SnapshotAverages:
     was chained.
     """
 
-    def __init__(self, live: BucketedTensors, snapshot: FlatBuffers | None = None) -> None:
+    def __init__(self, live: BucketedTensors, snapshot: FlatBuffers | None = None, part: Part | None = None) -> None:
         self.live = live
+        #: the part of each bucket the averages cover (`Part`; `None`: all of it): the change is zero elsewhere
+        self.part = part
         self.snapshot = snapshot if snapshot is not None else FlatBuffers(live)
         self.change = FlatBuffers(live)
         self.change.zero_()
@@ -304,15 +337,18 @@ class SnapshotAverages:
             raise RuntimeError("an average of a snapshot that was not taken since its change was applied")
         if not self.changed:  # the change is zero: an average that does not complete leaves it zero
             error, applied = average_difference_(
-                self.snapshot, comm, members, self.change, weight=weight, operation=operation, decide=decide
-            )
+                self.snapshot, comm, members, self.change, weight=weight, operation=operation, decide=decide,
+                part=self.part,
+            )  # fmt: skip
             self._behind = True
             self.changed = True
             return error, applied
         if self._behind:
             self.snapshot.add_(self.change)
             self._behind = False
-        return average_chained_(self.snapshot, self.change, comm, members, self._scratch, weight, operation, decide)
+        return average_chained_(
+            self.snapshot, self.change, comm, members, self._scratch, weight, operation, decide, self.part
+        )
 
     def apply(self) -> bool:
         """Add the change to the live tensors and clear it; False if there was none.

@@ -318,8 +318,10 @@ class ProgressLoader:
     def set_members(self, members: list[int]) -> None:
         """The ranks still in the job (a release's): the work queue and the tickets of the next epoch
         are shared among them."""
-        self.counter.set_members(members)
-        self.leader = min(members)
+        # the workers that share them: ranks, or replicas by their first ranks (`WorkQueueSampler.units_of`)
+        units = self.sampler.units_of(members) if self.sampler is not None else members
+        self.counter.set_members(units)
+        self.leader = min(units)
         if self.sampler is not None:
             self.sampler.set_members(members)
 

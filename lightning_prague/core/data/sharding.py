@@ -23,6 +23,14 @@ earlier, with a horizon one chunk longer). In its first epoch a rank claims afte
 it has an estimate: a slow rank must not take a chunk before it can tell that the others would
 finish sooner. A claim in flight holds its chunk for this rank like any other (`lightning_prague.
 core.plane.work`): a rank lost with it gives it back to the queue.
+
+Replicas (`replica_size=K`): `K` consecutive ranks train one model synchronously, so they must take the
+same steps. The queue's workers are then the replicas, each known by its first rank: a chunk is one
+step of the replica (`K` batches), which its first rank claims, decides about (the tail) and reports
+as above, and every rank of the replica trains its own part of each chunk (`_share`). The replica's
+other ranks take their first rank's answers, in order, from the control plane (a claim that
+`follow`s it: it takes nothing from the queue), so they hand out the same chunks with the same
+tickets and end each epoch at the same step, with no message between the ranks themselves.
 """
 
 from __future__ import annotations
@@ -70,17 +78,28 @@ class WorkQueueSampler(Sampler[int]):
         lookahead: int = 1,
         clock: Callable[[], float] = time.monotonic,
         claim_ahead: bool = True,
+        replica_size: int = 1,
     ) -> None:
         if chunk_size < 1:
             raise ConfigurationError(f"chunk_size (the batch size) must be at least 1, got {chunk_size}")
+        if replica_size < 1 or chunk_size % replica_size:
+            raise ConfigurationError(
+                f"a chunk of {chunk_size} samples cannot be shared by replicas of {replica_size} ranks"
+            )
         self.dataset_size = dataset_size
         self.chunk_size = chunk_size
         self.rank = rank
+        #: ranks per replica (see "Replicas" in the module docstring): the queue's workers are replicas,
+        #: `world_size` of them, each known by its first rank (`unit`), and this rank is `index` in its own
+        self.replica_size = replica_size
+        self.unit = rank - rank % replica_size
+        self.index = rank % replica_size
         self.world_size = world_size
         self.shuffle = shuffle
         self.seed = seed
         self.timeout = timeout
-        self.slow_ratio = slow_ratio
+        # a replica's other ranks take its first rank's chunks, in order: they decide nothing themselves
+        self.slow_ratio = slow_ratio if self.index == 0 else 0.0
         self.lookahead = lookahead
         #: keep the next claim in flight while this rank trains the chunk before it (see the module docstring)
         self.claim_ahead = claim_ahead
@@ -106,12 +125,14 @@ class WorkQueueSampler(Sampler[int]):
         #: (members, the chunk each starts the epoch with): sent with this rank's first claim of an epoch
         self._set_aside: Optional[tuple[list[int], list[int]]] = None
         self._first_claimed = world_size  # chunk number of this epoch's first claim
+        self._follow_next = 0  # a replica's other rank: the number of its first rank's next answer to take
         #: the claim sent ahead and not yet answered, and an answer taken before the iterator needed it
         self._in_flight: Optional[Callable[[], tuple[int, Optional[int]]]] = None
         self._taken: Optional[tuple[int, Optional[int]]] = None
         self._store = store
-        #: the ranks in the job (every rank until some are lost); set between epochs (`set_members`)
-        self.members: list[int] = list(range(world_size))
+        #: the workers in the job (every rank, or every replica's first rank, until some are lost); set
+        #: between epochs (`set_members`)
+        self.members: list[int] = [unit * replica_size for unit in range(world_size)]
         if self.num_chunks < world_size:
             raise ConfigurationError(
                 f"the training set has {dataset_size} samples, {self.num_chunks} batches of {chunk_size}, fewer than "
@@ -122,9 +143,20 @@ class WorkQueueSampler(Sampler[int]):
     def num_chunks(self) -> int:
         return math.ceil(self.dataset_size / self.chunk_size)
 
+    @property
+    def follows(self) -> bool:
+        """This rank takes its replica's first rank's chunks rather than claiming (see "Replicas")."""
+        return self.index > 0
+
+    def units_of(self, ranks: Sequence[int]) -> list[int]:
+        """The workers among `ranks` (the ranks in the job): each replica all of whose ranks are in it, by
+        its first rank (every rank, without replicas). A replica with a rank lost trains no more."""
+        live, size = set(ranks), self.replica_size
+        return sorted(r for r in live if r % size == 0 and all(r + i in live for i in range(1, size)))
+
     def set_members(self, members: Sequence[int]) -> None:
         """The ranks still in the job, from the next epoch on (this one's chunks are handed out)."""
-        self.members = sorted(members)
+        self.members = self.units_of(members)
         self.world_size = len(self.members)
 
     def set_epoch(self, epoch: int) -> None:
@@ -161,6 +193,13 @@ class WorkQueueSampler(Sampler[int]):
         chunks in hand, and may get one of them (`lightning_prague.core.plane.queue_end`). A plain
         store, in tests, just counts (at once)."""
         store = self._connect()
+        if self.follows:  # its first rank's next answer, whatever kind of claim got it
+            if not hasattr(store, "begin_claim"):
+                raise ConfigurationError("a replica's ranks take their chunks through the control plane's counters")
+            sequence, self._follow_next = self._follow_next, self._follow_next + 1
+            return store.begin_claim(
+                self._cursor_key, self._first_claimed, num=self.num_chunks, follow=(self.unit, sequence)
+            ).result
         request = self.ticketing()
         if hasattr(store, "begin_claim"):
             tickets, ticketed = request if request is not None else (None, 0)
@@ -184,13 +223,13 @@ class WorkQueueSampler(Sampler[int]):
 
     def trained(self, chunk: int) -> None:
         """`chunk` is trained: the control plane no longer requeues it if this rank is lost."""
-        report = getattr(self._store, "report", None)
+        report = getattr(self._store, "report", None) if not self.follows else None
         if report is not None:
             report(self._cursor_key, done=[chunk])
 
     def holds(self, chunk: int, ticket: int) -> None:
         """This rank holds `chunk` with the ticket claimed apart from it (its claim value `ticket`)."""
-        report = getattr(self._store, "report", None)
+        report = getattr(self._store, "report", None) if not self.follows else None
         if report is not None:
             report(self._cursor_key, hold=[chunk], tickets=[ticket])
 
@@ -240,12 +279,13 @@ class WorkQueueSampler(Sampler[int]):
         self.ticket_values.clear()
         # the first world_size chunks are pre-assigned: no store traffic at an epoch's start
         # (among the members: a lost rank's first chunk is another's; they change between epochs only)
-        first: list[int] = [self.members.index(self.rank)]
+        self._follow_next = 0
+        first: list[int] = [self.members.index(self.unit)]
         self._first_claimed = len(self.members)
         preset = list(range(len(self.members)))
         if self._resume is not None and self._resume[0] == self.epoch:
             _, self._first_claimed, pending = self._resume
-            first = pending[self.members.index(self.rank) :: len(self.members)]
+            first = pending[self.members.index(self.unit) :: len(self.members)]
             preset = [pending[i] if i < len(pending) else -1 for i in range(len(self.members))]
         self._resume = None
         self._set_aside = (list(self.members), preset)
@@ -273,7 +313,7 @@ class WorkQueueSampler(Sampler[int]):
                 left = self.slow_ratio > 0 and self._leave_tail(previous)
                 if not left:
                     self._in_flight = self._begin_claim()  # answered while this chunk trains
-            yield from order[chunk * self.chunk_size : (chunk + 1) * self.chunk_size]
+            yield from self._share(order, chunk)
             if first:  # more chunks a resumed checkpoint handed to this rank: held from their claim
                 chunk, ticket = self._claim(first.pop(0))
                 continue
@@ -292,6 +332,16 @@ class WorkQueueSampler(Sampler[int]):
             # member, say) must not make this rank look slow in the next epoch's tail decisions
             previous = (self.clock(), chunk)
 
+    def _share(self, order: list[int], chunk: int) -> list[int]:
+        """This rank's samples of `chunk`: all of it, or in a replica its `index`-th part. Every rank of a
+        replica takes as many samples of every chunk (a short last chunk lends its first samples again
+        to the parts it is too short for), so that they form the same batches and take the same steps."""
+        samples = order[chunk * self.chunk_size : (chunk + 1) * self.chunk_size]
+        if self.replica_size == 1:
+            return samples
+        size = -(-len(samples) // self.replica_size)
+        return [samples[i % len(samples)] for i in range(self.index * size, (self.index + 1) * size)]
+
     def _take(self) -> tuple[int, Optional[int]]:
         """The answer of the claim sent ahead (waited for here unless `held` took it already)."""
         if self._taken is None:
@@ -309,6 +359,8 @@ class WorkQueueSampler(Sampler[int]):
             self._taken = self._in_flight()
             self._in_flight = None
         ahead = [self._taken[0]] if self._taken is not None and self._taken[0] < self.num_chunks else []
+        if self.follows:  # its replica's first rank holds them, and reports them once for the replica
+            return []
         return [*self.untrained, *ahead]
 
     @property
@@ -353,10 +405,10 @@ class WorkQueueSampler(Sampler[int]):
         """
         if len(seconds_per_chunk) <= max(self.members):
             return
-        others = [seconds_per_chunk[rank] for rank in self.members if rank != self.rank]
+        others = [seconds_per_chunk[rank] for rank in self.members if rank != self.unit]
         if min(seconds_per_chunk[rank] for rank in self.members) <= 0:
             return
-        self._my_seconds = float(seconds_per_chunk[self.rank])
+        self._my_seconds = float(seconds_per_chunk[self.unit])
         self._others_rate = sum(1.0 / s for s in others)
 
     def _leave_tail(self, previous: tuple[float, int] | None) -> bool:
@@ -409,7 +461,7 @@ class WorkQueueSampler(Sampler[int]):
         others were lost), else the epoch's members."""
         members = getattr(getattr(self._connect(), "session", None), "members", None)
         if isinstance(members, (list, tuple, set)) and members:
-            return min(self.world_size, len(members))
+            return min(self.world_size, len(self.units_of(list(members))))
         return self.world_size
 
     @staticmethod

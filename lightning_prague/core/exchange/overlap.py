@@ -33,6 +33,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from lightning_prague.core.comm.averaging import BucketedTensors, SnapshotAverages
@@ -65,6 +66,11 @@ class Exchanger:
         self.wait_seconds = 0.0
         #: the stream communication threads run on, and the events that order it against compute
         self.streams = CommStream(live.device)
+        #: run by every rank of a replica after each step's exchange work, once each (`None`: no replica
+        #: to put together): each rank averages its own slice of a whole model apart from the others
+        #: (`GroupWorker.part`), and this gives every rank all the slices again
+        #: (`lightning_prague.core.replicas.reassembly`)
+        self.reassemble: Callable[[], None] | None = None
 
     #: the training thread carries out the groups others draw this rank into (no thread does): it
     #: must serve its inbox wherever it waits long between steps (`GroupWorker.serve_inbox`)
@@ -116,6 +122,10 @@ class Exchanger:
         """
         self.worker.leave()
 
+    def _put_together(self) -> None:
+        if self.reassemble is not None:
+            self.reassemble()
+
     def _adopt(self, answer: GroupAnswer, reported: int) -> None:
         if answer.version is not None:  # newest version of the group, plus local steps made since reporting
             self.worker.version += max(0, answer.version - reported)
@@ -131,6 +141,7 @@ class BlockingExchanger(Exchanger):
         start = time.monotonic()
         answer = self.worker.partial_sync(version=reported)
         self.wait_seconds += time.monotonic() - start
+        self._put_together()
         self._adopt(answer, reported)
         if answer.gid is not None:
             self.exchanges += 1
@@ -236,7 +247,7 @@ class BackgroundAverager(_ThreadedExchanger):
 
     def _snapshots(self) -> SnapshotAverages:
         if self._averages is None:
-            self._averages = SnapshotAverages(self.live, self.worker.spare())
+            self._averages = SnapshotAverages(self.live, self.worker.spare(), self.worker.part)
         return self._averages
 
     def _run(self) -> None:
@@ -293,9 +304,11 @@ class BackgroundAverager(_ThreadedExchanger):
     def step(self) -> None:
         """Fold in a finished exchange and start the next; returns at once if one is still running."""
         if self.busy:
+            self._put_together()
             return
         self._raise_pending()
         self._fold_in()
+        self._put_together()
         self.start()
         self._snapshots().take()
         self._reported = self.worker.version
@@ -317,6 +330,7 @@ class BackgroundAverager(_ThreadedExchanger):
                 f" (it was at {self.worker.doing})"
             )
         self._fold_in()
+        self._put_together()
         if self._thread is not None:
             self._jobs.put(None)
             self._join("its last exchange")
@@ -375,7 +389,7 @@ class PassiveResponder(_ThreadedExchanger):
 
     def _snapshots(self) -> SnapshotAverages:
         if self._averages is None:
-            self._averages = SnapshotAverages(self.live, self.worker.spare())
+            self._averages = SnapshotAverages(self.live, self.worker.spare(), self.worker.part)
         return self._averages
 
     def _publish(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from lightning_prague.core.client.control import Session
-from lightning_prague.core.comm.averaging import BucketedTensors, FlatBuffers, average_, follow_live
+from lightning_prague.core.comm.averaging import BucketedTensors, FlatBuffers, Part, average_, follow_live
 from lightning_prague.core.comm.exact import ExactMaxima, layout_signature
 from lightning_prague.core.comm.groups import Decide, GroupComm
 from lightning_prague.core.comm.norms import Drift
@@ -189,6 +189,10 @@ class GroupWorker:
         #: which of the live ranks a synchronization point's average runs over, from this rank's view (a
         #: model sharded over replicas: rank `i` of each replica, its column); `None`: every live rank
         self.averaged_with: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None
+        #: the part of each bucket this rank's group averages cover (`(index, parts)`: rank `index` of a
+        #: replica of `parts` ranks that each hold the whole model averages its own slice with its column,
+        #: `lightning_prague.core.replicas.reassembly`); `None`: all of it
+        self.part: Part | None = None
         #: ranks admitted in the last synchronization point's release (an epoch's end): not aligned with
         #: the others until the next one, so the collectives of this aligned stretch run without them
         self.fresh: set[int] = set()
@@ -269,8 +273,9 @@ class GroupWorker:
     ) -> tuple[torch.Tensor, bool]:
         """The default `AverageTarget`: average the live tensors in place (all-or-nothing)."""
         return average_(
-            self.tensors, comm, members, weight=weight, operation=operation, sums=self.spare(), decide=decide
-        )
+            self.tensors, comm, members, weight=weight, operation=operation, sums=self.spare(), decide=decide,
+            part=self.part,
+        )  # fmt: skip
 
     def verdicts(self, key: str, members: Sequence[int], operation: str, epoch: int | None = None) -> Decide:
         """The `Decide` of a group collective `key` (the same on every member) among `members`: the

@@ -20,6 +20,9 @@ what makes any policy deadlock-free.
   partitions the workers; a worker's `r`-th request gets its group of round `r`.
 - `first_ready`: Partial Reduce: the first `group_size` workers that report ready form a group;
   nobody is grouped while busy, and no set of workers stays isolated (see `FirstReadyPolicy`).
+- `columns`: for replica groups, one of `random`, `buffer`, `division` or `first_ready` per index of
+  a replica, over the replicas: every group is within a column (`ColumnPolicy`; see
+  `lightning_prague.core.grouping.columns`).
 
 `GossipPolicy` (AD-PSGD's active/passive pairs) is built from a graph rather than by name.
 """
@@ -27,7 +30,7 @@ what makes any policy deadlock-free.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from lightning_prague.core.errors import ConfigurationError
@@ -35,7 +38,18 @@ from lightning_prague.core.grouping.bipartite import BipartiteGraph
 from lightning_prague.core.grouping.staleness import staleness_weights
 from lightning_prague.core.grouping.syncgraph import SyncGraph
 from lightning_prague.core.grouping.topology import Schedule, WeightedGroup, prague_static
-from lightning_prague.core.records import MAX_INT, BadRecord, Check, Record, integer, list_of, number, one_of, text
+from lightning_prague.core.records import (
+    MAX_INT,
+    BadRecord,
+    Check,
+    Record,
+    integer,
+    json_object,
+    list_of,
+    number,
+    one_of,
+    text,
+)
 
 #: the most workers a policy may name
 MAX_WORKERS = 1 << 20
@@ -108,8 +122,9 @@ class GroupingPolicy:
         """
         return []
 
-    def on_ready(self) -> None:
-        """A worker reported ready (before it joins the pool, for a policy that pools)."""
+    def on_ready(self, rank: int | None = None) -> None:
+        """Worker `rank` reported ready (before it joins the pool, for a policy that pools); `None`: a
+        worker not named (a policy that runs by columns counts it in each)."""
 
     def weights(self, versions: Sequence[int]) -> list[float] | None:
         """Per-member averaging weights for members at these model versions; `None` is the plain mean."""
@@ -322,7 +337,7 @@ class FirstReadyPolicy(GroupingPolicy):
         """Per-member weights for members with these versions; `None` means the plain mean."""
         return staleness_weights(versions, self.alpha) if self.weighting == "staleness" else None
 
-    def on_ready(self) -> None:
+    def on_ready(self, rank: int | None = None) -> None:
         """One more ready report in the current window."""
         self.reports += 1
 
@@ -426,6 +441,141 @@ class GossipPolicy(GroupingPolicy):
         return tuple(sorted((requester, self.rng.choice(peers))))
 
 
+#: the kinds of policy a column of `ColumnPolicy` may run: those that draw groups over any set of workers
+COLUMN_KINDS = ("random", "buffer", "division", "first_ready")
+#: the most ranks a replica may have in `ColumnPolicy`: each is a column with a policy (and a `random.Random`,
+#: about 3 KB) of its own, so a spec from a socket builds at most this many
+MAX_REPLICA_SIZE = 1 << 12
+_REPLICA_SIZE = integer(1, MAX_REPLICA_SIZE)
+
+
+class _Replicas(Sequence[int]):
+    """Replica numbers in order, with constant-time membership (what `GroupingPolicy.select` expects)."""
+
+    def __init__(self, replicas: list[int]) -> None:
+        self.replicas = replicas
+        self._members = frozenset(replicas)
+
+    def __contains__(self, replica: object) -> bool:
+        return replica in self._members
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        return self.replicas[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.replicas)
+
+
+class ColumnPolicy(GroupingPolicy):
+    """For `R` replicas of `replica_size = K` consecutive ranks: column `i` (rank `i` of every
+    replica) runs its own policy `inner[i]` over the replica numbers `0 .. R - 1`, so every group
+    is within one column (why: `lightning_prague.core.grouping.columns`, which also builds one,
+    `column_policy`). It lives here, beside `policy_from_spec`, which rebuilds it from its spec.
+
+    Rank `r K + i` is replica `r`'s index `i` (`ReplicaLayout`'s mapping, which the grouping logic
+    does not import). All columns run the same kind of policy over the same number of replicas
+    with the same group size, so the generator sees one policy: the columns' `pools_ready`,
+    `issues_per_round`, `keeps_stragglers`, `group_size` and `weights`. `seed` seeds only this
+    policy's own `rng` (the generator draws from it), by default column 0's seed.
+    """
+
+    kind = "columns"
+
+    def __init__(self, inner: Sequence[GroupingPolicy], replica_size: int, seed: int | None = None) -> None:
+        columns = list(inner)
+        if not _REPLICA_SIZE(replica_size):
+            raise ConfigurationError(
+                f"replica_size must be a number of ranks from 1 to {MAX_REPLICA_SIZE}, not {replica_size!r}"
+            )
+        if len(columns) != replica_size:
+            raise ConfigurationError(
+                f"a replica of {replica_size} ranks has {replica_size} columns, but {len(columns)} policies were given"
+            )
+        first = columns[0]
+        if first.kind not in COLUMN_KINDS:
+            raise ConfigurationError(
+                f"a column cannot run a {type(first).__name__} (kind {first.kind!r}); "
+                f"it runs one of {', '.join(COLUMN_KINDS)}"
+            )
+
+        def shape(policy: GroupingPolicy) -> str:
+            return f"{type(policy).__name__} over {policy.world_size} replicas, groups of {policy.group_size}"
+
+        for index, column in enumerate(columns):
+            if shape(column) != shape(first):
+                raise ConfigurationError(
+                    f"column {index}'s policy ({shape(column)}) differs from column 0's ({shape(first)}): "
+                    f"every column runs the same policy"
+                )
+        super().__init__(first.world_size * replica_size, first.group_size, first.seed if seed is None else seed)
+        self.columns = columns
+        self.replica_size = replica_size
+        self.replicas = first.world_size
+        self.pools_ready = first.pools_ready
+        self.issues_per_round = first.issues_per_round
+        self.keeps_stragglers = first.keeps_stragglers
+
+    def _ranks(self, replicas: Sequence[int], index: int) -> list[int]:
+        """The ranks of column `index` in these replicas (in their order)."""
+        return [replica * self.replica_size + index for replica in replicas]
+
+    def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
+        """The requester's column's policy draws among the replicas whose rank of its index is available."""
+        replica, index = divmod(requester, self.replica_size)
+        candidates = _Replicas([r for r in range(self.replicas) if r * self.replica_size + index in available])
+        members = self.columns[index].select(replica, round_index, candidates)
+        return None if members is None else tuple(sorted(self._ranks(members, index)))
+
+    def form(self, ready: Sequence[int], busy: Sequence[int]) -> list[list[int]]:
+        """Each column forms its groups from its own ready ranks (in the order they reported)."""
+        size = self.replica_size
+        ready_by: list[list[int]] = [[] for _ in range(size)]
+        busy_by: list[list[int]] = [[] for _ in range(size)]
+        for rank in ready:
+            ready_by[rank % size].append(rank // size)
+        for rank in busy:
+            busy_by[rank % size].append(rank // size)
+        groups: list[list[int]] = []
+        for index, column in enumerate(self.columns):
+            if ready_by[index]:  # a column with nobody waiting forms nothing
+                groups.extend(self._ranks(group, index) for group in column.form(ready_by[index], busy_by[index]))
+        return groups
+
+    def on_ready(self, rank: int | None = None) -> None:
+        """The rank's column counts its report (every column, when the rank is not named)."""
+        if rank is None:
+            for column in self.columns:
+                column.on_ready()
+        else:
+            self.columns[rank % self.replica_size].on_ready(rank // self.replica_size)
+
+    def weights(self, versions: Sequence[int]) -> list[float] | None:
+        """Column 0's weights: they depend only on the versions, the same in every column."""
+        return self.columns[0].weights(versions)
+
+    def restart(self, mixed: bool = False) -> None:
+        """Every rank met: every column restarts."""
+        for column in self.columns:
+            column.restart(mixed)
+
+    def spec(self) -> dict[str, Any]:
+        """Column 0's spec stands for all: column `i` is the same policy seeded `seed + i`.
+
+        Raises `ConfigurationError` for columns that are not (they could not be rebuilt from it).
+        """
+        inner = self.columns[0].spec()
+        for index, column in enumerate(self.columns):
+            if column.spec() != {**inner, "seed": inner["seed"] + index}:
+                raise ConfigurationError(
+                    f"column {index}'s policy is not column 0's seeded {inner['seed'] + index}: the columns "
+                    f"cannot be sent to the control plane as one spec"
+                )
+        return {**super().spec(), "replica_size": self.replica_size, "inner": inner}
+
+
 _WORLD = integer(1, MAX_WORKERS)
 _BASE = {"kind": text(32), "world_size": _WORLD, "group_size": _WORLD, "seed": integer(-MAX_INT, MAX_INT)}
 _GROUP = Check(
@@ -457,6 +607,8 @@ SPEC_RECORDS: dict[str, Record] = {
     "gossip": Record(
         "the 'gossip' policy", {**_BASE, "edges": list_of(list_of(integer(0, MAX_WORKERS - 1), 2), 1 << 20)}
     ),
+    # `inner`: column 0's spec, checked as a spec of its own (`_columns_from_spec`)
+    "columns": Record("the 'columns' policy", {**_BASE, "replica_size": _REPLICA_SIZE, "inner": json_object()}),
 }
 
 
@@ -485,6 +637,8 @@ def policy_from_spec(spec: Any) -> GroupingPolicy:
         return GossipPolicy(BipartiteGraph(world, [tuple(edge) for edge in args["edges"]]), seed)
     if kind == "static":
         return StaticPolicy(world, size, seed, args["workers_per_node"])
+    if kind == "columns":
+        return _columns_from_spec(world, size, seed, args["replica_size"], args["inner"])
     classes: dict[str, Any] = {
         "random": RandomPolicy,
         "buffer": BufferPolicy,
@@ -492,6 +646,27 @@ def policy_from_spec(spec: Any) -> GroupingPolicy:
         "first_ready": FirstReadyPolicy,
     }
     return classes[kind](world, size, seed, **args)
+
+
+def _columns_from_spec(world: int, size: int, seed: int, replica_size: int, inner: dict[str, Any]) -> GroupingPolicy:
+    """A `ColumnPolicy` from its checked fields: `inner` (column 0's spec) is checked as a spec of one of
+    the kinds a column runs (never `columns` again), and the sizes must agree before the other
+    `replica_size - 1` columns (column `i`: `inner` with its seed plus `i`) are built."""
+    inner_kind = inner.get("kind")
+    if not isinstance(inner_kind, str) or inner_kind not in COLUMN_KINDS:
+        raise BadRecord(
+            f"the 'columns' policy: its inner policy is of kind {str(inner_kind)[:40]!r}, "
+            f"but a column runs one of {', '.join(COLUMN_KINDS)}"
+        )
+    first = policy_from_spec(inner)
+    if first.world_size * replica_size != world or first.group_size != size:
+        raise ConfigurationError(
+            f"the 'columns' policy is for {world} workers in groups of {size}, but its inner policy over "
+            f"{first.world_size} replicas of replica_size={replica_size} ranks makes {first.world_size * replica_size} "
+            f"workers in groups of {first.group_size}"
+        )
+    columns = [first, *(policy_from_spec({**inner, "seed": first.seed + i}) for i in range(1, replica_size))]
+    return ColumnPolicy(columns, replica_size, seed)
 
 
 def make_policy(

@@ -32,6 +32,15 @@ connection, in one global order (the server handles one message at a time):
   (`lightning_prague.core.client.control.Session.check_reachable`). Whichever side of a partition holds
   the control plane goes on; the other stops: no split brain.
 
+* **replicas' followers** - in a replica group only the leader (its first rank) claims from the work
+  queue; each other rank of the replica sends claims that `follow` `[leader, n]`: the leader's `n`-th
+  answer on that queue, given to it as well (at once, or when the leader gets it), so every rank of
+  the replica trains the same chunks in the same order. A follow takes nothing from the queue, and
+  a follower is not waited for at the queue's end; one whose leader leaves the job gets an error at
+  once (`FollowedClaims` in `lightning_prague.core.plane.queue_end`). Follows are journaled and
+  replayed as claims are: a plane started again from its journal keeps the answers and the waiting
+  follows, and answers a follow as the dead one would have.
+
 Messages of a session carry `"s"` (its number) and `"rank"`; items sent back carry `"s"` too, and
 replies to requests (`"req"`) are `{"t": "reply", "req", "value"}`.
 """
@@ -49,7 +58,7 @@ from lightning_prague.core.grouping.policies import policy_from_spec
 from lightning_prague.core.plane.fencing import fence, running_cpu_seconds
 from lightning_prague.core.plane.generator import GroupGenerator, Item
 from lightning_prague.core.plane.liveness import HangDetector
-from lightning_prague.core.plane.queue_end import QueueEnds
+from lightning_prague.core.plane.queue_end import FollowedClaims, FollowReply, QueueEnds
 from lightning_prague.core.plane.verdicts import GroupVerdicts
 from lightning_prague.core.plane.work import WorkLedger
 from lightning_prague.core.protocol import ALIVE, REQUEUED, SessionConfig
@@ -106,6 +115,8 @@ class CoordinatorSession:
         self.work = WorkLedger()
         #: the claims that found their queue empty and wait while a member may still give chunks back
         self.ends = QueueEnds()
+        #: every claim's answers, numbered per queue and claimer, for the followers of replicas' leaders
+        self.followed = FollowedClaims()
         #: the all-or-nothing verdicts of the group collectives in flight
         self.verdicts = GroupVerdicts()
         self._waits: dict[str, list[tuple[int, int]]] = defaultdict(list)
@@ -162,6 +173,7 @@ class CoordinatorSession:
             self.hangs.forget(rank)
         self._requeue(rank)
         self.ends.depart(rank)
+        self.follows_depart(rank, reason, out)
         self.departed[rank] = reason
         log.warning("session %d: rank %d departed (%s)", self.number, rank, reason)
         notice: Item = {"t": "departed", "rank": rank, "reason": reason, "members": sorted(self.members)}
@@ -208,6 +220,11 @@ class CoordinatorSession:
             self._reply(rank, req, current if current is not None else message["expected"], out)
         elif do == "claim":  # the work queue: the next chunk, and with it the batch's ticket (one message)
             self.generator.started(rank)  # a rank that was admitted trains now: it may be drawn into groups
+            if "follow" in message:  # a replica's follower: its leader's answer, taking nothing
+                self._follow(rank, req, key, message["follow"], out)
+                return
+            if self.followed.claims_again(key, rank):  # it followed a leader here before: a claimer now
+                self.ends.claims_again(key, rank)
             if "members" in message:  # this rank's first claim of the epoch: the chunks set aside
                 self._set_aside(key, message["members"], message["preset"])
             if self.ends.claims_on(key, rank):  # it went on to another epoch: no claim waits for it there
@@ -223,7 +240,7 @@ class CoordinatorSession:
                 self.ends.park(key, rank, req, chunk)
                 self._settle(key, out)
                 return
-            self._reply(rank, req, [chunk, ticket], out)
+            self._answer_claim(rank, req, key, [chunk, ticket], out)
         elif do == "give_back":  # a slow rank's shard at a stream's tail, taken only where a claimer will read it
             self._reply(rank, req, self._give_back(rank, key, int(message["shard"]), int(message["position"])), out)
             self._settle(key, out)
@@ -237,12 +254,67 @@ class CoordinatorSession:
         elif do == "delete":
             self.work.forget(key)
             for answer in self.ends.forget(key):
-                self._reply(answer.rank, answer.req, [answer.chunk, None], out)
+                self._answer_claim(answer.rank, answer.req, key, [answer.chunk, None], out)
+            self._send_follows(self.followed.forget(key), out)
             self._reply(rank, req, values.pop(key, None) is not None, out)
         elif do == "keys":
             self._reply(rank, req, len(values), out)
         else:
             raise ValueError(f"unknown key-value operation {do!r}")
+
+    def _answer_claim(self, rank: int, req: int, key: str, value: list[int | None], out: Out) -> None:
+        """Reply `value` (`[chunk, ticket]`) to `rank`'s claim `req` on `key`: every answer a claim gets goes
+        through here, numbered for the followers of `rank`'s replica (`FollowedClaims.given`), and the
+        follows that waited for it get it too."""
+        self._reply(rank, req, value, out)
+        self._send_follows(self.followed.given(key, rank, value), out)
+
+    def _follow(self, rank: int, req: int, key: str, follow: list[int], out: Out) -> None:
+        """`rank`, a follower in a replica, asks for answer `n` of its leader's claims on `key` (`follow`
+        is `[leader, n]`): replied now if given, else when it is; it takes nothing from the queue (its
+        claim's other fields are not used), and the queue's parked claims do not wait for it. A leader
+        that left the job gets it an error reply at once; `ValueError` (an error reply too) for a leader
+        that is itself or no member, or an answer that cannot be given (`FollowedClaims.follow`)."""
+        leader, n = int(follow[0]), int(follow[1])
+        if leader == rank:
+            raise ValueError(f"rank {rank} cannot follow its own claims on {key!r}: a leader claims itself")
+        gone = None
+        if leader not in self.members:
+            gone = "it closed the fit" if leader in self.closed else self.departed.get(leader)
+            if gone is None or gone == FREE_PLACE:
+                raise ValueError(
+                    f"rank {rank} cannot follow rank {leader} on {key!r}: it is not a live member of the fit"
+                )
+        value = self.followed.follow(key, rank, req, leader, n) if gone is None else None
+        try:
+            self.ends.finish(key, rank)  # not a claimer: parked claims never wait for it
+        except ValueError:
+            self.followed.cancel(key, rank)
+            raise
+        if gone is not None:  # (an expected end, not a bad request: its fit fails at once, quietly here)
+            error = (
+                f"rank {rank}'s follow of answer {n} on {key!r} cannot be answered: rank {leader}, the leader of "
+                f"its replica, left the job ({gone})"
+            )
+            log.debug("session %d: %s", self.number, error)
+            self._send_follows([FollowReply(rank, req, error=error)], out)
+        elif value is not None:
+            self._reply(rank, req, value, out)
+        self._settle(key, out)  # (claims parked there may have waited for it)
+
+    def follows_depart(self, rank: int, why: str, out: Out) -> None:
+        """`rank` left the fit (`why`): its waiting follows go, and the follows waiting on its answers get
+        an error, so that its replica's followers fail at once."""
+        self._send_follows(self.followed.depart(rank, why), out)
+
+    @staticmethod
+    def _send_follows(replies: list[FollowReply], out: Out) -> None:
+        for reply in replies:
+            if reply.error is None:
+                CoordinatorSession._reply(reply.rank, reply.req, reply.value, out)
+            else:
+                item: Item = {"t": "reply", "req": reply.req, "error": reply.error, "source": CONTROL_PLANE}
+                out.setdefault(reply.rank, []).append(item)
 
     def _next_chunk(self, key: str, message: dict[str, Any]) -> tuple[int, int | None]:
         """The chunk a claim gets: a lost rank's first (with the ticket it had for it), else the
@@ -320,7 +392,7 @@ class CoordinatorSession:
                     self.ends.finish(key, answer.rank)
             elif answer.given_back:
                 self.work.claimed(answer.rank, key, chunk, ticket)
-            self._reply(answer.rank, answer.req, [chunk, ticket], out)
+            self._answer_claim(answer.rank, answer.req, key, [chunk, ticket], out)
         if stood_by:  # the other parked claims wait for one that took a chunk, or end with the others
             self._settle(key, out)
 
@@ -602,6 +674,7 @@ class ControlPlane:
             if rank not in session.departed:
                 session.closed.add(rank)
             session.ends.depart(rank)
+            session.follows_depart(rank, "it closed the fit", out)
             session.settle_queues(out)
             self._maybe_delete(session, out)
         elif op == "parked":

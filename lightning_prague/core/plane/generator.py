@@ -549,7 +549,7 @@ class GroupGenerator:
         if self.stopping or rank in self.parked:
             self._answer(rank, req, None, out)
             return
-        self.policy.on_ready()
+        self.policy.on_ready(rank)
         if self.policy.pools_ready:
             self._ready.append((rank, req, version))
             self._form_ready_groups(out)

@@ -23,7 +23,9 @@ handled again. So no message is lost or handled twice across the restart, and ev
 from the same state as the others:
 
 * a claim of the work queue, a `ready`, a meeting's `arrive`, a verdict or a gossip round's question
-  that was in flight is answered by the new plane, as the old one would have;
+  that was in flight is answered by the new plane, as the old one would have; so is a replica
+  follower's claim that `follow`s its leader's answers: they are numbered and kept as the claims are
+  replayed (`FollowedClaims`), so the new plane holds the same answers and waiting follows;
 * a group sum in flight keeps its all-or-nothing verdict: the verdict table is part of the state;
 * a rank that does not come back within its silent bound is declared lost, as a silent rank is.
 

@@ -29,11 +29,23 @@ claim is left to take it (`docs/fault_tolerance.md`, "Exactly once").
 Everything here is bounded whatever a connection sends: one parked claim per rank and queue, at most
 `MAX_PARKED_PER_RANK` queues per rank, and at most `MAX_QUEUES` queues (a rank that reports itself
 done on many queues only pushes out the queues nobody waits on).
+
+**Replicas' followers** (`FollowedClaims`): the ranks of a replica group train one model in step, so
+only its leader claims; each other rank (a follower) sends a claim that `follow`s the leader's `n`-th
+answer on the queue (0, 1, ...: every answer the plane gives a claim, wherever it is given, is
+numbered per queue and claimer) and gets the very same `[chunk, ticket]`, at once if it was given,
+else when it is. A follow takes nothing (no chunk, no ticket, no ledger entry), and its rank counts
+as done claiming that queue: parked claims never wait for it. The last `MAX_FOLLOWED` answers of each
+claimer are kept (an older one is refused by name, as one `MAX_FOLLOWED` or more ahead), one follow
+per rank and queue waits, on at most `MAX_PARKED_PER_RANK` queues, and answers are kept for at most
+`MAX_QUEUES` queues (a queue pushed out or forgotten refuses follows from then on); a follow waiting on
+a leader that leaves the job, or on a queue that is forgotten, gets an error at once.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Collection, Container
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +58,9 @@ log = logging.getLogger(__name__)
 MAX_QUEUES = 64
 #: queues one rank may have parked claims on at once (a training process has one claim in flight)
 MAX_PARKED_PER_RANK = 4
+#: answers of one claimer on one queue kept for its replica's followers (a follower trains in step with
+#: its leader: it asks for one of the last few); an older one is refused
+MAX_FOLLOWED = 64
 
 
 @dataclass
@@ -191,6 +206,13 @@ class QueueEnds:
             log.debug("queue end: claims of %s on %s wait for ranks %s", sorted(queue.parked), key, waited)
         return answers
 
+    def claims_again(self, key: str, rank: int) -> None:
+        """`rank`, which followed its replica's leader on `key` (done claiming there), claims itself now."""
+        queue = self._queues.get(key)
+        if queue is not None and rank in queue.done:
+            queue.done.discard(rank)
+            log.debug("queue end: rank %d claims on %s itself again", rank, key)
+
     def depart(self, rank: int) -> None:
         """`rank` is gone: its parked claims are answered by nobody."""
         for queue in self._queues.values():
@@ -204,3 +226,195 @@ class QueueEnds:
         if queue is None:
             return []
         return [Answer(rank, req, end, None) for rank, (req, end) in queue.parked.items()]
+
+
+@dataclass
+class _Memo:
+    """One claimer's answers on one queue: `answers[0]` is its answer number `first`."""
+
+    first: int = 0
+    answers: deque[tuple[int, int | None]] = field(default_factory=deque)
+
+    @property
+    def given(self) -> int:
+        """How many answers its claims got on the queue."""
+        return self.first + len(self.answers)
+
+
+@dataclass
+class _Followed:
+    #: claimer (a replica's leader) -> its answers
+    memos: dict[int, _Memo] = field(default_factory=dict)
+    #: follower -> (the leader it follows, the number of the answer it waits for, its request)
+    waiting: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    #: ranks that followed a leader on this queue (done claiming it)
+    followers: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class FollowReply:
+    """What a follow gets: the leader's answer `value` (`[chunk, ticket]`), or an `error` to reply."""
+
+    rank: int
+    req: int
+    value: list[int | None] | None = None
+    error: str | None = None
+
+
+class FollowedClaims:
+    """The answers claims got, per queue and claimer, for replicas' followers (see the module docstring).
+
+    Deterministic in what it is given, as the rest of the plane: a plane rebuilt from its journal
+    (`lightning_prague.core.plane.journal`) replays the claims and follows and stands where it stood.
+    """
+
+    def __init__(self) -> None:
+        self._keys: dict[str, _Followed] = {}
+        #: queues whose answers are no longer kept (forgotten, or pushed out), why: their follows are
+        #: refused, and later answers on them are not kept (at most `MAX_QUEUES`, the oldest go first)
+        self._dropped: dict[str, str] = {}
+
+    def _drop(self, key: str, why: str) -> list[FollowReply]:
+        followed = self._keys.pop(key, None)
+        self._dropped.pop(key, None)
+        self._dropped[key] = why
+        while len(self._dropped) > MAX_QUEUES:
+            del self._dropped[next(iter(self._dropped))]
+        if followed is None:
+            return []
+        log.debug("followed claims: the answers on %s are dropped (%s)", key, why)
+        return [
+            FollowReply(rank, req, error=f"rank {rank} follows answer {n} of rank {leader} on {key!r}, but {why}")
+            for rank, (leader, n, req) in followed.waiting.items()
+        ]
+
+    def _room(self, key: str, following: bool) -> tuple[_Followed, list[FollowReply]]:
+        """`key`'s entry, made room for: a queue nobody waits on goes first; else, for an answer (which is
+        given whatever), the oldest queue, its follows refused; a follow is refused."""
+        followed = self._keys.get(key)
+        if followed is not None:
+            return followed, []
+        refused: list[FollowReply] = []
+        if len(self._keys) >= MAX_QUEUES:
+            idle = next((k for k, f in self._keys.items() if not f.waiting), None)
+            if idle is None and following:
+                raise ValueError(f"follows wait on more than {MAX_QUEUES} work queues at once")
+            victim = idle if idle is not None else next(iter(self._keys))
+            refused = self._drop(victim, f"more than {MAX_QUEUES} work queues were followed at once")
+        followed = self._keys[key] = _Followed()
+        return followed, refused
+
+    def given(self, key: str, leader: int, value: list[int | None]) -> list[FollowReply]:
+        """`leader`'s claim on `key` got `value` (`[chunk, ticket]`): its next answer; the follows that
+        waited for it get it too (and follows refused to make room, if any)."""
+        if key in self._dropped:
+            return []
+        followed, replies = self._room(key, following=False)
+        memo = followed.memos.setdefault(leader, _Memo())
+        number = memo.given
+        chunk, ticket = value
+        memo.answers.append((chunk, ticket))
+        if len(memo.answers) > MAX_FOLLOWED:
+            memo.answers.popleft()
+            memo.first += 1
+        log.debug("followed claims: answer %d of rank %d on %s is %s", number, leader, key, value)
+        for rank, (followed_leader, n, req) in list(followed.waiting.items()):
+            if followed_leader == leader and n == number:
+                del followed.waiting[rank]
+                replies.append(FollowReply(rank, req, [chunk, ticket]))
+                log.debug("followed claims: rank %d's waiting follow gets answer %d of rank %d on %s", rank, n,
+                          leader, key)  # fmt: skip
+        return replies
+
+    def follow(self, key: str, rank: int, req: int, leader: int, n: int) -> list[int | None] | None:
+        """`rank` (a follower of `leader`, a live member: the coordinator checked it) asks for `leader`'s
+        answer `n` on `key`: the answer if it was given, else `None` (the follow waits for it, `given`).
+        `ValueError` where it cannot be answered: an answer no longer kept, one too far ahead, a second
+        follow of `rank` waiting on `key`, or too many queues waited on."""
+        if rank == leader:
+            raise ValueError(f"rank {rank} cannot follow its own claims on {key!r}")
+        followed = self._keys.get(key)
+        memo = followed.memos.get(leader) if followed is not None else None
+        if memo is None and key in self._dropped:
+            raise ValueError(f"rank {rank} cannot follow answer {n} of rank {leader} on {key!r}: {self._dropped[key]}")
+        given = memo.given if memo is not None else 0
+        if memo is not None and n < memo.first:
+            raise ValueError(
+                f"rank {rank} cannot follow answer {n} of rank {leader} on {key!r}: only its last {MAX_FOLLOWED} "
+                f"answers are kept (from answer {memo.first})"
+            )
+        if n < given:
+            assert memo is not None
+            chunk, ticket = memo.answers[n - memo.first]
+            if followed is not None:
+                followed.followers.add(rank)
+            log.debug("followed claims: rank %d gets answer %d of rank %d on %s", rank, n, leader, key)
+            return [chunk, ticket]
+        if n >= given + MAX_FOLLOWED:
+            raise ValueError(
+                f"rank {rank} cannot follow answer {n} of rank {leader} on {key!r}: its claims got {given} answers "
+                f"so far (a follower is at most {MAX_FOLLOWED} ahead)"
+            )
+        if followed is not None and rank in followed.waiting:
+            raise ValueError(f"rank {rank} already waits on a follow of {key!r}")
+        if sum(rank in f.waiting for f in self._keys.values()) >= MAX_PARKED_PER_RANK:
+            raise ValueError(f"rank {rank} already waits on follows of {MAX_PARKED_PER_RANK} work queues")
+        followed, refused = self._room(key, following=True)
+        assert not refused  # (a follow only pushes out a queue nobody waits on)
+        followed.waiting[rank] = (leader, n, req)
+        followed.followers.add(rank)
+        log.debug("followed claims: rank %d waits for answer %d of rank %d on %s", rank, n, leader, key)
+        return None
+
+    def cancel(self, key: str, rank: int) -> None:
+        """`rank`'s follow waiting on `key` is withdrawn (it was refused after all)."""
+        followed = self._keys.get(key)
+        if followed is not None:
+            followed.waiting.pop(rank, None)
+
+    def claims_again(self, key: str, rank: int) -> bool:
+        """`rank` claims on `key` itself: whether it followed a leader there before (it was done claiming)."""
+        followed = self._keys.get(key)
+        if followed is None or rank not in followed.followers:
+            return False
+        followed.followers.discard(rank)
+        return True
+
+    def waiting(self, key: str) -> dict[int, tuple[int, int]]:
+        """The follows waiting on `key`: follower -> (leader, answer number)."""
+        followed = self._keys.get(key)
+        return {} if followed is None else {rank: (leader, n) for rank, (leader, n, _) in followed.waiting.items()}
+
+    def kept(self, key: str, leader: int) -> tuple[int, int]:
+        """`(first, given)`: the numbers of `leader`'s answers on `key` that are kept, `range(first, given)`."""
+        followed = self._keys.get(key)
+        memo = followed.memos.get(leader) if followed is not None else None
+        return (0, 0) if memo is None else (memo.first, memo.given)
+
+    def keys(self) -> list[str]:
+        """The queues with answers kept or follows waiting."""
+        return list(self._keys)
+
+    def depart(self, rank: int, why: str) -> list[FollowReply]:
+        """`rank` left the job (`why`): its own waiting follows are answered by nobody, its answers are no
+        longer kept, and the follows waiting on it get an error (they would never be answered)."""
+        refused: list[FollowReply] = []
+        for key, followed in self._keys.items():
+            followed.waiting.pop(rank, None)
+            followed.followers.discard(rank)
+            if followed.memos.pop(rank, None) is not None:
+                log.debug("followed claims: rank %d's answers on %s are dropped: it left", rank, key)
+            for follower, (leader, n, req) in list(followed.waiting.items()):
+                if leader == rank:
+                    del followed.waiting[follower]
+                    error = (
+                        f"rank {follower}'s follow of answer {n} on {key!r} cannot be answered: rank {rank}, the "
+                        f"leader of its replica, left the job ({why})"
+                    )
+                    refused.append(FollowReply(follower, req, error=error))
+                    log.debug("followed claims: rank %d's follow on %s fails: its leader %d left", follower, key, rank)
+        return refused
+
+    def forget(self, key: str) -> list[FollowReply]:
+        """`key`'s epoch is over (its keys are deleted): its answers go, and its waiting follows get an error."""
+        return self._drop(key, "that work queue was forgotten (its epoch is over)")
