@@ -224,7 +224,8 @@ GOOD = column_policy("first_ready", 3, 2, 2, seed=5).spec()
     [
         ({"inner": GOOD}, BadRecord, "inner policy is of kind 'columns'"),
         ({"inner": make_policy("static", 3, 2).spec()}, BadRecord, "inner policy is of kind 'static'"),
-        ({"inner": {**GOOD["inner"], "kind": "gossip"}}, BadRecord, "inner policy is of kind 'gossip'"),
+        ({"inner": {**GOOD["inner"], "kind": "schedule"}}, BadRecord, "inner policy is of kind 'schedule'"),
+        ({"inner": {**GOOD["inner"], "kind": "gossip"}}, BadRecord, "edges"),  # a gossip column without its graph
         ({"inner": {**GOOD["inner"], "kind": ["random"]}}, BadRecord, r"inner policy is of kind \"\['random'\]\""),
         ({"inner": "first_ready"}, BadRecord, "field 'inner' is 'first_ready', but it must be an object"),
         ({"inner": {"kind": "random"}}, BadRecord, "the 'random' policy: field 'world_size' is missing"),
@@ -247,3 +248,24 @@ def test_hostile_specs_are_refused(change, error, match):
 def test_a_spec_without_inner_is_refused():
     with pytest.raises(BadRecord, match="field 'inner' is missing"):
         policy_from_spec({k: v for k, v in GOOD.items() if k != "inner"})
+
+
+def test_adpsgd_pairs_run_by_columns_and_travel_as_one_spec():
+    """AD-PSGD's pairs over a bipartite graph of 4 replicas, in replicas of 2: an active rank's pair is
+    the same index of a passive neighbour replica; a passive rank asks for none; the spec round trips."""
+    from lightning_prague.core.grouping.bipartite import BipartiteGraph
+    from lightning_prague.core.grouping.policies import GossipPolicy
+
+    graph = BipartiteGraph.ring(4)
+    policy = ColumnPolicy([GossipPolicy(graph, 7 + index) for index in range(2)], 2, 7)
+    everyone = list(range(8))
+    for rank in everyone:
+        replica, index = divmod(rank, 2)
+        pair = policy.select(rank, 0, everyone)
+        if not graph.is_active(replica):
+            assert pair is None
+            continue
+        assert pair is not None and rank in pair and len(pair) == 2
+        other = next(r for r in pair if r != rank)
+        assert other % 2 == index and other // 2 in graph.neighbors[replica]
+    assert policy_from_spec(policy.spec()).spec() == policy.spec()

@@ -50,7 +50,7 @@ def test_the_ranks_of_a_replica_step_as_one_model_and_the_replicas_gossip(tmp_pa
         assert result["column_sums"] and all(half - 1 <= n <= half + 1 for n in result["column_sums"]), result
 
 
-@pytest.mark.parametrize("strategy,shard", [("prague", False), ("partial_reduce", True)])
+@pytest.mark.parametrize("strategy,shard", [("prague", False), ("partial_reduce", True), ("adpsgd", False)])
 def test_work_queue_replicas_take_batches_by_speed_and_step_as_one_model(tmp_path, strategy, shard):
     """The work-queue strategies in replicas of 2 (4 ranks), the second replica's ranks 4x slower: a
     replica claims one chunk for its two ranks, who train its two halves and so take the same steps,
@@ -152,10 +152,35 @@ def test_a_lost_rank_loses_its_replica_and_the_other_replicas_finish_with_one_mo
     assert found[0]["val_acc"] >= 0.85, found[0]["val_acc"]
 
 
+def test_a_work_queue_replica_whose_leader_is_lost_leaves_and_its_chunks_are_trained_by_the_others(tmp_path):
+    """`prague` in replicas of 2 (6 ranks); rank 2, the leader of the second replica (the rank that
+    claims for it), is killed at its 6th batch: rank 3, which took its chunks from rank 2's claims,
+    fails (its replica's gradient average, or its next chunk, whichever comes first) and leaves; the
+    other two replicas finish with one model, each replica's ranks bitwise one model throughout, and
+    every sample of the epochs after the loss is trained by them."""
+    argv = ["--out", str(tmp_path), "--replica-size", "2", "--strategy", "prague", "--indexed", "--kill", "2:6"]
+    codes, logs = run_script_ranks(tmp_path, 6, "replica_fit.py", argv)
+    assert codes[2] == -9 and codes[3] not in (0, None), (codes, logs[3][-3000:])
+    assert "rank 3 leaves the job with its replica (ranks [2, 3]): rank(s) [2] of it were lost" in logs[3], logs[3][
+        -3000:
+    ]
+    assert [codes[r] for r in (0, 1, 4, 5)] == [0] * 4, (codes, logs[0][-3000:])
+    found = results(tmp_path)
+    assert sorted(found) == [0, 1, 4, 5]
+    for first, second in ((0, 1), (4, 5)):
+        assert found[first]["digests"] == found[second]["digests"], f"replica of ranks {first} and {second}"
+        assert found[first]["batches"] == found[second]["batches"]
+    assert len({r["final"] for r in found.values()}) == 1, "one model"
+    assert all(set(r["lost"]) == {2, 3} for r in found.values()), [r["lost"] for r in found.values()]
+    for epoch in ("1", "2"):  # after the loss: the two replicas left train the whole epoch between them
+        trained = [i for r in found.values() for i in r["samples"][epoch]]
+        assert set(trained) == set(range(1438)) and len(trained) - 1438 <= 1, epoch
+    assert found[0]["val_acc"] >= 0.85, found[0]["val_acc"]
+
+
 @pytest.mark.parametrize(
     "strategy,kwargs,message",
     [
-        ("ADPSGDStrategy", {"replica_size": "node"}, "strategy='adpsgd' does not train in replica groups yet"),
         ("DecentAdamStrategy", {"replica_size": 0}, "replica_size=0 is invalid"),
         ("DecentAdamStrategy", {"replica_size": "gpu"}, "replica_size='gpu' is invalid"),
         ("DecentAdamStrategy", {"replica_size": 2, "max_restarts": 1}, "set max_restarts=0"),

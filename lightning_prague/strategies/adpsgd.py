@@ -8,7 +8,7 @@ from lightning_prague.core.comm.averaging import BucketedTensors
 from lightning_prague.core.exchange.overlap import BackgroundAverager, Exchanger, PassiveResponder
 from lightning_prague.core.exchange.worker import GroupWorker
 from lightning_prague.core.grouping.bipartite import BipartiteGraph
-from lightning_prague.core.grouping.policies import GossipPolicy, GroupingPolicy
+from lightning_prague.core.grouping.policies import ColumnPolicy, GossipPolicy, GroupingPolicy
 from lightning_prague.strategies.base import DecentralizedStrategy
 
 GraphSpec = Union[list[list[int]], dict[int, list[int]]]
@@ -30,7 +30,9 @@ class ADPSGDStrategy(DecentralizedStrategy):
             `rank -> neighbours`; it must be connected and bipartite, and the side containing
             rank 0 is active. Default: `BipartiteGraph.ring` (even ranks active, ring hops
             +-1 and +-(1 + 2^i); for odd world sizes the wrap-around edges, which would join two
-            ranks of the same parity, are left out).
+            ranks of the same parity, are left out). With `replica_size`, the graph is over the
+            replicas (replica numbers, not ranks), and rank `i` of an active replica averages
+            with rank `i` of a passive neighbour replica.
         **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`, `timeout`,
             `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`, `leave_out_after`,
             `sync_timeout`, `coordinator_port`, `max_restarts`, `max_workers`, `plane`,
@@ -39,6 +41,7 @@ class ADPSGDStrategy(DecentralizedStrategy):
     """
 
     strategy_name = "adpsgd"
+    takes_replicas = True
 
     def __init__(self, graph: Optional[GraphSpec] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -46,13 +49,25 @@ class ADPSGDStrategy(DecentralizedStrategy):
         self.group_size = 2
 
     def make_policy(self) -> GroupingPolicy:
+        layout = self.replicas
+        workers = layout.replicas if layout.replica_size > 1 else self.capacity  # (a graph of replicas)
         if self.graph_spec is None:
-            graph = BipartiteGraph.ring(self.capacity)
+            graph = BipartiteGraph.ring(workers)
         else:
-            graph = BipartiteGraph.from_spec(self.capacity, self.graph_spec)
+            graph = BipartiteGraph.from_spec(workers, self.graph_spec)
+        if layout.replica_size > 1:  # the pairs of replicas, column by column
+            columns = [GossipPolicy(graph, self.seed + index) for index in range(layout.replica_size)]
+            return ColumnPolicy(columns, layout.replica_size, self.seed)
         return GossipPolicy(graph, self.seed)
 
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors, policy: GroupingPolicy) -> Exchanger:
-        assert isinstance(policy, GossipPolicy)
-        kind = BackgroundAverager if policy.graph.is_active(worker.rank) else PassiveResponder
+        if isinstance(policy, ColumnPolicy):  # a replica is active or passive: each of its ranks alike
+            replica, index = divmod(worker.rank, policy.replica_size)
+            column = policy.columns[index]
+            assert isinstance(column, GossipPolicy)
+            active = column.graph.is_active(replica)
+        else:
+            assert isinstance(policy, GossipPolicy)
+            active = policy.graph.is_active(worker.rank)
+        kind = BackgroundAverager if active else PassiveResponder
         return kind(worker, tensors, self.operation_timeout)

@@ -250,11 +250,11 @@ class DecentralizedStrategy(DDPStrategy):
             replica_size: consecutive ranks that train one model synchronously (their gradients
                 averaged at every step by `DistributedDataParallel` on the replica's own process
                 group) and decentralize as one unit: `"node"` for the ranks of a node; 1 (the
-                default): every rank on its own. So far `strategy="decent_adam"` and `"prague"` with
-                `grouping="static"` take it (their schedule is drawn over replicas, rank `i` of each
-                averaging its slice of the model with rank `i` of the others); a lost rank loses its
-                replica, which does not come back (`max_restarts` and `max_workers` must stay
-                unset). See `docs/replica_groups.md`.
+                default): every rank on its own. Schedules and groups are drawn over the replicas,
+                rank `i` of each averaging its slice of the model with rank `i` of the others; the
+                work queue hands a replica one chunk of `replica_size` batches per step (map-style
+                data only). A lost rank loses its replica, which does not come back (`max_restarts`
+                and `max_workers` must stay unset). See `docs/replica_groups.md`.
             shard: shard the model over each replica's ranks with FSDP2 (`fully_shard` on the
                 replica's ranks: parameters, gradients and optimizer state split `replica_size`
                 ways) instead of keeping it whole on each; needs `replica_size`. The strategy shards
@@ -509,13 +509,11 @@ class DecentralizedStrategy(DDPStrategy):
         whole model on each rank of a replica, exchanged by the groups of a work-queue strategy (each rank
         averages its own slice with its column, `lightning_prague.core.replicas.reassembly`)."""
         layout = self.replicas
-        apart = self.shards_by_work_queue and layout.replica_size > 1 and not self.shard
-        part = (layout.index_of(self.global_rank), layout.replica_size)
-        if apart:
-            worker.part = part
+        if not self.shards_by_work_queue or layout.replica_size == 1 or self.shard:
+            return self.make_exchanger(worker, tensors, policy)
+        part = worker.part = (layout.index_of(self.global_rank), layout.replica_size)
         exchanger = self.make_exchanger(worker, tensors, policy)
-        if apart:
-            exchanger.reassemble = SliceReassembly(lambda: worker.tensors, self._replica_process_group(), part)
+        exchanger.reassemble = SliceReassembly(lambda: worker.tensors, self._replica_process_group(), part)
         return exchanger
 
     def _require_job(self) -> Job:

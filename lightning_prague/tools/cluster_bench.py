@@ -14,9 +14,9 @@ nodes' interface counters: every protocol, exchanges and control plane alike). T
 - ``inter_node`` (b): 2 nodes x 4 workers, fast inside a node, ``--rate / 2`` between the nodes
   (steps twice as long: eight workers share this machine's cores);
 - ``slow_node_pairs`` (issue 50's cluster): 4 nodes x 2 workers, every link at ``--rate``, node4's
-  two ranks 3x slower; besides the other runs, ``decent_adam`` and ``prague``'s static schedule in
-  replica groups of a node (``--replica-size node``: each node's two ranks one synchronous replica,
-  gossip between nodes).
+  two ranks 3x slower; besides the other runs, ``prague`` (random groups and its static schedule),
+  ``partial_reduce`` and ``decent_adam`` in replica groups of a node (``--replica-size node``: each
+  node's two ranks one synchronous replica, decentralized between nodes).
 
 Runs: DDP (first: speed-ups are against it), ``prague`` with its ``random`` and ``static``
 grouping, ``partial_reduce``, ``adpsgd``, and ``decent_adam`` with its ``ring`` and
@@ -155,6 +155,8 @@ def cluster_profile(name: str, rate: float, slow_ratio: float) -> ClusterProfile
 CLUSTER_PROFILES = ("slow_node", "inter_node", "slow_node_pairs")
 #: the runs in replica groups of a node (profiles with `replicas`): the strategies that take them
 REPLICA_RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("prague/random/replicas", "prague", ("--grouping", "random", "--replica-size", "node")),
+    ("partial_reduce/replicas", "partial_reduce", ("--replica-size", "node")),
     ("prague/static/replicas", "prague", ("--grouping", "static", "--replica-size", "node")),
     ("decent_adam/ring/replicas", "decent_adam", ("--topology", "ring", "--replica-size", "node")),
 )

@@ -63,8 +63,11 @@ replicas then see a cluster of their own (`Cluster.of_replicas`): `workers_per_n
 a node, or one replica spanning several nodes that leaves through all of their links. When
 replicas average, rank `i` of each averages only slice `i` of the model with rank `i` of the others
 (its column), the `K` slices side by side: together one model leaves each replica, where without
-replicas each of its `K` ranks sends a whole one. So replicas pay where the nodes' links are the
-bottleneck, and cost where one rank is slow inside a fast node (its replica waits for it each step).
+replicas each of its `K` ranks sends a whole one. Under the work-queue strategies the columns average
+apart, each when its own exchange is done, so a replica puts its slices together after every step:
+one more all-reduce of the model among its ranks, which nothing hides. So replicas pay where the
+nodes' links are the bottleneck, and cost where one rank is slow inside a fast node (its replica
+waits for it each step).
 
 The physical limit is the sum of the workers' speeds, `sum_i 1 / E[c_i]`.
 """
@@ -128,7 +131,9 @@ class ReplicaProfile:
     """`K` ranks training one model synchronously, modelled as one worker whose step trains `K`
     batches: its slowest member's compute, plus what of the replica's gradient all-reduce
     (`allreduce` seconds, `last_bucket` at least) the backward pass (`backward` of the slowest step)
-    cannot hide. `first`: the first member's rank (each member's periodic phase is its rank)."""
+    cannot hide. `first`: the first member's rank (each member's periodic phase is its rank).
+    `reassembly`: seconds after each step in which the replica puts its slices together (a work-queue
+    strategy's replica averages them apart: `lightning_prague.core.replicas.reassembly`)."""
 
     #: Monte Carlo draws of a replica's mean step when its members' steps vary (fixed seed: repeatable)
     MEAN_DRAWS = 4000
@@ -140,11 +145,13 @@ class ReplicaProfile:
         last_bucket: float = 0.0,
         backward: float = 0.0,
         first: int = 0,
+        reassembly: float = 0.0,
     ) -> None:
         if not members:
             raise ConfigurationError("a replica has at least one rank")
         self.members = tuple(members)
         self.allreduce, self.last_bucket, self.backward, self.first = allreduce, last_bucket, backward, first
+        self.reassembly = reassembly
         self.deterministic = all(m.deterministic for m in self.members)
         if self.deterministic:
             self.mean = self._step(max(m.mean for m in self.members))
@@ -155,7 +162,7 @@ class ReplicaProfile:
     def _step(self, slowest: float) -> float:
         if len(self.members) < 2:
             return slowest
-        return slowest + max(self.last_bucket, self.allreduce - self.backward * slowest)
+        return slowest + max(self.last_bucket, self.allreduce - self.backward * slowest) + self.reassembly
 
     def sample(self, rng: random.Random, step: int, phase: int = 0) -> float:
         """One step of the replica (`phase` is ignored: each member's phase is its own rank)."""
@@ -584,9 +591,12 @@ def _replicas(
     model_bytes: int,
     bucket_bytes: int,
     backward_fraction: float,
+    apart: bool = False,
 ) -> tuple[list[Worker], Cluster]:
     """The units a decentralized strategy runs over, and the cluster they see: the ranks themselves,
-    or replicas of `size` consecutive ranks (`ReplicaProfile`, `Cluster.of_replicas`)."""
+    or replicas of `size` consecutive ranks (`ReplicaProfile`, `Cluster.of_replicas`). `apart`: the
+    replica's ranks average their slices apart (a work-queue strategy) and put them together after
+    every step, one more all-reduce of the model among them."""
     if size == 1:
         return list(workers), cluster
     layout = ReplicaLayout(len(workers), size)
@@ -599,7 +609,16 @@ def _replicas(
         ranks = layout.ranks_of(replica)
         allreduce = cluster.allreduce_seconds(ranks, model_bytes)
         last_bucket = cluster.allreduce_seconds(ranks, min(bucket_bytes, model_bytes))
-        units.append(ReplicaProfile([workers[r] for r in ranks], allreduce, last_bucket, backward_fraction, ranks[0]))
+        units.append(
+            ReplicaProfile(
+                [workers[r] for r in ranks],
+                allreduce,
+                last_bucket,
+                backward_fraction,
+                ranks[0],
+                allreduce if apart else 0.0,
+            )
+        )
     nodes = -(-len(workers) // cluster.workers_per_node)
     return units, cluster.of_replicas(size, nodes)
 
@@ -638,8 +657,9 @@ def predict(
     cluster = cluster or Cluster.uniform(link or Link())
     n = len(workers)
     limit = sum(1.0 / w.mean for w in workers)
-    units, on = _replicas(workers, cluster, replica_size, model_bytes, bucket_bytes, backward_fraction)
-    count = len(units)
+    lockstep, on = _replicas(workers, cluster, replica_size, model_bytes, bucket_bytes, backward_fraction)
+    apart, _ = _replicas(workers, cluster, replica_size, model_bytes, bucket_bytes, backward_fraction, apart=True)
+    count = len(lockstep)
     out = []
     residual: float | None = None  # shared by the work-queue strategies
     for name in strategies:
@@ -652,6 +672,7 @@ def predict(
             out.append(Prediction(name, n / seconds, seconds, limit, method))
             continue
         sync_wait = 0.0
+        units = lockstep if name == "decent_adam" or (name == "prague" and grouping == "static") else apart
         if name == "decent_adam":
             schedule = make_topology(topology, count, on.workers_per_node)
             throughput, sync_wait = _lagged_gossip(units, schedule, on, model_bytes, steps, rng)

@@ -1,8 +1,8 @@
 """One fit in replica groups (`replica_size`), run as a cluster launcher runs each rank: `decent_adam`,
-`prague` with `grouping="static"` (lock-step), or the work-queue strategies `prague` (random groups) and
-`partial_reduce`.
+`prague` with `grouping="static"` (lock-step), or the work-queue strategies `prague` (random groups),
+`partial_reduce` and `adpsgd`.
 
-Usage: replica_fit.py --out DIR --replica-size K [--strategy decent_adam|prague-static|prague|partial_reduce]
+Usage: replica_fit.py --out DIR --replica-size K [--strategy decent_adam|prague-static|prague|partial_reduce|adpsgd]
        [--epochs E] [--kill RANK:BATCH] [--slow RANK:SECONDS]...
 
 Every rank writes `DIR/replica.rankR.json`: the SHA-256 of its parameters after each of its first
@@ -132,7 +132,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--kill", help="RANK:BATCH")
     parser.add_argument(
-        "--strategy", default="decent_adam", choices=["decent_adam", "prague-static", "prague", "partial_reduce"]
+        "--strategy",
+        default="decent_adam",
+        choices=["decent_adam", "prague-static", "prague", "partial_reduce", "adpsgd"],
     )
     parser.add_argument("--indexed", action="store_true", help="record the training samples' indices")
     parser.add_argument("--slow", action="append", default=[], help="RANK:SECONDS slept at every batch")
@@ -157,10 +159,12 @@ def main() -> None:
         strategy = lightning_prague.PartialAllReduceStrategy(
             group_size=2, replica_size=size, shard=args.shard, seed=0, timeout=60.0
         )
-    else:
+    elif args.strategy == "partial_reduce":
         strategy = lightning_prague.PartialReduceStrategy(
             group_size=2, replica_size=size, shard=args.shard, seed=0, timeout=60.0
         )
+    else:
+        strategy = lightning_prague.ADPSGDStrategy(replica_size=size, shard=args.shard, seed=0, timeout=60.0)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),

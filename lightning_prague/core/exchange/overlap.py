@@ -451,6 +451,7 @@ class PassiveResponder(_ThreadedExchanger):
             self._publish()
         else:
             self._fold_in()
+        self._put_together()
 
     def drain(self) -> None:
         if self.running:
@@ -458,6 +459,7 @@ class PassiveResponder(_ThreadedExchanger):
             self._join("the exchanges assigned before the synchronization point")
         self._raise_pending()
         self._fold_in()
+        self._put_together()
 
     def leave(self) -> None:
         self.worker.leave(served=self._served_until_left)

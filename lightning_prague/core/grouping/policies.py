@@ -441,8 +441,11 @@ class GossipPolicy(GroupingPolicy):
         return tuple(sorted((requester, self.rng.choice(peers))))
 
 
-#: the kinds of policy a column of `ColumnPolicy` may run: those that draw groups over any set of workers
+#: the policies `column_policy` builds by name for a column of `ColumnPolicy`: those that draw groups over
+#: any set of workers
 COLUMN_KINDS = ("random", "buffer", "division", "first_ready")
+#: the kinds a column may run: those, and AD-PSGD's pairs on a bipartite graph over the replicas
+COLUMN_POLICY_KINDS = (*COLUMN_KINDS, "gossip")
 #: the most ranks a replica may have in `ColumnPolicy`: each is a column with a policy (and a `random.Random`,
 #: about 3 KB) of its own, so a spec from a socket builds at most this many
 MAX_REPLICA_SIZE = 1 << 12
@@ -495,10 +498,10 @@ class ColumnPolicy(GroupingPolicy):
                 f"a replica of {replica_size} ranks has {replica_size} columns, but {len(columns)} policies were given"
             )
         first = columns[0]
-        if first.kind not in COLUMN_KINDS:
+        if first.kind not in COLUMN_POLICY_KINDS:
             raise ConfigurationError(
                 f"a column cannot run a {type(first).__name__} (kind {first.kind!r}); "
-                f"it runs one of {', '.join(COLUMN_KINDS)}"
+                f"it runs one of {', '.join(COLUMN_POLICY_KINDS)}"
             )
 
         def shape(policy: GroupingPolicy) -> str:
@@ -653,10 +656,10 @@ def _columns_from_spec(world: int, size: int, seed: int, replica_size: int, inne
     the kinds a column runs (never `columns` again), and the sizes must agree before the other
     `replica_size - 1` columns (column `i`: `inner` with its seed plus `i`) are built."""
     inner_kind = inner.get("kind")
-    if not isinstance(inner_kind, str) or inner_kind not in COLUMN_KINDS:
+    if not isinstance(inner_kind, str) or inner_kind not in COLUMN_POLICY_KINDS:
         raise BadRecord(
             f"the 'columns' policy: its inner policy is of kind {str(inner_kind)[:40]!r}, "
-            f"but a column runs one of {', '.join(COLUMN_KINDS)}"
+            f"but a column runs one of {', '.join(COLUMN_POLICY_KINDS)}"
         )
     first = policy_from_spec(inner)
     if first.world_size * replica_size != world or first.group_size != size:
