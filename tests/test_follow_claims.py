@@ -106,15 +106,14 @@ def test_chunks_a_lost_member_gave_back_and_the_queues_end_are_followed_too():
     out: dict = {}
     claim(session, LEADER, 1, out, **members)  # 4
     claim(session, 2, 1, out)  # 5
-    claim(session, LEADER, 2, out)  # 6
-    claim(session, 2, 2, out)  # 7: the queue is empty
+    claim(session, LEADER, 2, out)  # 6 (7 is the queue's last)
     session.report_work(LEADER, {"key": KEY, "done": [0, 4, 6]})
     session.report_work(FOLLOWER, {"key": KEY, "done": [1]})
     out = {}
     follow(session, 1, 2, out)  # the leader's next answer: it waits for it
     claim(session, LEADER, 3, out, standby=True)  # the leader left the tail: it stands by
     assert replies(out, LEADER) == {} and replies(out, FOLLOWER) == {}
-    session.depart(2, "killed", out)  # rank 2's chunks 2, 5 and 7 go back: the leader takes the first
+    session.depart(2, "killed", out)  # rank 2's chunks 2 and 5 go back: the leader takes the first
     assert replies(out, LEADER) == {3: [2, 0]} and replies(out, FOLLOWER) == {1: [2, 0]}
     assert session.work.holders(KEY) == {LEADER}  # the follower took nothing (it trained its set-aside chunk)
     out = {}
@@ -122,7 +121,7 @@ def test_chunks_a_lost_member_gave_back_and_the_queues_end_are_followed_too():
     claim(session, LEADER, 4, out, standby=True)  # standing by: the next chunk rank 2 gave back
     assert replies(out, LEADER) == {4: [5, 2]} and replies(out, FOLLOWER) == {2: [5, 2]}
     out = {}
-    claim(session, LEADER, 5, out)
+    claim(session, LEADER, 5, out)  # the queue's last chunk (with the ticket rank 2 would have had)
     claim(session, LEADER, 6, out)  # the queue's end: nobody else claims (rank 2 is lost, rank 1 follows)
     end = replies(out, LEADER)[6]
     assert replies(out, LEADER) == {5: [7, 4], 6: end} and end[0] >= NUM and end[1] is None

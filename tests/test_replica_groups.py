@@ -178,6 +178,26 @@ def test_a_work_queue_replica_whose_leader_is_lost_leaves_and_its_chunks_are_tra
     assert found[0]["val_acc"] >= 0.85, found[0]["val_acc"]
 
 
+def test_sigterm_on_a_replicas_rank_stops_every_replica_at_one_step_with_one_model(tmp_path):
+    """`prague` in replicas of 2 (4 ranks), 30 epochs; rank 3 (a replica's second rank, which claims
+    nothing itself) gets SIGTERM at its 5th batch: the stop reaches the ranks of each replica at their
+    own batches, so each replica's first rank ends its data instead and both its ranks end the epoch
+    at the same chunk; every rank meets at the stop point within the first epoch and stops
+    (Lightning's SIGTERM) with one model, the replicas' ranks never apart."""
+    argv = ["--out", str(tmp_path), "--replica-size", "2", "--strategy", "prague", "--epochs", "30",
+            "--sigterm", "3:5"]  # fmt: skip
+    codes, logs = run_script_ranks(tmp_path, 4, "replica_fit.py", argv)
+    assert codes == [1] * 4, (codes, logs[3][-3000:])
+    stopped = {r["rank"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("stopped.rank*.json"))}
+    assert sorted(stopped) == [0, 1, 2, 3] and {r["error"] for r in stopped.values()} == {"SIGTERMException"}
+    assert all(r["epoch"] == 0 for r in stopped.values()), [r["epoch"] for r in stopped.values()]
+    assert len({r["final"] for r in stopped.values()}) == 1, "one model at the stop point"
+    for first, second in ((0, 1), (2, 3)):
+        assert stopped[first]["batches"] == stopped[second]["batches"], "a replica's ranks stop at one step"
+        assert stopped[first]["digests"] == stopped[second]["digests"]
+    assert not list(tmp_path.glob("replica.rank*.json")), "no fit ran to its end"
+
+
 @pytest.mark.parametrize(
     "strategy,kwargs,message",
     [

@@ -107,6 +107,9 @@ class Stops:
         session.beacon.bump()
         session.check_members("training")
         trainer = strategy._trainer
+        if self.stops_by_data():
+            self.end_replicas_data(session, trainer)
+            return
         if trainer is not None:
             if trainer.should_stop and session.stop_reason is None:
                 worker.request_stop("request")
@@ -122,6 +125,39 @@ class Stops:
             strategy.drain()
             worker.drain_for_stop(strategy.exchanger)
             self.raise_stop()
+
+    def stops_by_data(self) -> bool:
+        """Whether this rank stops where its data ends rather than at the batch a stop reaches it: the
+        ranks of a replica (`replica_size`) under the work queue take every step together, and a stop
+        reaches each at its own batch."""
+        strategy = self.strategy
+        return (
+            strategy.shards_by_work_queue
+            and strategy.replicas.replica_size > 1
+            and strategy.loaders.sampler is not None
+        )
+
+    def end_replicas_data(self, session: Any, trainer: Any) -> None:
+        """A stop (SIGTERM, the requeue signal, `trainer.should_stop` on some rank) in a replica: the
+        replica's first rank claims nothing more in this epoch (`WorkQueueSampler.end_claims`), so its
+        ranks end the epoch at the same chunk, and the epoch's closing meeting follows the stop (every
+        rank meets at the stop point there, `GroupWorker.synchronize`). Its other ranks do nothing
+        here: they follow its claims. Costs the batches already claimed or fetched (one or two)."""
+        strategy = self.strategy
+        worker = strategy.worker
+        assert worker is not None
+        if trainer is not None and trainer.should_stop and session.stop_reason is None:
+            worker.request_stop("request")
+        self.request_signal_stop()
+        if self.leaving_on_agents_sigterm():
+            self.leave()  # (its replica's other ranks fail at their next gradient average, and leave too)
+        stopping = session.stop_reason is not None or worker.stop_seen
+        sampler = strategy.loaders.sampler
+        if stopping and sampler is not None and not sampler.follows:
+            log.debug(
+                "rank %d: the job is stopping; its replica claims nothing more in this epoch", strategy.global_rank
+            )
+            sampler.end_claims()
 
     def leaving_on_agents_sigterm(self) -> bool:
         """Whether this rank got its torchrun agent's SIGTERM (not a requeue signal): it leaves the job."""

@@ -15,7 +15,7 @@ nodes' interface counters: every protocol, exchanges and control plane alike). T
   (steps twice as long: eight workers share this machine's cores);
 - ``slow_node_pairs`` (issue 50's cluster): 4 nodes x 2 workers, every link at ``--rate``, node4's
   two ranks 3x slower; besides the other runs, ``prague`` (random groups and its static schedule),
-  ``partial_reduce`` and ``decent_adam`` in replica groups of a node (``--replica-size node``: each
+  ``partial_reduce``, ``adpsgd`` and ``decent_adam`` in replica groups of a node (``--replica-size node``: each
   node's two ranks one synchronous replica, decentralized between nodes).
 
 Runs: DDP (first: speed-ups are against it), ``prague`` with its ``random`` and ``static``
@@ -157,6 +157,7 @@ CLUSTER_PROFILES = ("slow_node", "inter_node", "slow_node_pairs")
 REPLICA_RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("prague/random/replicas", "prague", ("--grouping", "random", "--replica-size", "node")),
     ("partial_reduce/replicas", "partial_reduce", ("--replica-size", "node")),
+    ("adpsgd/replicas", "adpsgd", ("--replica-size", "node")),
     ("prague/static/replicas", "prague", ("--grouping", "static", "--replica-size", "node")),
     ("decent_adam/ring/replicas", "decent_adam", ("--topology", "ring", "--replica-size", "node")),
 )

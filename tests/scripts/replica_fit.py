@@ -11,7 +11,8 @@ batches it trained, the validation accuracy at the end, and the sizes of its sum
 (what it sent across replicas) against its model's. `--kill RANK:BATCH`: rank RANK SIGKILLs
 itself at the start of its BATCH-th batch (it writes nothing). `--slow RANK:SECONDS`: rank RANK sleeps
 that long at every batch (a slow node). `--indexed`: the training samples carry their index, and every
-rank records the indices it trained, by epoch (`samples`).
+rank records the indices it trained, by epoch (`samples`). `--sigterm RANK:BATCH`: rank RANK gets SIGTERM
+at the start of its BATCH-th batch; every rank that stops with an exception writes `stopped.rankR.json`.
 """
 
 import argparse
@@ -68,8 +69,10 @@ def digest(module: torch.nn.Module) -> str:
 
 
 class Record(L.Callback):
-    def __init__(self, out: Path, kill: tuple[int, int] | None, slow: dict[int, float]) -> None:
-        self.out, self.kill, self.slow = out, kill, slow
+    def __init__(
+        self, out: Path, kill: tuple[int, int] | None, slow: dict[int, float], sigterm: tuple[int, int] | None = None
+    ) -> None:
+        self.out, self.kill, self.slow, self.sigterm = out, kill, slow, sigterm
         self.record: dict = {"digests": [], "batches": 0, "samples": {}}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -77,6 +80,9 @@ class Record(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if trainer.global_rank in self.slow:
             time.sleep(self.slow[trainer.global_rank])
+        at = self.record["batches"] + 1
+        if self.sigterm is not None and trainer.global_rank == self.sigterm[0] and at == self.sigterm[1]:
+            os.kill(os.getpid(), signal.SIGTERM)
         if len(batch) > 2:  # the samples' indices: which the rank trained, by epoch
             self.record["samples"].setdefault(str(trainer.current_epoch), []).extend(batch[2].tolist())
 
@@ -84,6 +90,11 @@ class Record(L.Callback):
         self.record["batches"] += 1
         if len(self.record["digests"]) < RECORDED:
             self.record["digests"].append(digest(pl_module))
+
+    def on_exception(self, trainer, pl_module, exception):
+        stopped = {"rank": trainer.global_rank, "error": type(exception).__name__, "final": digest(pl_module)}
+        stopped.update(epoch=trainer.current_epoch, batches=self.record["batches"], digests=self.record["digests"])
+        (self.out / f"stopped.rank{trainer.global_rank}.json").write_text(json.dumps(stopped))
 
     def on_fit_end(self, trainer, pl_module):
         self.record.update(
@@ -136,6 +147,7 @@ def main() -> None:
         default="decent_adam",
         choices=["decent_adam", "prague-static", "prague", "partial_reduce", "adpsgd"],
     )
+    parser.add_argument("--sigterm", help="RANK:BATCH: that rank gets SIGTERM at the start of that batch")
     parser.add_argument("--indexed", action="store_true", help="record the training samples' indices")
     parser.add_argument("--slow", action="append", default=[], help="RANK:SECONDS slept at every batch")
     parser.add_argument("--shard", action="store_true", help="shard the model over each replica (FSDP2)")
@@ -143,6 +155,7 @@ def main() -> None:
     parser.add_argument("--configure-model", action="store_true", help="the module shards its layers itself")
     args = parser.parse_args()
     kill = tuple(int(x) for x in args.kill.split(":")) if args.kill else None
+    sigterm = tuple(int(x) for x in args.sigterm.split(":")) if args.sigterm else None
     slow = {int(rank): float(seconds) for rank, seconds in (item.split(":") for item in args.slow)}
     L.seed_everything(0, verbose=False)
     size = int(args.replica_size) if args.replica_size.isdigit() else args.replica_size
@@ -170,7 +183,7 @@ def main() -> None:
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=strategy,
         max_epochs=args.epochs,
-        callbacks=[Record(args.out, kill, slow), ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True)],
+        callbacks=[Record(args.out, kill, slow, sigterm), ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -126,6 +126,7 @@ class WorkQueueSampler(Sampler[int]):
         self._set_aside: Optional[tuple[list[int], list[int]]] = None
         self._first_claimed = world_size  # chunk number of this epoch's first claim
         self._follow_next = 0  # a replica's other rank: the number of its first rank's next answer to take
+        self._ending = False  # `end_claims`: the epoch's next claim gets the queue's end
         #: the claim sent ahead and not yet answered, and an answer taken before the iterator needed it
         self._in_flight: Optional[Callable[[], tuple[int, Optional[int]]]] = None
         self._taken: Optional[tuple[int, Optional[int]]] = None
@@ -280,6 +281,7 @@ class WorkQueueSampler(Sampler[int]):
         # the first world_size chunks are pre-assigned: no store traffic at an epoch's start
         # (among the members: a lost rank's first chunk is another's; they change between epochs only)
         self._follow_next = 0
+        self._ending = False
         first: list[int] = [self.members.index(self.unit)]
         self._first_claimed = len(self.members)
         preset = list(range(len(self.members)))
@@ -312,7 +314,7 @@ class WorkQueueSampler(Sampler[int]):
             if self.claim_ahead and not first and self._my_seconds is not None:
                 left = self.slow_ratio > 0 and self._leave_tail(previous)
                 if not left:
-                    self._in_flight = self._begin_claim()  # answered while this chunk trains
+                    self._in_flight = self._claim_next()  # answered while this chunk trains
             yield from self._share(order, chunk)
             if first:  # more chunks a resumed checkpoint handed to this rank: held from their claim
                 chunk, ticket = self._claim(first.pop(0))
@@ -321,16 +323,33 @@ class WorkQueueSampler(Sampler[int]):
                 if left or (self.slow_ratio > 0 and self._leave_tail(previous)):
                     # it left the rest to the others, but stands by: if they are lost with the queue's rest
                     # untaken, nobody else would train it (`lightning_prague.core.plane.queue_end`)
-                    self._in_flight = self._begin_claim(standby=True)
+                    self._in_flight = self._claim_next(standby=True)
                     left = False  # (what it gets, it trains, and claims on)
                 else:
-                    self._in_flight = self._begin_claim()
+                    self._in_flight = self._claim_next()
             claimed_at = self.clock()
             chunk, ticket = self._take()
             self._observe(previous, claimed_at, chunk)
             # from when the claim returned: a claim that waited at the queue's end (for a hung
             # member, say) must not make this rank look slow in the next epoch's tail decisions
             previous = (self.clock(), chunk)
+
+    def end_claims(self) -> None:
+        """Claim nothing more in this epoch: the next claim gets the queue's end at once (on a replica's
+        first rank; its other ranks, which follow its answers, end their epoch at the same chunk). A
+        replica stops this way: its ranks cannot each stop at the batch where a stop reaches them,
+        which may differ by one, since they take every step together."""
+        self._ending = True
+
+    def _claim_next(self, standby: bool = False) -> Callable[[], tuple[int, Optional[int]]]:
+        """The epoch's next claim, sent now (`_begin_claim`); the queue's end at once once `end_claims`
+        was called (the chunks this rank holds are still its own to train and report)."""
+        if self._ending and not self.follows:
+            report = getattr(self._store, "report", None)
+            if report is not None:  # the queue's parked claims need not wait for this rank
+                report(self._cursor_key, end=True)
+            return self._begin_claim(self.num_chunks)
+        return self._begin_claim(standby=standby)
 
     def _share(self, order: list[int], chunk: int) -> list[int]:
         """This rank's samples of `chunk`: all of it, or in a replica its `index`-th part. Every rank of a

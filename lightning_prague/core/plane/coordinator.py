@@ -241,6 +241,8 @@ class CoordinatorSession:
                 self._settle(key, out)
                 return
             self._answer_claim(rank, req, key, [chunk, ticket], out)
+            if self.ends.standing_by(key) is not None:  # it may have taken the last chunk: they need not wait
+                self._settle(key, out)
         elif do == "give_back":  # a slow rank's shard at a stream's tail, taken only where a claimer will read it
             self._reply(rank, req, self._give_back(rank, key, int(message["shard"]), int(message["position"])), out)
             self._settle(key, out)
@@ -374,12 +376,20 @@ class CoordinatorSession:
         for key in self.ends.keys():
             self._settle(key, out)
 
+    def _drained(self, key: str) -> bool:
+        """Whether `key`'s queue handed out every chunk (as the claims standing by on it count them)."""
+        claim = self.ends.standing_by(key)
+        if claim is None or "num" not in claim:
+            return False
+        return int(claim["first"]) + int(self.values.get(key, 0)) >= int(claim["num"])
+
     def _settle(self, key: str, out: Out) -> None:
         members = self.work.members(key) or sorted(self.members)
         requeued = self.values.get(key + REQUEUED, [])
         holding = self.work.holders(key)
         stood_by = False
-        for answer in self.ends.settle(key, self.members, members, self.generator.parked, holding, requeued):
+        drained = self._drained(key)
+        for answer in self.ends.settle(key, self.members, members, self.generator.parked, holding, requeued, drained):
             chunk, ticket = answer.chunk, answer.ticket
             if answer.standby is not None:  # nobody else takes the queue's rest: this rank does, or it ends
                 stood_by = True

@@ -159,11 +159,14 @@ class QueueEnds:
         at_meeting: Container[int],
         holding: Container[int],
         requeued: list[list[int | None]],
+        drained: bool = False,
     ) -> list[Answer]:
         """The parked claims of `key` that return now: one per chunk in `requeued` (taken from it, in
         parking order), then, if no live member of `members` is left to wait for, all the others empty.
         `holding`: the ranks that hold chunks of `key` untrained (one done claiming is waited for until
-        it has trained them)."""
+        it has trained them). `drained`: the queue has handed out every chunk (none given back waits),
+        so the claims standing by end at once: there is no rest for them to take, and a chunk given
+        back later goes to the claims parked at the queue's end or the ranks still claiming."""
         queue = self._queues.get(key)
         if queue is None or not queue.parked:
             return []
@@ -182,6 +185,16 @@ class QueueEnds:
             if r in live and r not in queue.parked and r not in at_meeting and (r not in queue.done or r in holding)
         ]
         standing = [rank for rank in queue.parked if rank in queue.standby]
+        if standing and waited and drained and not requeued:
+            # (a rank standing by would otherwise wait for the last claimers to finish before it trains
+            # its own last batch: Lightning fetched it, and waits for this claim, before training it)
+            for rank in standing:
+                req, end = queue.parked.pop(rank)
+                queue.standby.pop(rank)
+                answers.append(Answer(rank, req, end, None))
+                queue.done.add(rank)
+            log.debug("queue end: %s handed out every chunk: ranks %s, standing by, end", key, standing)
+            standing = []
         if standing and not waited:
             # ranks at a meeting inside the epoch (a validation) will claim on after it, and the meeting
             # waits for the ranks standing by: those end their epoch, as a rank that leaves the tail did
@@ -205,6 +218,11 @@ class QueueEnds:
         elif queue.parked:
             log.debug("queue end: claims of %s on %s wait for ranks %s", sorted(queue.parked), key, waited)
         return answers
+
+    def standing_by(self, key: str) -> dict[str, Any] | None:
+        """A claim standing by on `key` (the first parked), or `None`."""
+        queue = self._queues.get(key)
+        return next(iter(queue.standby.values()), None) if queue is not None else None
 
     def claims_again(self, key: str, rank: int) -> None:
         """`rank`, which followed its replica's leader on `key` (done claiming there), claims itself now."""
