@@ -71,7 +71,14 @@ MiB = 2**20
 GROUPED = ("prague", "partial_reduce")  # the strategies with a group_size option
 STRATEGIES = ("ddp", "prague", "partial_reduce", "adpsgd", "decent_adam")
 #: runs in replica groups of 2 (issue 50), when asked for: the model whole on each rank, or sharded over the pair
-REPLICA_RUNS = ("decent_adam/replicas", "decent_adam/sharded")
+REPLICA_RUNS = (
+    "decent_adam/replicas",
+    "decent_adam/sharded",
+    "prague/replicas",
+    "prague/sharded",
+    "partial_reduce/sharded",
+    "adpsgd/sharded",
+)
 
 
 # -- measuring, inside a rank ------------------------------------------------------------------

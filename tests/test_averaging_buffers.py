@@ -109,9 +109,11 @@ def test_average_difference_writes_avg_minus_snapshot_or_zero_and_keeps_the_snap
         torch.testing.assert_close(o, (s + b) / 2 - s)
     assert [f.tolist() for f in snapshot.flats] == [f.tolist() for f in flat_buckets(mine)]
 
-    error, applied = average_difference_(snapshot, PeerSums(flat_buckets(theirs), fail_at=1), (0, 1), out)
-    assert not bool(applied) and float(error) == 0.0
-    assert all(bool((o == 0).all()) for o in out.flats), "a failed average left a partial difference"
+    _, applied = average_difference_(snapshot, PeerSums(flat_buckets(theirs), fail_at=1), (0, 1), out)
+    assert not bool(applied)  # decided bucket by bucket: the first bucket's sum took effect, the second's not
+    mine_flat, theirs_flat = flat_buckets(mine), flat_buckets(theirs)
+    torch.testing.assert_close(out.flats[0], (mine_flat[0] + theirs_flat[0]) / 2 - mine_flat[0])
+    assert bool((out.flats[1] == 0).all()), "a failed bucket left a partial difference"
 
 
 def test_snapshot_averages_chain_keep_local_progress_and_apply_once():
@@ -140,22 +142,33 @@ def test_snapshot_averages_chain_keep_local_progress_and_apply_once():
         averages.take()
 
 
-def test_a_first_average_is_all_or_nothing_a_chained_one_bucket_by_bucket():
+def test_a_first_and_a_chained_average_decide_bucket_by_bucket_asking_the_same_verdicts():
+    """Both ask one verdict per bucket, in bucket order, so the members of a group agree whichever of the
+    two each runs (one verdict for the whole model against one per bucket deadlocked a model of several
+    buckets: the first summed its second bucket while the chained one waited for its first verdict)."""
     mine, theirs, third = model(0), model(1), model(2)
+    snap = flat_buckets(mine)
     live = live_of(mine)
     averages = SnapshotAverages(live)
     averages.take()
-    _, applied = averages.average(PeerSums(flat_buckets(theirs), fail_at=1), (0, 1), None, "first, incomplete")
-    assert not bool(applied)
-    assert all(bool((c == 0).all()) for c in averages.change.flats), "the whole first average is dropped"
-    averages.average(PeerSums(flat_buckets(theirs)), (0, 1), None, "first, complete")
-    first = [(s + b) / 2 for s, b in zip(flat_buckets(model(0)), flat_buckets(theirs))]
+    asked: list[bool] = []
+
+    def decide(complete: bool) -> bool:
+        asked.append(complete)
+        return complete
+
+    _, applied = averages.average(PeerSums(flat_buckets(theirs), fail_at=1), (0, 1), None, "first", decide)
+    assert not bool(applied) and asked == [True, False], "a verdict per bucket, in order"
+    first = [(s + b) / 2 for s, b in zip(snap, flat_buckets(theirs))]
+    torch.testing.assert_close(averages.change.flats[0], first[0] - snap[0])
+    assert bool((averages.change.flats[1] == 0).all()), "the second bucket's average is dropped"
+    asked.clear()
     # chained, with its second bucket's sum incomplete: the first bucket is averaged, the second kept
-    _, applied = averages.average(PeerSums(flat_buckets(third), fail_at=1), (0, 2), None, "chained")
-    assert not bool(applied)
-    value = [s + c for s, c in zip(flat_buckets(model(0)), averages.change.flats)]
+    _, applied = averages.average(PeerSums(flat_buckets(third), fail_at=1), (0, 2), None, "chained", decide)
+    assert not bool(applied) and asked == [True, False], "the same verdicts as a first average asks"
+    value = [s + c for s, c in zip(snap, averages.change.flats)]
     torch.testing.assert_close(value[0], (first[0] + flat_buckets(third)[0]) / 2)
-    torch.testing.assert_close(value[1], first[1])
+    torch.testing.assert_close(value[1], snap[1])
     assert all(bool(torch.isfinite(c).all()) for c in averages.change.flats)
 
 

@@ -208,32 +208,40 @@ def average_difference_(
     part: Part | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """`out` becomes `avg - snapshot`, the (weighted, as in `average_`) average over `members` of
-    their snapshots minus this member's, or zero everywhere if a member disappeared during it
-    (all-or-nothing: `out` is the sum target of each bucket, so no other copy is needed).
+    their snapshots minus this member's, **decided bucket by bucket**: a bucket whose sum does not take
+    effect (a member disappeared during it) is zero in `out`, on every member alike (`out` is the sum
+    target of each bucket, so no other copy is needed).
+
+    Bucket by bucket because a member may run this group as a further average of its own snapshot
+    (`average_chained_`: an AD-PSGD passive worker serving two exchanges between two steps, a `prague`
+    worker drawn into a group while its own runs), which decides each bucket before it sums the next
+    (it has no room for the whole model's sums): every member must ask the same verdicts in the same
+    order. One verdict for the whole model here deadlocked with that on a model of several buckets (found:
+    `adpsgd`, a 96 MB model, replicas of 2: the active rank summed its second bucket while the passive
+    one waited for its first bucket's verdict). Every bucket still takes complete sums only.
 
     `snapshot` is not changed; adding `out` to it gives the average, adding `out` to tensors that
     moved on since the snapshot keeps their progress (AD-PSGD's atomic averaging). Returns
-    `(error, applied)` and takes `decide` and `part` as `average_` does (`out` is zero outside `part`).
+    `(error, applied)` (`applied`: every bucket was) and takes `decide` and `part` as `average_` does
+    (`out` is zero outside `part`; `decide` is asked once per bucket, in bucket order).
     """
     scale = 1.0 / len(members) if weight is None else weight
+    decide = _deciding(decide, comm, members, operation)
     drift = Drift(snapshot.live.device)
-    complete = True
+    applied = True
     for whole, total in zip(snapshot.flats, out.flats):
         start, stop = part_bounds(whole.numel(), part)
         if part is not None:  # (outside its part, the change is zero)
             total.zero_()
-        torch.mul(whole[start:stop], scale, out=total[start:stop])
-        complete &= comm.sum_(total[start:stop], members, operation)
-    applied = _deciding(decide, comm, members, operation)(complete)
-    for whole, total in zip(snapshot.flats, out.flats):
-        if applied:
-            start, stop = part_bounds(whole.numel(), part)
-            share = total[start:stop]
-            drift.add_average(share)
-            share.sub_(whole[start:stop])
-            drift.add_difference(share)
-        else:
+        share = total[start:stop]
+        torch.mul(whole[start:stop], scale, out=share)
+        if not decide(comm.sum_(share, members, operation)):
+            applied = False
             total.zero_()
+            continue
+        drift.add_average(share)
+        share.sub_(whole[start:stop])
+        drift.add_difference(share)
     return drift.error(applied=applied), applied
 
 
@@ -291,12 +299,12 @@ class SnapshotAverages:
 
     `snapshot` is the copy the averages run on (each average's result becomes its value, so a second
     average starts from the first one's result); `change` accumulates what they changed. The first
-    average of a snapshot is all-or-nothing over the whole model (`average_difference_`, into the
-    zero change); a second one before the change was applied (a `prague` worker drawn into another
-    group while its own exchange runs, an AD-PSGD passive worker serving two exchanges between two
-    steps) commits bucket by bucket (`average_chained_`). Memory: the snapshot (it may be borrowed,
-    `GroupWorker.spare`) and the change, two copies of the tensors, and one bucket once an average
-    was chained.
+    average of a snapshot writes into the zero change (`average_difference_`); a second one before
+    the change was applied (a `prague` worker drawn into another group while its own exchange runs,
+    an AD-PSGD passive worker serving two exchanges between two steps) goes through one bucket of
+    scratch (`average_chained_`). Both decide bucket by bucket, so the members of a group ask the
+    same verdicts whichever each runs. Memory: the snapshot (it may be borrowed, `GroupWorker.spare`)
+    and the change, two copies of the tensors, and one bucket once an average was chained.
     """
 
     def __init__(self, live: BucketedTensors, snapshot: FlatBuffers | None = None, part: Part | None = None) -> None:
