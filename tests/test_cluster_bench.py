@@ -88,13 +88,19 @@ def test_issue_50s_cluster_slows_node4s_ranks_and_runs_decent_adam_in_replicas_o
     (profile,) = profiles_from(args)
     assert (profile.nodes, profile.workers_per_node, profile.rates) == (4, 2, (1e9,) * 4)
     labels = [label for label, _, _ in runs(args, profile)]
-    assert labels[-3:] == ["decent_adam/alternating_exp_ring", "prague/static/replicas", "decent_adam/ring/replicas"]
+    assert labels[-6:] == [
+        "decent_adam/alternating_exp_ring", "prague/random/replicas", "partial_reduce/replicas", "adpsgd/replicas",
+        "prague/static/replicas", "decent_adam/ring/replicas",
+    ]  # fmt: skip
     assert "decent_adam/ring/replicas" not in [label for label, _, _ in runs(args)], "only where the profile asks"
     argv = cluster_bench.demo_argv("decent_adam", ("--replica-size", "node"), profile, args)
     assert argv[argv.index("--profile") + 1] == "straggler" and argv[argv.index("--slow-factor") + 1] == "3.0"
     assert [argv[i + 1] for i, arg in enumerate(argv) if arg == "--slow-rank"] == ["6", "7"]
     assert model_name("decent_adam/ring/replicas") == ("decent_adam", {"topology": "ring", "replica_size": "node"})
     assert model_name("prague/static/replicas") == ("prague", {"grouping": "static", "replica_size": "node"})
+    assert model_name("prague/random/replicas") == ("prague", {"replica_size": "node"})
+    assert model_name("partial_reduce/replicas") == ("partial_reduce", {"replica_size": "node"})
+    assert model_name("adpsgd/replicas") == ("adpsgd", {"replica_size": "node"})
 
 
 def test_every_strategy_runs_after_ddp_with_the_variants_compared(available, tmp_path):

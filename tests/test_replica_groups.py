@@ -27,6 +27,36 @@ def results(directory) -> dict[int, dict]:
     return {r["rank"]: r for r in found}
 
 
+def four_ranks_in_replicas(tmp_path, argv: list[str]) -> dict[int, dict]:
+    """Run 4 ranks in replicas of 2 to the end of the fit: each replica's ranks bitwise one model after
+    every recorded step; their results."""
+    codes, logs = run_script_ranks(tmp_path, 4, "replica_fit.py", argv)
+    assert codes == [0] * 4, (codes, logs[0][-3000:])
+    found = results(tmp_path)
+    assert sorted(found) == [0, 1, 2, 3]
+    for first, second in ((0, 1), (2, 3)):
+        assert found[first]["digests"] == found[second]["digests"], f"replica of ranks {first} and {second}"
+    return found
+
+
+def replica_lost(tmp_path, argv: list[str], killed: int, mate: int) -> dict[int, dict]:
+    """Run 6 ranks in replicas of 2 where `killed` (of the replica of ranks 2 and 3) is killed: its mate
+    fails and names it, the other replicas finish with one model, each replica's ranks bitwise one
+    model throughout (the rounds around the loss included); their results."""
+    codes, logs = run_script_ranks(tmp_path, 6, "replica_fit.py", argv)
+    assert codes[killed] == -9 and codes[mate] not in (0, None), (codes, logs[mate][-3000:])
+    said = f"rank {mate} leaves the job with its replica (ranks [2, 3]): rank(s) [{killed}] of it were lost"
+    assert said in logs[mate], logs[mate][-3000:]
+    assert [codes[r] for r in (0, 1, 4, 5)] == [0] * 4, (codes, logs[0][-3000:])
+    found = results(tmp_path)
+    assert sorted(found) == [0, 1, 4, 5]
+    for first, second in ((0, 1), (4, 5)):  # through the loss too: every column of a replica mixed alike
+        assert found[first]["digests"] == found[second]["digests"], f"replica of ranks {first} and {second}"
+    assert len({r["final"] for r in found.values()}) == 1, "one model"
+    assert all(set(r["lost"]) == {2, 3} for r in found.values()), [r["lost"] for r in found.values()]
+    return found
+
+
 @pytest.mark.parametrize("strategy", ["decent_adam", "prague-static"])
 def test_the_ranks_of_a_replica_step_as_one_model_and_the_replicas_gossip(tmp_path, strategy):
     """4 ranks in replicas of 2: after every step the two ranks of a replica hold bitwise one model
@@ -34,12 +64,7 @@ def test_the_ranks_of_a_replica_step_as_one_model_and_the_replicas_gossip(tmp_pa
     its own batches between mixes), and the fit ends with one model that learned the digits. A rank's
     sums across replicas are of its half of the model."""
     argv = ["--out", str(tmp_path), "--replica-size", "2", "--strategy", strategy]
-    codes, logs = run_script_ranks(tmp_path, 4, "replica_fit.py", argv)
-    assert codes == [0] * 4, (codes, logs[0][-3000:])
-    found = results(tmp_path)
-    assert sorted(found) == [0, 1, 2, 3]
-    for first, second in ((0, 1), (2, 3)):
-        assert found[first]["digests"] == found[second]["digests"], f"replica of ranks {first} and {second}"
+    found = four_ranks_in_replicas(tmp_path, argv)
     steps = list(zip(found[0]["digests"], found[2]["digests"]))
     assert len(steps) == 24 and all(a != b for a, b in steps), "the replicas train apart between their mixes"
     assert len({r["final"] for r in found.values()}) == 1, "one model at the end of the fit"
@@ -62,12 +87,8 @@ def test_work_queue_replicas_take_batches_by_speed_and_step_as_one_model(tmp_pat
             "--slow", "2:0.04", "--slow", "3:0.04"]  # fmt: skip
     if shard:
         argv.append("--shard")
-    codes, logs = run_script_ranks(tmp_path, 4, "replica_fit.py", argv)
-    assert codes == [0] * 4, (codes, logs[0][-3000:])
-    found = results(tmp_path)
-    assert sorted(found) == [0, 1, 2, 3]
+    found = four_ranks_in_replicas(tmp_path, argv)
     for first, second in ((0, 1), (2, 3)):
-        assert found[first]["digests"] == found[second]["digests"], f"replica of ranks {first} and {second}"
         assert found[first]["batches"] == found[second]["batches"], "a replica's ranks take the same steps"
     assert any(a != b for a, b in zip(found[0]["digests"], found[2]["digests"])), "the replicas train apart"
     assert found[0]["batches"] > 1.5 * found[2]["batches"], "the fast replica takes more of the queue"
@@ -137,18 +158,7 @@ def test_a_lost_rank_loses_its_replica_and_the_other_replicas_finish_with_one_mo
     surviving replica hold one model after every step, the rounds around the loss included (a
     round is decided for all columns of its replicas at once)."""
     argv = ["--out", str(tmp_path), "--replica-size", "2", "--kill", "3:10"]
-    codes, logs = run_script_ranks(tmp_path, 6, "replica_fit.py", argv)
-    assert codes[3] == -9 and codes[2] not in (0, None), (codes, logs[2][-3000:])
-    assert "rank 2 leaves the job with its replica (ranks [2, 3]): rank(s) [3] of it were lost" in logs[2], logs[2][
-        -3000:
-    ]
-    assert [codes[r] for r in (0, 1, 4, 5)] == [0] * 4, (codes, logs[0][-3000:])
-    found = results(tmp_path)
-    assert sorted(found) == [0, 1, 4, 5]
-    for first, second in ((0, 1), (4, 5)):  # through the loss too: every column of a replica mixed alike
-        assert found[first]["digests"] == found[second]["digests"], f"replica of ranks {first} and {second}"
-    assert len({r["final"] for r in found.values()}) == 1, "one model"
-    assert all(set(r["lost"]) == {2, 3} for r in found.values()), [r["lost"] for r in found.values()]
+    found = replica_lost(tmp_path, argv, killed=3, mate=2)
     assert found[0]["val_acc"] >= 0.85, found[0]["val_acc"]
 
 
@@ -159,19 +169,9 @@ def test_a_work_queue_replica_whose_leader_is_lost_leaves_and_its_chunks_are_tra
     other two replicas finish with one model, each replica's ranks bitwise one model throughout, and
     every sample of the epochs after the loss is trained by them."""
     argv = ["--out", str(tmp_path), "--replica-size", "2", "--strategy", "prague", "--indexed", "--kill", "2:6"]
-    codes, logs = run_script_ranks(tmp_path, 6, "replica_fit.py", argv)
-    assert codes[2] == -9 and codes[3] not in (0, None), (codes, logs[3][-3000:])
-    assert "rank 3 leaves the job with its replica (ranks [2, 3]): rank(s) [2] of it were lost" in logs[3], logs[3][
-        -3000:
-    ]
-    assert [codes[r] for r in (0, 1, 4, 5)] == [0] * 4, (codes, logs[0][-3000:])
-    found = results(tmp_path)
-    assert sorted(found) == [0, 1, 4, 5]
+    found = replica_lost(tmp_path, argv, killed=2, mate=3)
     for first, second in ((0, 1), (4, 5)):
-        assert found[first]["digests"] == found[second]["digests"], f"replica of ranks {first} and {second}"
         assert found[first]["batches"] == found[second]["batches"]
-    assert len({r["final"] for r in found.values()}) == 1, "one model"
-    assert all(set(r["lost"]) == {2, 3} for r in found.values()), [r["lost"] for r in found.values()]
     for epoch in ("1", "2"):  # after the loss: the two replicas left train the whole epoch between them
         trained = [i for r in found.values() for i in r["samples"][epoch]]
         assert set(trained) == set(range(1438)) and len(trained) - 1438 <= 1, epoch

@@ -376,9 +376,10 @@ def ddp_bytes(profile: ClusterProfile) -> int:
 
 def model_name(label: str) -> tuple[str, dict[str, Any]]:
     """The runtime model's strategy and options for a run's label."""
-    strategy, _, variant = label.partition("/")
-    variant, _, grouped = variant.partition("/")
-    options: dict[str, Any] = {"replica_size": "node"} if grouped == "replicas" else {}
+    strategy, *rest = label.split("/")
+    grouped = rest[-1:] == ["replicas"]  # (`strategy/replicas` or `strategy/variant/replicas`)
+    variant = rest[0] if rest and not (grouped and len(rest) == 1) else ""
+    options: dict[str, Any] = {"replica_size": "node"} if grouped else {}
     if strategy == "prague" and variant == "static":
         return "prague", {"grouping": "static", **options}
     if strategy == "decent_adam":

@@ -452,24 +452,27 @@ MAX_REPLICA_SIZE = 1 << 12
 _REPLICA_SIZE = integer(1, MAX_REPLICA_SIZE)
 
 
-class _Replicas(Sequence[int]):
-    """Replica numbers in order, with constant-time membership (what `GroupingPolicy.select` expects)."""
+class Candidates(Sequence[int]):
+    """Ranks (or replicas) that may be drawn into a group: a sequence (for sampling) with O(1) membership,
+    what `GroupingPolicy.select` expects."""
 
-    def __init__(self, replicas: list[int]) -> None:
-        self.replicas = replicas
-        self._members = frozenset(replicas)
+    __slots__ = ("ranks", "_members")
 
-    def __contains__(self, replica: object) -> bool:
-        return replica in self._members
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks = ranks
+        self._members = frozenset(ranks)
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self._members
 
     def __len__(self) -> int:
-        return len(self.replicas)
+        return len(self.ranks)
 
     def __getitem__(self, index):  # type: ignore[no-untyped-def]
-        return self.replicas[index]
+        return self.ranks[index]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.replicas)
+        return iter(self.ranks)
 
 
 class ColumnPolicy(GroupingPolicy):
@@ -528,7 +531,7 @@ class ColumnPolicy(GroupingPolicy):
     def select(self, requester: int, round_index: int, available: Sequence[int]) -> Group | None:
         """The requester's column's policy draws among the replicas whose rank of its index is available."""
         replica, index = divmod(requester, self.replica_size)
-        candidates = _Replicas([r for r in range(self.replicas) if r * self.replica_size + index in available])
+        candidates = Candidates([r for r in range(self.replicas) if r * self.replica_size + index in available])
         members = self.columns[index].select(replica, round_index, candidates)
         return None if members is None else tuple(sorted(self._ranks(members, index)))
 

@@ -113,37 +113,15 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_prague.core.grouping.policies import Group, GroupingPolicy
+from lightning_prague.core.grouping.policies import Candidates, Group, GroupingPolicy
 from lightning_prague.core.protocol import ADMITTING_AT, COMMIT, REQUEUE, SIGTERM, STOP_SYNC, is_synchronization_point
 
 Item = dict[str, Any]
 
 log = logging.getLogger(__name__)
-
-
-class Candidates(Sequence[int]):
-    """Ranks that may be drawn into a group: a sequence (for sampling) with O(1) membership."""
-
-    __slots__ = ("ranks", "_members")
-
-    def __init__(self, ranks: list[int]) -> None:
-        self.ranks = ranks
-        self._members = frozenset(ranks)
-
-    def __contains__(self, rank: object) -> bool:
-        return rank in self._members
-
-    def __len__(self) -> int:
-        return len(self.ranks)
-
-    def __getitem__(self, index):  # type: ignore[no-untyped-def]
-        return self.ranks[index]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.ranks)
 
 
 class GroupGenerator:
