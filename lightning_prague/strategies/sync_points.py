@@ -189,7 +189,10 @@ class Synchronizer:
                 report["positions"] = loader.shard_positions()
         if sampler is not None:
             report["speed"] = sampler.seconds_per_chunk
-        if worker.synchronize(name, strategy.exchanger, **report):
+        stopping = worker.synchronize(name, strategy.exchanger, **report)
+        if strategy.exchanger is not None:  # every rank drained and met: a replica's slices come together
+            strategy.exchanger.put_together()
+        if stopping:
             strategy.stops.raise_stop()
         return worker.release or {}
 

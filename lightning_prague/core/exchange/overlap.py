@@ -66,9 +66,9 @@ class Exchanger:
         self.wait_seconds = 0.0
         #: the stream communication threads run on, and the events that order it against compute
         self.streams = CommStream(live.device)
-        #: run by every rank of a replica after each step's exchange work, once each (`None`: no replica
-        #: to put together): each rank averages its own slice of a whole model apart from the others
-        #: (`GroupWorker.part`), and this gives every rank all the slices again
+        #: run by every rank of a replica after each step's exchange work and after each meeting, once
+        #: each (`None`: no replica to put together): each rank averages its own slice of a whole model
+        #: apart from the others (`GroupWorker.part`), and this gives every rank all the slices again
         #: (`lightning_prague.core.replicas.reassembly`)
         self.reassemble: Callable[[], None] | None = None
 
@@ -125,6 +125,13 @@ class Exchanger:
     def _put_together(self) -> None:
         if self.reassemble is not None:
             self.reassemble()
+
+    def put_together(self) -> None:
+        """After a meeting's release: a replica's ranks put their slices together (what `drain` folded in).
+        Not in `drain`: a rank waiting there for its replica's other ranks would not serve the groups
+        others drew it into until the meeting, and a rank of another replica may be waiting for one of
+        those in its own drain (found: four ranks in two replicas, each pair waiting on the other)."""
+        self._put_together()
 
     def _adopt(self, answer: GroupAnswer, reported: int) -> None:
         if answer.version is not None:  # newest version of the group, plus local steps made since reporting
@@ -330,7 +337,6 @@ class BackgroundAverager(_ThreadedExchanger):
                 f" (it was at {self.worker.doing})"
             )
         self._fold_in()
-        self._put_together()
         if self._thread is not None:
             self._jobs.put(None)
             self._join("its last exchange")
@@ -459,7 +465,6 @@ class PassiveResponder(_ThreadedExchanger):
             self._join("the exchanges assigned before the synchronization point")
         self._raise_pending()
         self._fold_in()
-        self._put_together()
 
     def leave(self) -> None:
         self.worker.leave(served=self._served_until_left)

@@ -7,8 +7,10 @@ column (`lightning_prague.core.grouping.columns`), whenever its own exchange is 
 replica take part in different groups at different times. So each rank is the owner of its slice:
 nobody else changes it but the replica's synchronous steps, which change every rank's copy alike.
 
-`SliceReassembly` runs on every rank of the replica after every exchanger step (the same number of
-times on each: a replica's ranks take the same steps): each contributes the slice it owns and zeros
+`SliceReassembly` runs on every rank of the replica after every exchanger step and after every
+meeting's release (the same number of times on each: a replica's ranks take the same steps and meet
+together; never while a rank drains before a meeting, where it must still serve the groups others
+drew it into): each contributes the slice it owns and zeros
 elsewhere to one sum over the replica's process group, bucket by bucket, and takes the result. Every
 rank then holds the same model again, bitwise, with each slice as its owner has it. That is one
 all-reduce of the model inside the replica per step (a node's NVLink under `replica_size="node"`),
