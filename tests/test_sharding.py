@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -153,10 +154,12 @@ class _CountingStore:
 
 def test_one_store_operation_per_claimed_chunk_tail_awareness_included(counters):
     samplers = [WorkQueueSampler(400, 4, r, 4, counters, seed=3) for r in range(4)]  # tail awareness on
-    clients = []
+    ticks = itertools.count()  # a clock that moves with the calls, not with the machine's load (a
+    clients = []  # real one made the tail decisions, and so the reads, depend on it: 66 operations once)
     for s in samplers:
         clients.append(_CountingStore(counters))
         s._store = clients[-1]
+        s.clock = lambda: next(ticks) * 0.01
     taken = _interleaved(samplers, [1, 5, 5, 5])  # rank 0 is 5x slower
     assert sorted(i for part in taken for i in part) == list(range(400))
     for s, client in zip(samplers, clients):
