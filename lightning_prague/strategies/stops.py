@@ -107,18 +107,18 @@ class Stops:
         session.beacon.bump()
         session.check_members("training")
         trainer = strategy._trainer
-        if self.stops_by_data():
-            self.end_replicas_data(session, trainer)
-            return
-        if trainer is not None:
-            if trainer.should_stop and session.stop_reason is None:
-                worker.request_stop("request")
-            elif session.stop_reason == "request" and not trainer.should_stop:
-                log.debug("rank %d: the job is stopping; ending this epoch", strategy.global_rank)
-                trainer.should_stop = True
+        asked = trainer is not None and trainer.should_stop and session.stop_reason is None
+        if asked:
+            worker.request_stop("request")
         self.request_signal_stop()
         if self.leaving_on_agents_sigterm():
-            self.leave()
+            self.leave()  # (a replica's other ranks fail at their next gradient average, and leave too)
+        if self.stops_by_data():
+            self.end_replicas_data(session)
+            return
+        if trainer is not None and not asked and session.stop_reason == "request" and not trainer.should_stop:
+            log.debug("rank %d: the job is stopping; ending this epoch", strategy.global_rank)
+            trainer.should_stop = True
         if session.stop_reason in (SIGTERM, REQUEUE):  # announced: stop at this batch, whatever reads the inbox
             worker.stop_seen = True
         if worker.stop_seen:
@@ -137,26 +137,18 @@ class Stops:
             and strategy.loaders.sampler is not None
         )
 
-    def end_replicas_data(self, session: Any, trainer: Any) -> None:
+    def end_replicas_data(self, session: Any) -> None:
         """A stop (SIGTERM, the requeue signal, `trainer.should_stop` on some rank) in a replica: the
         replica's first rank claims nothing more in this epoch (`WorkQueueSampler.end_claims`), so its
         ranks end the epoch at the same chunk, and the epoch's closing meeting follows the stop (every
         rank meets at the stop point there, `GroupWorker.synchronize`). Its other ranks do nothing
         here: they follow its claims. Costs the batches already claimed or fetched (one or two)."""
         strategy = self.strategy
-        worker = strategy.worker
-        assert worker is not None
-        if trainer is not None and trainer.should_stop and session.stop_reason is None:
-            worker.request_stop("request")
-        self.request_signal_stop()
-        if self.leaving_on_agents_sigterm():
-            self.leave()  # (its replica's other ranks fail at their next gradient average, and leave too)
-        stopping = session.stop_reason is not None or worker.stop_seen
+        assert strategy.worker is not None
         sampler = strategy.loaders.sampler
+        stopping = session.stop_reason is not None or strategy.worker.stop_seen
         if stopping and sampler is not None and not sampler.follows:
-            log.debug(
-                "rank %d: the job is stopping; its replica claims nothing more in this epoch", strategy.global_rank
-            )
+            log.debug("rank %d: stopping; its replica claims nothing more in this epoch", strategy.global_rank)
             sampler.end_claims()
 
     def leaving_on_agents_sigterm(self) -> bool:

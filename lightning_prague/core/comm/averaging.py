@@ -106,7 +106,7 @@ class FlatBuffers:
         for bucket in live.buckets:
             flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
             self.flats.append(flat)
-            self.views.append(_shaped_views(flat, bucket))
+            self.views.append(shaped_views(flat, bucket))
 
     @property
     def nbytes(self) -> int:
@@ -131,7 +131,8 @@ class FlatBuffers:
             flat.zero_()
 
 
-def _shaped_views(flat: torch.Tensor, bucket: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def shaped_views(flat: torch.Tensor, bucket: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat`, one per tensor of `bucket`, each shaped like it, in order."""
     views, offset = [], 0
     for t in bucket:
         views.append(flat[offset : offset + t.numel()].view(t.shape))

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from lightning_prague.core.comm.averaging import BucketedTensors, Part, part_bounds
+from lightning_prague.core.comm.averaging import BucketedTensors, Part, part_bounds, shaped_views
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +66,7 @@ class SliceReassembly:
         at the same point of its steps."""
         for bucket in self.tensors().buckets:
             flat = self._bucket_scratch(bucket)
-            views, offset = [], 0
-            for t in bucket:
-                views.append(flat[offset : offset + t.numel()].view(t.shape))
-                offset += t.numel()
+            views = shaped_views(flat, bucket)
             torch._foreach_copy_(views, bucket)
             start, stop = part_bounds(flat.numel(), self.part)
             flat[:start].zero_()
