@@ -75,6 +75,7 @@ def test_the_ranks_of_a_replica_step_as_one_model_and_the_replicas_gossip(tmp_pa
         assert result["column_sums"] and all(half - 1 <= n <= half + 1 for n in result["column_sums"]), result
 
 
+@pytest.mark.serial  # the fast replica must take more of the queue: relative speeds, measured alone
 @pytest.mark.parametrize("strategy,shard", [("prague", False), ("partial_reduce", True), ("adpsgd", False)])
 def test_work_queue_replicas_take_batches_by_speed_and_step_as_one_model(tmp_path, strategy, shard):
     """The work-queue strategies in replicas of 2 (4 ranks), the second replica's ranks 4x slower: a
