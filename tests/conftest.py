@@ -172,7 +172,7 @@ def plane():
 
 
 #: fixtures whose jobs' relative speeds the tests that use them assert: such tests run alone (`serial`)
-SPEED_MEASURING_FIXTURES = {"straggler_runs"}
+SPEED_MEASURING_FIXTURES = {"straggler_runs", "step_runs"}  # (step_runs: a 5x slower rank trains least)
 
 
 def pytest_configure(config: pytest.Config) -> None:
