@@ -13,7 +13,8 @@ gloo on 127.0.0.1). Every rank builds the same model, `--layers` square `nn.Line
 ReLU between them, as wide as makes `--params` float32 parameters (25M: 4 layers of 2499 x 2499,
 95.3 MiB), and trains it for one epoch on random data (`--steps` batches of `--batch-size` per
 worker: the dataset holds `steps x batch x devices` samples; the work-queue strategies let a fast
-worker take a few more), MSE loss, SGD with momentum 0.9, no validation, no checkpoints, no logger.
+worker take a few more), MSE loss, SGD with momentum 0.9 (`--optimizer adamw`: AdamW), no validation,
+no checkpoints, no logger.
 `prague` and `partial_reduce` run with `group_size=--group-size` (default 2, as AD-PSGD's pairs);
 `decent_adam/replicas` and `decent_adam/sharded` (asked for by name) train in replica groups of 2
 ranks (`replica_size=2`), the model whole on each rank or sharded over the pair (`shard=True`);
@@ -174,6 +175,8 @@ def train(args: argparse.Namespace) -> None:
             return nn.functional.mse_loss(self.net(x), y)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
+            if args.optimizer == "adamw":  # two moments per parameter
+                return torch.optim.AdamW(self.parameters(), lr=1e-4)
             return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
 
     class Report(L.Callback):
@@ -247,7 +250,7 @@ def measure(strategy: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix=f"memory-{strategy.replace('/', '-')}-") as run_dir:
         command = [sys.executable, __file__, "--run", strategy, "--run-dir", run_dir]
         command += ["--devices", str(args.devices), "--params", str(args.params), "--layers", str(args.layers)]
-        command += ["--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+        command += ["--steps", str(args.steps), "--batch-size", str(args.batch_size), "--optimizer", args.optimizer]
         command += ["--group-size", str(args.group_size), "--interval", str(args.interval)]
         command += ["--where"] if args.where else []
         env = dict(os.environ)
@@ -332,6 +335,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4, help="square Linear layers")
     parser.add_argument("--steps", type=int, default=20, help="training batches per worker (one epoch)")
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd", help="SGD with momentum, or AdamW")
     parser.add_argument("--group-size", type=int, default=2, help="of prague and partial_reduce")
     parser.add_argument(
         "--mmap-threshold", type=int, metavar="BYTES", help="set MALLOC_MMAP_THRESHOLD_ (e.g. 131072): RSS = live bytes"

@@ -3,6 +3,7 @@
     lightning-prague fit --config examples/configs/prague_digits.yaml
     lightning-prague plan --workers 8 --step-time 0.05 --sigma 0.5    # predict (lightning_prague.tools.runtime_model)
     lightning-prague bench --preset quick --out bench-results         # measure against DDP
+    lightning-prague consolidate checkpoints/last.ckpt                # one file from a sharded checkpoint
 
 Any LightningModule/LightningDataModule can be named with `--model`/`--data` class paths. The
 strategy is `--trainer.strategy prague` or a `class_path`/`init_args` block in YAML, and the
@@ -35,6 +36,7 @@ SUBCOMMANDS = """subcommands:
   plan                           predict which strategy trains fastest on a cluster (plan --help)
   bench                          measure every strategy against DDP (bench --help)
   plane                          serve a job's store and control plane on this host (plane --help)
+  consolidate                    one whole checkpoint file from one saved shard by shard (consolidate --help)
 
 options:
   --version                      print the version and exit
@@ -89,7 +91,7 @@ def main(args: list[str] | None = None) -> None:
         return
     if argv[:1] in (["-h"], ["--help"]) or not argv:
         print(
-            f"usage: lightning-prague {{fit,validate,test,predict,plan,bench,plane}} ... | --version\n\n{SUBCOMMANDS}"
+            f"usage: lightning-prague {{fit,validate,test,predict,plan,bench,plane,consolidate}} ... | --version\n\n{SUBCOMMANDS}"
         )
         return
     if argv and argv[0] == "plan":
@@ -101,6 +103,11 @@ def main(args: list[str] | None = None) -> None:
         from lightning_prague.core.plane import service
 
         service.main(argv[1:])
+        return
+    if argv and argv[0] == "consolidate":
+        from lightning_prague.tools import consolidate
+
+        consolidate.main(argv[1:])
         return
     if argv and argv[0] == "bench":
         from lightning_prague.tools import bench

@@ -7,8 +7,10 @@ a cluster launcher starts them (`scripts/replica_fit.py`), and the options refus
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 from helpers import run_script_ranks
 
 import lightning_prague
@@ -144,12 +146,69 @@ def test_a_model_sharded_over_each_replica_trains_shard_by_shard_and_checkpoints
     last = tmp_path / "ckpt" / "last.ckpt"
     argv = ["--out", str(resumed), "--replica-size", "2", "--shard", "--epochs", "4", "--resume", str(last),
             "--configure-model"]  # fmt: skip
+    argv += ["--state-dict-type", "sharded"]  # and saves its checkpoints shard by shard (DCP)
     codes, logs = run_script_ranks(resumed, 4, "replica_fit.py", argv)
     assert codes == [0] * 4, (codes, logs[0][-3000:])
     again = results(resumed)
     assert {r["global_step"] for r in again.values()} == {checkpoint["global_step"] * 4 // 3}, "one more epoch of steps"
     assert {r["batches"] for r in again.values()} == {checkpoint["global_step"] // 3}
     assert len({r["final"] for r in again.values()}) == 1 and again[0]["val_acc"] >= 0.85
+    sharded_checkpoint_is_read_by_this_library_and_by_plain_lightning(resumed, again)
+
+
+def parameters_digest(module) -> str:
+    """SHA-256 of a whole module's parameters, in order (as `scripts/replica_fit.py` digests a model)."""
+    import hashlib
+
+    data = b"".join(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for p in module.parameters())
+    return hashlib.sha256(data).hexdigest()
+
+
+def sharded_checkpoint_is_read_by_this_library_and_by_plain_lightning(run: Path, results_of_run: dict) -> None:
+    """`run`'s last checkpoint, saved shard by shard: one replica's two ranks wrote a shard file each, no
+    whole model; consolidated into one file it is the whole model, which a plain module loads and a plain
+    single-process Lightning fit resumes from; and a sharded fit resumes from the directory itself."""
+    import lightning as L
+
+    from lightning_prague.demo import DigitsClassifier, DigitsDataModule
+    from lightning_prague.tools import consolidate
+
+    directory = run / "ckpt" / "last.ckpt"
+    assert directory.is_dir() and (directory / "meta.pt").is_file(), sorted(p.name for p in run.rglob("*"))
+    shard_files = sorted(directory.glob("*.distcp"))
+    assert len(shard_files) == 2, "the writing replica's two ranks, one file each"
+    whole_bytes = 4 * sum(p.numel() for p in DigitsClassifier().parameters())
+    shares = [f.stat().st_size / (3 * whole_bytes) for f in shard_files]  # its shards of the model and of SGD's state
+    assert all(share < 0.75 for share in shares), shares
+    consolidated = run / "consolidated.ckpt"
+    consolidate.main([str(directory), "--out", str(consolidated)])
+    checkpoint = torch.load(consolidated, weights_only=True)
+    model = DigitsClassifier()
+    model.load_state_dict(checkpoint["state_dict"])  # strict: every tensor whole, by its plain name
+    data = DigitsDataModule()
+    data.setup("fit")
+    x, y = data.val_set.tensors
+    with torch.no_grad():
+        assert float((model.eval()(x).argmax(-1) == y).float().mean()) >= 0.85
+    step = checkpoint["global_step"]
+    assert step == next(iter(results_of_run.values()))["global_step"], "the last epoch's checkpoint"
+    plain = L.Trainer(accelerator="cpu", devices=1, max_epochs=checkpoint["epoch"] + 2, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      num_sanity_val_steps=0, default_root_dir=run)  # fmt: skip
+    plain_data = DigitsDataModule(batch_size=32)
+    plain.fit(DigitsClassifier(lr=0.05), plain_data, ckpt_path=consolidated)  # optimizer state included
+    assert plain.current_epoch == checkpoint["epoch"] + 2 and plain.global_step == step + plain.num_training_batches
+    # a sharded fit of this library resumes from the directory itself, each rank reading its own shards
+    again = run / "again"
+    again.mkdir()
+    argv = ["--out", str(again), "--replica-size", "2", "--shard", "--epochs", str(checkpoint["epoch"] + 2),
+            "--resume", str(directory), "--state-dict-type", "sharded"]  # fmt: skip
+    codes, logs = run_script_ranks(again, 4, "replica_fit.py", argv)
+    assert codes == [0] * 4, (codes, logs[0][-3000:])
+    resumed = results(again)
+    assert {r["start"] for r in resumed.values()} == {parameters_digest(model)}, "the checkpoint's model, every rank"
+    assert {r["global_step"] for r in resumed.values()} == {step + step // (checkpoint["epoch"] + 1)}, "one more epoch"
+    assert len({r["final"] for r in resumed.values()}) == 1 and resumed[0]["val_acc"] >= 0.85
 
 
 def test_a_lost_rank_loses_its_replica_and_the_other_replicas_finish_with_one_model(tmp_path):
@@ -209,6 +268,8 @@ def test_sigterm_on_a_replicas_rank_stops_every_replica_at_one_step_with_one_mod
         ("DecentAdamStrategy", {"replica_size": 2, "max_workers": 8}, "leave max_workers unset"),
         ("DecentAdamStrategy", {"shard": True}, "shard=True shards the model over the ranks of a replica"),
         ("PartialAllReduceStrategy", {"grouping": "static", "shard": "yes", "replica_size": 2}, "shard='yes'"),
+        ("DecentAdamStrategy", {"replica_size": 2, "state_dict_type": "dcp"}, "state_dict_type='dcp' is invalid"),
+        ("DecentAdamStrategy", {"replica_size": 2, "state_dict_type": "sharded"}, "set shard=True"),
     ],
 )
 def test_replica_sizes_no_fit_can_use_are_refused_by_name(strategy, kwargs, message):

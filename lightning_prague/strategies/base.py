@@ -43,6 +43,7 @@ from abc import abstractmethod
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -105,6 +106,15 @@ from lightning_prague.strategies.rejoin import (
     members_metrics,
     resume_epoch_progress,
 )
+from lightning_prague.strategies.sharded_checkpoints import (
+    LOADED_SHARD_BY_SHARD,
+    agreed_path,
+    is_sharded_checkpoint,
+    load_sharded,
+    model_shards,
+    optimizer_shards,
+    save_sharded,
+)
 from lightning_prague.strategies.stops import Stops
 from lightning_prague.strategies.survivors import Survivors
 from lightning_prague.strategies.sync_points import Synchronizer, SyncPoints
@@ -164,6 +174,7 @@ class DecentralizedStrategy(DDPStrategy):
         plane_wait: Optional[float] = None,
         replica_size: Union[int, str] = 1,
         shard: bool = False,
+        state_dict_type: str = "full",
         **ddp_kwargs: Any,
     ) -> None:
         """Options every asynchronous strategy shares.
@@ -261,8 +272,15 @@ class DecentralizedStrategy(DDPStrategy):
                 every submodule that holds parameters of its own, then the module, unless
                 `configure_model` sharded it already (on `strategy.device_mesh`, the replica's
                 ranks); the exchanges then average each rank's own shards with the same shards of
-                the other replicas. Checkpoints hold the whole model and optimizer state (gathered
-                inside the replica), loadable by a plain Lightning job.
+                the other replicas. Checkpoints hold the consensus model and optimizer state as
+                `state_dict_type` says.
+            state_dict_type: how checkpoints hold a model sharded with `shard=True`, as Lightning's
+                `FSDPStrategy` names it: `"full"` (the default: one file with the whole model and
+                optimizer state, gathered inside one replica, which any Lightning job loads) or
+                `"sharded"` (a directory written shard by shard with `torch.distributed.checkpoint`,
+                in the layout of Lightning's `ModelParallelStrategy`: no rank gathers the whole
+                model; `lightning-prague consolidate` makes one file of it). See
+                `docs/checkpoints.md`.
             **ddp_kwargs: options of Lightning's `DDPStrategy` / `DistributedDataParallel`, for code
                 moved from DDP. The model is not wrapped in `DistributedDataParallel` (replicas
                 average parameters in groups, not gradients), so `find_unused_parameters`,
@@ -279,7 +297,7 @@ class DecentralizedStrategy(DDPStrategy):
             min_workers=min_workers, hang_timeout=hang_timeout, hang_factor=hang_factor,
             leave_out_after=leave_out_after, sync_timeout=sync_timeout, coordinator_port=coordinator_port,
             max_restarts=max_restarts, max_workers=max_workers, plane=plane, plane_wait=plane_wait,
-            replica_size=replica_size, shard=shard,
+            replica_size=replica_size, shard=shard, state_dict_type=state_dict_type,
         )  # fmt: skip
         if replica_size != 1 and not self.takes_replicas:
             raise ConfigurationError(
@@ -359,6 +377,8 @@ class DecentralizedStrategy(DDPStrategy):
     replica_size = Option[Union[int, str]]()
     #: the model is sharded over each replica's ranks (FSDP2)
     shard = Option[bool]()
+    #: how checkpoints hold a sharded model: `"full"` or `"sharded"` (DCP, shard by shard)
+    state_dict_type = Option[str]()
 
     # -- this fit's session (None outside an asynchronous fit) ------------------------------------
     @property
@@ -790,7 +810,9 @@ class DecentralizedStrategy(DDPStrategy):
         run starts every worker from the same state, and from all workers' rather than rank 0's.
         Between synchronization points (a checkpoint of one rank's replica), or if the workers'
         states differ in layout (one never stepped), this rank's own state."""
-        if self.shard and self._replica_group is not None:  # gathered whole inside the replica: this replica's
+        if self.shard and self._replica_group is not None:  # this replica's, whole or shard by shard
+            if self.state_dict_type == "sharded":
+                return optimizer_shards(self.lightning_module, optimizer)
             return full_optimizer_state(self.lightning_module, optimizer)
         state = super().optimizer_state(optimizer)
         if self.peer_state.dumping:  # the state sent to a rejoining rank: this replica's own
@@ -800,8 +822,11 @@ class DecentralizedStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's state; with `shard=True` the whole model, gathered inside the replica (a
-        collective of the replica's ranks: every rank saves a checkpoint together)."""
+        collective of the replica's ranks: every rank saves a checkpoint together), or this rank's
+        shards of it with `state_dict_type="sharded"`."""
         if is_sharded(self.lightning_module):
+            if self.state_dict_type == "sharded":
+                return model_shards(self.lightning_module)
             return full_model_state(self.lightning_module)
         return super().lightning_module_state_dict()
 
@@ -809,6 +834,8 @@ class DecentralizedStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Lightning's, but a whole model is split into this rank's shards where `configure_model`
         sharded the module already (the strategy shards it after loading otherwise)."""
+        if checkpoint.get(LOADED_SHARD_BY_SHARD):  # (`load_checkpoint` loaded the shards already)
+            return
         if is_sharded(self.lightning_module):
             load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict)
             return
@@ -817,6 +844,8 @@ class DecentralizedStrategy(DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Lightning's, but a whole optimizer state is split into this rank's shards with `shard=True`."""
+        if checkpoint.get(LOADED_SHARD_BY_SHARD):  # (`load_checkpoint` loaded the shards already)
+            return
         if not is_sharded(self.lightning_module):
             super().load_optimizer_state_dict(checkpoint)
             return
@@ -826,8 +855,9 @@ class DecentralizedStrategy(DDPStrategy):
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        """A rejoining rank gets its checkpoint when it is admitted, in its setup (`rejoin`)."""
-        return self.job is not None and (self.job.joining or self.job.rejoined)
+        """A rejoining rank gets its checkpoint when it is admitted, in its setup (`rejoin`); a model
+        sharded over its replica (`shard=True`) loads into its shards, which setup makes."""
+        return self.shard or (self.job is not None and (self.job.joining or self.job.rejoined))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -862,7 +892,10 @@ class DecentralizedStrategy(DDPStrategy):
                 accumulate = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
                 resume_epoch_progress(checkpoint, resumed, accumulate)
             return checkpoint
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if is_sharded_checkpoint(checkpoint_path):
+            checkpoint = self._load_shard_by_shard(Path(checkpoint_path), weights_only)
+        else:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if held_inside_epoch(checkpoint):  # (a checkpoint at the step budget, written before `save_checkpoint`
             epoch_under_way(checkpoint)  # said so: Lightning would resume at the next epoch, skipping this one's rest)
         return checkpoint
@@ -882,4 +915,39 @@ class DecentralizedStrategy(DDPStrategy):
             # stopped by `max_steps` inside an epoch: Lightning took the batch held back for the last of
             # its epoch and would resume at the next epoch, skipping the rest of this one
             epoch_under_way(checkpoint)
+        if self.state_dict_type == "sharded" and self._replica_group is not None:
+            self._save_shard_by_shard(checkpoint, filepath)
+            return
         super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _writing_replica(self) -> int:
+        """The replica that writes a checkpoint shard by shard: the leader's (the lowest live rank)."""
+        leader = self.job.leader if self.job is not None else 0
+        return self.replicas.replica_of(leader)
+
+    def _save_shard_by_shard(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        """`state_dict_type="sharded"`: the writing replica's ranks save their shards together, in the
+        directory its first rank named (`lightning_prague.strategies.sharded_checkpoints`); the other
+        replicas, which hold the same consensus at a synchronization point, write nothing."""
+        replica = self._writing_replica()
+        if self.replicas.replica_of(self.global_rank) != replica:
+            return
+        group = self._replica_process_group()
+        first = self.replicas.leader_of(replica)
+        path = agreed_path(filepath, group, first, self.root_device)
+        save_sharded(checkpoint, path, group, writes_metadata=self.global_rank == first)
+
+    def _load_shard_by_shard(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+        """A checkpoint directory written shard by shard: each rank loads its own shards into the model
+        and the optimizers (sharded at setup, before this), and Lightning gets the rest."""
+        if not is_sharded(self.lightning_module):
+            raise ConfigurationError(
+                f"{str(path)!r} is a checkpoint saved shard by shard (state_dict_type='sharded'): it loads into a "
+                "model sharded with shard=True; for any other job, make one file of it first with `lightning-prague "
+                "consolidate`"
+            )
+        optimizers = self.optimizers if self.lightning_module.trainer.state.fn == TrainerFn.FITTING else []
+        checkpoint = load_sharded(path, self.lightning_module, list(optimizers), weights_only)
+        checkpoint[LOADED_SHARD_BY_SHARD] = True
+        checkpoint.setdefault("optimizer_states", [])  # (loaded: Lightning only checks that the key is there)
+        return checkpoint

@@ -23,6 +23,9 @@ from lightning_prague.core.replicas.layout import NODE
 
 T = TypeVar("T")
 
+#: how checkpoints hold a model sharded over its replica (`state_dict_type`), as Lightning's `FSDPStrategy` names them
+STATE_DICT_TYPES = ("full", "sharded")
+
 #: Lightning's (and torch's) default timeout of DDP's collectives, seconds: the default `sync_timeout`
 DDP_TIMEOUT = 1800.0
 
@@ -69,6 +72,8 @@ class StrategyOptions:
     replica_size: Union[int, str] = 1
     #: shard the model over each replica's ranks (FSDP2's `fully_shard`) instead of keeping it whole on each
     shard: bool = False
+    #: how checkpoints hold a sharded model: `"full"` (one file, gathered) or `"sharded"` (DCP, shard by shard)
+    state_dict_type: str = "full"
 
     def __post_init__(self) -> None:
         timeout = self.timeout
@@ -99,6 +104,16 @@ class StrategyOptions:
             raise ConfigurationError(
                 "shard=True shards the model over the ranks of a replica: set replica_size (a number of ranks, or "
                 f"{NODE!r})"
+            )
+        if self.state_dict_type not in STATE_DICT_TYPES:
+            raise ConfigurationError(
+                f"state_dict_type={self.state_dict_type!r} is invalid: it must be one of "
+                f"{', '.join(map(repr, STATE_DICT_TYPES))}"
+            )
+        if self.state_dict_type == "sharded" and not self.shard:
+            raise ConfigurationError(
+                "state_dict_type='sharded' saves a model sharded over each replica shard by shard: set shard=True "
+                "(and replica_size); a whole model is saved whole"
             )
         if size != 1 and self.max_restarts:
             raise ConfigurationError(

@@ -75,6 +75,9 @@ class Record(L.Callback):
         self.out, self.kill, self.slow, self.sigterm = out, kill, slow, sigterm
         self.record: dict = {"digests": [], "batches": 0, "samples": {}}
 
+    def on_train_start(self, trainer, pl_module):
+        self.record["start"] = digest(pl_module)  # (the checkpoint's model, where the fit resumed from one)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.kill is not None and trainer.global_rank == self.kill[0] and self.record["batches"] + 1 == self.kill[1]:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -153,6 +156,7 @@ def main() -> None:
     parser.add_argument("--shard", action="store_true", help="shard the model over each replica (FSDP2)")
     parser.add_argument("--resume", type=Path, help="resume the fit from this checkpoint")
     parser.add_argument("--configure-model", action="store_true", help="the module shards its layers itself")
+    parser.add_argument("--state-dict-type", default="full", help="how checkpoints hold the sharded model")
     args = parser.parse_args()
     kill = tuple(int(x) for x in args.kill.split(":")) if args.kill else None
     sigterm = tuple(int(x) for x in args.sigterm.split(":")) if args.sigterm else None
@@ -162,8 +166,9 @@ def main() -> None:
     record_column_sums(size if isinstance(size, int) else 1)
     if args.strategy == "decent_adam":
         strategy = lightning_prague.DecentAdamStrategy(
-            topology="ring", replica_size=size, shard=args.shard, seed=0, timeout=60.0
-        )
+            topology="ring", replica_size=size, shard=args.shard, seed=0, timeout=60.0,
+            state_dict_type=args.state_dict_type,
+        )  # fmt: skip
     elif args.strategy == "prague-static":
         strategy = lightning_prague.PartialAllReduceStrategy(
             grouping="static", group_size=2, replica_size=size, shard=args.shard, seed=0, timeout=60.0
