@@ -90,9 +90,8 @@ def main(args: list[str] | None = None) -> None:
         print(f"lightning-prague {lightning_prague.__version__}")
         return
     if argv[:1] in (["-h"], ["--help"]) or not argv:
-        print(
-            f"usage: lightning-prague {{fit,validate,test,predict,plan,bench,plane,consolidate}} ... | --version\n\n{SUBCOMMANDS}"
-        )
+        commands = "fit,validate,test,predict,plan,bench,plane,consolidate"
+        print(f"usage: lightning-prague {{{commands}}} ... | --version\n\n{SUBCOMMANDS}")
         return
     if argv and argv[0] == "plan":
         from lightning_prague.tools import plan

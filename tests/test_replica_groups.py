@@ -239,14 +239,18 @@ def test_a_work_queue_replica_whose_leader_is_lost_leaves_and_its_chunks_are_tra
     assert found[0]["val_acc"] >= 0.85, found[0]["val_acc"]
 
 
-def test_sigterm_on_a_replicas_rank_stops_every_replica_at_one_step_with_one_model(tmp_path):
-    """`prague` in replicas of 2 (4 ranks), 30 epochs; rank 3 (a replica's second rank, which claims
-    nothing itself) gets SIGTERM at its 5th batch: the stop reaches the ranks of each replica at their
-    own batches, so each replica's first rank ends its data instead and both its ranks end the epoch
-    at the same chunk; every rank meets at the stop point within the first epoch and stops
-    (Lightning's SIGTERM) with one model, the replicas' ranks never apart."""
-    argv = ["--out", str(tmp_path), "--replica-size", "2", "--strategy", "prague", "--epochs", "30",
-            "--sigterm", "3:5"]  # fmt: skip
+@pytest.mark.parametrize("strategy,struck", [("prague", "3:5"), ("decent_adam", "1:5")])
+def test_sigterm_on_a_replicas_rank_stops_every_replica_at_one_step_with_one_model(tmp_path, strategy, struck):
+    """4 ranks in replicas of 2, 30 epochs; a replica's second rank gets SIGTERM at its 5th batch. The
+    stop reaches the ranks of each replica at their own batches (the struck rank at once, the others
+    when the control plane's announcement arrives). Under the work queue (`prague`) each replica's
+    first rank ends its data instead and both its ranks end the epoch at the same chunk; under the
+    lock-step `decent_adam` the replica's ranks agree on the stop one batch after the first of them saw
+    it (without that, the struck rank stopped while its mate went into the next gradient average, and
+    failed). Every rank meets at the stop point within the first epoch and stops (Lightning's SIGTERM)
+    with one model, the replicas' ranks never apart."""
+    argv = ["--out", str(tmp_path), "--replica-size", "2", "--strategy", strategy, "--epochs", "30",
+            "--sigterm", struck]  # fmt: skip
     codes, logs = run_script_ranks(tmp_path, 4, "replica_fit.py", argv)
     assert codes == [1] * 4, (codes, logs[3][-3000:])
     stopped = {r["rank"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("stopped.rank*.json"))}
@@ -257,6 +261,22 @@ def test_sigterm_on_a_replicas_rank_stops_every_replica_at_one_step_with_one_mod
         assert stopped[first]["batches"] == stopped[second]["batches"], "a replica's ranks stop at one step"
         assert stopped[first]["digests"] == stopped[second]["digests"]
     assert not list(tmp_path.glob("replica.rank*.json")), "no fit ran to its end"
+
+
+@pytest.mark.parametrize("strategy,asking", [("decent_adam", "1:5"), ("prague", "3:5")])
+def test_a_stop_set_on_one_rank_of_a_replica_ends_every_replica_at_one_step(tmp_path, strategy, asking):
+    """4 ranks in replicas of 2, 30 epochs; one rank alone sets `trainer.should_stop` at the end of its
+    5th batch (as a `Timer` on that rank would). Lightning would end that rank's epoch at once while its
+    replica's other rank went into the next gradient average: the stop is held back until the replica
+    agrees on it (lock-step `decent_adam`), or until the replica's data ends (work queue). Every rank
+    ends the fit normally after the first epoch, with one model, each replica's ranks at one step."""
+    argv = ["--out", str(tmp_path), "--replica-size", "2", "--strategy", strategy, "--epochs", "30",
+            "--stop-request", asking]  # fmt: skip
+    found = four_ranks_in_replicas(tmp_path, argv)
+    assert {r["epoch"] for r in found.values()} == {1}, "stopped after the first of 30 epochs"
+    assert len({r["final"] for r in found.values()}) == 1, "one model"
+    for first, second in ((0, 1), (2, 3)):
+        assert found[first]["batches"] == found[second]["batches"], "a replica's ranks end at one step"
 
 
 @pytest.mark.parametrize(

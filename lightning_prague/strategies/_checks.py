@@ -196,6 +196,12 @@ LIGHTNING_INTERNALS: tuple[LightningInternal, ...] = (
     ),
     LightningInternal(
         _EPOCH_LOOP,
+        "on_advance_end",
+        "replaced",
+        "in replica groups, a stop set on one rank during a batch waits until its replica's ranks agree on it",
+    ),
+    LightningInternal(
+        _EPOCH_LOOP,
         "_should_check_val_fx",
         "replaced",
         "step-based validation runs at global-progress boundaries (Lightning's decides the rest)",

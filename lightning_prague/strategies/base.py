@@ -494,7 +494,7 @@ class DecentralizedStrategy(DDPStrategy):
                 self.controller.batch_starts()
                 trainer.num_sanity_val_steps = 0  # the fit is under way: no sanity check (and no collectives)
                 self.survivors.assign_rank_zero()  # the leader stays whoever leads now
-            replacements = {**self.stops.replacements(), **self.loaders.replacements(trainer)}
+            replacements = {**self.stops.replacements(trainer), **self.loaders.replacements(trainer)}
             if self.shards_by_work_queue:
                 self.progress = GlobalProgress(trainer, self.data_workers, self.controller, self.synchronize)
                 replacements.update(self.progress.replacements())
@@ -663,6 +663,7 @@ class DecentralizedStrategy(DDPStrategy):
             self.training = None
         self.controller.reset()
         self.failed = False
+        self.stops.close()
         super().teardown()
         if self._replica_group is not None and not is_sharded(self.lightning_module):
             # (a sharded model keeps its replica's group: its parameters are shards over it, after the fit too)

@@ -14,7 +14,10 @@ for the handlers, installed by the strategy's setup through `_patches`):
 * `trainer.should_stop` set on any rank (Timer, EarlyStopping, the module) is a stop *requested*
   of the job: every rank ends its epoch after its current batch and stops at the same
   synchronization point;
-* a member lost during training ends the fit with an error naming it (`check_stop`).
+* a member lost during training ends the fit with an error naming it (`check_stop`);
+* in replica groups every rank of a replica stops at the same step: under the work queue its data
+  ends (`end_replicas_data`), under the lock-step strategies its ranks agree on the stop one batch
+  after the first of them saw it (`agree_in_replica`, `lightning_prague.core.replicas.agreement`).
 
 Under torchrun a worker's SIGTERM comes from its agent, which stops every worker of its node
 whenever one of them fails (and to restart them, or to end the job): there it is no stop of the
@@ -30,12 +33,16 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_prague.core.protocol import REQUEUE, SIGTERM, STOP_SYNC
+from lightning_prague.core.replicas.agreement import StopAgreement
+from lightning_prague.core.replicas.sync import replica_group
 from lightning_prague.strategies.sync_points import average_replicas
 
 if TYPE_CHECKING:
@@ -59,14 +66,48 @@ class Stops:
 
     def __init__(self, strategy: DecentralizedStrategy) -> None:
         self.strategy = strategy
+        #: the replica's agreement on stops (lock-step strategies in replica groups), made at the fit's first batch
+        self.agreement: Optional[StopAgreement] = None
+        self._agreement_group: Optional[dist.ProcessGroup] = None  # (a gloo group of its own on another backend)
+        #: `trainer.should_stop` set on this rank during a batch, held back until its replica's ranks agree
+        self.held_request = False
+        #: this rank's replica agreed on a requested stop (lock-step strategies in replica groups)
+        self.agreed = False
 
-    def replacements(self) -> dict[str, Callable[..., Any]]:
+    def replacements(self, trainer: Any) -> dict[str, Callable[..., Any]]:
         """Lightning's methods that these replace on the trainer's objects (installed by `_patches`)."""
-        return {
+        replaced: dict[str, Callable[..., Any]] = {
             "_broadcast_sigterm_tensor": self.check_stop,
             "_sigterm_notifier_fn": self.on_sigterm,
             "_slurm_sigusr_handler_fn": self.on_requeue_signal,
         }
+        if self.strategy.replicas.replica_size > 1:
+            replaced["on_advance_end"] = self._holding_requests(trainer.fit_loop.epoch_loop.on_advance_end, trainer)
+        return replaced
+
+    def _holding_requests(self, original: Callable[[Any], None], trainer: Any) -> Callable[[Any], None]:
+        """The epoch loop's end of a batch, but a `trainer.should_stop` that a callback or the module set on
+        this rank during the batch (a `Timer`, the module itself) is held back (`held_request`): Lightning
+        would end this rank's epoch at once while its replica's other ranks went on into the next step's
+        gradient average. It becomes the replica's request at the next batch (`check_stop`), and every rank
+        of the replica ends its epoch at the same batch."""
+
+        def on_advance_end(data_fetcher: Any) -> None:
+            if trainer.should_stop and not self.stop_agreed:
+                log.debug("rank %d: a stop set during the batch waits for its replica", self.strategy.global_rank)
+                trainer.should_stop = False
+                self.held_request = True
+            original(data_fetcher)
+
+        return on_advance_end
+
+    @property
+    def stop_agreed(self) -> bool:
+        """Whether this rank's replica agreed on the stop (the lock-step strategies: `agree_in_replica` set
+        `trainer.should_stop` on each of its ranks at one batch). Under the work queue nothing is agreed
+        during the epoch: the replica's data ends instead (`end_replicas_data`), and the epoch's closing
+        meeting stops every rank."""
+        return self.agreed
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
         """Lightning's SIGTERM handler: forward the signal to this node's other processes, as
@@ -107,7 +148,7 @@ class Stops:
         session.beacon.bump()
         session.check_members("training")
         trainer = strategy._trainer
-        asked = trainer is not None and trainer.should_stop and session.stop_reason is None
+        asked = trainer is not None and (trainer.should_stop or self.held_request) and session.stop_reason is None
         if asked:
             worker.request_stop("request")
         self.request_signal_stop()
@@ -115,6 +156,10 @@ class Stops:
             self.leave()  # (a replica's other ranks fail at their next gradient average, and leave too)
         if self.stops_by_data():
             self.end_replicas_data(session)
+            return
+        agreement = self.replica_agreement()
+        if agreement is not None:
+            self.agree_in_replica(agreement, asked)
             return
         if trainer is not None and not asked and session.stop_reason == "request" and not trainer.should_stop:
             log.debug("rank %d: the job is stopping; ending this epoch", strategy.global_rank)
@@ -150,6 +195,48 @@ class Stops:
         if stopping and sampler is not None and not sampler.follows:
             log.debug("rank %d: stopping; its replica claims nothing more in this epoch", strategy.global_rank)
             sampler.end_claims()
+
+    def replica_agreement(self) -> Optional[StopAgreement]:
+        """The replica's `StopAgreement` under a lock-step strategy in replica groups (its ranks average
+        gradients at every step, and a stop reaches each at its own batch); `None` otherwise."""
+        strategy = self.strategy
+        if strategy.replicas.replica_size == 1 or strategy.shards_by_work_queue:
+            return None
+        if self.agreement is None:
+            group = strategy._replica_process_group()
+            if dist.get_backend(group) != "gloo":  # host memory: never a wait for the device
+                group = self._agreement_group = replica_group(
+                    strategy.replicas, strategy.global_rank, "gloo", timedelta(seconds=strategy.operation_timeout)
+                )
+            what = f"rank {strategy.global_rank}'s replica's stops"
+            self.agreement = StopAgreement(group, timedelta(seconds=strategy.operation_timeout), what)
+        return self.agreement
+
+    def agree_in_replica(self, agreement: StopAgreement, asked: bool) -> None:
+        """What this rank saw of a stop goes to its replica; what the replica's ranks saw one batch ago
+        is acted on, by every rank of the replica at the same batch (`lightning_prague.core.replicas.agreement`)."""
+        strategy = self.strategy
+        worker, trainer = strategy.worker, strategy._trainer
+        assert worker is not None
+        session = worker.session
+        signal = worker.stop_seen or session.stop_reason in (SIGTERM, REQUEUE)
+        agreed = agreement.exchange(signal=signal, request=asked or session.stop_reason == "request")
+        if agreed.request and trainer is not None and not trainer.should_stop:
+            log.debug("rank %d: its replica agreed the job is stopping; ending this epoch", strategy.global_rank)
+            self.agreed = True
+            trainer.should_stop = True
+        if agreed.signal:
+            worker.stop_seen = True
+            strategy.drain()
+            worker.drain_for_stop(strategy.exchanger)
+            self.raise_stop()
+
+    def close(self) -> None:
+        """The fit ended: the agreement's group of its own (if any) goes."""
+        if self._agreement_group is not None:
+            dist.destroy_process_group(self._agreement_group)
+        self.agreement = self._agreement_group = None
+        self.held_request = self.agreed = False
 
     def leaving_on_agents_sigterm(self) -> bool:
         """Whether this rank got its torchrun agent's SIGTERM (not a requeue signal): it leaves the job."""

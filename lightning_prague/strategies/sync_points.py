@@ -182,7 +182,7 @@ class Synchronizer:
         strategy.stops.request_signal_stop()
         trainer = strategy._trainer
         assert trainer is not None
-        report: dict[str, Any] = {"stop": bool(trainer.should_stop)}
+        report: dict[str, Any] = {"stop": bool(trainer.should_stop or strategy.stops.held_request)}
         if loader is not None:
             report["untrained"] = loader.untrained()
             if loader.shard_positions() is not None:

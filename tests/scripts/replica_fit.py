@@ -13,6 +13,8 @@ itself at the start of its BATCH-th batch (it writes nothing). `--slow RANK:SECO
 that long at every batch (a slow node). `--indexed`: the training samples carry their index, and every
 rank records the indices it trained, by epoch (`samples`). `--sigterm RANK:BATCH`: rank RANK gets SIGTERM
 at the start of its BATCH-th batch; every rank that stops with an exception writes `stopped.rankR.json`.
+`--stop-request RANK:BATCH`: rank RANK alone sets `trainer.should_stop` at the end of its BATCH-th batch
+(as a `Timer` on that rank would).
 """
 
 import argparse
@@ -73,6 +75,7 @@ class Record(L.Callback):
         self, out: Path, kill: tuple[int, int] | None, slow: dict[int, float], sigterm: tuple[int, int] | None = None
     ) -> None:
         self.out, self.kill, self.slow, self.sigterm = out, kill, slow, sigterm
+        self.stop_request: tuple[int, int] | None = None
         self.record: dict = {"digests": [], "batches": 0, "samples": {}}
 
     def on_train_start(self, trainer, pl_module):
@@ -91,6 +94,8 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.record["batches"] += 1
+        if self.stop_request is not None and (trainer.global_rank, self.record["batches"]) == self.stop_request:
+            trainer.should_stop = True  # (as a Timer on this rank alone would)
         if len(self.record["digests"]) < RECORDED:
             self.record["digests"].append(digest(pl_module))
 
@@ -111,6 +116,7 @@ class Record(L.Callback):
             + sum(b.numel() for b in pl_module.buffers() if b.is_floating_point()),
             sharded=any(isinstance(p, DTensor) for p in pl_module.parameters()),
             global_step=trainer.global_step,
+            epoch=trainer.current_epoch,
         )
         (self.out / f"replica.rank{trainer.global_rank}.json").write_text(json.dumps(self.record))
 
@@ -152,6 +158,7 @@ def main() -> None:
     )
     parser.add_argument("--sigterm", help="RANK:BATCH: that rank gets SIGTERM at the start of that batch")
     parser.add_argument("--indexed", action="store_true", help="record the training samples' indices")
+    parser.add_argument("--stop-request", help="RANK:BATCH: that rank alone sets trainer.should_stop after that batch")
     parser.add_argument("--slow", action="append", default=[], help="RANK:SECONDS slept at every batch")
     parser.add_argument("--shard", action="store_true", help="shard the model over each replica (FSDP2)")
     parser.add_argument("--resume", type=Path, help="resume the fit from this checkpoint")
@@ -183,12 +190,15 @@ def main() -> None:
         )
     else:
         strategy = lightning_prague.ADPSGDStrategy(replica_size=size, shard=args.shard, seed=0, timeout=60.0)
+    record = Record(args.out, kill, slow, sigterm)
+    if args.stop_request:
+        record.stop_request = tuple(int(x) for x in args.stop_request.split(":"))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=strategy,
         max_epochs=args.epochs,
-        callbacks=[Record(args.out, kill, slow, sigterm), ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True)],
+        callbacks=[record, ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

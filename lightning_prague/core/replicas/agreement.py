@@ -1,0 +1,71 @@
+"""A replica's ranks agree on a stop one step after any of them saw it.
+
+Under the lock-step strategies (`decent_adam`, `prague` with `grouping="static"`) a replica's ranks
+average their gradients at every step, so they must stop at the same step. A stop, though, reaches
+each rank at its own batch: the control plane's announcement of a SIGTERM arrives over each rank's
+own connection, and the rank the signal hit sees it at once. A rank that stopped while its replica's
+other rank went into the next step's gradient average left that rank waiting for a peer that never
+came (the test that found it: SIGTERM on a replica's rank under `decent_adam`; its mate failed at the
+gradient average's broken connection and was left out of the job).
+
+`StopAgreement` makes the decision the replica's: before every training batch each rank puts in what
+it saw (a signal's stop, a requested stop) and gets back what the replica's ranks put in one batch
+before, summed. Each call starts one all-reduce of two numbers on the replica's ranks and waits for
+the previous call's, which finished a step ago: the ranks get the same answer at the same batch, so
+they stop together, one batch after the first of them saw the stop. The numbers live in host memory
+on a gloo group of the replica's ranks (on an NCCL job a second group, made once per fit), so this
+never waits for the device; nothing else is exchanged, and nothing goes beyond the replica.
+
+A rank of the replica lost makes the wait fail (gloo: at once; otherwise at the group's timeout), as
+the next gradient average would: the replica is lost with it (`lightning_prague.core.replicas.sync`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What the replica's ranks saw, as agreed one batch after they saw it."""
+
+    #: a signal's stop (SIGTERM, the requeue signal): stop at this batch
+    signal: bool = False
+    #: a requested stop (`trainer.should_stop`): end the epoch after this batch
+    request: bool = False
+
+
+class StopAgreement:
+    """One replica's agreement on stops; every rank of the replica calls `exchange` once per training batch."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout: timedelta, what: str) -> None:
+        self.group = group
+        self.timeout = timeout
+        self.what = what
+        self._sent: Optional[torch.Tensor] = None
+        self._pending: Optional[dist.Work] = None
+        self.calls = 0
+
+    def exchange(self, signal: bool, request: bool) -> Agreed:
+        """Put in what this rank saw; get what the replica's ranks put in at the previous call (nothing
+        at the first)."""
+        agreed = Agreed()
+        if self._pending is not None:
+            assert self._sent is not None
+            self._pending.wait(self.timeout)
+            signals, requests = (int(v) for v in self._sent.tolist())
+            agreed = Agreed(signal=signals > 0, request=requests > 0)
+        self._sent = torch.tensor([int(signal), int(request)], dtype=torch.int64)
+        self._pending = dist.all_reduce(self._sent, group=self.group, async_op=True)
+        self.calls += 1
+        if agreed.signal or agreed.request:
+            log.debug("%s: agreed at call %d: %s", self.what, self.calls, agreed)
+        return agreed
