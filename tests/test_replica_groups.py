@@ -290,6 +290,9 @@ def test_a_stop_set_on_one_rank_of_a_replica_ends_every_replica_at_one_step(tmp_
         ("PartialAllReduceStrategy", {"grouping": "static", "shard": "yes", "replica_size": 2}, "shard='yes'"),
         ("DecentAdamStrategy", {"replica_size": 2, "state_dict_type": "dcp"}, "state_dict_type='dcp' is invalid"),
         ("DecentAdamStrategy", {"replica_size": 2, "state_dict_type": "sharded"}, "set shard=True"),
+        ("DecentAdamStrategy", {"replica_size": 2, "auto_wrap_policy": {torch.nn.Linear}}, "set shard=True"),
+        ("PartialReduceStrategy", {"replica_size": 2, "shard": True, "auto_wrap_policy": ["torch.nn.Nope"]}, "Nope"),
+        ("ADPSGDStrategy", {"replica_size": 2, "shard": True, "auto_wrap_policy": {int}}, "not a torch.nn.Module"),
     ],
 )
 def test_replica_sizes_no_fit_can_use_are_refused_by_name(strategy, kwargs, message):

@@ -142,3 +142,15 @@ def test_replicas_sharded_with_fsdp2_averaged_shard_by_shard_hold_the_mean_of_th
             torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), mean, rtol=1e-6, atol=1e-6)
     params = sum(len(p) for p in before[0]) * 4  # float32 bytes of the whole model
     assert all(run["local_bytes"] <= params / 2 + 4 * 17 for run in sharded_runs)  # (a row of padding at most)
+
+
+def test_a_model_is_sharded_in_the_units_auto_wrap_policy_names_or_by_its_own_parameters(tmp_path):
+    """`shard_model` (what `shard=True` runs at setup) on 2 ranks: with `auto_wrap_policy={Block}` the
+    blocks and the root are FSDP2's units (the Linear head joins the root); by default every submodule
+    with parameters of its own is one. Either way a training step runs and the ranks hold one model."""
+    runs = run_core_ranks(tmp_path, 2, script="shard_units_worker.py")
+    for run in runs:
+        assert run["blocks"]["units"] == ["0", "1", "<root>"]
+        assert run["default"]["units"] == ["0.down", "0.norm", "0.up", "1.down", "1.norm", "1.up", "2", "<root>"]
+    assert runs[0]["blocks"]["checksum"] == runs[1]["blocks"]["checksum"]
+    assert runs[0]["default"]["checksum"] == runs[1]["default"]["checksum"]

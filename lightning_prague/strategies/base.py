@@ -175,6 +175,7 @@ class DecentralizedStrategy(DDPStrategy):
         replica_size: Union[int, str] = 1,
         shard: bool = False,
         state_dict_type: str = "full",
+        auto_wrap_policy: Optional[Any] = None,
         **ddp_kwargs: Any,
     ) -> None:
         """Options every asynchronous strategy shares.
@@ -281,6 +282,11 @@ class DecentralizedStrategy(DDPStrategy):
                 in the layout of Lightning's `ModelParallelStrategy`: no rank gathers the whole
                 model; `lightning-prague consolidate` makes one file of it). See
                 `docs/checkpoints.md`.
+            auto_wrap_policy: the units a model is sharded in with `shard=True`, as Lightning's
+                `FSDPStrategy` takes them: a set of module classes (`{Block}`, or their import paths
+                in a config file), each submodule of which FSDP2 gathers whole for its forward and
+                backward. Unset: every submodule that holds parameters of its own. A model that
+                `configure_model` sharded itself keeps its units.
             **ddp_kwargs: options of Lightning's `DDPStrategy` / `DistributedDataParallel`, for code
                 moved from DDP. The model is not wrapped in `DistributedDataParallel` (replicas
                 average parameters in groups, not gradients), so `find_unused_parameters`,
@@ -297,7 +303,7 @@ class DecentralizedStrategy(DDPStrategy):
             min_workers=min_workers, hang_timeout=hang_timeout, hang_factor=hang_factor,
             leave_out_after=leave_out_after, sync_timeout=sync_timeout, coordinator_port=coordinator_port,
             max_restarts=max_restarts, max_workers=max_workers, plane=plane, plane_wait=plane_wait,
-            replica_size=replica_size, shard=shard, state_dict_type=state_dict_type,
+            replica_size=replica_size, shard=shard, state_dict_type=state_dict_type, auto_wrap_policy=auto_wrap_policy,
         )  # fmt: skip
         if replica_size != 1 and not self.takes_replicas:
             raise ConfigurationError(
@@ -379,6 +385,8 @@ class DecentralizedStrategy(DDPStrategy):
     shard = Option[bool]()
     #: how checkpoints hold a sharded model: `"full"` or `"sharded"` (DCP, shard by shard)
     state_dict_type = Option[str]()
+    #: the module classes a sharded model is sharded in (`()`: every submodule with parameters of its own)
+    auto_wrap_policy = Option[Any]()
 
     # -- this fit's session (None outside an asynchronous fit) ------------------------------------
     @property
@@ -643,7 +651,7 @@ class DecentralizedStrategy(DDPStrategy):
         # a replica's ranks average their gradients each step (core.replicas.sync), or hold shards of its model
         if self.shard:
             assert isinstance(self.model, LightningModule)
-            shard_model(self.model, self.device_mesh)
+            shard_model(self.model, self.device_mesh, self.auto_wrap_policy or ())
         else:
             self.model = synchronous(self.model, self._replica_process_group(), self.determine_ddp_device_ids())
 

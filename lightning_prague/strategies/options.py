@@ -30,6 +30,38 @@ STATE_DICT_TYPES = ("full", "sharded")
 DDP_TIMEOUT = 1800.0
 
 
+def module_classes(policy: Any) -> tuple[type, ...]:
+    """`auto_wrap_policy` as a tuple of module classes: a set, list or tuple of `torch.nn.Module`
+    subclasses, or of their import paths (`"torch.nn.TransformerEncoderLayer"`, as a config file
+    gives them); `ConfigurationError` for anything else."""
+    import importlib
+
+    from torch import nn
+
+    if isinstance(policy, (str, type)):
+        policy = [policy]
+    if not isinstance(policy, (set, frozenset, list, tuple)) or not policy:
+        raise ConfigurationError(
+            f"auto_wrap_policy={policy!r} is invalid: it must be a non-empty set of module classes (or their import "
+            "paths), as Lightning's FSDPStrategy(auto_wrap_policy={Block}) takes them"
+        )
+    classes = []
+    for entry in policy:
+        found: Any = entry
+        if isinstance(entry, str):
+            where, _, name = entry.rpartition(".")
+            try:
+                found = getattr(importlib.import_module(where), name) if where else None
+            except (ImportError, AttributeError, ValueError):
+                found = None
+        if not (isinstance(found, type) and issubclass(found, nn.Module)):
+            raise ConfigurationError(
+                f"auto_wrap_policy names {entry!r}, which is not a torch.nn.Module class (nor the import path of one)"
+            )
+        classes.append(found)
+    return tuple(classes)
+
+
 def watchdog_margin(timeout: float) -> float:
     """Seconds the backend's own timeout (NCCL's watchdog) waits beyond ours."""
     return max(30.0, 0.1 * timeout)
@@ -74,6 +106,8 @@ class StrategyOptions:
     shard: bool = False
     #: how checkpoints hold a sharded model: `"full"` (one file, gathered) or `"sharded"` (DCP, shard by shard)
     state_dict_type: str = "full"
+    #: the module classes sharded as units with `shard=True` (normalised to a tuple of classes); `None`: the default
+    auto_wrap_policy: Any = None
 
     def __post_init__(self) -> None:
         timeout = self.timeout
@@ -115,6 +149,13 @@ class StrategyOptions:
                 "state_dict_type='sharded' saves a model sharded over each replica shard by shard: set shard=True "
                 "(and replica_size); a whole model is saved whole"
             )
+        if self.auto_wrap_policy is not None:
+            if not self.shard:
+                raise ConfigurationError(
+                    "auto_wrap_policy chooses the units a model sharded over its replica is sharded in: set shard=True "
+                    "(and replica_size)"
+                )
+            object.__setattr__(self, "auto_wrap_policy", module_classes(self.auto_wrap_policy))
         if size != 1 and self.max_restarts:
             raise ConfigurationError(
                 f"replica_size={size!r} with max_restarts={self.max_restarts}: a lost rank loses its replica, and a "

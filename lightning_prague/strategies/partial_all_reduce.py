@@ -58,7 +58,7 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`, `timeout`,
             `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`, `leave_out_after`,
             `sync_timeout`, `coordinator_port`, `max_restarts`, `max_workers`, `plane`,
-            `plane_wait`, `replica_size`, `shard`, `state_dict_type`) and Lightning's
+            `plane_wait`, `replica_size`, `shard`, `state_dict_type`, `auto_wrap_policy`) and Lightning's
             plugins; see `DecentralizedStrategy`.
     """
 

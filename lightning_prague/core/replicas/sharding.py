@@ -46,15 +46,18 @@ def is_sharded(module: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
-def shard_model(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Shard `module` over `mesh` in place: each submodule that holds parameters of its own (a
-    `Linear`, a norm, an embedding: FSDP2 then gathers one of them at a time for its forward and
-    backward, so the whole model is never gathered at once), then the module itself (its own
-    parameters, and the root), unless it is sharded already (`configure_model` did it, in units of
-    its choice: only the root is added where missing)."""
+def shard_model(module: nn.Module, mesh: DeviceMesh, units: tuple[type[nn.Module], ...] = ()) -> None:
+    """Shard `module` over `mesh` in place, in units FSDP2 gathers one at a time for their forward
+    and backward (so the whole model is never gathered at once): every submodule of one of the
+    classes `units` (a transformer's block, as Lightning's `FSDPStrategy(auto_wrap_policy={Block})`
+    chooses them), or without `units` every submodule that holds parameters of its own (a `Linear`, a
+    norm, an embedding); innermost first, as FSDP2 wants them; then the module itself (its own
+    parameters, and the root). A module sharded already (`configure_model` did it, in units of its
+    choice) only gets the root where it is missing."""
     if not is_sharded(module):
-        for child in list(module.modules())[1:]:
-            if any(True for _ in child.parameters(recurse=False)):
+        for child in reversed(list(module.modules())[1:]):
+            chosen = isinstance(child, units) if units else any(True for _ in child.parameters(recurse=False))
+            if chosen:
                 fully_shard(child, mesh=mesh)
     if not isinstance(module, FSDPModule):
         fully_shard(module, mesh=mesh)
