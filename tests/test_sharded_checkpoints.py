@@ -72,7 +72,7 @@ def test_a_directory_that_is_not_such_a_checkpoint_is_refused_by_name(tmp_path, 
     with pytest.raises(ConfigurationError, match="not a checkpoint saved shard by shard.*meta.pt"):
         consolidate(directory)
     with pytest.raises(ConfigurationError, match="not a checkpoint saved shard by shard"):
-        load_sharded(tmp_path / "missing", model, [optimizer], weights_only=None)
+        load_sharded(tmp_path / "missing", model, [optimizer])
     with pytest.raises(SystemExit):
         consolidate_tool.main([str(directory)])
     assert "not a checkpoint saved shard by shard" in capsys.readouterr().err
@@ -84,13 +84,13 @@ def test_loading_into_a_module_with_other_optimizers_is_refused_by_name(tmp_path
     write_checkpoint(directory, model, optimizer)
     second = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigurationError, match="holds the state of 1 optimizer.*configures 2"):
-        load_sharded(directory, model, [optimizer, second], weights_only=None)
+        load_sharded(directory, model, [optimizer, second])
     # and with the same optimizers it loads, each rank its own (here: all) of every tensor
     target, target_optimizer = trained_model()
     with torch.no_grad():
         for p in target.parameters():
             p.zero_()
-    assert load_sharded(directory, target, [target_optimizer], weights_only=None)["global_step"] == 30
+    assert load_sharded(directory, target, [target_optimizer])["global_step"] == 30
     assert all(torch.equal(a, b) for a, b in zip(target.parameters(), model.parameters()))
 
 
@@ -109,11 +109,11 @@ def test_a_metadata_file_that_runs_code_is_refused_and_does_not_run(tmp_path, mo
     with pytest.raises(pickle.UnpicklingError):
         consolidate(directory)
     with pytest.raises(pickle.UnpicklingError):
-        load_sharded(directory, model, [optimizer], weights_only=None)
+        load_sharded(directory, model, [optimizer])
     assert not (tmp_path / "planted").exists()
     torch.save(["not", "a", "dict"], directory / METADATA_FILE)
     with pytest.raises(ConfigurationError, match="does not hold a checkpoint's metadata"):
-        load_sharded(directory, model, [optimizer], weights_only=None)
+        load_sharded(directory, model, [optimizer])
 
 
 def test_a_path_too_long_to_agree_on_is_refused_before_any_collective():

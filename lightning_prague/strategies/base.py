@@ -902,7 +902,7 @@ class DecentralizedStrategy(DDPStrategy):
                 resume_epoch_progress(checkpoint, resumed, accumulate)
             return checkpoint
         if is_sharded_checkpoint(checkpoint_path):
-            checkpoint = self._load_shard_by_shard(Path(checkpoint_path), weights_only)
+            checkpoint = self._load_shard_by_shard(Path(checkpoint_path))
         else:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if held_inside_epoch(checkpoint):  # (a checkpoint at the step budget, written before `save_checkpoint`
@@ -946,7 +946,7 @@ class DecentralizedStrategy(DDPStrategy):
         path = agreed_path(filepath, group, first, self.root_device)
         save_sharded(checkpoint, path, group, writes_metadata=self.global_rank == first)
 
-    def _load_shard_by_shard(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+    def _load_shard_by_shard(self, path: Path) -> dict[str, Any]:
         """A checkpoint directory written shard by shard: each rank loads its own shards into the model
         and the optimizers (sharded at setup, before this), and Lightning gets the rest."""
         if not is_sharded(self.lightning_module):
@@ -956,7 +956,7 @@ class DecentralizedStrategy(DDPStrategy):
                 "consolidate`"
             )
         optimizers = self.optimizers if self.lightning_module.trainer.state.fn == TrainerFn.FITTING else []
-        checkpoint = load_sharded(path, self.lightning_module, list(optimizers), weights_only)
+        checkpoint = load_sharded(path, self.lightning_module, list(optimizers))
         checkpoint[LOADED_SHARD_BY_SHARD] = True
         checkpoint.setdefault("optimizer_states", [])  # (loaded: Lightning only checks that the key is there)
         return checkpoint

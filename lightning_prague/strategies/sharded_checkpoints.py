@@ -119,9 +119,7 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, group: dist.ProcessGrou
         torch.save(checkpoint, path / METADATA_FILE)
 
 
-def load_sharded(
-    path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], weights_only: bool | None
-) -> dict[str, Any]:
+def load_sharded(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
     """Load this rank's shards of the model and of its optimizers' states from the checkpoint directory
     `path` into `module` and `optimizers` (resharded to this rank's shards, whatever the writers' were),
     and return the rest of the checkpoint (`meta.pt`). Each rank reads its own shards on its own.
@@ -143,12 +141,14 @@ def load_sharded(
     set_model_state_dict(module, state[MODEL_KEY], options=_SHARDS)
     for i, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(module, optimizer, state[optimizer_key(i)], options=_SHARDS)
-    return read_metadata(path, weights_only is not False)
+    return read_metadata(path)
 
 
-def read_metadata(path: Path, weights_only: bool = True) -> dict[str, Any]:
-    """The checkpoint's `meta.pt` (with torch's restricted unpickler unless `weights_only=False`)."""
-    metadata = torch.load(path / METADATA_FILE, map_location="cpu", weights_only=weights_only)
+def read_metadata(path: Path) -> dict[str, Any]:
+    """The checkpoint's `meta.pt`, read with torch's restricted unpickler whatever the caller's
+    `weights_only` (a file another process wrote is never unpickled: a value of the user's classes in
+    it fails the load, naming the class)."""
+    metadata = torch.load(path / METADATA_FILE, map_location="cpu", weights_only=True)
     if not isinstance(metadata, dict):
         raise ConfigurationError(f"{str(path / METADATA_FILE)!r} does not hold a checkpoint's metadata")
     return metadata

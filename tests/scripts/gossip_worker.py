@@ -9,7 +9,8 @@ steps of gradient descent on a quadratic with the exchange overlapped ("overlapp
 at once ("blocking") and mixed in at once ("averaged_first"), each with the number of rounds run
 including the end-of-phase idle rounds; and ("uneven") the same with rank r running STEPS + 2r
 steps. Also the exact consensus error of the starting values and the group error each round's
-mix recorded, and ("phase_keys", rank 0) which of four phases still have keys in the store.
+mix recorded, and ("phase_keys", rank 0) which of four phases still have keys in the store. Every
+round sums its buckets in pieces of 3 elements (`SUM_PIECE_BYTES`), as a large model's buckets are.
 """
 
 import json
@@ -20,7 +21,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_prague.core import BucketedTensors, GroupWorker, SessionConfig, init_job, make_policy, make_topology
+from lightning_prague.core.exchange import gossip as gossip_module
 from lightning_prague.core.exchange.gossip import LaggedGossip
+
+# every round sums its buckets in pieces of 3 elements (float64): the results must not depend on the pieces
+gossip_module.SUM_PIECE_BYTES = 24
 
 DIM, LR = 7, 0.3
 

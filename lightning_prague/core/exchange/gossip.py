@@ -76,6 +76,9 @@ log = logging.getLogger(__name__)
 
 #: seconds a worker leaving after an error waits for its last exchange (a peer that left too ends it sooner)
 LEAVE_WAIT = 10.0
+#: the largest piece of a bucket summed at once in a round: its scratch, whatever the bucket's size
+#: (`bucket_mb`: 25 MB by default, a quarter of a 96 MB model's copy)
+SUM_PIECE_BYTES = 4 * 2**20
 #: seconds a worker waits at the meeting that ends a phase before it asks for idle rounds (`LaggedGossip`)
 IDLE_AFTER = 1.0
 #: seconds between a waiting worker's idle rounds while they take no effect (a member of its group is
@@ -178,14 +181,22 @@ class LaggedGossip(Exchanger):
         while a phase runs; synchronization points use it once the phase has ended)."""
         return self.worker.spare()
 
-    def _scratch_for(self, flat: torch.Tensor) -> torch.Tensor:
-        """In the communication thread: a bucket-sized buffer for a sum, kept across rounds."""
-        key = (flat.dtype, flat.device)
+    def _scratch_for(self, piece: torch.Tensor) -> torch.Tensor:
+        """In the communication thread: a buffer for the sum of one piece (`SUM_PIECE_BYTES` at most), kept
+        across rounds."""
+        key = (piece.dtype, piece.device)
         scratch = self._scratch.get(key)
-        if scratch is None or scratch.numel() < flat.numel():
+        if scratch is None or scratch.numel() < piece.numel():
             largest = max(f.numel() for f in self._round_buffers().flats if (f.dtype, f.device) == key)
-            scratch = self._scratch[key] = torch.empty(largest, dtype=flat.dtype, device=flat.device)
-        return scratch[: flat.numel()]
+            size = min(largest, max(1, SUM_PIECE_BYTES // piece.element_size()))
+            scratch = self._scratch[key] = torch.empty(size, dtype=piece.dtype, device=piece.device)
+        return scratch[: piece.numel()]
+
+    @staticmethod
+    def _pieces(part: torch.Tensor) -> list[torch.Tensor]:
+        """`part` (a bucket's share) as consecutive views of `SUM_PIECE_BYTES` at most."""
+        step = max(1, SUM_PIECE_BYTES // part.element_size())
+        return [part[lo : lo + step] for lo in range(0, part.numel(), step)] or [part]
 
     def issue(self) -> None:
         """Send this worker's current tensors into its group of the next round."""
@@ -248,13 +259,15 @@ class LaggedGossip(Exchanger):
         index, parts = coupled.index(self.worker.rank), len(coupled)
         for flat in buffers.flats:
             start, stop = share_of(flat.numel(), index, parts)
-            part = flat[start:stop]
-            total = self._scratch_for(flat)[: stop - start]
-            total.copy_(part)
-            complete &= comm.sum_(total, members, operation)
-            drift.add_average(total, 1.0 / size)
-            drift.add_distance(part, total, 1.0 / size)
-            part.mul_(a - 1.0).add_(total, alpha=b)
+            # piece by piece: each piece becomes its change as soon as its sum is in (the round is all or
+            # nothing as a whole, below), so the sums need one piece of scratch, not a bucket
+            for piece in self._pieces(flat[start:stop]):
+                total = self._scratch_for(piece)
+                total.copy_(piece)
+                complete &= comm.sum_(total, members, operation)
+                drift.add_average(total, 1.0 / size)
+                drift.add_distance(piece, total, 1.0 / size)
+                piece.mul_(a - 1.0).add_(total, alpha=b)
             if parts > 1:  # the other slices' changes come from the replica's other ranks
                 flat[:start].zero_()
                 flat[stop:].zero_()
