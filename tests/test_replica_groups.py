@@ -110,15 +110,13 @@ def test_work_queue_replicas_take_batches_by_speed_and_step_as_one_model(tmp_pat
             assert all(half - 1 <= n <= half + 1 for n in result["column_sums"]), result["column_sums"]
 
 
-def test_a_model_sharded_over_each_replica_trains_shard_by_shard_and_checkpoints_whole(tmp_path):
+def test_a_model_sharded_over_each_replica_trains_shard_by_shard_and_checkpoints_whole_or_shard_by_shard(tmp_path):
     """`shard=True`, 4 ranks in replicas of 2: each rank holds half of every parameter (FSDP2 over its
     replica), the replica's two ranks make one model (gathered, bitwise the same after every step),
     the replicas differ between mixes and end as one; each rank's sums across replicas are of its own
-    shards, nothing more; and the checkpoint holds the whole model, which a plain module loads."""
-    import torch
-
-    from lightning_prague.demo import DigitsClassifier, DigitsDataModule
-
+    shards, nothing more; and the checkpoint holds the whole model, which a plain module loads. A fit
+    resumed from it saves its own shard by shard (`state_dict_type="sharded"`), which is read back by
+    this library and by plain Lightning (`sharded_checkpoint_is_read_by_this_library_and_by_plain_lightning`)."""
     argv = ["--out", str(tmp_path), "--replica-size", "2", "--shard"]
     codes, logs = run_script_ranks(tmp_path, 4, "replica_fit.py", argv)
     assert codes == [0] * 4, (codes, logs[0][-3000:])
@@ -131,13 +129,7 @@ def test_a_model_sharded_over_each_replica_trains_shard_by_shard_and_checkpoints
         assert result["sharded"] and result["state_elements"] < 0.6 * result["model_elements"], result
         assert max(result["column_sums"]) == result["state_elements"], "its own shards, no slice of them"
     checkpoint = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
-    model = DigitsClassifier()
-    model.load_state_dict(checkpoint["state_dict"])  # strict: every tensor whole, by its plain name
-    data = DigitsDataModule()
-    data.setup("fit")
-    x, y = data.val_set.tensors
-    with torch.no_grad():
-        assert float((model.eval()(x).argmax(-1) == y).float().mean()) >= 0.85
+    plain_module_at_the_fits_accuracy(checkpoint["state_dict"])
     assert "net.0.weight" in checkpoint["optimizer_states"][0]["state"], "the optimizer's state whole, by name"
     # and a sharded fit resumes from it: one more epoch, from the step it stood at, split into shards again
     # (by a module that shards itself in configure_model on the strategy's mesh: the checkpoint loads into shards)
@@ -154,6 +146,21 @@ def test_a_model_sharded_over_each_replica_trains_shard_by_shard_and_checkpoints
     assert {r["batches"] for r in again.values()} == {checkpoint["global_step"] // 3}
     assert len({r["final"] for r in again.values()}) == 1 and again[0]["val_acc"] >= 0.85
     sharded_checkpoint_is_read_by_this_library_and_by_plain_lightning(resumed, again)
+
+
+def plain_module_at_the_fits_accuracy(state_dict: dict):
+    """A plain digits module that loads `state_dict` strictly (every tensor whole, by its plain name) and
+    classifies the validation set at the accuracy of a fit (85%)."""
+    from lightning_prague.demo import DigitsClassifier, DigitsDataModule
+
+    model = DigitsClassifier()
+    model.load_state_dict(state_dict)
+    data = DigitsDataModule()
+    data.setup("fit")
+    x, y = data.val_set.tensors
+    with torch.no_grad():
+        assert float((model.eval()(x).argmax(-1) == y).float().mean()) >= 0.85
+    return model
 
 
 def parameters_digest(module) -> str:
@@ -183,13 +190,7 @@ def sharded_checkpoint_is_read_by_this_library_and_by_plain_lightning(run: Path,
     consolidated = run / "consolidated.ckpt"
     consolidate.main([str(directory), "--out", str(consolidated)])
     checkpoint = torch.load(consolidated, weights_only=True)
-    model = DigitsClassifier()
-    model.load_state_dict(checkpoint["state_dict"])  # strict: every tensor whole, by its plain name
-    data = DigitsDataModule()
-    data.setup("fit")
-    x, y = data.val_set.tensors
-    with torch.no_grad():
-        assert float((model.eval()(x).argmax(-1) == y).float().mean()) >= 0.85
+    model = plain_module_at_the_fits_accuracy(checkpoint["state_dict"])
     step = checkpoint["global_step"]
     assert step == next(iter(results_of_run.values()))["global_step"], "the last epoch's checkpoint"
     plain = L.Trainer(accelerator="cpu", devices=1, max_epochs=checkpoint["epoch"] + 2, logger=False,

@@ -83,6 +83,8 @@ from lightning_prague.core.replicas.sharding import (
     is_sharded,
     load_full_model_state,
     load_full_optimizer_state,
+    model_shards,
+    optimizer_shards,
     replica_mesh,
     shard_model,
 )
@@ -111,8 +113,6 @@ from lightning_prague.strategies.sharded_checkpoints import (
     agreed_path,
     is_sharded_checkpoint,
     load_sharded,
-    model_shards,
-    optimizer_shards,
     save_sharded,
 )
 from lightning_prague.strategies.stops import Stops

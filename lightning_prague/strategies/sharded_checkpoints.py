@@ -29,15 +29,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.replicas.sharding import (
+    load_model_shards,
+    load_optimizer_shards,
+    model_shards,
+    optimizer_shards,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +50,6 @@ MODEL_KEY = "state_dict"
 PATH_BYTES = 4096
 #: a checkpoint's key, set by `load_checkpoint`: its shards are loaded already (Lightning's restore skips them)
 LOADED_SHARD_BY_SHARD = "_lightning_prague_loaded_shard_by_shard"
-#: how the checkpoint's state dicts are asked for: each rank's own shards, not gathered
-_SHARDS = StateDictOptions(full_state_dict=False)
 
 
 def optimizer_key(index: int) -> str:
@@ -75,16 +72,6 @@ def require_checkpoint_directory(path: Path) -> None:
             f"{str(path)!r} is not a checkpoint saved shard by shard: a directory with DCP's "
             f"{DCP_METADATA_FILE!r} and {METADATA_FILE!r}"
         )
-
-
-def model_shards(module: nn.Module) -> dict[str, Any]:
-    """This rank's shards of the model's state, by the parameters' plain names (nothing is gathered)."""
-    return get_model_state_dict(module, options=_SHARDS)
-
-
-def optimizer_shards(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """This rank's shards of the optimizer's state, keyed by parameter names (nothing is gathered)."""
-    return get_optimizer_state_dict(module, optimizer, options=_SHARDS)
 
 
 def agreed_path(path: Any, group: dist.ProcessGroup, source: int, device: torch.device) -> Path:
@@ -138,9 +125,9 @@ def load_sharded(path: Path, module: nn.Module, optimizers: list[torch.optim.Opt
     state.update({optimizer_key(i): optimizer_shards(module, o) for i, o in enumerate(optimizers)})
     log.debug("loading shards of %d state dicts from %s", len(state), path)
     dcp.load(state, checkpoint_id=path, no_dist=True)  # each rank its own shards: no collective
-    set_model_state_dict(module, state[MODEL_KEY], options=_SHARDS)
+    load_model_shards(module, state[MODEL_KEY])
     for i, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(module, optimizer, state[optimizer_key(i)], options=_SHARDS)
+        load_optimizer_shards(module, optimizer, state[optimizer_key(i)])
     return read_metadata(path)
 
 

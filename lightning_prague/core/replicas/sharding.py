@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 #: a whole state gathered on the replica's first rank only, in host memory (the others get none)
 _WHOLE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+#: each rank's own shards, as DTensors (a checkpoint written shard by shard)
+_SHARDS = StateDictOptions(full_state_dict=False)
 
 
 def replica_mesh(group: torch.distributed.ProcessGroup, device_type: str) -> DeviceMesh:
@@ -76,6 +78,26 @@ def full_model_state(module: nn.Module) -> dict[str, Any]:
 def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The whole optimizer state (keyed by parameter names), gathered as `full_model_state`."""
     return get_optimizer_state_dict(module, optimizer, options=_WHOLE)
+
+
+def model_shards(module: nn.Module) -> dict[str, Any]:
+    """This rank's shards of the model's state (DTensors), by the parameters' plain names: nothing is gathered."""
+    return get_model_state_dict(module, options=_SHARDS)
+
+
+def optimizer_shards(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's shards of the optimizer's state, keyed by parameter names: nothing is gathered."""
+    return get_optimizer_state_dict(module, optimizer, options=_SHARDS)
+
+
+def load_model_shards(module: nn.Module, state: dict[str, Any]) -> None:
+    """Load `model_shards`' kind of state (this rank's shards) into `module`."""
+    set_model_state_dict(module, state, options=_SHARDS)
+
+
+def load_optimizer_shards(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load `optimizer_shards`' kind of state (this rank's shards) into `optimizer`."""
+    set_optimizer_state_dict(module, optimizer, state, options=_SHARDS)
 
 
 def load_full_model_state(module: nn.Module, state: dict[str, Any], strict: bool = True) -> None:
