@@ -21,6 +21,7 @@ The methods below replace Lightning's on this trainer's loop instances only (see
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -34,6 +35,8 @@ from lightning_prague.core.data.progress import Boundary, ProgressSchedule
 from lightning_prague.core.data.progress_loader import ProgressLoader
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.exchange.phases import SyncController
+
+log = logging.getLogger(__name__)
 
 #: `meet(name, progress, inside_epoch, validate)`: every rank meets at a boundary (the strategy's
 #: synchronization point, which tells the `SyncController` it met)
@@ -192,10 +195,16 @@ class GlobalProgress:
 
         def should_check_val(data_fetcher: Any) -> bool:
             decided = self.controller.take_validation(loop._should_check_val_epoch())
+            budget_ended = self.loader is not None and self.loader.stopped_inside_epoch
+            last = loop.batch_progress.is_last_batch
+            log.debug("validation check: a boundary decided %s; the budget ended the epoch %s; last batch %s",
+                      decided, budget_ended, last)  # fmt: skip
             if decided is not None:
                 return decided
             if self.schedule is not None and self.schedule.validate_every is not None:
                 return False  # step-based validation happens at boundaries only
+            if budget_ended:
+                return False  # the step budget, not the data, ended the epoch (`stopped_inside_epoch`)
             return original_should_check_val(data_fetcher)
 
         def update_learning_rates(interval: str, update_plateau_schedulers: bool) -> None:
@@ -318,6 +327,7 @@ class GlobalProgress:
         # a sharded stream: the boundaries after the first rank's reads ended wait for the epoch's end
         stream_end = loader.counter.stream_end
         after_stream_end = stream_end is not None and boundary is not None and boundary.batches > stream_end
+        log.debug("trained ticket %d; next %s, epoch end %s, next boundary %s", ticket, following, end, boundary)
         if boundary is not None and boundary.due(following, end) and not after_stream_end:
             # unless every batch of the epoch is trained, the others go on: meet them at the epoch's end (a
             # sharded stream's ranks still train the shards they hold, whatever this rank's end says)

@@ -158,6 +158,7 @@ def main() -> None:
     )
     parser.add_argument("--sigterm", help="RANK:BATCH: that rank gets SIGTERM at the start of that batch")
     parser.add_argument("--indexed", action="store_true", help="record the training samples' indices")
+    parser.add_argument("--max-steps", type=int, default=-1, help="the Trainer's step budget")
     parser.add_argument("--stop-request", help="RANK:BATCH: that rank alone sets trainer.should_stop after that batch")
     parser.add_argument("--slow", action="append", default=[], help="RANK:SECONDS slept at every batch")
     parser.add_argument("--shard", action="store_true", help="shard the model over each replica (FSDP2)")
@@ -198,6 +199,7 @@ def main() -> None:
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=strategy,
         max_epochs=args.epochs,
+        max_steps=args.max_steps,
         callbacks=[record, ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True)],
         logger=False,
         enable_progress_bar=False,

@@ -112,6 +112,17 @@ class ProgressLoader:
             return None
         return self.counter.padded(self.epoch_base + self.batches_per_epoch)
 
+    @property
+    def stopped_inside_epoch(self) -> bool:
+        """The step budget (`max_steps`) was spent before the epoch's data ended. Lightning's fetcher,
+        which looks a batch ahead, then finds the loader's end on some ranks (those that held a batch)
+        and not on others (those whose claim failed at the budget): as under DDP, no epoch-end
+        validation runs there, on any rank."""
+        counter = self.counter
+        if counter.budget is None or not (counter.budget_spent or self.progress >= counter.budget):
+            return False  # (spent: a claim found it so; reached: the ranks met at the budget's boundary)
+        return self.batches_per_epoch is None or counter.budget < self.epoch_base + self.batches_per_epoch
+
     # -- iteration --------------------------------------------------------------------------------
     @property
     def restored_progress(self) -> Optional[int]:
@@ -162,8 +173,14 @@ class ProgressLoader:
         self._reported = None
 
     def _ticket_request(self) -> Optional[tuple[str, int]]:
-        if not self.armed or self.batches_per_epoch is None or not self.counter.first_taken:
+        if not self.armed or self.batches_per_epoch is None:
+            return None
+        replicas = self.sampler is not None and self.sampler.replica_size > 1
+        if not self.counter.first_taken and not replicas:
             return None  # the epoch's first ticket is set aside for this worker: claims come after it
+        # (a replica's chunks always come with their tickets, however early they are claimed: its other
+        # ranks take the first rank's answers, tickets included; a ticket each claimed on its own would
+        # count the replica's step twice, and the step budget would end before its batches were trained)
         return self.counter.tickets_key, self.batches_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
