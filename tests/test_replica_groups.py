@@ -283,12 +283,18 @@ def test_a_stop_set_on_one_rank_of_a_replica_ends_every_replica_at_one_step(tmp_
         assert found[first]["batches"] == found[second]["batches"], "a replica's ranks end at one step"
 
 
-@pytest.mark.parametrize("replica_size", [1, 2])
-def test_a_step_budget_inside_an_epoch_trains_as_ddp_would_with_or_without_replicas(tmp_path, replica_size):
-    """`prague` on 4 ranks, `max_steps=17`, checkpoints and validation at epoch ends: 12 steps of the
-    digits' first epoch (45 batches of 32, padded to whole steps of 4 batches) and 5 of the second,
-    as DDP on 4 ranks would train them. Every sample of epoch 0 once, exactly 20 batches of epoch 1,
-    none twice, every rank at global step 17 with one model.
+@pytest.mark.parametrize(
+    "replica_size,max_steps,val_every,validations",
+    [(1, 17, None, [12]), (2, 17, None, [12]), (1, 19, 7, [7, 19])],
+)
+def test_a_step_budget_inside_an_epoch_trains_as_ddp_would_with_or_without_replicas(
+    tmp_path, replica_size, max_steps, val_every, validations
+):
+    """`prague` on 4 ranks with a step budget inside the second epoch: 12 steps of the digits' first
+    epoch (45 batches of 32, padded to whole steps of 4 batches), then the rest of the budget, as DDP
+    on 4 ranks would train them. Every sample of epoch 0 once, exactly the budget's batches of epoch 1,
+    none twice, every rank at the budget's step with one model, and validation at the same steps on
+    every rank: at the first epoch's end only, or every 7 steps of an epoch, one of them on the budget.
 
     Two bugs this found: with replicas, a chunk claimed ahead before the epoch's set-aside ticket was
     taken came without its ticket, and each rank of the replica claimed one of its own, so the budget
@@ -297,7 +303,8 @@ def test_a_step_budget_inside_an_epoch_trains_as_ddp_would_with_or_without_repli
     failed at the budget did not, so their collectives crossed (gloo aborted: "Received data size
     doesn't match expected size")."""
     argv = ["--out", str(tmp_path), "--replica-size", str(replica_size), "--strategy", "prague", "--epochs", "30",
-            "--max-steps", "17", "--indexed"]  # fmt: skip
+            "--max-steps", str(max_steps), "--indexed"]  # fmt: skip
+    argv += ["--val-every", str(val_every)] if val_every else []
     if replica_size == 1:
         codes, logs = run_script_ranks(tmp_path, 4, "replica_fit.py", argv)
         assert codes == [0] * 4, (codes, [log[-2000:] for log in logs])
@@ -305,11 +312,13 @@ def test_a_step_budget_inside_an_epoch_trains_as_ddp_would_with_or_without_repli
     else:
         found = four_ranks_in_replicas(tmp_path, argv)
     assert sorted(found) == [0, 1, 2, 3]
-    assert {r["global_step"] for r in found.values()} == {17} and len({r["final"] for r in found.values()}) == 1
+    assert {r["global_step"] for r in found.values()} == {max_steps}
+    assert len({r["final"] for r in found.values()}) == 1, "one model"
+    assert all(r["validations"] == validations for r in found.values()), [r["validations"] for r in found.values()]
     first = [i for r in found.values() for i in r["samples"]["0"]]
     second = [i for r in found.values() for i in r["samples"]["1"]]
     assert sorted(first) == list(range(1438)), "epoch 0: every sample once"
-    assert len(second) == len(set(second)) == 20 * 32, "epoch 1: 5 steps of 4 batches, as under DDP"
+    assert len(second) == len(set(second)) == (max_steps - 12) * 4 * 32, "epoch 1: the budget's steps, as DDP"
 
 
 @pytest.mark.parametrize(

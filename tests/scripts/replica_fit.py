@@ -14,7 +14,8 @@ that long at every batch (a slow node). `--indexed`: the training samples carry 
 rank records the indices it trained, by epoch (`samples`). `--sigterm RANK:BATCH`: rank RANK gets SIGTERM
 at the start of its BATCH-th batch; every rank that stops with an exception writes `stopped.rankR.json`.
 `--stop-request RANK:BATCH`: rank RANK alone sets `trainer.should_stop` at the end of its BATCH-th batch
-(as a `Timer` on that rank would).
+(as a `Timer` on that rank would). `--max-steps`, `--val-every`: the Trainer's `max_steps` and
+`val_check_interval` (in steps); each rank records the global steps it validated at (`validations`).
 """
 
 import argparse
@@ -99,6 +100,10 @@ class Record(L.Callback):
         if len(self.record["digests"]) < RECORDED:
             self.record["digests"].append(digest(pl_module))
 
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.record.setdefault("validations", []).append(trainer.global_step)
+
     def on_exception(self, trainer, pl_module, exception):
         stopped = {"rank": trainer.global_rank, "error": type(exception).__name__, "final": digest(pl_module)}
         stopped.update(epoch=trainer.current_epoch, batches=self.record["batches"], digests=self.record["digests"])
@@ -159,6 +164,7 @@ def main() -> None:
     parser.add_argument("--sigterm", help="RANK:BATCH: that rank gets SIGTERM at the start of that batch")
     parser.add_argument("--indexed", action="store_true", help="record the training samples' indices")
     parser.add_argument("--max-steps", type=int, default=-1, help="the Trainer's step budget")
+    parser.add_argument("--val-every", type=int, help="validate every this many steps (val_check_interval)")
     parser.add_argument("--stop-request", help="RANK:BATCH: that rank alone sets trainer.should_stop after that batch")
     parser.add_argument("--slow", action="append", default=[], help="RANK:SECONDS slept at every batch")
     parser.add_argument("--shard", action="store_true", help="shard the model over each replica (FSDP2)")
@@ -200,6 +206,7 @@ def main() -> None:
         strategy=strategy,
         max_epochs=args.epochs,
         max_steps=args.max_steps,
+        val_check_interval=args.val_every if args.val_every else 1.0,
         callbacks=[record, ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True)],
         logger=False,
         enable_progress_bar=False,
