@@ -93,21 +93,15 @@ class Stops:
         of the replica ends its epoch at the same batch."""
 
         def on_advance_end(data_fetcher: Any) -> None:
-            if trainer.should_stop and not self.stop_agreed:
+            # (under the lock-step strategies `agree_in_replica` sets it for every rank of the replica
+            # alike; under the work queue the replica's data ends instead and the closing meeting stops it)
+            if trainer.should_stop and not self.agreed:
                 log.debug("rank %d: a stop set during the batch waits for its replica", self.strategy.global_rank)
                 trainer.should_stop = False
                 self.held_request = True
             original(data_fetcher)
 
         return on_advance_end
-
-    @property
-    def stop_agreed(self) -> bool:
-        """Whether this rank's replica agreed on the stop (the lock-step strategies: `agree_in_replica` set
-        `trainer.should_stop` on each of its ranks at one batch). Under the work queue nothing is agreed
-        during the epoch: the replica's data ends instead (`end_replicas_data`), and the epoch's closing
-        meeting stops every rank."""
-        return self.agreed
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
         """Lightning's SIGTERM handler: forward the signal to this node's other processes, as

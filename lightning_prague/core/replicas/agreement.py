@@ -50,7 +50,8 @@ class StopAgreement:
         self.group = group
         self.timeout = timeout
         self.what = what
-        self._sent: Optional[torch.Tensor] = None
+        # two host buffers, used in turn: one is in flight while the next batch fills the other
+        self._buffers = (torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
         self._pending: Optional[dist.Work] = None
         self.calls = 0
 
@@ -59,12 +60,12 @@ class StopAgreement:
         at the first)."""
         agreed = Agreed()
         if self._pending is not None:
-            assert self._sent is not None
             self._pending.wait(self.timeout)
-            signals, requests = (int(v) for v in self._sent.tolist())
+            signals, requests = self._buffers[(self.calls - 1) % 2].tolist()
             agreed = Agreed(signal=signals > 0, request=requests > 0)
-        self._sent = torch.tensor([int(signal), int(request)], dtype=torch.int64)
-        self._pending = dist.all_reduce(self._sent, group=self.group, async_op=True)
+        sent = self._buffers[self.calls % 2]
+        sent[0], sent[1] = int(signal), int(request)
+        self._pending = dist.all_reduce(sent, group=self.group, async_op=True)
         self.calls += 1
         if agreed.signal or agreed.request:
             log.debug("%s: agreed at call %d: %s", self.what, self.calls, agreed)
