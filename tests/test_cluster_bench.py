@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+import lightning_prague.demo.run
 from lightning_prague.tools import bench, cluster_bench
 from lightning_prague.tools.cluster_bench import (
     CLUSTER_PROFILES,
@@ -88,9 +89,10 @@ def test_issue_50s_cluster_slows_node4s_ranks_and_runs_decent_adam_in_replicas_o
     (profile,) = profiles_from(args)
     assert (profile.nodes, profile.workers_per_node, profile.rates) == (4, 2, (1e9,) * 4)
     labels = [label for label, _, _ in runs(args, profile)]
-    assert labels[-6:] == [
+    assert labels[-8:] == [
         "decent_adam/alternating_exp_ring", "prague/random/replicas", "partial_reduce/replicas", "adpsgd/replicas",
-        "prague/static/replicas", "decent_adam/ring/replicas",
+        "prague/static/replicas", "decent_adam/ring/replicas", "prague/static/own/replicas",
+        "decent_adam/ring/own/replicas",
     ]  # fmt: skip
     assert "decent_adam/ring/replicas" not in [label for label, _, _ in runs(args)], "only where the profile asks"
     argv = cluster_bench.demo_argv("decent_adam", ("--replica-size", "node"), profile, args)
@@ -101,6 +103,11 @@ def test_issue_50s_cluster_slows_node4s_ranks_and_runs_decent_adam_in_replicas_o
     assert model_name("prague/random/replicas") == ("prague", {"replica_size": "node"})
     assert model_name("partial_reduce/replicas") == ("partial_reduce", {"replica_size": "node"})
     assert model_name("adpsgd/replicas") == ("adpsgd", {"replica_size": "node"})
+    own = {"pace": "own", "replica_size": "node"}
+    assert model_name("decent_adam/ring/own/replicas") == ("decent_adam", {"topology": "ring", **own})
+    assert model_name("prague/static/own/replicas") == ("prague", {"grouping": "static", **own})
+    argv = cluster_bench.demo_argv("decent_adam", ("--pace", "own", "--replica-size", "node"), profile, args)
+    assert lightning_prague.demo.run.parse_args(argv).pace == "own"
 
 
 def test_every_strategy_runs_after_ddp_with_the_variants_compared(available, tmp_path):

@@ -85,6 +85,19 @@ def test_bad_decent_adam_arguments(kwargs, match):
         lightning_prague.DecentAdamStrategy(**kwargs)
 
 
+@pytest.mark.parametrize("kind", [lightning_prague.DecentAdamStrategy, lightning_prague.PartialAllReduceStrategy])
+def test_a_pace_is_one_of_two_and_its_own_needs_the_overlap(kind):
+    """`pace` is refused by name; at its own pace a worker trains on while its round is in flight, so
+    `overlap=False` cannot go with it; and only the own pace takes its data from the work queue."""
+    extra = {"grouping": "static"} if kind is lightning_prague.PartialAllReduceStrategy else {}
+    with pytest.raises(ConfigurationError, match="pace='fast' is not a pace of strategy=.*choose one of round, own"):
+        kind(pace="fast", **extra)
+    with pytest.raises(ConfigurationError, match="pace='own' with overlap=False"):
+        kind(pace="own", overlap=False, **extra)
+    assert kind(pace="own", **extra).shards_by_work_queue
+    assert not kind(pace="round", **extra).shards_by_work_queue
+
+
 @pytest.mark.parametrize(
     ("kwargs", "devices", "match"),
     [

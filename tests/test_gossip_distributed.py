@@ -100,6 +100,20 @@ def test_consensus_error_of_known_replicas_is_exact_and_group_errors_match_the_g
     assert schedule.period == 1
 
 
+def test_at_their_own_pace_fast_ranks_take_local_steps_and_no_round_is_mixed_in_part(gossip_runs):
+    """`own_pace` on a ring, rank 3 slow: the others train on while their rounds wait for it (local
+    steps), every rank ends the phase at one round, and each round took effect whole on every member:
+    mixing is doubly stochastic, so the ranks' sum is their starting sum less every gradient step, to the
+    last bit of float64 arithmetic (a round mixed in on one member and not its partner would break it)."""
+    runs = [r["own_pace"] for r in gossip_runs]
+    assert len({run["rounds"] for run in runs}) == 1, [run["rounds"] for run in runs]
+    assert sum(run["local_steps"] for run in runs[:3]) > 0, [run["local_steps"] for run in runs]
+    starts = torch.tensor([r["start"] for r in gossip_runs], dtype=torch.float64).sum(0)
+    applied = torch.tensor([run["applied"] for run in runs], dtype=torch.float64).sum(0)
+    final = torch.tensor([run["params"] for run in runs], dtype=torch.float64).sum(0)
+    torch.testing.assert_close(final, starts - applied, rtol=0, atol=1e-10)
+
+
 def test_phases_of_uneven_length_end_at_one_round_in_the_meeting_and_write_no_counter(gossip_runs):
     # the meeting that ends every strategy's phase ends gossip phases too: ranks that ran out of
     # steps serve the others with idle rounds, and all end at the round the release names

@@ -78,23 +78,35 @@ def test_the_ranks_of_a_replica_step_as_one_model_and_the_replicas_gossip(tmp_pa
 
 
 @pytest.mark.serial  # the fast replica must take more of the queue: relative speeds, measured alone
-@pytest.mark.parametrize("strategy,shard", [("prague", False), ("partial_reduce", True), ("adpsgd", False)])
-def test_work_queue_replicas_take_batches_by_speed_and_step_as_one_model(tmp_path, strategy, shard):
+@pytest.mark.parametrize(
+    "strategy,shard,pace",
+    [("prague", False, None), ("partial_reduce", True, None), ("adpsgd", False, None),
+     ("decent_adam", True, "own"), ("prague-static", False, "own")],
+)  # fmt: skip
+def test_work_queue_replicas_take_batches_by_speed_and_step_as_one_model(tmp_path, strategy, shard, pace):
     """The work-queue strategies in replicas of 2 (4 ranks), the second replica's ranks 4x slower: a
     replica claims one chunk for its two ranks, who train its two halves and so take the same steps,
     holding bitwise one model after every step (DDP, or FSDP2's shards, inside the replica; each rank's
     slice or shard averaged with its column, and the slices put back together); the fast replica
     trains more batches; every training sample of every epoch is trained exactly once (but for the
-    last chunk's padding); the fit ends with one model, and each rank sends only its half across."""
+    last chunk's padding); the fit ends with one model, and each rank sends only its half across.
+    The schedules at each replica's own pace (`pace="own"`: `decent_adam`'s ring, `prague`'s static
+    schedule) too: the fast replica takes local steps while its round waits for the slow one, and the
+    replica's ranks mix each round in at the same step."""
     argv = ["--out", str(tmp_path), "--replica-size", "2", "--strategy", strategy, "--indexed",
             "--slow", "2:0.04", "--slow", "3:0.04"]  # fmt: skip
     if shard:
         argv.append("--shard")
+    if pace:
+        argv += ["--pace", pace]
     found = four_ranks_in_replicas(tmp_path, argv)
     for first, second in ((0, 1), (2, 3)):
         assert found[first]["batches"] == found[second]["batches"], "a replica's ranks take the same steps"
     assert any(a != b for a, b in zip(found[0]["digests"], found[2]["digests"])), "the replicas train apart"
     assert found[0]["batches"] > 1.5 * found[2]["batches"], "the fast replica takes more of the queue"
+    if pace == "own":  # the fast replica trains on while its round waits for the slow one, both ranks alike
+        assert found[0]["local_steps"] == found[1]["local_steps"] > 0, [r["local_steps"] for r in found.values()]
+        assert found[2]["local_steps"] == found[3]["local_steps"]
     assert len({r["final"] for r in found.values()}) == 1, "one model at the end of the fit"
     assert found[0]["val_acc"] >= 0.85, found[0]["val_acc"]
     train_size = 1438  # the digits' training split

@@ -117,6 +117,18 @@ def test_decent_adam_pays_for_the_links_its_topology_crosses():
     assert complete["decent_adam"].throughput < ring.throughput  # everyone crosses, every round
 
 
+def test_a_schedule_at_each_workers_own_pace_is_not_held_to_the_slowest_one():
+    """`pace="own"`: the gossip rounds no longer hold every worker to the slowest one's steps, so a 3x
+    slower worker costs the others nothing; in rounds, all go at its pace."""
+    workers = [ComputeProfile(0.01)] * 6 + [ComputeProfile(0.03)] * 2
+    for options in ({}, {"grouping": "static"}):
+        strategy = "prague" if options else "decent_adam"
+        rounds = by_name(predict(workers, 0, strategies=[strategy], **options))[strategy]
+        own = by_name(predict(workers, 0, strategies=[strategy], pace="own", **options))[strategy]
+        assert rounds.throughput == pytest.approx(8 / 0.03, rel=0.05)
+        assert own.throughput == pytest.approx(6 / 0.01 + 2 / 0.03, rel=0.05)
+
+
 def test_plan_reads_the_file_straggler_monitor_writes(tmp_path, capsys):
     monitor = StragglerMonitor(path=str(tmp_path / "stragglers.json"))
     monitor.timings = [WorkerTiming(0, 100, 5.0, 0.1), WorkerTiming(1, 500, 5.0, 0.2), WorkerTiming(2, 500, 5.0, 0.0)]

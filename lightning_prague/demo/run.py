@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--weighting", default="uniform", help="partial_reduce: uniform or staleness")
     parser.add_argument("--topology", default="ring", help="decent_adam's topology")
     parser.add_argument(
+        "--pace", default="round", choices=("round", "own"), help="decent_adam's and prague's static schedule's pace"
+    )
+    parser.add_argument(
         "--replica-size", default="1", help="consecutive ranks training one model synchronously ('node': a node's)"
     )
     parser.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZERS))
@@ -147,14 +150,14 @@ def build_strategy(args: argparse.Namespace) -> Any:
         shared["replica_size"] = int(args.replica_size) if args.replica_size.isdigit() else args.replica_size
     if args.strategy in ("prague", "partial_all_reduce"):
         return lightning_prague.PartialAllReduceStrategy(
-            group_size=args.group_size, grouping=args.grouping, overlap=args.overlap, **shared
+            group_size=args.group_size, grouping=args.grouping, overlap=args.overlap, pace=args.pace, **shared
         )
     if args.strategy == "partial_reduce":
         return lightning_prague.PartialReduceStrategy(group_size=args.group_size, weighting=args.weighting, **shared)
     if args.strategy == "adpsgd":
         return lightning_prague.ADPSGDStrategy(**shared)
     if args.strategy == "decent_adam":
-        return lightning_prague.DecentAdamStrategy(topology=args.topology, **shared)
+        return lightning_prague.DecentAdamStrategy(topology=args.topology, pace=args.pace, **shared)
     if args.strategy == "ddp" and args.start_method == "fork":
         return "ddp_fork"
     return args.strategy

@@ -70,11 +70,12 @@ from lightning_prague.core.exchange.overlap import Exchanger
 from lightning_prague.core.exchange.phases import SyncController
 from lightning_prague.core.exchange.training import SessionPlan, TrainingSession
 from lightning_prague.core.exchange.worker import GroupWorker
-from lightning_prague.core.grouping.policies import GroupingPolicy
+from lightning_prague.core.grouping.policies import GroupingPolicy, SchedulePolicy
 from lightning_prague.core.job import Job, init_job
 from lightning_prague.core.plane.launch import LOG_DIR_VARIABLE
 from lightning_prague.core.plane.service import plane_address
 from lightning_prague.core.protocol import HangRule
+from lightning_prague.core.replicas.agreement import ReadyAgreement
 from lightning_prague.core.replicas.layout import ReplicaLayout
 from lightning_prague.core.replicas.reassembly import SliceReassembly
 from lightning_prague.core.replicas.sharding import (
@@ -334,6 +335,8 @@ class DecentralizedStrategy(DDPStrategy):
         self.training: TrainingSession | None = None
         #: this rank's replica's process group during a fit in replica groups (`replica_size`)
         self._replica_group: dist.ProcessGroup | None = None
+        #: a gloo group of the same ranks where the replica's own group is on another backend (NCCL)
+        self._replica_host_group: dist.ProcessGroup | None = None
         self._device_mesh: Any = None
         #: this rank's phase between synchronization points
         self.controller = SyncController()
@@ -445,6 +448,27 @@ class DecentralizedStrategy(DDPStrategy):
             )
         return self._replica_group
 
+    def replica_host_group(self) -> dist.ProcessGroup:
+        """A gloo group of this rank's replica, for the replica's agreements on numbers in host memory (a
+        stop, whether a round is done), so they never wait for the device: the replica's own group on
+        gloo, else a second group made once per fit."""
+        group = self._replica_process_group()
+        if dist.get_backend(group) == "gloo":
+            return group
+        if self._replica_host_group is None:
+            self._replica_host_group = replica_group(
+                self.replicas, self.global_rank, "gloo", timedelta(seconds=self.operation_timeout)
+            )
+        return self._replica_host_group
+
+    def replica_ready_agreement(self) -> Optional[ReadyAgreement]:
+        """How this rank's replica agrees on mixing a gossip round in at its own pace (`pace="own"`);
+        `None` without replicas."""
+        if self.replicas.replica_size == 1:
+            return None
+        what = f"rank {self.global_rank}'s replica's gossip rounds"
+        return ReadyAgreement(self.replica_host_group(), timedelta(seconds=self.operation_timeout), what)
+
     @property
     def device_mesh(self) -> Any:
         """The ranks of this rank's replica as a 1-D `DeviceMesh` (dimension `"shard"`), for
@@ -537,7 +561,8 @@ class DecentralizedStrategy(DDPStrategy):
         whole model on each rank of a replica, exchanged by the groups of a work-queue strategy (each rank
         averages its own slice with its column, `lightning_prague.core.replicas.reassembly`)."""
         layout = self.replicas
-        if not self.shards_by_work_queue or layout.replica_size == 1 or self.shard:
+        gossip = isinstance(policy, SchedulePolicy)  # (its rounds put a replica's slices together themselves)
+        if not self.shards_by_work_queue or layout.replica_size == 1 or self.shard or gossip:
             return self.make_exchanger(worker, tensors, policy)
         part = worker.part = (layout.index_of(self.global_rank), layout.replica_size)
         exchanger = self.make_exchanger(worker, tensors, policy)
@@ -672,6 +697,9 @@ class DecentralizedStrategy(DDPStrategy):
         self.controller.reset()
         self.failed = False
         self.stops.close()
+        if self._replica_host_group is not None:
+            dist.destroy_process_group(self._replica_host_group)
+            self._replica_host_group = None
         super().teardown()
         if self._replica_group is not None and not is_sharded(self.lightning_module):
             # (a sharded model keeps its replica's group: its parameters are shards over it, after the fit too)

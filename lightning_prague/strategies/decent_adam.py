@@ -16,6 +16,10 @@ from lightning_prague.core.grouping.policies import GroupingPolicy, SchedulePoli
 from lightning_prague.core.grouping.topology import make_topology
 from lightning_prague.core.replicas.columns import column_schedule
 from lightning_prague.strategies.base import DecentralizedStrategy
+from lightning_prague.strategies.options import check_pace
+
+Pace = Literal["round", "own"]
+"""How a fixed schedule's rounds pace the workers: `pace` of `decent_adam` and of `prague`'s static schedule."""
 
 Topology = Literal["complete", "ring", "one_peer_exp", "alternating_exp_ring", "static"]
 """The named topologies of `DecentAdamStrategy` (its `topology` option): `lightning_prague.core.grouping.topology`."""
@@ -33,8 +37,9 @@ class MixPoint(Callback):
         self.strategy = strategy
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
-        if isinstance(self.strategy.exchanger, LaggedGossip):
-            self.strategy.exchanger.mix()
+        exchanger = self.strategy.exchanger
+        if isinstance(exchanger, LaggedGossip) and not exchanger.own_pace:  # (own pace: mixed after the update)
+            exchanger.mix()
 
 
 class DecentAdamStrategy(DecentralizedStrategy):
@@ -52,7 +57,9 @@ class DecentAdamStrategy(DecentralizedStrategy):
     Workers advance round by round together (none can get more than the topology's
     `coverage` rounds ahead of another), so a work queue would not let fast workers take more
     batches; this strategy keeps Lightning's distributed sampler (equal shards, as with DDP), and
-    step-based settings (`max_steps`, `val_check_interval`) are allowed. The meeting that
+    step-based settings (`max_steps`, `val_check_interval`) are allowed. With `pace="own"` the rounds
+    still go together, but a worker trains local steps while its round is in flight, and the data
+    comes from the work queue, as with `prague`'s random groups. The meeting that
     ends a phase tolerates unequal step counts anyway: a worker out of batches runs idle rounds
     (mixing only) until every worker has reached the same final round, which the meeting settles
     (see `lightning_prague.core.exchange.gossip`). Synchronization points (validation, epoch end, end of
@@ -77,6 +84,13 @@ class DecentAdamStrategy(DecentralizedStrategy):
             per node Lightning runs.
         overlap: issue each exchange in the background and wait just before the next update;
             `False` waits at once (the same parameters, no overlap).
+        pace: `"round"` (the paper's algorithm): every update waits for its round, so all workers
+            advance round by round at the slowest one's pace, on equal shards of the data. `"own"`:
+            every worker (or replica) trains at its own pace: an update whose round is still in
+            flight is a local step, the round is mixed in at the first update after it is done, and
+            the training data comes from the work queue, so a fast worker takes more batches and never
+            waits for a slow neighbour (every batch still trained once). For clusters whose workers or
+            nodes differ in speed; needs `overlap`.
         **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`, `timeout`,
             `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`, `leave_out_after`,
             `sync_timeout`, `coordinator_port`, `max_restarts`, `max_workers`, `plane`,
@@ -94,8 +108,10 @@ class DecentAdamStrategy(DecentralizedStrategy):
         schedule: Optional[list[list[Any]]] = None,
         workers_per_node: Optional[int] = None,
         overlap: bool = True,
+        pace: Pace = "round",
         **kwargs: Any,
     ) -> None:
+        check_pace(pace, overlap, "decent_adam")
         if schedule is None and topology not in get_args(Topology):
             raise ConfigurationError(
                 f"topology={topology!r} is not a topology of strategy='decent_adam'; choose one of "
@@ -108,6 +124,9 @@ class DecentAdamStrategy(DecentralizedStrategy):
         self.schedule_spec = schedule
         self.node_size = workers_per_node
         self.overlap = overlap
+        self.pace = pace
+        # at its own pace a fast worker trains more batches than a slow one: from the work queue
+        self.shards_by_work_queue = pace == "own"
 
     def make_policy(self) -> GroupingPolicy:
         per_node = self.node_size or self.workers_per_node
@@ -123,8 +142,9 @@ class DecentAdamStrategy(DecentralizedStrategy):
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors, policy: GroupingPolicy) -> Exchanger:
         assert isinstance(policy, SchedulePolicy)
         return LaggedGossip(
-            worker, tensors, policy.schedule, self.operation_timeout, overlap=self.overlap, slices=not self.shard
-        )
+            worker, tensors, policy.schedule, self.operation_timeout, overlap=self.overlap, slices=not self.shard,
+            own_pace=self.pace == "own", agree=self.replica_ready_agreement() if self.pace == "own" else None,
+        )  # fmt: skip
 
     def setup(self, trainer: Trainer) -> None:
         super().setup(trainer)

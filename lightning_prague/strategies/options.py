@@ -26,6 +26,23 @@ T = TypeVar("T")
 #: how checkpoints hold a model sharded over its replica (`state_dict_type`), as Lightning's `FSDPStrategy` names them
 STATE_DICT_TYPES = ("full", "sharded")
 
+#: how a fixed schedule's rounds pace the workers (`pace` of `decent_adam` and of `prague`'s static schedule)
+PACES = ("round", "own")
+
+
+def check_pace(pace: str, overlap: bool, strategy: str) -> None:
+    """`ConfigurationError` for a `pace` that is not one, or `"own"` without the overlap it runs on."""
+    if pace not in PACES:
+        raise ConfigurationError(
+            f"pace={pace!r} is not a pace of strategy={strategy!r}; choose one of {', '.join(PACES)}"
+        )
+    if pace == "own" and not overlap:
+        raise ConfigurationError(
+            f"pace='own' with overlap=False: a worker at its own pace trains on while its round is in flight, "
+            f"so strategy={strategy!r} needs overlap=True for it"
+        )
+
+
 #: Lightning's (and torch's) default timeout of DDP's collectives, seconds: the default `sync_timeout`
 DDP_TIMEOUT = 1800.0
 

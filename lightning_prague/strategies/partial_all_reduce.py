@@ -15,6 +15,8 @@ from lightning_prague.core.grouping.columns import column_policy
 from lightning_prague.core.grouping.policies import GroupingPolicy, SchedulePolicy, StaticPolicy, make_policy
 from lightning_prague.core.replicas.columns import column_schedule
 from lightning_prague.strategies.base import DecentralizedStrategy
+from lightning_prague.strategies.decent_adam import Pace
+from lightning_prague.strategies.options import check_pace
 
 Grouping = Literal["random", "buffer", "division", "static"]
 """The grouping policies of `PartialAllReduceStrategy` (its `grouping` option)."""
@@ -55,6 +57,10 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         overlap: run each group exchange on a snapshot in a background thread and fold the result
             in at the next step (no worker ever blocks on its group); `False` blocks the training
             thread until the group is averaged, as in the paper.
+        pace: the static schedule's (the other groupings always go at each worker's own pace):
+            `"round"` waits for each round at the next step, on equal shards; `"own"` trains local
+            steps while a round is in flight and takes the data from the work queue, so fast workers
+            never wait for a slow one (see `decent_adam`'s `pace`); needs `overlap`.
         **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`, `timeout`,
             `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`, `leave_out_after`,
             `sync_timeout`, `coordinator_port`, `max_restarts`, `max_workers`, `plane`,
@@ -72,9 +78,11 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         avoid_stragglers: bool = True,
         overlap: bool = True,
         avoid_busy: bool = True,
+        pace: Pace = "round",
         **kwargs: Any,
     ) -> None:
         check_group_size(group_size)
+        check_pace(pace, overlap, "prague")
         if grouping not in PRAGUE_POLICIES:
             raise ConfigurationError(
                 f"grouping={grouping!r} is not a grouping policy of strategy='prague'; choose one of "
@@ -88,7 +96,8 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         # only where the requester's group is drawn from everyone (random, division); a blocking
         # exchange finishes before the next request anyway, but a busy member still stalls the group
         self.avoid_busy = avoid_busy and grouping in ("random", "division")
-        if grouping == "static":
+        self.pace = pace
+        if grouping == "static" and pace == "round":
             # lock-step rounds: a work queue could not let fast workers take more batches
             self.shards_by_work_queue = False
 
@@ -118,7 +127,8 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         if isinstance(policy, SchedulePolicy):  # the static schedule: no coordinator round trip per exchange
             return LaggedGossip(
                 worker, tensors, policy.schedule, self.operation_timeout, overlap=self.overlap, lagged=self.overlap,
-                slices=not self.shard,
+                slices=not self.shard, own_pace=self.pace == "own",
+                agree=self.replica_ready_agreement() if self.pace == "own" else None,
             )  # fmt: skip
         kind = BackgroundAverager if self.overlap else BlockingExchanger
         return kind(worker, tensors, self.operation_timeout)

@@ -36,13 +36,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
 
-import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_prague.core.protocol import REQUEUE, SIGTERM, STOP_SYNC
 from lightning_prague.core.replicas.agreement import StopAgreement
-from lightning_prague.core.replicas.sync import replica_group
 from lightning_prague.strategies.sync_points import average_replicas
 
 if TYPE_CHECKING:
@@ -68,7 +66,6 @@ class Stops:
         self.strategy = strategy
         #: the replica's agreement on stops (lock-step strategies in replica groups), made at the fit's first batch
         self.agreement: Optional[StopAgreement] = None
-        self._agreement_group: Optional[dist.ProcessGroup] = None  # (a gloo group of its own on another backend)
         #: `trainer.should_stop` set on this rank during a batch, held back until its replica's ranks agree
         self.held_request = False
         #: this rank's replica agreed on a requested stop (lock-step strategies in replica groups)
@@ -197,11 +194,7 @@ class Stops:
         if strategy.replicas.replica_size == 1 or strategy.shards_by_work_queue:
             return None
         if self.agreement is None:
-            group = strategy._replica_process_group()
-            if dist.get_backend(group) != "gloo":  # host memory: never a wait for the device
-                group = self._agreement_group = replica_group(
-                    strategy.replicas, strategy.global_rank, "gloo", timedelta(seconds=strategy.operation_timeout)
-                )
+            group = strategy.replica_host_group()  # host memory: never a wait for the device
             what = f"rank {strategy.global_rank}'s replica's stops"
             self.agreement = StopAgreement(group, timedelta(seconds=strategy.operation_timeout), what)
         return self.agreement
@@ -226,10 +219,8 @@ class Stops:
             self.raise_stop()
 
     def close(self) -> None:
-        """The fit ended: the agreement's group of its own (if any) goes."""
-        if self._agreement_group is not None:
-            dist.destroy_process_group(self._agreement_group)
-        self.agreement = self._agreement_group = None
+        """The fit ended: the agreement goes (its group is the strategy's, `replica_host_group`)."""
+        self.agreement = None
         self.held_request = self.agreed = False
 
     def leaving_on_agents_sigterm(self) -> bool:

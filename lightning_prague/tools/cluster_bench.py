@@ -160,6 +160,8 @@ REPLICA_RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("adpsgd/replicas", "adpsgd", ("--replica-size", "node")),
     ("prague/static/replicas", "prague", ("--grouping", "static", "--replica-size", "node")),
     ("decent_adam/ring/replicas", "decent_adam", ("--topology", "ring", "--replica-size", "node")),
+    ("prague/static/own/replicas", "prague", ("--grouping", "static", "--pace", "own", "--replica-size", "node")),
+    ("decent_adam/ring/own/replicas", "decent_adam", ("--topology", "ring", "--pace", "own", "--replica-size", "node")),
 )
 
 
@@ -380,6 +382,8 @@ def model_name(label: str) -> tuple[str, dict[str, Any]]:
     grouped = rest[-1:] == ["replicas"]  # (`strategy/replicas` or `strategy/variant/replicas`)
     variant = rest[0] if rest and not (grouped and len(rest) == 1) else ""
     options: dict[str, Any] = {"replica_size": "node"} if grouped else {}
+    if "own" in rest:
+        options["pace"] = "own"
     if strategy == "prague" and variant == "static":
         return "prague", {"grouping": "static", **options}
     if strategy == "decent_adam":

@@ -93,6 +93,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--topology", default="ring", choices=sorted(TOPOLOGIES), help="decent_adam's topology")
     parser.add_argument("--grouping", default="random", choices=["random", "static"], help="prague's grouping")
     parser.add_argument(
+        "--pace", default="round", choices=["round", "own"], help="decent_adam's and the static schedule's pace"
+    )
+    parser.add_argument(
         "--backward-fraction",
         type=float,
         default=2 / 3,
@@ -254,6 +257,7 @@ def main(argv: list[str] | None = None) -> list[Prediction]:
         backward_fraction=args.backward_fraction,
         bucket_bytes=int(args.bucket_mb * 2**20),
         grouping=args.grouping,
+        pace=args.pace,
     )
     model_bytes = int(args.model_mb * 2**20)
     predictions = predict(workers, model_bytes, strategies=args.strategies, **common)

@@ -637,6 +637,7 @@ def predict(
     bucket_bytes: int = 25 * 2**20,
     grouping: str = "random",
     replica_size: int = 1,
+    pace: str = "round",
 ) -> list[Prediction]:
     """Predicted throughput of each strategy on this cluster (see the module docstring).
 
@@ -645,7 +646,8 @@ def predict(
     backward pass DDP overlaps its bucketed all-reduce with (about 2/3 on accelerators; 0 when the
     step time is padding, as with `SlowdownInjector`); a replica overlaps its own all-reduce the same
     way. `replica_size`: the decentralized strategies run over replicas of that many consecutive
-    ranks (`ddp` is always every rank in lock-step).
+    ranks (`ddp` is always every rank in lock-step). `pace`: that of `decent_adam`'s and the static
+    schedule's rounds (`"own"`: each unit trains on while its round is in flight, from the work queue).
     """
     if not workers:
         raise ConfigurationError("the runtime model needs at least one worker")
@@ -672,8 +674,15 @@ def predict(
             out.append(Prediction(name, n / seconds, seconds, limit, method))
             continue
         sync_wait = 0.0
-        units = lockstep if name == "decent_adam" or (name == "prague" and grouping == "static") else apart
-        if name == "decent_adam":
+        scheduled = name == "decent_adam" or (name == "prague" and grouping == "static")
+        units = lockstep if scheduled else apart
+        if scheduled and pace == "own":  # every unit at its own pace, a round of two in flight at a time
+            exchange = on.random_group_seconds(count, 2, model_bytes)
+            throughput, method = _independent(units, exchange, steps, rng)
+            if residual is None:
+                residual = _residual_wait(units, random.Random(seed))
+            sync_wait = residual
+        elif name == "decent_adam":
             schedule = make_topology(topology, count, on.workers_per_node)
             throughput, sync_wait = _lagged_gossip(units, schedule, on, model_bytes, steps, rng)
             method = "monte carlo"

@@ -9,13 +9,15 @@ steps of gradient descent on a quadratic with the exchange overlapped ("overlapp
 at once ("blocking") and mixed in at once ("averaged_first"), each with the number of rounds run
 including the end-of-phase idle rounds; and ("uneven") the same with rank r running STEPS + 2r
 steps. Also the exact consensus error of the starting values and the group error each round's
-mix recorded, and ("phase_keys", rank 0) which of four phases still have keys in the store. Every
-round sums its buckets in pieces of 3 elements (`SUM_PIECE_BYTES`), as a large model's buckets are.
+mix recorded, ("own_pace") a ring at each rank's own pace with rank 3 slow, and ("phase_keys",
+rank 0) which of four phases still have keys in the store. Every round sums its buckets in pieces of
+3 elements (`SUM_PIECE_BYTES`), as a large model's buckets are.
 """
 
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -67,6 +69,34 @@ def train(
         gossip.step()  # issues round t+1 with x^{t+1}
     gossip.end_phase(f"{name}/end")  # idle rounds up to the agreed final round, the last one mixed in
     return {"params": torch.cat([t.reshape(-1) for t in tensors.tensors]).tolist(), "rounds": gossip.round}
+
+
+def own_pace(worker: GroupWorker, tensors: BucketedTensors, schedule, steps: int) -> dict:
+    """`steps` steps at each rank's own pace (`own_pace`), rank 3 sleeping 0.1 s in each: the parameters,
+    the rounds run, the local steps taken, and the sum of the gradient steps applied (`lr * grad`)."""
+    gossip = LaggedGossip(worker, tensors, schedule, timeout=60, name="own", idle_after=0.1, own_pace=True)
+    for t, v in zip(tensors.tensors, start_values(worker.rank)):
+        t.copy_(v)
+    applied = torch.zeros(DIM, dtype=torch.float64)
+    gossip.start()
+    for _ in range(steps):
+        if worker.rank == 3:
+            time.sleep(0.1)
+        x = torch.cat([t.reshape(-1) for t in tensors.tensors])
+        grad = LR * (x - target(worker.rank))
+        applied += grad
+        offset = 0
+        for t in tensors.tensors:
+            t.sub_(grad[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        gossip.step()  # mixes the round in if it is done (and issues the next), else a local step
+    gossip.end_phase("own/end")
+    return {
+        "params": torch.cat([t.reshape(-1) for t in tensors.tensors]).tolist(),
+        "rounds": gossip.round,
+        "local_steps": gossip.local_steps,
+        "applied": applied.tolist(),
+    }
 
 
 def phases_of_uneven_length(worker: GroupWorker, schedule, phases: int) -> dict:
@@ -123,6 +153,7 @@ def main() -> None:
                 worker, tensors, schedule, steps + 2 * rank, overlap=True, name=f"{case}-uneven", idle_after=0.1
             ),
         }
+    result["own_pace"] = own_pace(worker, tensors, make_topology("ring", world), steps=12)
     result["phases"] = phases_of_uneven_length(worker, make_topology("ring", world), phases=4)
     with open(out, "w") as f:
         json.dump(result, f)

@@ -95,6 +95,8 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.record["batches"] += 1
+        # `pace="own"`: the updates made while a gossip round was still in flight, so far in the fit
+        self.record["local_steps"] = getattr(trainer.strategy.exchanger, "local_steps", 0)
         if self.stop_request is not None and (trainer.global_rank, self.record["batches"]) == self.stop_request:
             trainer.should_stop = True  # (as a Timer on this rank alone would)
         if len(self.record["digests"]) < RECORDED:
@@ -171,6 +173,7 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, help="resume the fit from this checkpoint")
     parser.add_argument("--configure-model", action="store_true", help="the module shards its layers itself")
     parser.add_argument("--state-dict-type", default="full", help="how checkpoints hold the sharded model")
+    parser.add_argument("--pace", default="round", help="decent_adam's and prague-static's pace")
     args = parser.parse_args()
     kill = tuple(int(x) for x in args.kill.split(":")) if args.kill else None
     sigterm = tuple(int(x) for x in args.sigterm.split(":")) if args.sigterm else None
@@ -181,12 +184,13 @@ def main() -> None:
     if args.strategy == "decent_adam":
         strategy = lightning_prague.DecentAdamStrategy(
             topology="ring", replica_size=size, shard=args.shard, seed=0, timeout=60.0,
-            state_dict_type=args.state_dict_type,
+            state_dict_type=args.state_dict_type, pace=args.pace,
         )  # fmt: skip
     elif args.strategy == "prague-static":
         strategy = lightning_prague.PartialAllReduceStrategy(
-            grouping="static", group_size=2, replica_size=size, shard=args.shard, seed=0, timeout=60.0
-        )
+            grouping="static", group_size=2, replica_size=size, shard=args.shard, seed=0, timeout=60.0,
+            pace=args.pace,
+        )  # fmt: skip
     elif args.strategy == "prague":
         strategy = lightning_prague.PartialAllReduceStrategy(
             group_size=2, replica_size=size, shard=args.shard, seed=0, timeout=60.0

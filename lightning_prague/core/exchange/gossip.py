@@ -15,6 +15,15 @@ exchange as soon as it is issued: the same parameters, without the overlap. `lag
 mixes it in at once, so the next gradient is taken at the averaged parameters (Prague's blocking
 Partial All-Reduce with its `static` schedule uses that).
 
+**At each worker's own pace** (`own_pace`, the strategies' `pace="own"`) the update does not wait for
+the round in flight: if its sums are not done yet, the update is a local step, and the round is mixed
+in at the first update after they are done, the next round issued then. The change a round brings is
+`W x - x` of the snapshot it was issued with, so it is added to the parameters as they stand, local
+steps included. A worker three times faster than its slow neighbour so takes about three steps per
+round where the neighbour takes one, and never waits for it; the rounds still go round by round
+together. Where ranks are coupled (a replica's), they must mix a round in at the same update, so they
+agree on whether it is done on all of them first (`agree`: `lightning_prague.core.replicas.agreement`).
+
 Rounds are counted per worker, and each round is a collective of its group, so every worker must
 end a phase at the same round. The phase ends in the meeting of every rank that ends any
 strategy's phase (`GroupWorker.synchronize`, decided by `GroupGenerator`): each rank arrives with
@@ -54,7 +63,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -139,9 +148,13 @@ class LaggedGossip(Exchanger):
         idle_after: float = IDLE_AFTER,
         lagged: bool = True,
         slices: bool = True,
+        own_pace: bool = False,
+        agree: Callable[[bool], bool] | None = None,
     ) -> None:
         if schedule.world_size != worker.world_size:
             raise ValueError(f"topology for {schedule.world_size} workers used by a world of {worker.world_size}")
+        if own_pace and not (overlap and lagged):
+            raise ValueError("own_pace mixes a round in once it is done: it needs overlap and lagged rounds")
         super().__init__(worker, live, timeout)
         worker.switch_in_order = False  # rounds take the group the control plane names with their members
         self.schedule = schedule
@@ -152,6 +165,13 @@ class LaggedGossip(Exchanger):
         #: the ranks coupled with this one (a replica's) hold one model, each averaging its slice of it;
         #: `False`: each holds its own part already (a model sharded over the replica)
         self.slices = slices
+        #: each worker trains at its own pace: a round is mixed in at the first update where it is done
+        #: (local steps meanwhile), and the next is issued then; `False`: every update waits for its round
+        self.own_pace = own_pace
+        #: where the ranks coupled with this one (a replica's) must mix at the same update: whether the
+        #: round is done on all of them, given whether it is on this one (`ReadyAgreement`)
+        self.agree = agree
+        self.local_steps = 0  #: updates made while a round was still in flight (`own_pace`)
         self.round = 0  #: exchanges issued so far; equal on every worker at synchronization points
         self._flight: _InFlight | None = None
         self._phase_open = False
@@ -316,6 +336,15 @@ class LaggedGossip(Exchanger):
             self.worker.stats.record_group_error(flight.error)
         self.exchanges += 1
 
+    def ready(self) -> bool:
+        """Whether the round in flight can be mixed in without waiting: done here (and, with `agree`, on
+        every rank coupled with this one), or none in flight."""
+        flight = self._flight
+        if flight is None:  # (the same on every rank of a replica: they mix and issue together)
+            return True
+        done = flight.future is None or flight.future.done()
+        return self.agree(done) if self.agree is not None else done
+
     # -- the Exchanger interface ------------------------------------------------------------
     def start(self) -> None:
         """The first exchange of a phase overlaps the phase's first forward and backward pass."""
@@ -325,7 +354,11 @@ class LaggedGossip(Exchanger):
                 self.issue()
 
     def step(self) -> None:
-        self.mix()  # normally already mixed just before the update; a no-op then
+        if self.own_pace and not self.ready():  # a local step: the round is mixed in at the first update it is done
+            self.local_steps += 1
+            log.debug("rank %d: round %d still in flight: a local step", self.worker.rank, self.round - 1)
+            return
+        self.mix()  # normally already mixed just before the update (`lagged`, not `own_pace`); a no-op then
         self.issue()
 
     def drain(self) -> None:

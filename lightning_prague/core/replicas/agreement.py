@@ -1,4 +1,4 @@
-"""A replica's ranks agree on a stop one step after any of them saw it.
+"""A replica's ranks agree on a stop one step after any of them saw it, and on mixing a gossip round in.
 
 Under the lock-step strategies (`decent_adam`, `prague` with `grouping="static"`) a replica's ranks
 average their gradients at every step, so they must stop at the same step. A stop, though, reaches
@@ -15,6 +15,10 @@ the previous call's, which finished a step ago: the ranks get the same answer at
 they stop together, one batch after the first of them saw the stop. The numbers live in host memory
 on a gloo group of the replica's ranks (on an NCCL job a second group, made once per fit), so this
 never waits for the device; nothing else is exchanged, and nothing goes beyond the replica.
+
+`ReadyAgreement` makes the replica's ranks mix a gossip round in at the same update when the
+schedule runs at each replica's own pace (`pace="own"`): each rank's round (its slice or shard with its
+column) finishes at its own moment, and the replica mixes it in only once it is done on all of them.
 
 A rank of the replica lost makes the wait fail (gloo: at once; otherwise at the group's timeout), as
 the next gradient average would: the replica is lost with it (`lightning_prague.core.replicas.sync`).
@@ -70,3 +74,30 @@ class StopAgreement:
         if agreed.signal or agreed.request:
             log.debug("%s: agreed at call %d: %s", self.what, self.calls, agreed)
         return agreed
+
+
+class ReadyAgreement:
+    """A replica's ranks agree whether each of them can mix its gossip round in without waiting (a
+    schedule's rounds at each replica's own pace, `LaggedGossip`'s `own_pace`).
+
+    Each rank of a replica averages its own slice (or shard) of the model with its column, so its round
+    finishes at its own moment; the replica's ranks hold one model (or its shards, updated in step) and
+    must mix a round in at the same step. Before each update every rank puts in whether its round is
+    done and gets whether it is done on all of them: one blocking all-reduce of one number, in host
+    memory on a gloo group of the replica's ranks, bounded by `timeout`. The replica's ranks step
+    together anyway (their gradient average), so the wait is the group's latency inside the node.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, timeout: timedelta, what: str) -> None:
+        self.group = group
+        self.timeout = timeout
+        self.what = what
+        self._flag = torch.zeros(1, dtype=torch.int64)
+
+    def __call__(self, done: bool) -> bool:
+        """Whether the round in flight is done on every rank of the replica (`done`: on this one)."""
+        self._flag[0] = int(done)
+        work = dist.all_reduce(self._flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        if not work.wait(self.timeout):
+            raise TimeoutError(f"{self.what}: the replica's ranks did not agree within {self.timeout}")
+        return bool(self._flag[0] > 0)
