@@ -151,6 +151,8 @@ def test_a_session_configuration_is_checked_field_by_field():
         ("hang", {"import": "os"}, "unknown field 'import'"),
         ("policy", "gASV", "field 'policy'"),
         ("exec", "print(1)", "unknown field 'exec'"),
+        ("replica_size", 0, "field 'replica_size'"),
+        ("replica_size", 3, "replica_size=3 does not divide world_size=4"),
     ]:
         with pytest.raises(BadRecord, match=expected):
             SessionConfig.from_wire({**wire, field: value})

@@ -127,6 +127,29 @@ def test_a_joiner_is_admitted_at_once_in_a_membership_epoch_of_its_own_with_no_m
     assert later[0][-1]["t"] == "answer"
 
 
+def test_a_replicas_joiners_are_admitted_together_once_all_of_them_asked():
+    """In replica groups (`replica_size`) a replica trains whole: its new processes are admitted in one
+    membership epoch, and not before the last of them asks; inside an epoch and in an epoch's end's
+    release alike."""
+    for after_epoch in (False, True):
+        generator = GroupGenerator(6, make_policy("random", 6, 2, seed=1), replica_size=2)
+        generator.depart(3, {})
+        generator.depart(2, {})
+        out: dict = {}
+        generator.request_join(3, out, after_epoch=after_epoch)
+        assert out == {} and generator.live == [0, 1, 4, 5], "half a replica waits for the other half"
+        if after_epoch:  # an epoch's end comes and goes: it still waits
+            assert 3 not in meet(generator, [0, 1, 4, 5], "epoch_end@epoch0")
+            for rank in (0, 1, 4, 5):
+                generator.handle({"op": "resume", "rank": rank})
+        generator.request_join(2, out, after_epoch=after_epoch)
+        if after_epoch:
+            out = meet(generator, [0, 1, 4, 5], "epoch_end@epoch1")
+        admitted = [item for rank in (2, 3) for item in out[rank] if item["t"] == "admit"]
+        assert [item["joined"] for item in admitted] == [[2, 3], [2, 3]], out
+        assert {item["epoch"] for item in admitted} == {1} and generator.live == [0, 1, 2, 3, 4, 5]
+
+
 def test_a_joiner_is_held_while_the_members_meet_and_until_they_all_trained_again():
     generator = generator_without(2)
     meet(generator, [0], "epoch_end@epoch0")

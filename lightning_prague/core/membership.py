@@ -525,10 +525,13 @@ def new_named_group(
     timeout: timedelta,
     what: str,
     device_id: Optional[torch.device] = None,
+    store: Optional[dist.Store] = None,
 ) -> dist.ProcessGroup:
     """A process group of `members` made by them only, named `name` (unique in the job, the same on
-    every member) on the default group's store; its waits are bounded by `timeout`."""
-    return _new_group(members, backend, _default_store(), name, timeout, what, device_id)
+    every member) on the default group's store, or under `GROUPS_PREFIX` on the job's `store` (ranks
+    that rejoined: their default group is their own stand-in); its waits are bounded by `timeout`."""
+    base = dist.PrefixStore(GROUPS_PREFIX, store) if store is not None else _default_store()
+    return _new_group(members, backend, base, name, timeout, what, device_id)
 
 
 class RendezvousStore(dist.Store):

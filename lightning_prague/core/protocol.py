@@ -198,6 +198,8 @@ class SessionConfig:
     #: ranks `0..launched-1` start the fit; ranks from `launched` up to `world_size` are free places
     #: that new workers take by joining the running fit (`max_workers`); `None`: every rank starts it
     launched: int | None = None
+    #: consecutive ranks that train one model (replica groups): they leave and come back together
+    replica_size: int = 1
 
     def to_wire(self) -> dict[str, Any]:
         """This configuration as the JSON object `join` carries."""
@@ -210,6 +212,11 @@ class SessionConfig:
         fields["hang"] = HangRule(**HANG_RECORD.check(fields.get("hang", {})))
         if fields.get("launched") is not None and fields["launched"] > fields["world_size"]:
             raise BadRecord(f"a session's configuration: launched={fields['launched']} > world_size")
+        if fields["world_size"] % fields.get("replica_size", 1):
+            raise BadRecord(
+                f"a session's configuration: replica_size={fields['replica_size']} does not divide "
+                f"world_size={fields['world_size']}"
+            )
         return SessionConfig(**fields)
 
     @property
@@ -246,6 +253,7 @@ CONFIG_RECORD = Record(
         "sync_timeout": optional(number(1e-3, 1e7)),
         "avoid_busy": BOOLEAN,
         "launched": optional(integer(1, MAX_RANK + 1)),
+        "replica_size": integer(1, MAX_RANK + 1),
     },
 )
 

@@ -75,7 +75,7 @@ from lightning_prague.core.job import Job, init_job
 from lightning_prague.core.plane.launch import LOG_DIR_VARIABLE
 from lightning_prague.core.plane.service import plane_address
 from lightning_prague.core.protocol import HangRule
-from lightning_prague.core.replicas.agreement import ReadyAgreement
+from lightning_prague.core.replicas.agreement import ReplicaAgreement
 from lightning_prague.core.replicas.layout import ReplicaLayout
 from lightning_prague.core.replicas.reassembly import SliceReassembly
 from lightning_prague.core.replicas.sharding import (
@@ -266,8 +266,10 @@ class DecentralizedStrategy(DDPStrategy):
                 default): every rank on its own. Schedules and groups are drawn over the replicas,
                 rank `i` of each averaging its slice of the model with rank `i` of the others; the
                 work queue hands a replica one chunk of `replica_size` batches per step (map-style
-                data only). A lost rank loses its replica, which does not come back (`max_restarts`
-                and `max_workers` must stay unset). See `docs/replica_groups.md`.
+                data only). A lost rank loses its replica; with `max_restarts` the replica comes
+                back whole where its data comes from the work queue and its model is whole (not
+                with `shard=True` nor a schedule in rounds); `max_workers` must stay unset. See
+                `docs/replica_groups.md`.
             shard: shard the model over each replica's ranks with FSDP2 (`fully_shard` on the
                 replica's ranks: parameters, gradients and optimizer state split `replica_size`
                 ways) instead of keeping it whole on each; needs `replica_size`. The strategy shards
@@ -439,14 +441,48 @@ class DecentralizedStrategy(DDPStrategy):
     def _replica_process_group(self) -> dist.ProcessGroup:
         """This rank's replica's process group, made by its ranks when first asked for in a fit."""
         if self._replica_group is None:
+            admission = self.training.admission if self.training is not None else None
+            came_back = None
+            if admission is not None:  # a replica come back: its ranks meet on the job's store
+                store = self._require_job().store
+                assert store is not None
+                came_back = (store, int(admission.release.get("epoch", 0)))
             self._replica_group = replica_group(
                 self.replicas,
                 self.global_rank,
                 self._get_process_group_backend(),
                 timedelta(seconds=self.operation_timeout),
                 self.root_device if self.root_device.type != "cpu" else None,
+                came_back,
             )
         return self._replica_group
+
+    @property
+    def replicas_come_back(self) -> bool:
+        """Whether a lost replica's new processes can rejoin the fit: replica groups whose data comes from
+        the work queue, each rank holding the whole model (the fit's state from one live rank)."""
+        return self.shards_by_work_queue and not self.shard
+
+    def refuse_replica_restarts(self) -> None:
+        """`ConfigurationError` for `max_restarts` in replica groups that cannot come back (called once the
+        strategy knows where its data comes from: `replicas_come_back`)."""
+        if self.options.replica_size != 1 and self.max_restarts and not self.replicas_come_back:
+            raise ConfigurationError(
+                f"strategy={self.strategy_name!r} with replica_size={self.options.replica_size!r} and "
+                f"max_restarts={self.max_restarts}: a lost replica comes back only where its data comes from the "
+                "work queue, and a schedule in rounds trains equal shards; use pace='own', or set max_restarts=0"
+            )
+
+    def check_replicas_come_back(self) -> None:
+        """`ConfigurationError` on a new process that rejoins a job in replica groups that cannot come back
+        (`replicas_come_back`: a new `srun` step, a restarted container), before it asks to."""
+        self.refuse_replica_restarts()
+        if self.replicas.replica_size > 1 and self._require_job().joining and not self.replicas_come_back:
+            why = "with shard=True" if self.shard else "whose data is in equal shards (a schedule in rounds)"
+            raise ConfigurationError(
+                f"rank {self.global_rank}'s new process cannot rejoin: a lost replica comes back only under the work "
+                f"queue with each rank's model whole, not in replicas {why} (docs/replica_groups.md)"
+            )
 
     def replica_host_group(self) -> dist.ProcessGroup:
         """A gloo group of this rank's replica, for the replica's agreements on numbers in host memory (a
@@ -461,13 +497,13 @@ class DecentralizedStrategy(DDPStrategy):
             )
         return self._replica_host_group
 
-    def replica_ready_agreement(self) -> Optional[ReadyAgreement]:
-        """How this rank's replica agrees on mixing a gossip round in at its own pace (`pace="own"`);
-        `None` without replicas."""
+    def replica_agreement(self) -> Optional[ReplicaAgreement]:
+        """How this rank's replica agrees on its gossip rounds at its own pace (`pace="own"`: mixing one
+        in, the round a replica come back takes up); `None` without replicas."""
         if self.replicas.replica_size == 1:
             return None
         what = f"rank {self.global_rank}'s replica's gossip rounds"
-        return ReadyAgreement(self.replica_host_group(), timedelta(seconds=self.operation_timeout), what)
+        return ReplicaAgreement(self.replica_host_group(), timedelta(seconds=self.operation_timeout), what)
 
     @property
     def device_mesh(self) -> Any:
@@ -515,13 +551,9 @@ class DecentralizedStrategy(DDPStrategy):
             check_layer_sync(self, self.strategy_name)
             # before Lightning's setup: configure_optimizers may read trainer.estimated_stepping_batches,
             # which loads the training data (through the work queue) there
+            self.check_replicas_come_back()
             self.training = TrainingSession(self._require_job(), self.session_plan(policy))
             self.training.open()
-            if self.training.admission is not None and self.replicas.replica_size > 1:
-                raise ConfigurationError(
-                    f"rank {self.global_rank}'s new process cannot rejoin: a lost rank lost its replica, and a replica "
-                    "does not come back yet (docs/design/replicas.md)"
-                )
             if self.training.admission is not None:  # rejoined: the others train on, unaligned with it
                 self.controller.batch_starts()
                 trainer.num_sanity_val_steps = 0  # the fit is under way: no sanity check (and no collectives)
@@ -552,7 +584,9 @@ class DecentralizedStrategy(DDPStrategy):
     def session_plan(self, policy: GroupingPolicy) -> SessionPlan:
         """The factory of this fit's session: what it needs, from this strategy's options (starts nothing)."""
         options = self.options
-        config = options.session_config(self.world_size, policy, self.avoid_stragglers, self.avoid_busy)
+        config = options.session_config(
+            self.world_size, policy, self.avoid_stragglers, self.avoid_busy, self.replicas.replica_size
+        )
         exchanger = partial(self._exchanger, policy=policy)
         return SessionPlan(config, exchanger, options.operation_timeout, options.bucket_bytes, options.sync_bound)
 

@@ -173,10 +173,11 @@ class StrategyOptions:
                     "(and replica_size)"
                 )
             object.__setattr__(self, "auto_wrap_policy", module_classes(self.auto_wrap_policy))
-        if size != 1 and self.max_restarts:
+        if size != 1 and self.max_restarts and self.shard:
             raise ConfigurationError(
-                f"replica_size={size!r} with max_restarts={self.max_restarts}: a lost rank loses its replica, and a "
-                "replica does not come back yet (docs/design/replicas.md); set max_restarts=0"
+                f"replica_size={size!r}, shard=True with max_restarts={self.max_restarts}: a replica sharded over its "
+                "ranks does not come back yet (its state would come shard by shard from a live replica; "
+                "docs/replica_groups.md); set max_restarts=0"
             )
         if size != 1 and self.max_workers is not None:
             raise ConfigurationError(
@@ -255,10 +256,10 @@ class StrategyOptions:
         return max(launched, self.max_workers or 0)
 
     def session_config(
-        self, launched: int, policy: GroupingPolicy, avoid_stragglers: bool, avoid_busy: bool
+        self, launched: int, policy: GroupingPolicy, avoid_stragglers: bool, avoid_busy: bool, replica_size: int = 1
     ) -> SessionConfig:
         """The configuration of one fit's control session (the grouping options are the strategy's own)
-        for a job started with `launched` workers."""
+        for a job started with `launched` workers, in replicas of `replica_size` ranks (resolved)."""
         world_size = self.capacity(launched)
         return SessionConfig(
             world_size,
@@ -271,6 +272,7 @@ class StrategyOptions:
             sync_timeout=self.sync_bound,
             avoid_busy=avoid_busy,
             launched=launched if world_size > launched else None,
+            replica_size=replica_size,
         )
 
 

@@ -173,14 +173,17 @@ class ProgressLoader:
         self._reported = None
 
     def _ticket_request(self) -> Optional[tuple[str, int]]:
-        if not self.armed or self.batches_per_epoch is None:
+        if self.batches_per_epoch is None:
             return None
         replicas = self.sampler is not None and self.sampler.replica_size > 1
-        if not self.counter.first_taken and not replicas:
+        # (a replica's chunks always come with their tickets, however early they are claimed, before
+        # training starts too (a replica come back claims its first chunk then): its other ranks take the
+        # first rank's answers, tickets included; a ticket each claimed on its own would count the
+        # replica's step twice, and the step budget would end before its batches were trained)
+        if replicas:
+            return self.counter.tickets_key, self.batches_per_epoch
+        if not self.armed or not self.counter.first_taken:
             return None  # the epoch's first ticket is set aside for this worker: claims come after it
-        # (a replica's chunks always come with their tickets, however early they are claimed: its other
-        # ranks take the first rank's answers, tickets included; a ticket each claimed on its own would
-        # count the replica's step twice, and the step budget would end before its batches were trained)
         return self.counter.tickets_key, self.batches_per_epoch
 
     def __iter__(self) -> Iterator[Any]:

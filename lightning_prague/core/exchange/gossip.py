@@ -22,7 +22,7 @@ in at the first update after they are done, the next round issued then. The chan
 steps included. A worker three times faster than its slow neighbour so takes about three steps per
 round where the neighbour takes one, and never waits for it; the rounds still go round by round
 together. Where ranks are coupled (a replica's), they must mix a round in at the same update, so they
-agree on whether it is done on all of them first (`agree`: `lightning_prague.core.replicas.agreement`).
+agree on whether it is done on all of them first (`replica`: `lightning_prague.core.replicas.agreement`).
 
 Rounds are counted per worker, and each round is a collective of its group, so every worker must
 end a phase at the same round. The phase ends in the meeting of every rank that ends any
@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -79,6 +79,7 @@ from lightning_prague.core.errors import CoordinationTimeout
 from lightning_prague.core.exchange.overlap import Exchanger
 from lightning_prague.core.exchange.worker import GroupWorker
 from lightning_prague.core.grouping.topology import Schedule, WeightedGroup
+from lightning_prague.core.replicas.agreement import ReplicaAgreement
 from lightning_prague.core.replicas.layout import share_of
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class LaggedGossip(Exchanger):
         lagged: bool = True,
         slices: bool = True,
         own_pace: bool = False,
-        agree: Callable[[bool], bool] | None = None,
+        replica: ReplicaAgreement | None = None,
     ) -> None:
         if schedule.world_size != worker.world_size:
             raise ValueError(f"topology for {schedule.world_size} workers used by a world of {worker.world_size}")
@@ -168,9 +169,9 @@ class LaggedGossip(Exchanger):
         #: each worker trains at its own pace: a round is mixed in at the first update where it is done
         #: (local steps meanwhile), and the next is issued then; `False`: every update waits for its round
         self.own_pace = own_pace
-        #: where the ranks coupled with this one (a replica's) must mix at the same update: whether the
-        #: round is done on all of them, given whether it is on this one (`ReadyAgreement`)
-        self.agree = agree
+        #: the agreements of the ranks coupled with this one (a replica's), which must mix at the same
+        #: update and take gossip up at the same round; `None`: none coupled (or lock-step anyway)
+        self.replica = replica
         self.local_steps = 0  #: updates made while a round was still in flight (`own_pace`)
         self.round = 0  #: exchanges issued so far; equal on every worker at synchronization points
         self._flight: _InFlight | None = None
@@ -343,7 +344,7 @@ class LaggedGossip(Exchanger):
         if flight is None:  # (the same on every rank of a replica: they mix and issue together)
             return True
         done = flight.future is None or flight.future.done()
-        return self.agree(done) if self.agree is not None else done
+        return self.replica.all_done(done) if self.replica is not None else done
 
     # -- the Exchanger interface ------------------------------------------------------------
     def start(self) -> None:
@@ -381,6 +382,8 @@ class LaggedGossip(Exchanger):
             first = answer.get("round")
         if not isinstance(first, int) or isinstance(first, bool) or first < 0:
             raise ValueError(f"rank {self.worker.rank}: the control plane named no gossip round to take up ({first!r})")
+        if self.replica is not None:  # a replica come back: its ranks go on from one round, the latest any was
+            first = self.replica.largest(first)  # given (before it, the replica was not whole: in no round)
         self.round = first
         log.debug("rank %d: rejoined gossip at round %d", self.worker.rank, first)
 

@@ -136,8 +136,11 @@ class GroupGenerator:
         min_workers: int = 1,
         avoid_busy: bool = False,
         launched: int | None = None,
+        replica_size: int = 1,
     ) -> None:
         self.world_size = world_size
+        #: ranks `rK .. rK+K-1` train one model (a replica group): a replica's joiners are admitted together
+        self.replica_size = replica_size
         #: draw no worker into another's group while a group of its own is still unfinished (see `busy`)
         self.avoid_busy = avoid_busy
         #: workers in a group issued since their last request: busy until they ask again
@@ -235,9 +238,21 @@ class GroupGenerator:
         release admits them), the fit is stopping or ended, or no member trains to send them its state."""
         if self.parked or self._unresumed or self.stopping or self.stop_requested or self.ended:
             return
-        admit = [r for r in self.joining if r not in self.after_epoch]
+        admit = self._whole([r for r in self.joining if r not in self.after_epoch])
         if admit:
             self._admit(admit, out)
+
+    def _whole(self, joiners: list[int]) -> list[int]:
+        """The `joiners` whose replica's ranks are all joining (a replica trains whole: its ranks come
+        back together, in one admission, or not at all); every joiner without replica groups."""
+        size = self.replica_size
+        if size == 1:
+            return joiners
+        waiting = set(joiners)
+        whole = [r for r in joiners if all(m in waiting for m in range(r - r % size, r - r % size + size))]
+        if len(whole) < len(joiners):
+            log.debug("joiners %s wait for the rest of their replicas", sorted(waiting - set(whole)))
+        return whole
 
     def _donor(self) -> int | None:
         """The member that sends joiners the fit's state: the lowest one that trains."""
@@ -654,8 +669,8 @@ class GroupGenerator:
                 self._turn_away(out)
             elif sync.startswith(ADMITTING_AT) and top and self.joining and not self._departed_since_release:
                 # an epoch's end: every joiner, in the release (unless the members rebuild their group here)
-                joiners = list(self.joining)
-                if self._admit(joiners, out, release):
+                joiners = self._whole(list(self.joining))
+                if joiners and self._admit(joiners, out, release):
                     self._in_release = set(joiners)
             if top:
                 self._unresumed = set(present)

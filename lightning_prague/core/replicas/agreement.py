@@ -16,7 +16,7 @@ they stop together, one batch after the first of them saw the stop. The numbers 
 on a gloo group of the replica's ranks (on an NCCL job a second group, made once per fit), so this
 never waits for the device; nothing else is exchanged, and nothing goes beyond the replica.
 
-`ReadyAgreement` makes the replica's ranks mix a gossip round in at the same update when the
+`ReplicaAgreement` makes the replica's ranks mix a gossip round in at the same update when the
 schedule runs at each replica's own pace (`pace="own"`): each rank's round (its slice or shard with its
 column) finishes at its own moment, and the replica mixes it in only once it is done on all of them.
 
@@ -76,13 +76,14 @@ class StopAgreement:
         return agreed
 
 
-class ReadyAgreement:
-    """A replica's ranks agree whether each of them can mix its gossip round in without waiting (a
-    schedule's rounds at each replica's own pace, `LaggedGossip`'s `own_pace`).
+class ReplicaAgreement:
+    """A replica's ranks agree on what their gossip rounds need alike: whether each of them can mix its
+    round in without waiting (a schedule's rounds at each replica's own pace, `LaggedGossip`'s
+    `own_pace`), and, for a replica come back, the round they take gossip up at.
 
     Each rank of a replica averages its own slice (or shard) of the model with its column, so its round
     finishes at its own moment; the replica's ranks hold one model (or its shards, updated in step) and
-    must mix a round in at the same step. Before each update every rank puts in whether its round is
+    must mix a round in at the same update. Before each update every rank puts in whether its round is
     done and gets whether it is done on all of them: one blocking all-reduce of one number, in host
     memory on a gloo group of the replica's ranks, bounded by `timeout`. The replica's ranks step
     together anyway (their gradient average), so the wait is the group's latency inside the node.
@@ -92,12 +93,19 @@ class ReadyAgreement:
         self.group = group
         self.timeout = timeout
         self.what = what
-        self._flag = torch.zeros(1, dtype=torch.int64)
+        self._value = torch.zeros(1, dtype=torch.int64)
 
-    def __call__(self, done: bool) -> bool:
-        """Whether the round in flight is done on every rank of the replica (`done`: on this one)."""
-        self._flag[0] = int(done)
-        work = dist.all_reduce(self._flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+    def _reduce(self, value: int, op: dist.ReduceOp, operation: str) -> int:
+        self._value[0] = value
+        work = dist.all_reduce(self._value, op=op, group=self.group, async_op=True)
         if not work.wait(self.timeout):
-            raise TimeoutError(f"{self.what}: the replica's ranks did not agree within {self.timeout}")
-        return bool(self._flag[0] > 0)
+            raise TimeoutError(f"{self.what}: the replica's ranks did not agree on {operation} within {self.timeout}")
+        return int(self._value[0])
+
+    def all_done(self, done: bool) -> bool:
+        """Whether the round in flight is done on every rank of the replica (`done`: on this one)."""
+        return self._reduce(int(done), dist.ReduceOp.MIN, "mixing a round in") > 0
+
+    def largest(self, value: int) -> int:
+        """The largest of the replica's ranks' `value`s."""
+        return self._reduce(value, dist.ReduceOp.MAX, "a round")

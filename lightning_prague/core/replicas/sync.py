@@ -14,8 +14,9 @@ the default group's store. It is the one communicator a replica adds, and nothin
 **A rank lost** (killed, fenced, failed) loses its replica: the others' next gradient average fails
 (gloo: at once, the peer's connection closes; NCCL: at the group's timeout, or when the watchdog
 aborts it) and they fail with it, leaving the job; the other replicas train on without the whole
-replica (`Schedule.whole`). A replica does not come back yet: a lost rank's new process is refused
-(`docs/design/replicas.md`).
+replica (`Schedule.whole`). The replica comes back whole: the control plane admits its new processes
+together, and they make its group anew on the job's store (`replica_group`'s `came_back`: a rejoined
+process's default group is a stand-in of its own).
 """
 
 from __future__ import annotations
@@ -44,14 +45,21 @@ def replica_group(
     backend: str,
     timeout: timedelta,
     device_id: Optional[torch.device] = None,
+    came_back: Optional[tuple[dist.Store, int]] = None,
 ) -> dist.ProcessGroup:
-    """The process group of `rank`'s replica, made by the replica's ranks only (each must call it)."""
+    """The process group of `rank`'s replica, made by the replica's ranks only (each must call it).
+
+    `came_back`: the replica's ranks are new processes, admitted together in a membership epoch
+    (`(the job's store, the epoch)`): the group is made on the job's store, under a name of that
+    admission (the lost replica's group met under the replica's own name on the old default store)."""
     replica = layout.replica_of(rank)
     ranks = layout.ranks_of(replica)
-    name = f"lightning_prague.replica.{replica}.{next(_made)}"
+    epoch = f".epoch{came_back[1]}" if came_back is not None else ""
+    name = f"lightning_prague.replica.{replica}{epoch}.{next(_made)}"
     log.debug("rank %d: making the process group of replica %d (ranks %s) as %s", rank, replica, list(ranks), name)
     what = f"the process group of replica {replica} (ranks {list(ranks)})"
-    return new_named_group(ranks, backend, name, timeout, what, device_id)
+    store = came_back[0] if came_back is not None else None
+    return new_named_group(ranks, backend, name, timeout, what, device_id, store=store)
 
 
 def synchronous(

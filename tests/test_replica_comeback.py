@@ -1,0 +1,87 @@
+"""A lost replica comes back whole (issue 50): both ranks of a replica start again and rejoin the fit
+together, while the other replicas train on.
+
+Two real jobs, run side by side: six CPU workers under the strategy's launcher with `max_restarts=1`
+(forked ranks), in replicas of 2, one epoch of 480 batches (the digits in batches of 3: 240 chunks of
+one batch per rank of a replica), 50 ms steps: `prague` (random groups of replicas, the work queue)
+and `decent_adam` at each replica's own pace (a ring of replicas, the work queue). In each, rank 3
+kills itself with SIGKILL at its 20th batch; its mate, rank 2, fails at that step's gradient average
+and leaves with it. The agent starts both again. The control plane admits them together, in one
+membership epoch, only once both have asked (a replica trains whole); the donor sends both the same
+state; they make their replica's group anew on the job's store, and train the rest of the epoch
+with the others, the replica's second rank following its first rank's claims, tickets included.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import ForkedJob, dump_stacks, free_port
+
+import lightning_prague.demo.run  # noqa: F401  (imported once here: the jobs' agents are forked from this process)
+
+#: the digits' training samples and the batch size: 240 chunks of a batch for each rank of a replica
+SAMPLES, BATCH, WORLD, REPLICA = 1438, 3, 6, 2
+KILLED, MATE, KILLED_AT = 3, 2, 20  # each of the lost replica's processes trained the 19 batches before it
+CASES = {"prague": [], "decent_adam": ["--pace", "own"]}
+
+
+def _command(strategy: str, out: Path) -> list[str]:
+    command = ["--strategy", strategy, *CASES[strategy], "--devices", str(WORLD), "--replica-size", str(REPLICA)]
+    command += ["--epochs", "1", "--batch-size", str(BATCH), "--step-time", "0.05", "--profile", "homogeneous"]
+    command += ["--fault", f"{KILLED}:{KILLED_AT}:kill", "--max-restarts", "1", "--hang-timeout", "10"]
+    return [*command, "--start-method", "fork", "--json", str(out / "result.json")]
+
+
+@pytest.fixture(scope="module")
+def comeback_jobs(tmp_path_factory) -> dict[str, tuple[int, dict[int, dict], str]]:
+    """Both jobs at once: name -> (exit status, each rank's last result, the job's output)."""
+    runs = {}
+    for name in CASES:
+        out = tmp_path_factory.mktemp(name)
+        env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        runs[name] = (out, ForkedJob("lightning_prague.demo.run", _command(name, out), env, out, out / "log.txt"))
+    results = {}
+    try:
+        for name, (out, job) in runs.items():
+            try:
+                job.wait(timeout=240)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the {name} job did not end within 240 s:\n{dump_stacks(job, out / 'log.txt')}")
+            ranks = {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("result*.json"))}
+            results[name] = (job.returncode, ranks, (out / "log.txt").read_text())
+    finally:
+        for _, job in runs.values():
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    return results
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", list(CASES))
+def test_a_lost_replica_comes_back_whole_and_every_batch_is_trained_once(comeback_jobs, strategy):
+    status, results, output = comeback_jobs[strategy]
+    assert status == 0, output[-4000:]  # the agent: every rank's last process exited 0
+    assert sorted(results) == list(range(WORLD)), output[-4000:]
+    # admitted together, in one membership epoch, inside the epoch
+    assert "ranks [2, 3] rejoined the job; members [0, 1, 2, 3, 4, 5]" in output, output[-4000:]
+    for rank in (MATE, KILLED):
+        assert f"rank {rank}: rejoined the job inside the epoch (membership epoch 1)" in output
+    assert [results[r]["restarts"] for r in range(WORLD)] == [0, 0, 1, 1, 0, 0], "only the lost replica restarted"
+    # the replica's new processes took the same steps, and a good part of the epoch
+    assert results[MATE]["batches_this_process"] == results[KILLED]["batches_this_process"] >= 20, results
+    # every batch trained once: by the survivors, the new processes, and the 19 each lost process trained
+    trained = sum(results[r]["batches_this_process"] for r in results) + 2 * (KILLED_AT - 1)
+    assert trained == REPLICA * math.ceil(SAMPLES / (BATCH * REPLICA)), {
+        r: results[r]["batches_this_process"] for r in results
+    }
+    # and the fit ended on one consensus model, learned
+    assert len({results[r]["params_sha256"] for r in results}) == 1
+    assert results[0]["val_acc"] >= 0.5, results[0]["val_acc"]
