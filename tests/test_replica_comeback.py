@@ -1,8 +1,8 @@
 """A lost replica comes back whole (issue 50): both ranks of a replica start again and rejoin the fit
 together, while the other replicas train on.
 
-Two real jobs, run side by side: six CPU workers under the strategy's launcher with `max_restarts=1`
-(forked ranks), in replicas of 2, one epoch of 480 batches (the digits in batches of 3: 240 chunks of
+Two real jobs, run side by side: four CPU workers under the strategy's launcher with `max_restarts=1`
+(forked ranks), in replicas of 2, one epoch of 240 batches (the digits in batches of 6: 120 chunks of
 one batch per rank of a replica), 50 ms steps: `prague` (random groups of replicas, the work queue)
 and `decent_adam` at each replica's own pace (a ring of replicas, the work queue). In each, rank 3
 kills itself with SIGKILL at its 20th batch; its mate, rank 2, fails at that step's gradient average
@@ -26,8 +26,8 @@ from helpers import ForkedJob, dump_stacks, free_port
 
 import lightning_prague.demo.run  # noqa: F401  (imported once here: the jobs' agents are forked from this process)
 
-#: the digits' training samples and the batch size: 240 chunks of a batch for each rank of a replica
-SAMPLES, BATCH, WORLD, REPLICA = 1438, 3, 6, 2
+#: the digits' training samples and the batch size: 120 chunks of a batch for each rank of a replica
+SAMPLES, BATCH, WORLD, REPLICA = 1438, 6, 4, 2
 KILLED, MATE, KILLED_AT = 3, 2, 20  # each of the lost replica's processes trained the 19 batches before it
 CASES = {"prague": [], "decent_adam": ["--pace", "own"]}
 
@@ -71,12 +71,12 @@ def test_a_lost_replica_comes_back_whole_and_every_batch_is_trained_once(comebac
     assert status == 0, output[-4000:]  # the agent: every rank's last process exited 0
     assert sorted(results) == list(range(WORLD)), output[-4000:]
     # admitted together, in one membership epoch, inside the epoch
-    assert "ranks [2, 3] rejoined the job; members [0, 1, 2, 3, 4, 5]" in output, output[-4000:]
+    assert "ranks [2, 3] rejoined the job; members [0, 1, 2, 3]" in output, output[-4000:]
     for rank in (MATE, KILLED):
         assert f"rank {rank}: rejoined the job inside the epoch (membership epoch 1)" in output
-    assert [results[r]["restarts"] for r in range(WORLD)] == [0, 0, 1, 1, 0, 0], "only the lost replica restarted"
+    assert [results[r]["restarts"] for r in range(WORLD)] == [0, 0, 1, 1], "only the lost replica restarted"
     # the replica's new processes took the same steps, and a good part of the epoch
-    assert results[MATE]["batches_this_process"] == results[KILLED]["batches_this_process"] >= 20, results
+    assert results[MATE]["batches_this_process"] == results[KILLED]["batches_this_process"] >= 5, results
     # every batch trained once: by the survivors, the new processes, and the 19 each lost process trained
     trained = sum(results[r]["batches_this_process"] for r in results) + 2 * (KILLED_AT - 1)
     assert trained == REPLICA * math.ceil(SAMPLES / (BATCH * REPLICA)), {
