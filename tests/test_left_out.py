@@ -337,6 +337,11 @@ def test_a_blocked_worker_is_left_out_and_comes_back_in_place_and_a_hung_one_is_
     place (no new process, no fence) and trains on; rank 2 is fenced at its long bound."""
     args = ["--strategy", "prague", "--epochs", "2", "--batch-size", "4", "--step-time", "0.05"]
     args += ["--hang-timeout", "8", "--leave-out-after", "1.5", "--fault", "1:5:block=4", "--fault", "2:8:hang"]
+    # the short bound is at least `hang_factor` times a rank's longest recent step: at the default 20, a
+    # machine loaded enough to stretch a 0.05 s step to 0.27 s (another test's job beside this one) made
+    # it 5.5 s, longer than the 4 s block, and rank 1 was never left out. At 4 it stays at its 1.5 s floor
+    # up to steps of 0.37 s, and under 4 s up to 1 s
+    args += ["--hang-factor", "4"]
     codes, logs = run_external_ranks(tmp_path, WORLD, *args, timeout=150)
     assert codes[2] == -9 and [codes[r] for r in (0, 1, 3)] == [0, 0, 0], (codes, logs[1][-3000:])
     results = {0: json.loads((tmp_path / "result.json").read_text())}
