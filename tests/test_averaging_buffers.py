@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import SCRIPTS
 
-from lightning_prague.core.comm import norms
+from lightning_prague.core.comm import averaging, norms
 from lightning_prague.core.comm.averaging import (
     BucketedTensors,
     FlatBuffers,
@@ -140,6 +140,54 @@ def test_snapshot_averages_chain_keep_local_progress_and_apply_once():
     averages.average(PeerSums(flat_buckets(theirs)), (0, 1), None, "after a new snapshot")
     with pytest.raises(RuntimeError, match="before the change"):
         averages.take()
+
+
+class PeerPieces(PeerSums):
+    """`PeerSums` whose sums come piece by piece, in order: each call takes the peer's next elements."""
+
+    def __init__(self, peer: list[torch.Tensor], fail_at: int | None = None) -> None:
+        super().__init__([torch.cat(peer)], fail_at)
+        self.offset = 0
+
+    def sum_(self, tensor: torch.Tensor, members, operation: str = "", timeout=None) -> bool:
+        complete = self.calls != self.fail_at
+        theirs = self.peer[0][self.offset : self.offset + tensor.numel()]
+        self.offset += tensor.numel()
+        tensor.add_(theirs, alpha=self.weight) if complete else tensor.fill_(12345.0)
+        self.calls += 1
+        return complete
+
+
+@pytest.mark.parametrize("piece_bytes", [8, 2**20])
+def test_a_snapshot_averaged_in_place_becomes_its_change_piece_by_piece_and_keeps_local_progress(piece_bytes):
+    """`in_place`: one copy of the tensors, not two; the snapshot becomes avg - snapshot, in pieces of
+    `piece_bytes` (two elements, or a whole bucket), each bucket all or nothing (a piece's sum that fails
+    zeroes its whole bucket, the pieces before it too); local progress made meanwhile is kept, the change
+    applied once; and a second average of the same snapshot is refused by name."""
+    mine, theirs = model(0), model(1)
+    live = live_of(mine)
+    snap, peer = flat_buckets(mine), flat_buckets(theirs)
+    for fail_at, whole_buckets in ((None, {0, 1}), (7, {0})):  # (7: the second piece of the second bucket)
+        for t, v in zip(mine, model(0)):
+            t.copy_(v)
+        averages = SnapshotAverages(live, in_place=True)
+        assert averages.change is averages.snapshot, "one copy"
+        averages.take()
+        fails = fail_at if piece_bytes == 8 else (1 if fail_at is not None else None)
+        peers = PeerPieces(peer, fail_at=fails)
+        with pytest.MonkeyPatch.context() as patch:  # pieces of `piece_bytes`
+            patch.setattr(averaging, "SUM_PIECE_BYTES", piece_bytes)
+            _, applied = averages.average(peers, (0, 1), None, "in place")
+        assert bool(applied) == (fail_at is None)
+        assert peers.calls == (sum(-(-f.numel() // 2) for f in snap) if piece_bytes == 8 else 2)
+        with pytest.raises(RuntimeError, match="a second average of a snapshot that became its first"):
+            averages.average(PeerPieces(peer), (0, 1), None, "again")
+        for t in mine:  # local progress made while the average ran
+            t.add_(1.0)
+        assert averages.apply() and not averages.apply()
+        for index, (got, s, b) in enumerate(zip(flat_buckets(mine), snap, peer)):
+            want = s + 1.0 + ((s + b) / 2 - s if index in whole_buckets else 0.0)
+            torch.testing.assert_close(got, want)
 
 
 def test_a_first_and_a_chained_average_decide_bucket_by_bucket_asking_the_same_verdicts():

@@ -69,5 +69,6 @@ class ADPSGDStrategy(DecentralizedStrategy):
         else:
             assert isinstance(policy, GossipPolicy)
             active = policy.graph.is_active(worker.rank)
-        kind = BackgroundAverager if active else PassiveResponder
-        return kind(worker, tensors, self.operation_timeout)
+        if active:  # it starts every exchange it is in: each snapshot is averaged once
+            return BackgroundAverager(worker, tensors, self.operation_timeout, in_place=True)
+        return PassiveResponder(worker, tensors, self.operation_timeout)

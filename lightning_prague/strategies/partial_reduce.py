@@ -82,5 +82,6 @@ class PartialReduceStrategy(DecentralizedStrategy):
         )
 
     def make_exchanger(self, worker: GroupWorker, tensors: BucketedTensors, policy: GroupingPolicy) -> Exchanger:
-        kind = BackgroundAverager if self.overlap else BlockingExchanger
-        return kind(worker, tensors, self.operation_timeout)
+        if self.overlap:  # first-ready groups: only its own requests average its snapshot, once each
+            return BackgroundAverager(worker, tensors, self.operation_timeout, in_place=True)
+        return BlockingExchanger(worker, tensors, self.operation_timeout)

@@ -24,6 +24,33 @@ from lightning_prague.core.comm.norms import Drift
 Part = tuple[int, int]
 
 
+#: the largest piece of a bucket summed at once where a buffer becomes its own change (a gossip round,
+#: `average_in_place_`): its scratch, whatever the bucket's size (`bucket_mb`: 25 MB by default)
+SUM_PIECE_BYTES = 4 * 2**20
+
+
+def pieces(part: torch.Tensor, piece_bytes: int | None = None) -> list[torch.Tensor]:
+    """`part` (a flat bucket, or a share of one) as consecutive views of `piece_bytes` at most (default:
+    `SUM_PIECE_BYTES`)."""
+    step = max(1, (piece_bytes or SUM_PIECE_BYTES) // part.element_size())
+    return [part[lo : lo + step] for lo in range(0, part.numel(), step)] or [part]
+
+
+class PieceScratch:
+    """One buffer per dtype and device for the sum of one piece (`SUM_PIECE_BYTES` at most), kept across
+    averages: grown to the largest piece asked for, never to a bucket."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def for_piece(self, piece: torch.Tensor) -> torch.Tensor:
+        key = (piece.dtype, piece.device)
+        scratch = self.buffers.get(key)
+        if scratch is None or scratch.numel() < piece.numel():
+            scratch = self.buffers[key] = torch.empty(piece.numel(), dtype=piece.dtype, device=piece.device)
+        return scratch[: piece.numel()]
+
+
 def part_bounds(numel: int, part: Part | None) -> tuple[int, int]:
     """[start, stop) of `part` of a flat bucket of `numel` elements (all of it where `part` is `None`):
     the first `numel % parts` parts one element longer, as `ReplicaLayout.slice_bounds` cuts them."""
@@ -246,6 +273,45 @@ def average_difference_(
     return drift.error(applied=applied), applied
 
 
+def average_in_place_(
+    snapshot: FlatBuffers,
+    comm: GroupComm,
+    members: Sequence[int],
+    scratch: PieceScratch,
+    weight: float | None = None,
+    operation: str = "average",
+    decide: Decide | None = None,
+    part: Part | None = None,
+    piece_bytes: int | None = None,
+) -> tuple[torch.Tensor, bool]:
+    """`snapshot` becomes `avg - snapshot` itself, as `average_difference_` writes it into another copy:
+    piece by piece through `scratch` (each piece its change as soon as its sum is in), **decided bucket
+    by bucket** in bucket order, a bucket whose sums do not all take effect zero on every member alike.
+    One copy of the model (and a piece) instead of two, for a snapshot averaged once before its change
+    is applied (`SnapshotAverages`'s `in_place`). Returns `(error, applied)`."""
+    scale = 1.0 / len(members) if weight is None else weight
+    decide = _deciding(decide, comm, members, operation)
+    drift = Drift(snapshot.live.device)
+    applied = True
+    for whole in snapshot.flats:
+        start, stop = part_bounds(whole.numel(), part)
+        complete = True
+        for piece in pieces(whole[start:stop], piece_bytes):
+            total = scratch.for_piece(piece)
+            torch.mul(piece, scale, out=total)
+            complete &= comm.sum_(total, members, operation)
+            drift.add_average(total)
+            piece.neg_().add_(total)  # the piece's change: avg - snapshot
+            drift.add_difference(piece)
+        if part is not None:  # (outside its part, the change is zero)
+            whole[:start].zero_()
+            whole[stop:].zero_()
+        if not decide(complete):
+            applied = False
+            whole.zero_()
+    return drift.error(applied=applied), applied
+
+
 def average_chained_(
     snapshot: FlatBuffers,
     change: FlatBuffers,
@@ -305,17 +371,30 @@ class SnapshotAverages:
     an AD-PSGD passive worker serving two exchanges between two steps) goes through one bucket of
     scratch (`average_chained_`). Both decide bucket by bucket, so the members of a group ask the
     same verdicts whichever each runs. Memory: the snapshot (it may be borrowed, `GroupWorker.spare`)
-    and the change, two copies of the tensors, and one bucket once an average was chained.
+    and the change, two copies of the tensors, and one bucket once an average was chained. With
+    `in_place` (an exchanger that averages each snapshot once) the snapshot becomes its change, piece by
+    piece (`average_in_place_`): one copy and a piece of `SUM_PIECE_BYTES`.
     """
 
-    def __init__(self, live: BucketedTensors, snapshot: FlatBuffers | None = None, part: Part | None = None) -> None:
+    def __init__(
+        self,
+        live: BucketedTensors,
+        snapshot: FlatBuffers | None = None,
+        part: Part | None = None,
+        in_place: bool = False,
+    ) -> None:
         self.live = live
         #: the part of each bucket the averages cover (`Part`; `None`: all of it): the change is zero elsewhere
         self.part = part
         self.snapshot = snapshot if snapshot is not None else FlatBuffers(live)
-        self.change = FlatBuffers(live)
-        self.change.zero_()
+        #: the snapshot becomes its change (`average_in_place_`): one copy of the tensors, for an exchanger
+        #: whose snapshot is never averaged twice before its change is applied (a second average raises)
+        self.in_place = in_place
+        self.change = self.snapshot if in_place else FlatBuffers(live)
+        if not in_place:
+            self.change.zero_()
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._pieces = PieceScratch()
         self._behind = False  # the snapshot does not include the change yet (after a first average)
         self._taken = False  # the snapshot was taken since the change was last applied
         #: an average ran since the change was last applied (a host-side flag: reading it costs nothing)
@@ -323,7 +402,8 @@ class SnapshotAverages:
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor another thread's stream may use (`CommStream.keep_for`)."""
-        return [*self.snapshot.flats, *self.change.flats, *self._scratch.values()]
+        change = [] if self.in_place else self.change.flats
+        return [*self.snapshot.flats, *change, *self._scratch.values(), *self._pieces.buffers.values()]
 
     def take(self) -> None:
         """The snapshot becomes a copy of the live tensors (the change must have been applied)."""
@@ -344,6 +424,18 @@ class SnapshotAverages:
         """One group average of the snapshot (an `AverageTarget`); see the class docstring."""
         if not self._taken:
             raise RuntimeError("an average of a snapshot that was not taken since its change was applied")
+        if self.in_place:
+            if self.changed:
+                raise RuntimeError(
+                    f"{operation}: a second average of a snapshot that became its first average's change in place "
+                    "(this exchanger averages each snapshot once)"
+                )
+            error, applied = average_in_place_(
+                self.snapshot, comm, members, self._pieces, weight=weight, operation=operation, decide=decide,
+                part=self.part,
+            )  # fmt: skip
+            self.changed = True
+            return error, applied
         if not self.changed:  # the change is zero: an average that does not complete leaves it zero
             error, applied = average_difference_(
                 self.snapshot, comm, members, self.change, weight=weight, operation=operation, decide=decide,
@@ -367,7 +459,8 @@ class SnapshotAverages:
         if not self.changed:
             return False
         self.change.add_to_live()
-        self.change.zero_()
+        if not self.in_place:  # (in place: the next snapshot overwrites it)
+            self.change.zero_()
         self._behind = False
         self._taken = False
         self.changed = False

@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 
-from lightning_prague.core.comm.averaging import BucketedTensors, FlatBuffers
+from lightning_prague.core.comm.averaging import SUM_PIECE_BYTES, BucketedTensors, FlatBuffers, PieceScratch, pieces
 from lightning_prague.core.comm.groups import GroupComm
 from lightning_prague.core.comm.norms import Drift
 from lightning_prague.core.comm.streams import Marker
@@ -86,9 +86,6 @@ log = logging.getLogger(__name__)
 
 #: seconds a worker leaving after an error waits for its last exchange (a peer that left too ends it sooner)
 LEAVE_WAIT = 10.0
-#: the largest piece of a bucket summed at once in a round: its scratch, whatever the bucket's size
-#: (`bucket_mb`: 25 MB by default, a quarter of a 96 MB model's copy)
-SUM_PIECE_BYTES = 4 * 2**20
 #: seconds a worker waits at the meeting that ends a phase before it asks for idle rounds (`LaggedGossip`)
 IDLE_AFTER = 1.0
 #: seconds between a waiting worker's idle rounds while they take no effect (a member of its group is
@@ -184,7 +181,7 @@ class LaggedGossip(Exchanger):
         self.phases = 0  #: phases ended by `drain`
         self.idle_rounds = 0  #: rounds run without a gradient step while waiting for slower workers
         self._idle_issued = 0.0  # when the last idle round was issued (`serve`)
-        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # the communication thread's
+        self._scratch = PieceScratch()  # the communication thread's: a piece's sum (`SUM_PIECE_BYTES`)
 
     def _thread(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -201,23 +198,6 @@ class LaggedGossip(Exchanger):
         """The round's snapshot, which becomes its change: the worker's spare copy of the model (free
         while a phase runs; synchronization points use it once the phase has ended)."""
         return self.worker.spare()
-
-    def _scratch_for(self, piece: torch.Tensor) -> torch.Tensor:
-        """In the communication thread: a buffer for the sum of one piece (`SUM_PIECE_BYTES` at most), kept
-        across rounds."""
-        key = (piece.dtype, piece.device)
-        scratch = self._scratch.get(key)
-        if scratch is None or scratch.numel() < piece.numel():
-            largest = max(f.numel() for f in self._round_buffers().flats if (f.dtype, f.device) == key)
-            size = min(largest, max(1, SUM_PIECE_BYTES // piece.element_size()))
-            scratch = self._scratch[key] = torch.empty(size, dtype=piece.dtype, device=piece.device)
-        return scratch[: piece.numel()]
-
-    @staticmethod
-    def _pieces(part: torch.Tensor) -> list[torch.Tensor]:
-        """`part` (a bucket's share) as consecutive views of `SUM_PIECE_BYTES` at most."""
-        step = max(1, SUM_PIECE_BYTES // part.element_size())
-        return [part[lo : lo + step] for lo in range(0, part.numel(), step)] or [part]
 
     def issue(self) -> None:
         """Send this worker's current tensors into its group of the next round."""
@@ -282,8 +262,8 @@ class LaggedGossip(Exchanger):
             start, stop = share_of(flat.numel(), index, parts)
             # piece by piece: each piece becomes its change as soon as its sum is in (the round is all or
             # nothing as a whole, below), so the sums need one piece of scratch, not a bucket
-            for piece in self._pieces(flat[start:stop]):
-                total = self._scratch_for(piece)
+            for piece in pieces(flat[start:stop], SUM_PIECE_BYTES):  # (this module's: a test makes them small)
+                total = self._scratch.for_piece(piece)
                 total.copy_(piece)
                 complete &= comm.sum_(total, members, operation)
                 drift.add_average(total, 1.0 / size)

@@ -233,11 +233,14 @@ class BackgroundAverager(_ThreadedExchanger):
     running does not start another (the worker averages less often when communication is slower
     than computation). The snapshot is the worker's spare copy of the model (`GroupWorker.spare`),
     refreshed in place at each step that starts an exchange; with the change buffer of
-    `SnapshotAverages`, two copies of the model in all.
+    `SnapshotAverages`, two copies of the model in all. `in_place`: nobody draws this worker into a
+    group of theirs (`partial_reduce`'s first-ready groups, AD-PSGD's active workers), so each snapshot
+    is averaged once, and it becomes its change in place: one copy of the model and a piece.
     """
 
-    def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float) -> None:
+    def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float, in_place: bool = False) -> None:
         super().__init__(worker, live, timeout)
+        self.in_place = in_place
         self._jobs: queue.Queue[tuple[int, Marker] | str | None] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
@@ -254,7 +257,7 @@ class BackgroundAverager(_ThreadedExchanger):
 
     def _snapshots(self) -> SnapshotAverages:
         if self._averages is None:
-            self._averages = SnapshotAverages(self.live, self.worker.spare(), self.worker.part)
+            self._averages = SnapshotAverages(self.live, self.worker.spare(), self.worker.part, self.in_place)
         return self._averages
 
     def _run(self) -> None:
@@ -293,6 +296,8 @@ class BackgroundAverager(_ThreadedExchanger):
         # spare copy (its snapshot, taken anew at the next step), once the thread's stream is done with it.
         if not self.busy:
             self.streams.wait(self._done)
+            if self.in_place and self._error is None:  # its change is in the spare copy, which the live
+                self._fold_in()  # average would overwrite: folded in now, between two steps (an error: at the next)
             self.worker.serve_inbox()
 
     def _fold_in(self) -> None:
