@@ -131,5 +131,8 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
                 slices=not self.shard, own_pace=self.pace == "own",
                 replica=self.replica_agreement() if self.pace == "own" else None,
             )  # fmt: skip
-        kind = BackgroundAverager if self.overlap else BlockingExchanger
-        return kind(worker, tensors, self.operation_timeout)
+        if self.overlap:
+            # avoid_busy: a worker is in one group between two of its requests (a group drawn for it is run
+            # at its next request, which then gets none of its own), so each snapshot is averaged once
+            return BackgroundAverager(worker, tensors, self.operation_timeout, in_place=self.avoid_busy)
+        return BlockingExchanger(worker, tensors, self.operation_timeout)

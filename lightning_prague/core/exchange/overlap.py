@@ -233,9 +233,10 @@ class BackgroundAverager(_ThreadedExchanger):
     running does not start another (the worker averages less often when communication is slower
     than computation). The snapshot is the worker's spare copy of the model (`GroupWorker.spare`),
     refreshed in place at each step that starts an exchange; with the change buffer of
-    `SnapshotAverages`, two copies of the model in all. `in_place`: nobody draws this worker into a
-    group of theirs (`partial_reduce`'s first-ready groups, AD-PSGD's active workers), so each snapshot
-    is averaged once, and it becomes its change in place: one copy of the model and a piece.
+    `SnapshotAverages`, two copies of the model in all. `in_place`: this worker is in one group between
+    two of its requests (`partial_reduce`'s first-ready groups, AD-PSGD's active workers, `prague` with
+    `avoid_busy`: a group drawn for it runs at its next request, which gets none of its own), so each
+    snapshot is averaged once, and it becomes its change in place: one copy of the model and a piece.
     """
 
     def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float, in_place: bool = False) -> None:
