@@ -16,8 +16,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from lightning_prague.core.auth import Credentials
 from lightning_prague.core.protocol import BadMessage
@@ -610,3 +614,32 @@ def dump_stacks(job: subprocess.Popen | ForkedJob, log: Path, seconds: float = 3
     time.sleep(seconds)
     planes = [p.read_text(errors="replace")[-4000:] for p in sorted(log.parent.glob("lightning_prague_logs/*.log"))]
     return "\n".join([log.read_text(errors="replace")[-20000:], *(f"supervisor log:\n{p}" for p in planes)])
+
+
+def run_demo_jobs(
+    commands: dict[str, Callable[[Path], list[str]]], tmp_path_factory: Any, timeout: float = 240
+) -> dict[str, tuple[int | None, dict[int, dict], str, Path]]:
+    """Demo jobs (`python -m lightning_prague.demo.run`) side by side, each forked from this process in a
+    folder of its own with a free port: name -> (its exit status, each rank's last result, its output,
+    its folder). `commands[name](folder)` is the job's argv. A job past `timeout` fails the test with
+    every process's stacks; every job still running at the end is killed."""
+    runs = {}
+    for name, command in commands.items():
+        out = tmp_path_factory.mktemp(name)
+        environ = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
+        environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        runs[name] = (out, ForkedJob("lightning_prague.demo.run", command(out), environ, out, out / "log.txt"))
+    results = {}
+    try:
+        for name, (out, job) in runs.items():
+            try:
+                job.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the {name} job did not end within {timeout:.0f} s:\n{dump_stacks(job, out / 'log.txt')}")
+            ranks = {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("result*.json"))}
+            results[name] = (job.returncode, ranks, (out / "log.txt").read_text(), out)
+    finally:
+        for _, job in runs.values():
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    return results

@@ -22,15 +22,11 @@ mechanism).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import ForkedJob, dump_stacks, free_port
+from helpers import run_demo_jobs
 
 import lightning_prague.demo.run  # noqa: F401  (imported once here: the jobs' agents are forked from this process)
 
@@ -79,30 +75,10 @@ def _later_epoch_command(out: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def long_epoch_jobs(tmp_path_factory) -> dict[str, tuple[int, dict[int, dict], str, Path]]:
     """The three jobs at once: name -> (exit status, each rank's last result, the job's stderr, its folder)."""
-    runs = {}
     commands = {strategy: (lambda out, s=strategy, r=rank: _command(s, r, out)) for strategy, rank in CASES.items()}
     commands[LATER_EPOCH] = _later_epoch_command
-    for name, command in commands.items():
-        out = tmp_path_factory.mktemp(name)
-        env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        # the agent forked from this process (no interpreter start); the prague job's ranks are new interpreters
-        job = ForkedJob("lightning_prague.demo.run", command(out), env, out, out / "log.txt")
-        runs[name] = (out, job)
-    results = {}
-    try:
-        for name, (out, job) in runs.items():
-            try:
-                job.wait(timeout=240)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"the {name} job did not end within 240 s:\n{dump_stacks(job, out / 'log.txt')}")
-            ranks = {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("result*.json"))}
-            results[name] = (job.returncode, ranks, (out / "log.txt").read_text(), out)
-    finally:
-        for _, job in runs.values():
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
-    return results
+    # the agents forked from this process (no interpreter start); the prague job's ranks are new interpreters
+    return run_demo_jobs(commands, tmp_path_factory)
 
 
 @pytest.mark.timeout(300)

@@ -14,15 +14,11 @@ with the others, the replica's second rank following its first rank's claims, ti
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import ForkedJob, dump_stacks, free_port
+from helpers import run_demo_jobs
 
 import lightning_prague.demo.run  # noqa: F401  (imported once here: the jobs' agents are forked from this process)
 
@@ -40,34 +36,15 @@ def _command(strategy: str, out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def comeback_jobs(tmp_path_factory) -> dict[str, tuple[int, dict[int, dict], str]]:
-    """Both jobs at once: name -> (exit status, each rank's last result, the job's output)."""
-    runs = {}
-    for name in CASES:
-        out = tmp_path_factory.mktemp(name)
-        env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        runs[name] = (out, ForkedJob("lightning_prague.demo.run", _command(name, out), env, out, out / "log.txt"))
-    results = {}
-    try:
-        for name, (out, job) in runs.items():
-            try:
-                job.wait(timeout=240)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"the {name} job did not end within 240 s:\n{dump_stacks(job, out / 'log.txt')}")
-            ranks = {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("result*.json"))}
-            results[name] = (job.returncode, ranks, (out / "log.txt").read_text())
-    finally:
-        for _, job in runs.values():
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
-    return results
+def comeback_jobs(tmp_path_factory) -> dict[str, tuple[int | None, dict[int, dict], str, Path]]:
+    """Both jobs at once: name -> (exit status, each rank's last result, the job's output, its folder)."""
+    return run_demo_jobs({name: (lambda out, n=name: _command(n, out)) for name in CASES}, tmp_path_factory)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", list(CASES))
 def test_a_lost_replica_comes_back_whole_and_every_batch_is_trained_once(comeback_jobs, strategy):
-    status, results, output = comeback_jobs[strategy]
+    status, results, output, _ = comeback_jobs[strategy]
     assert status == 0, output[-4000:]  # the agent: every rank's last process exited 0
     assert sorted(results) == list(range(WORLD)), output[-4000:]
     # admitted together, in one membership epoch, inside the epoch
