@@ -93,8 +93,9 @@ def test_work_queue_replicas_take_batches_by_speed_and_step_as_one_model(tmp_pat
     A schedule at each replica's own pace (`pace="own"`: `decent_adam`'s ring, sharded; `prague`'s static
     schedule runs the same rounds) too: the fast replica takes local steps while its round waits for the
     slow one, and the replica's ranks mix each round in at the same step."""
+    # two epochs: the test runs alone (serial), so it is kept short
     argv = ["--out", str(tmp_path), "--replica-size", "2", "--strategy", strategy, "--indexed",
-            "--slow", "2:0.04", "--slow", "3:0.04"]  # fmt: skip
+            "--slow", "2:0.04", "--slow", "3:0.04", "--epochs", "2"]  # fmt: skip
     if shard:
         argv.append("--shard")
     if pace:
@@ -110,7 +111,7 @@ def test_work_queue_replicas_take_batches_by_speed_and_step_as_one_model(tmp_pat
     assert len({r["final"] for r in found.values()}) == 1, "one model at the end of the fit"
     assert found[0]["val_acc"] >= 0.85, found[0]["val_acc"]
     train_size = 1438  # the digits' training split
-    for epoch in ("0", "1", "2"):
+    for epoch in ("0", "1"):
         trained = [i for r in found.values() for i in r["samples"][epoch]]
         assert set(trained) == set(range(train_size)), f"epoch {epoch}: every sample trained"
         assert len(trained) - train_size <= 1, f"epoch {epoch}: once each (but for the last chunk's padding)"

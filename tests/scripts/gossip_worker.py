@@ -72,7 +72,7 @@ def train(
 
 
 def own_pace(worker: GroupWorker, tensors: BucketedTensors, schedule, steps: int) -> dict:
-    """`steps` steps at each rank's own pace (`own_pace`), rank 3 sleeping 0.1 s in each: the parameters,
+    """`steps` steps at each rank's own pace (`own_pace`), rank 3 sleeping 0.05 s in each: the parameters,
     the rounds run, the local steps taken, and the sum of the gradient steps applied (`lr * grad`)."""
     gossip = LaggedGossip(worker, tensors, schedule, timeout=60, name="own", idle_after=0.1, own_pace=True)
     for t, v in zip(tensors.tensors, start_values(worker.rank)):
@@ -81,7 +81,7 @@ def own_pace(worker: GroupWorker, tensors: BucketedTensors, schedule, steps: int
     gossip.start()
     for _ in range(steps):
         if worker.rank == 3:
-            time.sleep(0.1)
+            time.sleep(0.05)
         x = torch.cat([t.reshape(-1) for t in tensors.tensors])
         grad = LR * (x - target(worker.rank))
         applied += grad
