@@ -440,21 +440,25 @@ class DecentralizedStrategy(DDPStrategy):
     def _replica_process_group(self) -> dist.ProcessGroup:
         """This rank's replica's process group, made by its ranks when first asked for in a fit."""
         if self._replica_group is None:
-            admission = self.training.admission if self.training is not None else None
-            came_back = None
-            if admission is not None:  # a replica come back: its ranks meet on the job's store
-                store = self._require_job().store
-                assert store is not None
-                came_back = (store, int(admission.release.get("epoch", 0)))
             self._replica_group = replica_group(
                 self.replicas,
                 self.global_rank,
                 self._get_process_group_backend(),
                 timedelta(seconds=self.operation_timeout),
                 self.root_device if self.root_device.type != "cpu" else None,
-                came_back,
+                self._came_back(),
             )
         return self._replica_group
+
+    def _came_back(self) -> Optional[tuple[dist.Store, int]]:
+        """For a replica come back (this process rejoined): the job's store its ranks meet on and the
+        membership epoch of their admission (`replica_group`'s `came_back`); else `None`."""
+        admission = self.training.admission if self.training is not None else None
+        if admission is None:
+            return None
+        store = self._require_job().store
+        assert store is not None
+        return store, int(admission.release.get("epoch", 0))
 
     @property
     def replicas_come_back(self) -> bool:
@@ -501,13 +505,15 @@ class DecentralizedStrategy(DDPStrategy):
             return group
         if self._replica_host_group is None:
             self._replica_host_group = replica_group(
-                self.replicas, self.global_rank, "gloo", timedelta(seconds=self.operation_timeout)
-            )
+                self.replicas, self.global_rank, "gloo", timedelta(seconds=self.operation_timeout),
+                came_back=self._came_back(),
+            )  # fmt: skip
         return self._replica_host_group
 
     def replica_agreement(self) -> Optional[ReplicaAgreement]:
-        """How this rank's replica agrees on its gossip rounds at its own pace (`pace="own"`: mixing one
-        in, the round a replica come back takes up); `None` without replicas."""
+        """How this rank's replica agrees on what its ranks must do alike (`ReplicaAgreement`): mix a gossip
+        round in at its own pace (`pace="own"`), and, come back, the round and the batch of its shards it
+        takes up; `None` without replicas."""
         if self.replicas.replica_size == 1:
             return None
         what = f"rank {self.global_rank}'s replica's gossip rounds"
