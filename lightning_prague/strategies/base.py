@@ -473,7 +473,7 @@ class DecentralizedStrategy(DDPStrategy):
         agreement = self.replica_agreement()
         if agreement is None:
             return resumed
-        agreed = agreement.largest(-1 if resumed is None else resumed)
+        agreed = agreement.largest(-1 if resumed is None else resumed, "the batch its shards resume at")
         if agreed < 0 or resumed == agreed:
             return None if agreed < 0 else resumed
         if resumed is None:
@@ -516,7 +516,8 @@ class DecentralizedStrategy(DDPStrategy):
         takes up; `None` without replicas."""
         if self.replicas.replica_size == 1:
             return None
-        what = f"rank {self.global_rank}'s replica's gossip rounds"
+        layout = self.replicas
+        what = f"rank {self.global_rank}'s replica (ranks {list(layout.ranks_of(layout.replica_of(self.global_rank)))})"
         return ReplicaAgreement(self.replica_host_group(), timedelta(seconds=self.operation_timeout), what)
 
     @property

@@ -362,8 +362,10 @@ class LaggedGossip(Exchanger):
             first = answer.get("round")
         if not isinstance(first, int) or isinstance(first, bool) or first < 0:
             raise ValueError(f"rank {self.worker.rank}: the control plane named no gossip round to take up ({first!r})")
-        if self.replica is not None:  # a replica come back: its ranks go on from one round, the latest any was
-            first = self.replica.largest(first)  # given (before it, the replica was not whole: in no round)
+        if self.replica is not None:
+            # a replica come back: its ranks go on from one round, the latest any was given (before it, the
+            # replica was not whole: in no round)
+            first = self.replica.largest(first, "the gossip round it takes up")
         self.round = first
         log.debug("rank %d: rejoined gossip at round %d", self.worker.rank, first)
 

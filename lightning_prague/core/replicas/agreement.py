@@ -34,6 +34,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lightning_prague.core.errors import CoordinationTimeout
+
 log = logging.getLogger(__name__)
 
 
@@ -99,13 +101,15 @@ class ReplicaAgreement:
         self._value[0] = value
         work = dist.all_reduce(self._value, op=op, group=self.group, async_op=True)
         if not work.wait(self.timeout):
-            raise TimeoutError(f"{self.what}: the replica's ranks did not agree on {operation} within {self.timeout}")
+            raise CoordinationTimeout(
+                f"{self.what}: the replica's ranks did not agree on {operation} within {self.timeout}"
+            )
         return int(self._value[0])
 
     def all_done(self, done: bool) -> bool:
         """Whether the round in flight is done on every rank of the replica (`done`: on this one)."""
         return self._reduce(int(done), dist.ReduceOp.MIN, "mixing a round in") > 0
 
-    def largest(self, value: int) -> int:
-        """The largest of the replica's ranks' `value`s."""
-        return self._reduce(value, dist.ReduceOp.MAX, "a round")
+    def largest(self, value: int, operation: str) -> int:
+        """The largest of the replica's ranks' `value`s (`operation`: what it is, for an error)."""
+        return self._reduce(value, dist.ReduceOp.MAX, operation)
