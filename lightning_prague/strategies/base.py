@@ -267,7 +267,8 @@ class DecentralizedStrategy(DDPStrategy):
                 rank `i` of each averaging its slice of the model with rank `i` of the others; the
                 work queue hands a replica one chunk of `replica_size` batches per step (map-style
                 data only). A lost rank loses its replica; with `max_restarts` the replica comes
-                back whole (not with `shard=True`); `max_workers` must stay unset. See
+                back whole where its data comes from the work queue and its model is whole (not
+                with `shard=True` nor a schedule in rounds); `max_workers` must stay unset. See
                 `docs/replica_groups.md`.
             shard: shard the model over each replica's ranks with FSDP2 (`fully_shard` on the
                 replica's ranks: parameters, gradients and optimizer state split `replica_size`
@@ -462,38 +463,29 @@ class DecentralizedStrategy(DDPStrategy):
 
     @property
     def replicas_come_back(self) -> bool:
-        """Whether a lost replica's new processes can rejoin the fit: each rank holding the whole model
-        (the fit's state from one live rank), not its shards."""
-        return not self.shard
+        """Whether a lost replica's new processes can rejoin the fit: replica groups whose data comes from
+        the work queue, each rank holding the whole model (the fit's state from one live rank)."""
+        return self.shards_by_work_queue and not self.shard
 
-    def _replica_resumes_at(self, resumed: Optional[int]) -> Optional[int]:
-        """A replica come back under lock-step shards: its ranks go on in their shards from one batch, the
-        largest any of their predecessors reported (they trained every step together; a smaller report
-        is one that had not gone out when its rank was lost), so that they take the same steps."""
-        agreement = self.replica_agreement()
-        if agreement is None:
-            return resumed
-        agreed = agreement.largest(-1 if resumed is None else resumed, "the batch its shards resume at")
-        if agreed < 0 or resumed == agreed:
-            return None if agreed < 0 else resumed
-        if resumed is None:
-            raise EpochMovedOn(
-                f"rank {self.global_rank}'s predecessor stood in an earlier epoch than its replica's others: the "
-                "replica cannot take its shards up at one batch"
+    def refuse_replica_restarts(self) -> None:
+        """`ConfigurationError` for `max_restarts` in replica groups that cannot come back (called once the
+        strategy knows where its data comes from: `replicas_come_back`)."""
+        if self.options.replica_size != 1 and self.max_restarts and not self.replicas_come_back:
+            raise ConfigurationError(
+                f"strategy={self.strategy_name!r} with replica_size={self.options.replica_size!r} and "
+                f"max_restarts={self.max_restarts}: a lost replica comes back only where its data comes from the "
+                "work queue, and a schedule in rounds trains equal shards; use pace='own', or set max_restarts=0"
             )
-        log.debug("rank %d: its replica resumes its shards at batch %d (its predecessor reported %d)",
-                  self.global_rank, agreed, resumed)  # fmt: skip
-        self.loaders.resume_at(agreed)
-        return agreed
 
     def check_replicas_come_back(self) -> None:
         """`ConfigurationError` on a new process that rejoins a job in replica groups that cannot come back
-        (`replicas_come_back`: a new `srun` step, a restarted container), before it asks to (`max_restarts`
-        in such a job is refused when the strategy is made)."""
+        (`replicas_come_back`: a new `srun` step, a restarted container), before it asks to."""
+        self.refuse_replica_restarts()
         if self.replicas.replica_size > 1 and self._require_job().joining and not self.replicas_come_back:
+            why = "with shard=True" if self.shard else "whose data is in equal shards (a schedule in rounds)"
             raise ConfigurationError(
-                f"rank {self.global_rank}'s new process cannot rejoin: a lost replica comes back only with each "
-                "rank's model whole, not sharded over the replica (shard=True; docs/replica_groups.md)"
+                f"rank {self.global_rank}'s new process cannot rejoin: a lost replica comes back only under the work "
+                f"queue with each rank's model whole, not in replicas {why} (docs/replica_groups.md)"
             )
 
     def replica_host_group(self) -> dist.ProcessGroup:
@@ -512,8 +504,8 @@ class DecentralizedStrategy(DDPStrategy):
 
     def replica_agreement(self) -> Optional[ReplicaAgreement]:
         """How this rank's replica agrees on what its ranks must do alike (`ReplicaAgreement`): mix a gossip
-        round in at its own pace (`pace="own"`), and, come back, the round and the batch of its shards it
-        takes up; `None` without replicas."""
+        round in at its own pace (`pace="own"`), and, come back, the round it takes gossip up at; `None`
+        without replicas."""
         if self.replicas.replica_size == 1:
             return None
         layout = self.replicas
@@ -967,7 +959,6 @@ class DecentralizedStrategy(DDPStrategy):
             self.joined_epoch = int(checkpoint.get("epoch", 0))
             if not self.shards_by_work_queue:  # lock-step shards: go on where the lost rank stood in its own
                 resumed = self.loaders.resume_shard(admission.position, int(checkpoint.get("epoch", 0)))
-                resumed = self._replica_resumes_at(resumed)
                 if resumed is None:
                     # its rank stood in an earlier epoch, which the control plane admits at an epoch's end
                     # only (`CoordinatorSession.nothing_left_in_epoch`): a lock-step rank with nothing of

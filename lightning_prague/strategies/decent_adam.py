@@ -127,6 +127,7 @@ class DecentAdamStrategy(DecentralizedStrategy):
         self.pace = pace
         # at its own pace a fast worker trains more batches than a slow one: from the work queue
         self.shards_by_work_queue = pace == "own"
+        self.refuse_replica_restarts()
 
     def make_policy(self) -> GroupingPolicy:
         per_node = self.node_size or self.workers_per_node
@@ -143,7 +144,7 @@ class DecentAdamStrategy(DecentralizedStrategy):
         assert isinstance(policy, SchedulePolicy)
         return LaggedGossip(
             worker, tensors, policy.schedule, self.operation_timeout, overlap=self.overlap, slices=not self.shard,
-            own_pace=self.pace == "own", replica=self.replica_agreement(),
+            own_pace=self.pace == "own", replica=self.replica_agreement() if self.pace == "own" else None,
         )  # fmt: skip
 
     def setup(self, trainer: Trainer) -> None:

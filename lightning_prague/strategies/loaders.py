@@ -281,11 +281,6 @@ class StrategyLoaders:
         self._resume = dict(position)
         return int(position["batches"])
 
-    def resume_at(self, batches: int) -> None:
-        """The shard to resume goes on from batch `batches` instead (a replica's ranks agreed on it)."""
-        if self._resume is not None:
-            self._resume["batches"] = batches
-
     def report_position(self, epoch: int, batches: int, total: float | int | None = None) -> None:
         """After a batch (lock-step shards): tell the control plane where this rank stands in its shard
         (`total`: the epoch's batches, where the loader has a length)."""

@@ -100,6 +100,7 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         if grouping == "static" and pace == "round":
             # lock-step rounds: a work queue could not let fast workers take more batches
             self.shards_by_work_queue = False
+        self.refuse_replica_restarts()
 
     def make_policy(self) -> GroupingPolicy:
         layout = self.replicas
@@ -128,7 +129,7 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
             return LaggedGossip(
                 worker, tensors, policy.schedule, self.operation_timeout, overlap=self.overlap, lagged=self.overlap,
                 slices=not self.shard, own_pace=self.pace == "own",
-                replica=self.replica_agreement(),
+                replica=self.replica_agreement() if self.pace == "own" else None,
             )  # fmt: skip
         if self.overlap:
             # avoid_busy: a worker is in one group between two of its requests (a group drawn for it is run
