@@ -6,6 +6,9 @@ Nothing here builds a cluster or starts a process: the runs themselves are measu
 
 from __future__ import annotations
 
+import json
+import types
+
 import pytest
 
 import lightning_prague.demo.run
@@ -122,6 +125,29 @@ def test_every_strategy_runs_after_ddp_with_the_variants_compared(available, tmp
     assert model_name("prague/static") == ("prague", {"grouping": "static"})
     assert model_name("decent_adam/alternating_exp_ring") == ("decent_adam", {"topology": "alternating_exp_ring"})
     assert model_name("adpsgd") == ("adpsgd", {})
+
+
+def test_chosen_runs_start_after_ddp_and_torchrun_starts_each_nodes_ranks(available, tmp_path, capsys):
+    """`--runs` picks runs by their labels (DDP's always runs: the speed-ups are against it), an unknown
+    label is refused by name, and `--launcher torchrun` starts one agent per node, its rendezvous on node1,
+    with the run's demo arguments."""
+    argv = ["--cluster", "slow_node_pairs", "--strategies", "prague", "--runs", "prague/random/replicas"]
+    args = bench.parse_args([*argv, "--launcher", "torchrun", "--out", str(tmp_path)])
+    (profile,) = profiles_from(args)
+    assert [label for label, _, _ in runs(args, profile)] == ["ddp", "prague/random/replicas"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--cluster", "slow_node_pairs", "--runs", "prague/fast", "--out", str(tmp_path)])
+    assert "--runs prague/fast: no such run; the runs are adpsgd" in capsys.readouterr().err
+    demo = ["--strategy", "prague", "--json", "result.json"]
+    (tmp_path / "steps.json").write_text(json.dumps([{"job_id": "1", "argv": demo}]))
+    node = types.SimpleNamespace(index=2, name="node3")
+    command = cluster_bench.node_command(profile, node, tmp_path, 29500, 60.0, "torchrun")
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    assert command[command.index("--nnodes") + 1] == "4" and command[command.index("--nproc-per-node") + 1] == "2"
+    assert command[command.index("--rdzv-endpoint") + 1] == "node1:29500"
+    assert command[command.index("-m", 3) :] == ["-m", "lightning_prague.demo.run", *demo]
+    srun = cluster_bench.node_command(profile, node, tmp_path, 29500, 60.0, "srun")
+    assert "lightning_prague.tools.cluster.srun" in srun and srun[srun.index("--node-id") + 1] == "2"
 
 
 def test_predictions_use_the_shaped_links_calibrated_by_the_ddp_run():

@@ -86,16 +86,24 @@ def test_bad_decent_adam_arguments(kwargs, match):
 
 
 @pytest.mark.parametrize("kind", [lightning_prague.DecentAdamStrategy, lightning_prague.PartialAllReduceStrategy])
-def test_a_pace_is_one_of_two_and_its_own_needs_the_overlap(kind):
+def test_a_pace_is_one_of_three_its_own_needs_the_overlap_and_auto_is_own_in_replicas(kind):
     """`pace` is refused by name; at its own pace a worker trains on while its round is in flight, so
     `overlap=False` cannot go with it; and only the own pace takes its data from the work queue."""
     extra = {"grouping": "static"} if kind is lightning_prague.PartialAllReduceStrategy else {}
-    with pytest.raises(ConfigurationError, match="pace='fast' is not a pace of strategy=.*choose one of round, own"):
+    with pytest.raises(ConfigurationError, match="pace='fast' is not a pace of .*choose one of auto, round, own"):
         kind(pace="fast", **extra)
     with pytest.raises(ConfigurationError, match="pace='own' with overlap=False"):
         kind(pace="own", overlap=False, **extra)
     assert kind(pace="own", **extra).shards_by_work_queue
     assert not kind(pace="round", **extra).shards_by_work_queue
+    # the default: the paper's rounds for ranks on their own, each replica's own pace in replica groups (a slow
+    # node must not stall the others), unless the exchanges do not overlap the updates
+    assert kind(**extra).pace == "round" and not kind(**extra).shards_by_work_queue
+    for replica_size in (2, "node"):
+        assert kind(replica_size=replica_size, **extra).pace == "own"
+        assert kind(replica_size=replica_size, **extra).shards_by_work_queue
+        assert kind(replica_size=replica_size, pace="round", **extra).pace == "round"
+    assert kind(replica_size=2, overlap=False, **extra).pace == "round"
 
 
 @pytest.mark.parametrize(

@@ -339,8 +339,12 @@ def test_a_step_budget_inside_an_epoch_trains_as_ddp_would_with_or_without_repli
     [
         ("DecentAdamStrategy", {"replica_size": 0}, "replica_size=0 is invalid"),
         ("DecentAdamStrategy", {"replica_size": "gpu"}, "replica_size='gpu' is invalid"),
-        ("DecentAdamStrategy", {"replica_size": 2, "max_restarts": 1}, "use pace='own', or set max_restarts=0"),
-        ("PartialAllReduceStrategy", {"grouping": "static", "replica_size": "node", "max_restarts": 2}, "pace='own'"),
+        ("DecentAdamStrategy", {"replica_size": 2, "pace": "round", "max_restarts": 1}, "use pace='own', or set max"),
+        (
+            "PartialAllReduceStrategy",
+            {"grouping": "static", "replica_size": "node", "pace": "round", "max_restarts": 2},
+            "pace='own'",
+        ),
         ("PartialReduceStrategy", {"replica_size": 2, "shard": True, "max_restarts": 1}, "sharded over its ranks"),
         ("DecentAdamStrategy", {"replica_size": 2, "max_workers": 8}, "leave max_workers unset"),
         ("DecentAdamStrategy", {"shard": True}, "shard=True shards the model over the ranks of a replica"),

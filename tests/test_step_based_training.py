@@ -102,6 +102,20 @@ def test_max_steps_validation_and_checkpoints_run_on_global_steps(step_runs):
     assert max(batches[:-1]) > batches[-1] and min(batches[:-1]) > batches[-1]
 
 
+def test_each_rank_learns_its_last_batch_of_an_epoch_after_training_it(step_runs):
+    """The work queue's fetcher looks for the next batch after a batch's step (`StepFirstFetcher`), so a
+    claim parked at the emptied queue never holds an untrained batch back; Lightning still learns which
+    batch ended each epoch before that batch's hooks, validation and epoch end run."""
+    ranks, _ = outcome(step_runs, "budget")
+    for r in ranks:
+        assert r["fetcher"] == "StepFirstFetcher"
+        for epoch in (0, 1):  # the two whole epochs (the third ends at the step budget)
+            ends = [[index, last] for e, index, last in r["batch_ends"] if e == epoch]
+            assert ends, f"rank {r['rank']} trained no batch of epoch {epoch}"
+            assert [index for index, _ in ends] == list(range(len(ends)))
+            assert [last for _, last in ends] == [False] * (len(ends) - 1) + [True], (r["rank"], epoch)
+
+
 def test_a_fit_resumed_mid_epoch_continues_where_it_stopped(step_runs):
     ranks_a, _ = outcome(step_runs, "first")
     ranks_b, main = outcome(step_runs, "resumed")

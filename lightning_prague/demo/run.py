@@ -64,7 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--weighting", default="uniform", help="partial_reduce: uniform or staleness")
     parser.add_argument("--topology", default="ring", help="decent_adam's topology")
     parser.add_argument(
-        "--pace", default="round", choices=("round", "own"), help="decent_adam's and prague's static schedule's pace"
+        "--pace",
+        default="auto",
+        choices=("auto", "round", "own"),
+        help="decent_adam's and prague's static schedule's pace (auto: own in replica groups, else round)",
     )
     parser.add_argument(
         "--replica-size", default="1", help="consecutive ranks training one model synchronously ('node': a node's)"

@@ -130,6 +130,7 @@ _LOST_VALIDATION = (
     "validation is sharded among the survivors of a lost rank (StrategyLoaders.reshard_validation and "
     "reshard, lightning_prague.strategies.loaders)"
 )
+_STEP_FIRST = "StepFirstFetcher takes over Lightning's training fetcher and the batch it fetched ahead at set-up"
 _RESUMED_LOADER = "a resumed fit whose data was loaded before its checkpoint restores the loader's position"
 
 #: every private Lightning internal that `lightning_prague` reads, writes, calls or replaces;
@@ -222,7 +223,8 @@ LIGHTNING_INTERNALS: tuple[LightningInternal, ...] = (
         _EPOCH_LOOP,
         "_num_ready_batches_reached",
         "replaced",
-        "an epoch ends when the work queue is empty, not at this worker's batch count",
+        "an epoch ends when the work queue is empty, not at this worker's batch count; asked first after a "
+        "batch's step, it has StepFirstFetcher fetch the next batch then",
     ),
     LightningInternal(_AUTOMATIC_STEPS, "ready", "written", _GLOBAL_STEP + " under automatic optimization"),
     LightningInternal(_AUTOMATIC_STEPS, "completed", "written", _GLOBAL_STEP + " under automatic optimization"),
@@ -244,7 +246,20 @@ LIGHTNING_INTERNALS: tuple[LightningInternal, ...] = (
     ),
     LightningInternal("trainer.fit_loop", "_combined_loader_states_to_load", "read", _RESUMED_LOADER),
     LightningInternal("trainer.fit_loop", "_load_combined_loader_states", "called", _RESUMED_LOADER),
-    LightningInternal("trainer.fit_loop", "_data_fetcher", "read", _RESUMED_LOADER + " and starts its epoch again"),
+    LightningInternal(
+        "trainer.fit_loop",
+        "_data_fetcher",
+        "read and written",
+        _RESUMED_LOADER + " and starts its epoch again; under the work queue the training fetcher is a "
+        "StepFirstFetcher (strategies.fetching), which fetches the next batch after a batch's step",
+    ),
+    # -- the training fetcher that StepFirstFetcher replaces (strategies.fetching)
+    LightningInternal("lightning.pytorch.loops.fetchers", "_DataFetcher", "subclassed", _STEP_FIRST),
+    LightningInternal("lightning.pytorch.loops.fetchers", "_PrefetchDataFetcher", "read", _STEP_FIRST),
+    LightningInternal("lightning.pytorch.loops.fetchers:_PrefetchDataFetcher()", "batches", "read", _STEP_FIRST),
+    LightningInternal("lightning.pytorch.loops.fetchers:_DataFetcher()", "_combined_loader", "read", _STEP_FIRST),
+    LightningInternal("lightning.pytorch.loops.fetchers:_DataFetcher()", "_start_profiler", "read", _STEP_FIRST),
+    LightningInternal("lightning.pytorch.loops.fetchers:_DataFetcher()", "_stop_profiler", "read", _STEP_FIRST),
     LightningInternal(
         "trainer.fit_loop",
         "max_batches",

@@ -16,9 +16,9 @@ from lightning_prague.core.grouping.policies import GroupingPolicy, SchedulePoli
 from lightning_prague.core.grouping.topology import make_topology
 from lightning_prague.core.replicas.columns import column_schedule
 from lightning_prague.strategies.base import DecentralizedStrategy
-from lightning_prague.strategies.options import check_pace
+from lightning_prague.strategies.options import check_pace, resolve_pace
 
-Pace = Literal["round", "own"]
+Pace = Literal["auto", "round", "own"]
 """How a fixed schedule's rounds pace the workers: `pace` of `decent_adam` and of `prague`'s static schedule."""
 
 Topology = Literal["complete", "ring", "one_peer_exp", "alternating_exp_ring", "static"]
@@ -90,7 +90,9 @@ class DecentAdamStrategy(DecentralizedStrategy):
             flight is a local step, the round is mixed in at the first update after it is done, and
             the training data comes from the work queue, so a fast worker takes more batches and never
             waits for a slow neighbour (every batch still trained once). For clusters whose workers or
-            nodes differ in speed; needs `overlap`.
+            nodes differ in speed; needs `overlap`. `"auto"` (the default): `"own"` in replica groups
+            (`replica_size`: nodes that differ, the slow one must not stall the others) with `overlap`,
+            else `"round"`.
         **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`, `timeout`,
             `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`, `leave_out_after`,
             `sync_timeout`, `coordinator_port`, `max_restarts`, `max_workers`, `plane`,
@@ -108,7 +110,7 @@ class DecentAdamStrategy(DecentralizedStrategy):
         schedule: Optional[list[list[Any]]] = None,
         workers_per_node: Optional[int] = None,
         overlap: bool = True,
-        pace: Pace = "round",
+        pace: Pace = "auto",
         **kwargs: Any,
     ) -> None:
         check_pace(pace, overlap, "decent_adam")
@@ -124,9 +126,9 @@ class DecentAdamStrategy(DecentralizedStrategy):
         self.schedule_spec = schedule
         self.node_size = workers_per_node
         self.overlap = overlap
-        self.pace = pace
+        self.pace = resolve_pace(pace, overlap, self.options.replica_size)
         # at its own pace a fast worker trains more batches than a slow one: from the work queue
-        self.shards_by_work_queue = pace == "own"
+        self.shards_by_work_queue = self.pace == "own"
         self.refuse_replica_restarts()
 
     def make_policy(self) -> GroupingPolicy:

@@ -35,6 +35,7 @@ from lightning_prague.core.data.progress import Boundary, ProgressSchedule
 from lightning_prague.core.data.progress_loader import ProgressLoader
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.exchange.phases import SyncController
+from lightning_prague.strategies.fetching import StepFirstFetcher, step_first
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +218,14 @@ class GlobalProgress:
 
         def num_ready_batches_reached() -> bool:
             progress = loop.batch_progress
+            fetcher = self.trainer.fit_loop._data_fetcher
+            if (
+                isinstance(fetcher, StepFirstFetcher)
+                and progress.current.processed == progress.current.ready
+                and not progress.is_last_batch
+            ):
+                # (asked first after the batch's step: the next batch is fetched now, see `fetching`)
+                progress.is_last_batch = fetcher.look_ahead()
             return progress.is_last_batch or progress.current.ready == self._loader_batches
 
         def setup_data() -> None:
@@ -242,6 +251,7 @@ class GlobalProgress:
                     self._epoch_batches, fit_loop.max_batches = fit_loop.max_batches, float("inf")
                 return
             if self.loader is not None and fit_loop._combined_loader is not None:
+                fit_loop._data_fetcher = step_first(fit_loop._data_fetcher, trainer.accumulate_grad_batches)
                 self._loader_batches = fit_loop.max_batches
                 if self.loader.batches_per_epoch is not None and fit_loop.max_batches == float("inf"):
                     # what one worker trains per epoch under DDP: trainer.estimated_stepping_batches and

@@ -27,7 +27,16 @@ T = TypeVar("T")
 STATE_DICT_TYPES = ("full", "sharded")
 
 #: how a fixed schedule's rounds pace the workers (`pace` of `decent_adam` and of `prague`'s static schedule)
-PACES = ("round", "own")
+PACES = ("auto", "round", "own")
+
+
+def resolve_pace(pace: str, overlap: bool, replica_size: Any) -> str:
+    """The pace `"auto"` stands for: `"own"` in replica groups (`replica_size` not 1: a job on nodes that
+    differ, whose slow node must not stall the others) where the exchanges overlap the updates, else
+    `"round"`, the paper's algorithm. A pace given is kept."""
+    if pace != "auto":
+        return pace
+    return "own" if overlap and replica_size != 1 else "round"
 
 
 def check_pace(pace: str, overlap: bool, strategy: str) -> None:

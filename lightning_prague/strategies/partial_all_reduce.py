@@ -16,7 +16,7 @@ from lightning_prague.core.grouping.policies import GroupingPolicy, SchedulePoli
 from lightning_prague.core.replicas.columns import column_schedule
 from lightning_prague.strategies.base import DecentralizedStrategy
 from lightning_prague.strategies.decent_adam import Pace
-from lightning_prague.strategies.options import check_pace
+from lightning_prague.strategies.options import check_pace, resolve_pace
 
 Grouping = Literal["random", "buffer", "division", "static"]
 """The grouping policies of `PartialAllReduceStrategy` (its `grouping` option)."""
@@ -60,7 +60,8 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         pace: the static schedule's (the other groupings always go at each worker's own pace):
             `"round"` waits for each round at the next step, on equal shards; `"own"` trains local
             steps while a round is in flight and takes the data from the work queue, so fast workers
-            never wait for a slow one (see `decent_adam`'s `pace`); needs `overlap`.
+            never wait for a slow one (see `decent_adam`'s `pace`); needs `overlap`. `"auto"` (the
+            default): `"own"` in replica groups (`replica_size`) with `overlap`, else `"round"`.
         **kwargs: the options every asynchronous strategy shares (`sync_every`, `seed`, `timeout`,
             `average_at_sync`, `bucket_mb`, `min_workers`, `hang_timeout`, `hang_factor`, `leave_out_after`,
             `sync_timeout`, `coordinator_port`, `max_restarts`, `max_workers`, `plane`,
@@ -78,7 +79,7 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         avoid_stragglers: bool = True,
         overlap: bool = True,
         avoid_busy: bool = True,
-        pace: Pace = "round",
+        pace: Pace = "auto",
         **kwargs: Any,
     ) -> None:
         check_group_size(group_size)
@@ -96,8 +97,8 @@ class PartialAllReduceStrategy(DecentralizedStrategy):
         # only where the requester's group is drawn from everyone (random, division); a blocking
         # exchange finishes before the next request anyway, but a busy member still stalls the group
         self.avoid_busy = avoid_busy and grouping in ("random", "division")
-        self.pace = pace
-        if grouping == "static" and pace == "round":
+        self.pace = resolve_pace(pace, overlap, self.options.replica_size)
+        if grouping == "static" and self.pace == "round":
             # lock-step rounds: a work queue could not let fast workers take more batches
             self.shards_by_work_queue = False
         self.refuse_replica_restarts()

@@ -69,6 +69,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cluster.add_argument("--batch-size", type=int, help="override the profiles' batch size")
     cluster.add_argument("--job-timeout", type=float, default=600.0, help="seconds one run may take")
     cluster.add_argument(
+        "--launcher", choices=("srun", "torchrun"), default="srun",
+        help="how each node starts its ranks: SLURM's srun (one import of Lightning per node), or torchrun "
+             "(one agent per node, c10d rendezvous on node1)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--runs", nargs="+", metavar="LABEL",
+        help="only these runs of the chosen strategies (labels as in the table: prague/random/replicas, ...); DDP's "
+             "always runs (the speed-ups are against it)",
+    )  # fmt: skip
+    cluster.add_argument(
         "--predict-from", type=Path, metavar="RUNS_JSON",
         help="run nothing: predict and tabulate the runs a --cluster bench saved (its --out/runs.json)",
     )  # fmt: skip

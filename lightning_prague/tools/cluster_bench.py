@@ -158,8 +158,8 @@ REPLICA_RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("prague/random/replicas", "prague", ("--grouping", "random", "--replica-size", "node")),
     ("partial_reduce/replicas", "partial_reduce", ("--replica-size", "node")),
     ("adpsgd/replicas", "adpsgd", ("--replica-size", "node")),
-    ("prague/static/replicas", "prague", ("--grouping", "static", "--replica-size", "node")),
-    ("decent_adam/ring/replicas", "decent_adam", ("--topology", "ring", "--replica-size", "node")),
+    ("prague/static/replicas", "prague", ("--grouping", "static", "--pace", "round", "--replica-size", "node")),
+    ("decent_adam/ring/replicas", "decent_adam", ("--topology", "ring", "--pace", "round", "--replica-size", "node")),
     ("prague/static/own/replicas", "prague", ("--grouping", "static", "--pace", "own", "--replica-size", "node")),
     ("decent_adam/ring/own/replicas", "decent_adam", ("--topology", "ring", "--pace", "own", "--replica-size", "node")),
 )
@@ -192,6 +192,10 @@ def check(args: argparse.Namespace) -> list[str]:
         problems.append(f"--batch-size {args.batch_size}: must be positive")
     if args.job_timeout <= 0:
         problems.append(f"--job-timeout {args.job_timeout}: must be positive (seconds)")
+    known = {label for label, _, _ in (*RUNS, *REPLICA_RUNS)}
+    unknown = [label for label in getattr(args, "runs", None) or () if label not in known]
+    if unknown:
+        problems.append(f"--runs {' '.join(unknown)}: no such run; the runs are {', '.join(sorted(known))}")
     return problems
 
 
@@ -200,7 +204,9 @@ def runs(args: argparse.Namespace, profile: ClusterProfile | None = None) -> lis
     groups where the profile has them)."""
     chosen = {"ddp", *args.strategies}
     extra = REPLICA_RUNS if profile is not None and profile.replicas else ()
-    return [run for run in (*RUNS, *extra) if run[1] in chosen]
+    labels = getattr(args, "runs", None)
+    labels = {"ddp", *labels} if labels else None  # (speed-ups and predictions are measured against DDP's run)
+    return [run for run in (*RUNS, *extra) if run[1] in chosen and (labels is None or run[0] in labels)]
 
 
 def load_cluster_tool() -> Any:
@@ -310,10 +316,37 @@ def demo_argv(strategy: str, extra: tuple[str, ...], profile: ClusterProfile, ar
     ]  # fmt: skip (no --monitors: ConsensusMonitor gathers every replica over the slow links each epoch)
 
 
+def node_command(
+    profile: ClusterProfile, node: Any, directory: Path, port: int, timeout: float, launcher: str
+) -> list[str]:
+    """What starts ``node``'s ranks of a run: the srun-style launcher, or a torchrun agent (c10d rendezvous on
+    node1, no restarts) with the demo's arguments from the run's ``steps.json``."""
+    if launcher == "torchrun":
+        argv = json.loads((directory / "steps.json").read_text())[0]["argv"]
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(profile.nodes), "--nproc-per-node",
+            str(profile.workers_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"node1:{port}",
+            "--rdzv-id", f"bench-{port}", "--max-restarts", "0", "-m", "lightning_prague.demo.run", *argv,
+        ]  # fmt: skip
+    return [
+        sys.executable, "-m", "lightning_prague.tools.cluster.srun", "--nnodes", str(profile.nodes), "--node-id",
+        str(node.index), "--ntasks-per-node", str(profile.workers_per_node), "--nodelist",
+        f"node[1-{profile.nodes}]", "--master-addr", "node1", "--master-port", str(port),
+        "--preload", "--steps", str(directory / "steps.json"), "--log-dir", str(directory),
+        "--timeout", str(timeout), "-m", "lightning_prague.demo.run",
+    ]  # fmt: skip
+
+
 def run_on_cluster(
-    cluster: Any, profile: ClusterProfile, argv: list[str], directory: Path, port: int, timeout: float
+    cluster: Any,
+    profile: ClusterProfile,
+    argv: list[str],
+    directory: Path,
+    port: int,
+    timeout: float,
+    launcher: str = "srun",
 ) -> dict[str, Any]:
-    """One run, its ranks started srun-style on every node; rank 0's result.
+    """One run, its ranks started on every node by ``launcher`` (`node_command`); rank 0's result.
 
     Raises `RuntimeError` with the end of the logs when a node fails or the run passes ``timeout``.
     """
@@ -329,14 +362,8 @@ def run_on_cluster(
         env = tool.clean_environment(
             {"GLOO_SOCKET_IFNAME": node.ifname, "OMP_NUM_THREADS": "1", "TMPDIR": str(directory)}
         )
-        command = [
-            sys.executable, "-m", "lightning_prague.tools.cluster.srun", "--nnodes", str(profile.nodes), "--node-id",
-            str(node.index), "--ntasks-per-node", str(profile.workers_per_node), "--nodelist",
-            f"node[1-{profile.nodes}]", "--master-addr", cluster.nodes[0].name, "--master-port", str(port),
-            "--preload", "--steps", str(directory / "steps.json"), "--log-dir", str(directory),
-            "--timeout", str(timeout), "-m", "lightning_prague.demo.run",
-        ]  # fmt: skip
-        with open(directory / f"srun-{node.name}.log", "w") as log:
+        command = node_command(profile, node, directory, port, timeout, launcher)
+        with open(directory / f"{launcher}-{node.name}.log", "w") as log:
             procs.append(cluster.run(node, command, env, stdout=log, stderr=subprocess.STDOUT, cwd=directory))
     deadline = time.monotonic() + timeout + 30
     # a node that fails ends the run: the others would wait for its ranks until their timeout
@@ -498,7 +525,8 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
                 directory = args.out / "logs" / f"{profile.name}-{label.replace('/', '-')}"
                 argv = demo_argv(strategy, extra, profile, args)
                 sent = sum(cluster.sent_bytes(node) for node in cluster.nodes)
-                result = run_on_cluster(cluster, profile, argv, directory, port, args.job_timeout)
+                launcher = getattr(args, "launcher", "srun")
+                result = run_on_cluster(cluster, profile, argv, directory, port, args.job_timeout, launcher)
                 sent = sum(cluster.sent_bytes(node) for node in cluster.nodes) - sent
                 row = summarize(label, profile, result, args)
                 # what crossed between nodes (every protocol: exchanges, all-reduces, the store, the control

@@ -31,6 +31,7 @@ from pathlib import Path
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.grouping.topology import TOPOLOGIES, make_topology
 from lightning_prague.core.replicas.layout import NODE, ReplicaLayout
+from lightning_prague.strategies.options import resolve_pace
 from lightning_prague.tools.runtime_model import (
     STRATEGY_MODELS,
     Cluster,
@@ -93,7 +94,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--topology", default="ring", choices=sorted(TOPOLOGIES), help="decent_adam's topology")
     parser.add_argument("--grouping", default="random", choices=["random", "static"], help="prague's grouping")
     parser.add_argument(
-        "--pace", default="round", choices=["round", "own"], help="decent_adam's and the static schedule's pace"
+        "--pace",
+        default="auto",
+        choices=["auto", "round", "own"],
+        help="decent_adam's and the static schedule's pace (auto, as the strategies: own in replicas, else round)",
     )
     parser.add_argument(
         "--backward-fraction",
@@ -257,13 +261,16 @@ def main(argv: list[str] | None = None) -> list[Prediction]:
         backward_fraction=args.backward_fraction,
         bucket_bytes=int(args.bucket_mb * 2**20),
         grouping=args.grouping,
-        pace=args.pace,
     )
     model_bytes = int(args.model_mb * 2**20)
-    predictions = predict(workers, model_bytes, strategies=args.strategies, **common)
+    own = resolve_pace(args.pace, True, 1)
+    predictions = predict(workers, model_bytes, strategies=args.strategies, pace=own, **common)
     decentralized = [name for name in args.strategies if name != "ddp"]
     if args.replica_size > 1 and decentralized:
-        predictions += predict(workers, model_bytes, strategies=decentralized, replica_size=args.replica_size, **common)
+        in_replicas = resolve_pace(args.pace, True, args.replica_size)
+        predictions += predict(
+            workers, model_bytes, strategies=decentralized, replica_size=args.replica_size, pace=in_replicas, **common
+        )
     print(format_table(predictions))
     best = recommend(predictions)
     print(f"physical limit: {predictions[0].limit:.1f} batches/s; recommended: {best.name}")

@@ -47,6 +47,8 @@ class Model(L.LightningModule):
         self.trained: list[list[int]] = []  # [epoch, index] of every trained sample
         self.validations: list[dict] = []
         self.tickets: list = []  # [epoch, global ticket, lr] of every trained batch
+        #: [epoch, batch_idx, trainer.is_last_batch] at the end of every trained batch
+        self.batch_ends: list[list] = []
         self.stepping_batches = None
         self.automatic_optimization = not args.manual
 
@@ -66,6 +68,9 @@ class Model(L.LightningModule):
         optimizer.step()
         self.lr_schedulers().step()  # once per batch, as under DDP: the strategy makes it the global step
         return None
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.batch_ends.append([self.current_epoch, batch_idx, self.trainer.is_last_batch])
 
     def validation_step(self, batch, batch_idx):
         x, y, _ = batch
@@ -92,6 +97,8 @@ class Model(L.LightningModule):
             "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
             "met": progress.met if progress is not None else [],
             "tickets": self.tickets,
+            "batch_ends": self.batch_ends,
+            "fetcher": type(trainer.fit_loop._data_fetcher).__name__,
         }
         self.args.json.with_name(f"result.rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
