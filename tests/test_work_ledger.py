@@ -50,3 +50,17 @@ def test_a_set_aside_chunk_a_lost_rank_held_before_anyone_claimed_goes_back_once
     ledger.claimed(2, KEY, 2, 4)  # rank 2 holds its set-aside shard 2, trained up to position 4
     assert ledger.lose(2) == {KEY: [(2, 4)]}
     assert ledger.set_aside(KEY, [0, 1, 2], [0, 1, 2], lost=[2]) == []
+
+
+def test_a_set_aside_chunk_held_and_trained_before_anyone_claimed_is_not_held_again_at_the_registration():
+    """A rank holds its set-aside chunk with a ticket claimed apart from it (at the start of training) and
+    trains it before any claim on the queue registered the set-aside chunks (each rank claims only after
+    its first step): the registration must not hold it again, or a loss of that rank would give a trained
+    chunk back (found: a kill after a rank's 5th batch had its first batch trained a second time)."""
+    ledger = WorkLedger()
+    ledger.claimed(1, KEY, 1, -2)  # its set-aside chunk, with the ticket it claimed at the start of training
+    ledger.done(1, KEY, [1])
+    assert ledger.set_aside(KEY, [0, 1, 2], [0, 1, 2], lost=[]) == []
+    ledger.claimed(1, KEY, 6, 4)
+    assert ledger.lose(1) == {KEY: [(6, 4)]}  # what it holds untrained, not the chunk it trained
+    assert ledger.lose(0) == {KEY: [(0, -2)]}

@@ -809,6 +809,10 @@ class DecentralizedStrategy(DDPStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.progress is not None and self.progress.loader is not None:
             self.progress.loader.report_trained()  # trained: before its update reaches any other model
+            # the next batch now (`strategies.fetching`): a wait at the work queue's end, which serves the
+            # groups peers draw this rank into, comes before the step's exchange work, which puts a
+            # replica's model together after it
+            self.progress.look_ahead()
         if self.worker is not None and self.exchanger is not None:
             self.local_steps += 1
             self.worker.version += 1

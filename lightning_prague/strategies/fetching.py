@@ -8,10 +8,12 @@ batch of an epoch waited, untrained, until the slowest member had trained its ow
 trained only then: one step of every fast rank per epoch spent after the slowest one's.
 
 `StepFirstFetcher` hands the trainer one batch at a time and looks for the next one once the batch's
-step is over (`look_ahead`, called where Lightning first asks whether the epoch's batches are done after
-the step: the epoch loop's `_num_ready_batches_reached`, `global_progress`). A wait at the queue's end is
-then spent with this rank's last batch trained (and reported), beside the slowest member's last chunk
-instead of after it. Lightning's own readers of the answer (`batch_progress.is_last_batch`, this
+step is over (`look_ahead`): at the strategy's optimizer step, right after the batch is reported trained
+and before the step's exchange work (which folds in what a wait served and puts a replica's model
+together after it), or, where no optimizer step came, where Lightning first asks whether the epoch's
+batches are done (the epoch loop's `_num_ready_batches_reached`, `global_progress`). A wait at the
+queue's end is then spent with this rank's last batch trained (and reported), beside the slowest
+member's last chunk instead of after it. Lightning's own readers of the answer (`batch_progress.is_last_batch`, this
 fetcher's `done`) get it then, before the
 batch's `on_train_batch_end` hooks, validation and the epoch's end, which read it.
 

@@ -218,14 +218,10 @@ class GlobalProgress:
 
         def num_ready_batches_reached() -> bool:
             progress = loop.batch_progress
-            fetcher = self.trainer.fit_loop._data_fetcher
-            if (
-                isinstance(fetcher, StepFirstFetcher)
-                and progress.current.processed == progress.current.ready
-                and not progress.is_last_batch
-            ):
-                # (asked first after the batch's step: the next batch is fetched now, see `fetching`)
-                progress.is_last_batch = fetcher.look_ahead()
+            if progress.current.processed == progress.current.ready and not progress.is_last_batch:
+                # (asked first once the batch was processed: the next batch was fetched at its optimizer step,
+                # or is fetched now where none came, see `fetching`)
+                progress.is_last_batch = self.look_ahead()
             return progress.is_last_batch or progress.current.ready == self._loader_batches
 
         def setup_data() -> None:
@@ -264,6 +260,13 @@ class GlobalProgress:
             "_num_ready_batches_reached": num_ready_batches_reached,
             "setup_data": setup_data,
         }
+
+    def look_ahead(self) -> bool:
+        """After a batch's step: fetch the next batch where the fit loop's fetcher is a `StepFirstFetcher`
+        (once per batch); whether the batch was the epoch's last (`False` where Lightning's fetcher,
+        which fetched ahead, says it itself)."""
+        fetcher = self.trainer.fit_loop._data_fetcher
+        return fetcher.look_ahead() if isinstance(fetcher, StepFirstFetcher) else False
 
     def on_train_start(self) -> None:
         if self._epoch_batches is not None:  # the restart is over (see setup_data)

@@ -71,6 +71,7 @@ class Model(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.batch_ends.append([self.current_epoch, batch_idx, self.trainer.is_last_batch])
+        self.fetcher = type(self.trainer.fit_loop._data_fetcher).__name__
 
     def validation_step(self, batch, batch_idx):
         x, y, _ = batch
@@ -98,7 +99,7 @@ class Model(L.LightningModule):
             "met": progress.met if progress is not None else [],
             "tickets": self.tickets,
             "batch_ends": self.batch_ends,
-            "fetcher": type(trainer.fit_loop._data_fetcher).__name__,
+            "fetcher": getattr(self, "fetcher", None),
         }
         self.args.json.with_name(f"result.rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -22,9 +22,10 @@ to wait for, every parked claim of the queue returns empty together. A member lo
 epoch thus costs the others a wait until it is found (its hang bound), which they would spend at
 the epoch's closing synchronization point anyway.
 
-What this cannot cover: Lightning fetches one batch ahead, so every rank trains its last batch of an
-epoch after its last claim returned. A rank lost while training that batch gives it back when no
-claim is left to take it (`docs/fault_tolerance.md`, "Exactly once").
+What this cannot cover: a rank sends its next claim while it trains the chunk before (a claim ahead),
+so its last claim of an epoch parks while it still trains its last batch, and may return (every live
+member parked) before that batch is trained. A rank lost while training it gives it back when no claim
+is left to take it (`docs/fault_tolerance.md`, "Exactly once").
 
 Everything here is bounded whatever a connection sends: one parked claim per rank and queue, at most
 `MAX_PARKED_PER_RANK` queues per rank, and at most `MAX_QUEUES` queues (a rank that reports itself

@@ -100,7 +100,10 @@ class WorkLedger:
         """`rank` trained `chunks` of `key`'s queue."""
         held = self._held.get(rank, {}).get(key, {})
         for chunk in chunks:
-            if held.pop(chunk, _ABSENT) is _ABSENT and key not in self._registered:
+            held.pop(chunk, None)
+            # (before the registration even where it was held: a rank that holds its set-aside chunk with a
+            # ticket claimed apart from it may train it before any claim on the queue registers it)
+            if key not in self._registered:
                 early = self._early.setdefault(key, set())
                 if len(early) < MAX_HELD:
                     early.add(chunk)
