@@ -17,10 +17,12 @@ snapshot `s` and the training thread later folds in `x <- x + (avg(s) - s)`, so 
 made during the exchange is kept and each exchange is applied exactly once. Under plain means the
 differences sum to zero over a group, so the sum of all replicas is conserved.
 
-Memory: the background exchangers keep two flat copies of the averaged state (parameters and
+Memory: the background exchangers keep flat copies of the averaged state (parameters and
 floating-point buffers), allocated once and refreshed in place: the snapshot (the worker's spare
 copy, `GroupWorker.spare`, which synchronization points use for the global average) and the change
-the averages made (`SnapshotAverages`), plus one bucket once two averages run on one snapshot. A step
+the averages made (`SnapshotAverages`), plus one bucket once two averages run on one snapshot; where
+each snapshot is averaged once (`in_place`: `partial_reduce`, `prague` with `avoid_busy`, both sides
+of AD-PSGD) the snapshot becomes its change, one copy and a piece. A step
 allocates nothing the size of the model (docs/memory.md has the measurements). On CUDA the threads
 run on a stream of their own and hand snapshots and results over with CUDA events
 (`lightning_prague.core.comm.streams`): the training thread never synchronises with the device for an
@@ -377,22 +379,28 @@ class BackgroundAverager(_ThreadedExchanger):
 class PassiveResponder(_ThreadedExchanger):
     """Answers the exchanges other workers start with this one, from a thread, on the latest snapshot.
 
-    The training thread refreshes a snapshot of the live model at every safe point (in place, in
-    the worker's spare copy) unless the thread is averaging it at that moment. The thread executes
-    this rank's inbox in order; each group averages the snapshot (`SnapshotAverages`: the snapshot
-    moves to the average, the change is accumulated), so a second exchange before the next safe
-    point starts from the first one's result. At the next safe point the change is folded into
-    the live model. `drain` posts a pause marker behind everything already in the inbox, so every
-    exchange assigned before the synchronization point is served before the thread ends.
-    Memory: the snapshot and the change, plus one bucket once two exchanges come between two safe
-    points (the second commits bucket by bucket, `SnapshotAverages`).
+    The training thread publishes at every safe point (`_publish`, in place, in the worker's spare copy):
+    it folds in what the exchanges changed and takes a new snapshot of the live model, unless the thread
+    is averaging it at that moment. The thread executes this rank's inbox in order. With `in_place` (the
+    default) each snapshot is averaged once and becomes its change in place (`SnapshotAverages`: one copy
+    of the model and a piece); a group that comes before the next safe point published a new snapshot
+    waits for it, so an active worker's exchange (in its own thread: its training never waits) waits at
+    most one of this worker's steps, and a training thread parked at the work queue's end, draining at a
+    synchronization point or leaving publishes while it waits. Without it, a second exchange before the
+    next safe point starts from the first one's result (`SnapshotAverages` chains it: the snapshot and
+    the change, plus one bucket). `drain` posts a pause marker behind everything already in the inbox,
+    so every exchange assigned before the synchronization point is served before the thread ends.
     """
 
     thread_name = "prague-passive"
 
-    def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float) -> None:
+    def __init__(self, worker: GroupWorker, live: BucketedTensors, timeout: float, in_place: bool = True) -> None:
         super().__init__(worker, live, timeout)
+        self.in_place = in_place
         self._lock = threading.Lock()
+        #: notified when a new snapshot is published (or the responder closes)
+        self._published = threading.Condition(self._lock)
+        self._closing = False
         self._averages: SnapshotAverages | None = None
         self._serving = False  # the thread is averaging the snapshot: the training thread leaves it alone
         self._trained: Marker = None  # the training thread's latest writes to the shared buffers
@@ -401,7 +409,7 @@ class PassiveResponder(_ThreadedExchanger):
 
     def _snapshots(self) -> SnapshotAverages:
         if self._averages is None:
-            self._averages = SnapshotAverages(self.live, self.worker.spare(), self.worker.part)
+            self._averages = SnapshotAverages(self.live, self.worker.spare(), self.worker.part, self.in_place)
         return self._averages
 
     def _publish(self) -> None:
@@ -417,10 +425,12 @@ class PassiveResponder(_ThreadedExchanger):
             self.exchanges += self._served
             self._served = 0
             self._trained = self.streams.mark()
+            self._published.notify_all()
 
     def start(self) -> None:
         if self.running:
             return
+        self._closing = False
         self._publish()
         super().start()
 
@@ -436,6 +446,7 @@ class PassiveResponder(_ThreadedExchanger):
                 self.worker.execute(item)
                 continue
             with self._lock:
+                self._await_snapshot(averages, item)
                 self._serving = True
                 self.streams.wait(self._trained)  # the snapshot was taken on the compute stream
                 self.streams.keep_for(averages.buffers())
@@ -449,6 +460,20 @@ class PassiveResponder(_ThreadedExchanger):
                     self._served += served
                     self._serving = False
 
+    def _await_snapshot(self, averages: SnapshotAverages, item: dict[str, Any]) -> None:
+        """(Under the lock.) In place, a snapshot already averaged waits for the next one (`_publish`)."""
+        deadline = time.monotonic() + self.timeout
+        while self.in_place and averages.changed and not self._closing:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CoordinationTimeout(
+                    f"rank {self.worker.rank}: group {item.get('gid')} waited {self.timeout:.0f}s for this rank's "
+                    "next safe point (its snapshot was averaged once already)"
+                )
+            self._published.wait(min(left, 1.0))
+        if self._closing:
+            raise ExchangeInterrupted(f"rank {self.worker.rank}: the passive responder closes")
+
     def _fold_in(self) -> None:
         """Once the thread has ended: fold in what its last exchanges changed."""
         averages = self._snapshots()
@@ -456,6 +481,30 @@ class PassiveResponder(_ThreadedExchanger):
         averages.apply()
         self.exchanges += self._served
         self._served = 0
+
+    def serve_while_parked(self) -> None:
+        # the thread serves the inbox; a snapshot it averaged waits for a new one, published here (the
+        # training thread is between two steps, parked in a claim)
+        if self.running:
+            self._publish()
+        else:
+            self.worker.serve_inbox()
+
+    def _join_publishing(self, what: str) -> None:
+        """Wait for the thread to end (`_join`), publishing meanwhile: the groups before the pause or the
+        `left` marker may each wait for a new snapshot."""
+        thread = self._thread
+        deadline = time.monotonic() + self.timeout
+        while thread is not None and thread.is_alive() and time.monotonic() < deadline:
+            self._publish()
+            thread.join(0.02)
+        self._join(what)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._published.notify_all()
+        super().close()
 
     def step(self) -> None:
         self._raise_pending()
@@ -468,7 +517,7 @@ class PassiveResponder(_ThreadedExchanger):
     def drain(self) -> None:
         if self.running:
             self.worker.post_pause()
-            self._join("the exchanges assigned before the synchronization point")
+            self._join_publishing("the exchanges assigned before the synchronization point")
         self._raise_pending()
         self._fold_in()
 
@@ -480,5 +529,5 @@ class PassiveResponder(_ThreadedExchanger):
         (wait for it); False if none runs."""
         if not self.running:
             return False
-        self._join("the exchanges assigned before leaving")
+        self._join_publishing("the exchanges assigned before leaving")
         return True
