@@ -11,8 +11,9 @@ Each strategy (and Lightning's `strategy="ddp"` first, the baseline) runs as a c
 (`accelerator="cpu", devices=--devices`: ranks 1..N-1 re-run the command as children of rank 0;
 gloo on 127.0.0.1). Every rank builds the same model, `--layers` square `nn.Linear` layers with
 ReLU between them, as wide as makes `--params` float32 parameters (25M: 4 layers of 2499 x 2499,
-95.3 MiB), and trains it for one epoch on random data (`--steps` batches of `--batch-size` per
-worker: the dataset holds `steps x batch x devices` samples; the work-queue strategies let a fast
+95.3 MiB), in its `__init__` (`--build-in configure_model`: in Lightning's `configure_model` hook,
+after the strategy set its ranks up), and trains it for one epoch on random data (`--steps` batches
+of `--batch-size` per worker: the dataset holds `steps x batch x devices` samples; the work-queue strategies let a fast
 worker take a few more), MSE loss, SGD with momentum 0.9 (`--optimizer adamw`: AdamW), no validation,
 no checkpoints, no logger.
 `prague` and `partial_reduce` run with `group_size=--group-size` (default 2, as AD-PSGD's pairs);
@@ -162,13 +163,20 @@ def train(args: argparse.Namespace) -> None:
     start_bytes = resident_bytes()
     width = model_width(args.params, args.layers)
 
+    def build() -> nn.Module:
+        layers: list[nn.Module] = []
+        for i in range(args.layers):
+            layers += [nn.Linear(width, width)] + ([nn.ReLU()] if i < args.layers - 1 else [])
+        return nn.Sequential(*layers)
+
     class Wide(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            layers: list[nn.Module] = []
-            for i in range(args.layers):
-                layers += [nn.Linear(width, width)] + ([nn.ReLU()] if i < args.layers - 1 else [])
-            self.net = nn.Sequential(*layers)
+            self.net: nn.Module | None = build() if args.build_in == "init" else None
+
+        def configure_model(self) -> None:
+            if self.net is None:  # (`--build-in configure_model`: built where the strategy set up its ranks)
+                self.net = build()
 
         def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
             x, y = batch
@@ -252,6 +260,7 @@ def measure(strategy: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         command += ["--devices", str(args.devices), "--params", str(args.params), "--layers", str(args.layers)]
         command += ["--steps", str(args.steps), "--batch-size", str(args.batch_size), "--optimizer", args.optimizer]
         command += ["--group-size", str(args.group_size), "--interval", str(args.interval)]
+        command += ["--build-in", args.build_in]
         command += ["--where"] if args.where else []
         env = dict(os.environ)
         if args.mmap_threshold is not None:
@@ -337,6 +346,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd", help="SGD with momentum, or AdamW")
     parser.add_argument("--group-size", type=int, default=2, help="of prague and partial_reduce")
+    parser.add_argument(
+        "--build-in", choices=["init", "configure_model"], default="init",
+        help="where the module builds its layers: its __init__, or Lightning's configure_model hook",
+    )  # fmt: skip
     parser.add_argument(
         "--mmap-threshold", type=int, metavar="BYTES", help="set MALLOC_MMAP_THRESHOLD_ (e.g. 131072): RSS = live bytes"
     )
