@@ -86,6 +86,9 @@ pytestmark = [pytest.mark.timeout(240)]
 STRATEGIES = ("prague", "partial_reduce", "adpsgd", "decent_adam")
 EVERY_WAY = bool(os.environ.get("LPC_CLUSTER_ALL"))  # every strategy's demo on both launch paths too
 TORCHRUN = STRATEGIES if EVERY_WAY else ()
+#: the strategy of the torchrun job in replica groups of a node (each node's two ranks one synchronous
+#: replica; `decent_adam` goes at each replica's own pace there, from the work queue): issue 50's launch
+REPLICAS = "decent_adam"
 #: the srun-style job whose ranks on node2 are cut off for longer than its detection bound
 PARTITIONED = "decent_adam"
 SRUN = STRATEGIES if EVERY_WAY else (PARTITIONED,)
@@ -137,11 +140,15 @@ def cluster():
         yield built
 
 
-def demo_args(strategy: str, out: Path, partitioned: bool = False, rejoin: bool = False) -> list[str]:
+def demo_args(
+    strategy: str, out: Path, partitioned: bool = False, rejoin: bool = False, replicas: bool = False
+) -> list[str]:
     """The demo's options for one short job of ``strategy`` on the cluster; the partitioned one with a
     detection bound under the cut; the rejoin job long enough for a killed rank and two new workers
-    to join it (`REJOIN_EPOCHS`)."""
+    to join it (`REJOIN_EPOCHS`); `replicas`: in replica groups of a node."""
     timing = ["--epochs", "1", "--step-time", "0.02", "--hang-timeout", str(HANG)]
+    if replicas:
+        timing += ["--replica-size", "node"]
     if rejoin:  # silent bound max(10 s, 150 x 0.1 s)
         timing = ["--epochs", str(REJOIN_EPOCHS), "--step-time", "0.1", "--hang-timeout", str(HANG)]
         timing += ["--hang-factor", "150", "--profile", "homogeneous", "--fault", "2:20:kill", "--max-workers", "6"]
@@ -441,6 +448,7 @@ class Job:
     services: list[subprocess.Popen] = field(default_factory=list)
     codes: list[int | None] = field(default_factory=list)
     rejoin: bool = False  # the job a rank rejoins and two new workers join (`REJOIN`)
+    replicas: bool = False  # in replica groups of a node (`REPLICAS`)
 
     @property
     def out(self) -> Path:
@@ -475,7 +483,7 @@ def start_demo_torchrun(cluster: Cluster, job: Job, port: int) -> None:
         argv = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(WORKERS),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"node1:{port}", "--rdzv-id", f"{job.strategy}-{port}",
-            "-m", "lightning_prague.demo.run", *demo_args(job.strategy, job.out),
+            "-m", "lightning_prague.demo.run", *demo_args(job.strategy, job.out, replicas=job.replicas),
         ]  # fmt: skip
         with open(job.directory / f"torchrun-{node.name}.log", "w") as log:  # the process keeps its own copy
             job.procs.append(
@@ -605,6 +613,11 @@ def jobs(cluster, tmp_path_factory) -> Jobs:
             made[path, strategy].directory.mkdir(parents=True)
     for i, strategy in enumerate(TORCHRUN):
         start_demo_torchrun(cluster, made["torchrun", strategy], 29500 + i)
+    replicas = made["torchrun-replicas", REPLICAS] = Job(
+        "torchrun", REPLICAS, root / "torchrun-replicas", replicas=True
+    )
+    replicas.directory.mkdir(parents=True)
+    start_demo_torchrun(cluster, replicas, 29490)
     made["srun-rejoin", REJOIN] = Job("srun", REJOIN, root / "srun" / f"{REJOIN}-rejoin", rejoin=True)
     made["srun-rejoin", REJOIN].directory.mkdir(parents=True)
     srun_jobs = [made["srun", strategy] for strategy in SRUN] + [made["srun-rejoin", REJOIN]]
@@ -624,6 +637,7 @@ def jobs(cluster, tmp_path_factory) -> Jobs:
             service.wait(30)
     for strategy in TORCHRUN:
         made["torchrun", strategy].codes = wait(made["torchrun", strategy].procs, deadline)
+    replicas.codes = wait(replicas.procs, deadline)
     gate.touch()  # the examples are over: the partitioned job starts, and the cut touches none of them
     deadline = time.monotonic() + JOB_TIMEOUT
     cut_node1(cluster, made["srun", PARTITIONED], srun_procs, deadline)
@@ -687,6 +701,22 @@ def test_each_example_job_script_trains_to_the_end_of_the_fit(jobs, launcher):
         (secret,) = example.root_dir.glob(".secret-*")
         assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_text().strip()) >= 40
     assert "without a secret of its own" not in example.output(), logs  # (the manifest's comes from a Secret)
+
+
+def test_torchrun_runs_replica_groups_of_a_node_that_end_with_one_model(jobs):
+    """Issue 50's launch: a torchrun agent per node, `replica_size="node"` (each node's two ranks one
+    synchronous replica, decentralized between the nodes): every rank ends the fit, a replica's ranks take
+    every step together, and the replicas end with one model."""
+    job = jobs.demo["torchrun-replicas", REPLICAS]
+    results = job.results()
+    assert job.codes == [0] * NODES, f"torchrun agents' exit codes {job.codes}\n{job.logs()}"
+    assert sorted(results) == list(range(NODES * WORKERS)), f"results of ranks {sorted(results)}\n{job.logs()}"
+    assert len({r["params_sha256"] for r in results.values()}) == 1, f"the ranks' models differ\n{job.logs()}"
+    batches = results[0]["batches_per_worker"]
+    for node in range(NODES):  # a node's ranks: one replica, every step together
+        first = node * WORKERS
+        assert len(set(batches[first : first + WORKERS])) == 1, batches
+    assert all(r["lost_workers"] == {} and r["epochs_run"] == 1 for r in results.values()), job.logs()
 
 
 def test_the_kubernetes_manifest_runs_as_many_pods_as_its_world_size():
