@@ -223,8 +223,9 @@ LIGHTNING_INTERNALS: tuple[LightningInternal, ...] = (
         _EPOCH_LOOP,
         "_num_ready_batches_reached",
         "replaced",
-        "an epoch ends when the work queue is empty, not at this worker's batch count; asked first after a "
-        "batch's step, it has StepFirstFetcher fetch the next batch then",
+        "an epoch ends when the work queue is empty, not at this worker's batch count; asked first once a batch "
+        "was processed, it sets is_last_batch from StepFirstFetcher's look ahead (made then if no optimizer "
+        "step made it)",
     ),
     LightningInternal(_AUTOMATIC_STEPS, "ready", "written", _GLOBAL_STEP + " under automatic optimization"),
     LightningInternal(_AUTOMATIC_STEPS, "completed", "written", _GLOBAL_STEP + " under automatic optimization"),

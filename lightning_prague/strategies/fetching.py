@@ -13,9 +13,9 @@ and before the step's exchange work (which folds in what a wait served and puts 
 together after it), or, where no optimizer step came, where Lightning first asks whether the epoch's
 batches are done (the epoch loop's `_num_ready_batches_reached`, `global_progress`). A wait at the
 queue's end is then spent with this rank's last batch trained (and reported), beside the slowest
-member's last chunk instead of after it. Lightning's own readers of the answer (`batch_progress.is_last_batch`, this
-fetcher's `done`) get it then, before the
-batch's `on_train_batch_end` hooks, validation and the epoch's end, which read it.
+member's last chunk instead of after it. Lightning's own readers of the answer
+(`batch_progress.is_last_batch`, this fetcher's `done`) get it before the batch's `on_train_batch_end`
+hooks, validation and the epoch's end, which read it.
 
 Not used where Lightning must know the epoch's last batch before its step: with gradient accumulation
 (the last batch steps the optimizer), or a `training_step` that takes the `dataloader_iter` (another

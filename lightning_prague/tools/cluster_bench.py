@@ -22,7 +22,9 @@ Runs: DDP (first: speed-ups are against it), ``prague`` with its ``random`` and 
 grouping, ``partial_reduce``, ``adpsgd``, and ``decent_adam`` with its ``ring`` and
 ``alternating_exp_ring`` topologies. Each run's ranks are started on their nodes as SLURM's
 ``srun`` would (``lightning_prague.tools.cluster.srun``, one import of Lightning per node), with
-``GLOO_SOCKET_IFNAME`` naming the node's interface. The table adds the runtime model's prediction
+``GLOO_SOCKET_IFNAME`` naming the node's interface; ``--launcher torchrun`` starts them with a torchrun
+agent per node instead (c10d rendezvous on node1, each rank its own import of Lightning), and ``--runs``
+keeps only the runs named by their labels (DDP's always runs). The table adds the runtime model's prediction
 (`lightning_prague.tools.runtime_model` with the emulated links: per-node link rates, the loopback inside a node).
 
 On two loaded CPU cores ``inter_node`` takes about 4 minutes and ``slow_node`` about 17: DDP, the
