@@ -56,6 +56,14 @@ def plane_credentials(store, key: str):
     return record["host"], record["port"], record["pid"], credentials
 
 
+def wait_until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    """Poll `condition` until it holds, for at most `seconds`; then assert it."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert condition()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

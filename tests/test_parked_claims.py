@@ -13,10 +13,10 @@ waiting on its drain). So the waiting claim runs them itself whenever no exchang
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
+from helpers import wait_until
 
 from lightning_prague.core.comm.averaging import BucketedTensors, FlatBuffers
 from lightning_prague.core.exchange.overlap import BackgroundAverager, BlockingExchanger, PassiveResponder
@@ -66,13 +66,6 @@ def parked_claim_server(exchanger, worker) -> TrainingSession:
     training = TrainingSession.__new__(TrainingSession)
     training.worker, training.exchanger = worker, exchanger
     return training
-
-
-def wait_until(condition, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert condition()
 
 
 def test_a_waiting_claim_runs_the_groups_itself_only_while_no_communication_thread_runs():

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from helpers import wait_until
 
 from lightning_prague.core.comm.averaging import BucketedTensors, FlatBuffers
 from lightning_prague.core.exchange.overlap import PassiveResponder
@@ -63,13 +64,6 @@ class InboxWorker:
 
     def serve_inbox(self) -> None:
         raise AssertionError("the responder's thread serves the inbox")
-
-
-def wait_until(condition, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert condition()
 
 
 def test_a_second_group_waits_for_the_next_safe_point_and_every_exchange_is_applied_once():
