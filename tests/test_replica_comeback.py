@@ -6,10 +6,11 @@ Two real jobs, run side by side: four CPU workers under the strategy's launcher 
 one batch per rank of a replica), 50 ms steps: `prague` (random groups of replicas, the work queue)
 and `decent_adam` at each replica's own pace (a ring of replicas, the work queue). In each, rank 3
 kills itself with SIGKILL at its 20th batch; its mate, rank 2, fails at that step's gradient average
-and leaves with it. The agent starts both again. The control plane admits them together, in one
-membership epoch, only once both have asked (a replica trains whole); the donor sends both the same
-state; they make their replica's group anew on the job's store, and train the rest of the epoch
-with the others, the replica's second rank following its first rank's claims, tickets included.
+and leaves with it, saying so (a forked rank's failure reaches the strategy's `on_exception` too). The
+agent starts both again. The control plane admits them together, in one membership epoch, only once
+both have asked (a replica trains whole); the donor sends both the same state; they make their
+replica's group anew on the job's store, and train the rest of the epoch with the others, the
+replica's second rank following its first rank's claims, tickets included.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def test_a_lost_replica_comes_back_whole_and_every_batch_is_trained_once(comebac
     assert "ranks [2, 3] rejoined the job; members [0, 1, 2, 3]" in output, output[-4000:]
     for rank in (MATE, KILLED):
         assert f"rank {rank}: rejoined the job inside the epoch (membership epoch 1)" in output
+    # the mate left with its replica and said why (its own error is the backend's, of the gradient average)
+    assert f"rank {MATE} leaves the job with its replica (ranks [2, 3]): rank(s) [{KILLED}] of it were lost" in output
     assert [results[r]["restarts"] for r in range(WORLD)] == [0, 0, 1, 1], "only the lost replica restarted"
     # the replica's new processes took the same steps, and a good part of the epoch
     assert results[MATE]["batches_this_process"] == results[KILLED]["batches_this_process"] >= 5, results

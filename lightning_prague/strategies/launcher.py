@@ -259,7 +259,30 @@ class SurvivingForkLauncher(ComebackMultiProcessingLauncher):
             if previous is not None:
                 os.environ[PREVIOUS_EXIT_VARIABLE] = str(previous)
             args, kwargs = with_checkpoint(function, args, kwargs, PEER_CHECKPOINT, force=True)
-        self._wrapping_function(local_rank, trainer, wrapped, args, kwargs, results)
+        self._wrapping_function(
+            local_rank, trainer, failing_as_in_the_main_process(trainer, wrapped), args, kwargs, results
+        )
+
+
+def failing_as_in_the_main_process(trainer: Optional[Any], function: Callable) -> Callable:
+    """`function` (a forked rank's fit), whose failure reaches the strategy's `on_exception` first, as in a
+    process that runs `fit` itself (Lightning's `_call_and_handle_interrupt` calls it; its launcher's
+    wrapper in a forked process does not): the control plane learns of it at once, and a rank whose
+    replica lost a rank says so."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except BaseException as err:
+            strategy = getattr(trainer, "strategy", None)
+            if strategy is not None:
+                try:
+                    strategy.on_exception(err)
+                except Exception:  # (the fit's own error is the one to report)
+                    log.debug("the strategy's on_exception failed", exc_info=True)
+            raise
+
+    return run
 
 
 def keep_this_rank(max_restarts: int) -> None:
