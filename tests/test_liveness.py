@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from lightning_prague.core.client.activity import ThreadActivity
+from lightning_prague.core.client.activity import ThreadActivity, thread_cpu_seconds
 from lightning_prague.core.client.beacon import Beacon
 from lightning_prague.core.plane.liveness import HangDetector
 from lightning_prague.core.protocol import HangRule
@@ -195,10 +195,13 @@ def test_the_strategies_reject_a_hang_rule_that_is_not_positive(floor, factor):
         PartialAllReduceStrategy(hang_timeout=floor, hang_factor=factor)
 
 
-def _activity_of(work) -> list[bool]:
-    """Three samples of a thread's signs of life while it runs `work(stop)`."""
+def _activity_of(work, cpu_between: float = 0.0) -> list[bool]:
+    """Three samples of a thread's signs of life while it runs `work(stop)`, 0.3 s apart; with
+    `cpu_between`, each once the thread used that many CPU seconds since the previous one (up to 10 s:
+    on two cores shared with the suite's other jobs a computing thread may get less than the share of
+    0.3 s a sample asks for), against a share of the time between samples low enough for that wait."""
     stop = threading.Event()
-    activity = ThreadActivity()
+    activity = ThreadActivity(cpu_share=cpu_between / 10.0) if cpu_between else ThreadActivity()
     ready = threading.Event()
 
     def run() -> None:
@@ -213,7 +216,13 @@ def _activity_of(work) -> list[bool]:
     try:
         activity.sample()
         for _ in range(3):
+            used = thread_cpu_seconds(thread.native_id)
             time.sleep(0.3)
+            deadline = time.monotonic() + 10.0
+            while cpu_between and thread_cpu_seconds(thread.native_id) - used < cpu_between:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
             samples.append(activity.sample())
     finally:
         stop.set()
@@ -233,7 +242,7 @@ def test_a_thread_that_computes_is_active_and_one_that_blocks_or_sleeps_in_a_loo
         while not stop.is_set():
             time.sleep(1.0)
 
-    assert all(_activity_of(compute))
+    assert all(_activity_of(compute, cpu_between=0.05))
     assert not any(_activity_of(block))
     assert not any(_activity_of(sleep_in_a_loop))
 
