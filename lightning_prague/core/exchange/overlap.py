@@ -482,11 +482,18 @@ class PassiveResponder(_ThreadedExchanger):
         self.exchanges += self._served
         self._served = 0
 
+    def _publish_if_averaged(self) -> None:
+        """Publish where the thread may wait for it: the snapshot was averaged since the last one (a poll
+        that finds nothing to publish copies no model)."""
+        averages = self._averages
+        if self.in_place and averages is not None and averages.changed:
+            self._publish()
+
     def serve_while_parked(self) -> None:
         # the thread serves the inbox; a snapshot it averaged waits for a new one, published here (the
         # training thread is between two steps, parked in a claim)
         if self.running:
-            self._publish()
+            self._publish_if_averaged()
         else:
             self.worker.serve_inbox()
 
@@ -496,7 +503,7 @@ class PassiveResponder(_ThreadedExchanger):
         thread = self._thread
         deadline = time.monotonic() + self.timeout
         while thread is not None and thread.is_alive() and time.monotonic() < deadline:
-            self._publish()
+            self._publish_if_averaged()
             thread.join(0.02)
         self._join(what)
 
