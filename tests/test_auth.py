@@ -144,6 +144,8 @@ def test_a_session_configuration_is_checked_field_by_field():
 
     wire = SessionConfig(4, make_policy("random", 4, 2).spec(), timeout=60.0).to_wire()
     assert SessionConfig.from_wire(json.loads(json.dumps(wire))).to_wire() == wire
+    sharded = SessionConfig(4, make_policy("random", 4, 2).spec(), replica_size=2, shard=True).to_wire()
+    assert SessionConfig.from_wire(json.loads(json.dumps(sharded))).shard is True
     for field, value, expected in [
         ("timeout", "300", "field 'timeout'"),
         ("world_size", 0, "field 'world_size'"),
@@ -153,6 +155,7 @@ def test_a_session_configuration_is_checked_field_by_field():
         ("exec", "print(1)", "unknown field 'exec'"),
         ("replica_size", 0, "field 'replica_size'"),
         ("replica_size", 3, "replica_size=3 does not divide world_size=4"),
+        ("shard", "yes", "field 'shard'"),
     ]:
         with pytest.raises(BadRecord, match=expected):
             SessionConfig.from_wire({**wire, field: value})

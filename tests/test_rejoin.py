@@ -32,7 +32,7 @@ from lightning_prague.core.grouping.policies import make_policy
 from lightning_prague.core.job import REJOIN_VARIABLE, RESTARTS_VARIABLE, rejoining
 from lightning_prague.core.plane.coordinator import ControlPlane
 from lightning_prague.core.plane.generator import GroupGenerator
-from lightning_prague.core.protocol import SessionConfig
+from lightning_prague.core.protocol import SessionConfig, donor_of
 from lightning_prague.strategies import PartialAllReduceStrategy
 from lightning_prague.strategies.launcher import RankAgent
 from lightning_prague.strategies.rejoin import MAX_METRICS, PeerState, members_metrics, readable, scalar_metrics
@@ -116,7 +116,7 @@ def test_a_joiner_is_admitted_at_once_in_a_membership_epoch_of_its_own_with_no_m
     generator = generator_without(2)
     out: dict = {}
     generator.request_join(2, out)
-    news = {"epoch": 1, "members": [0, 1, 2, 3], "joined": [2], "donor": 0, "leader": 0}
+    news = {"epoch": 1, "members": [0, 1, 2, 3], "joined": [2], "donor": 0, "donors": [[2, 0]], "leader": 0}
     for rank in (0, 1, 3):  # nobody meets: each follows the epoch where the item stands in its inbox
         assert out[rank] == [{"t": "members", **news}]
     assert out[2] == [{"t": "admit", **news, "base": [0, 1, 3]}]
@@ -148,6 +148,57 @@ def test_a_replicas_joiners_are_admitted_together_once_all_of_them_asked():
         admitted = [item for rank in (2, 3) for item in out[rank] if item["t"] == "admit"]
         assert [item["joined"] for item in admitted] == [[2, 3], [2, 3]], out
         assert {item["epoch"] for item in admitted} == {1} and generator.live == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_sharded_replica_gets_each_ranks_shard_from_the_same_rank_of_the_lowest_replica_that_trains():
+    """With replicas sharded over their ranks (`shard`), joiner `j` gets its state from rank `j % K` of
+    one live replica, the lowest whose ranks all train: not from a replica that is itself starting."""
+    generator = GroupGenerator(6, make_policy("random", 6, 2, seed=1), replica_size=2, shard=True)
+    for rank in (0, 1):
+        generator.depart(rank, {})
+    out: dict = {}
+    for rank in (1, 0):
+        generator.request_join(rank, out)
+    admit = [item for item in out[0] if item["t"] == "admit"][0]
+    assert admit["donors"] == [[0, 2], [1, 3]] and admit["donor"] == 2, admit
+    assert all(item["donors"] == [[0, 2], [1, 3]] for r in (2, 3, 4, 5) for item in out[r]), out
+    # replica 0 is starting (rank 1 has not trained yet): replica 2's joiners get theirs from replica 1
+    generator.started(0)
+    for rank in (4, 5):
+        generator.depart(rank, {})
+    out = {}
+    for rank in (4, 5):
+        generator.request_join(rank, out)
+    admit = [item for item in out[4] if item["t"] == "admit"][0]
+    assert admit["donors"] == [[4, 2], [5, 3]], admit
+    # without shard, one donor for every joiner
+    generator = GroupGenerator(6, make_policy("random", 6, 2, seed=1), replica_size=2)
+    for rank in (2, 3):
+        generator.depart(rank, {})
+    out = {}
+    for rank in (2, 3):
+        generator.request_join(rank, out)
+    assert [item for item in out[2] if item["t"] == "admit"][0]["donors"] == [[2, 0], [3, 0]]
+
+
+@pytest.mark.parametrize(
+    "item,expected",
+    [
+        ({"donor": 0, "donors": [[2, 0], [3, 1]]}, 1),
+        ({"donor": 0}, 0),
+        ({"donor": 0, "donors": [[2, 0]]}, 0),  # (not named: the admission's donor)
+        ({"donor": 0, "donors": [[3, "1"]]}, 0),
+        ({"donor": 0, "donors": [[3, -5]]}, -1),
+        ({"donor": 0, "donors": [[3, 1 << 40]]}, -1),
+        ({"donor": 0, "donors": "3:1"}, 0),
+        ({"donor": 0, "donors": [[3]]}, 0),
+        ({"donor": "0"}, -1),
+        ({"donor": True}, -1),
+        ({}, -1),
+    ],
+)
+def test_a_joiners_donor_is_read_from_its_admission_and_anything_malformed_names_none(item, expected):
+    assert donor_of(item, 3) == expected
 
 
 def test_a_joiner_is_held_while_the_members_meet_and_until_they_all_trained_again():

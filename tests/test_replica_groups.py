@@ -345,7 +345,7 @@ def test_a_step_budget_inside_an_epoch_trains_as_ddp_would_with_or_without_repli
             {"grouping": "static", "replica_size": "node", "pace": "round", "max_restarts": 2},
             "pace='own'",
         ),
-        ("PartialReduceStrategy", {"replica_size": 2, "shard": True, "max_restarts": 1}, "sharded over its ranks"),
+        ("DecentAdamStrategy", {"replica_size": 2, "shard": True, "pace": "round", "max_restarts": 1}, "pace='own'"),
         ("DecentAdamStrategy", {"replica_size": 2, "max_workers": 8}, "leave max_workers unset"),
         ("DecentAdamStrategy", {"shard": True}, "shard=True shards the model over the ranks of a replica"),
         ("PartialAllReduceStrategy", {"grouping": "static", "shard": "yes", "replica_size": 2}, "shard='yes'"),

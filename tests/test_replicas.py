@@ -144,6 +144,18 @@ def test_replicas_sharded_with_fsdp2_averaged_shard_by_shard_hold_the_mean_of_th
     assert all(run["local_bytes"] <= params / 2 + 4 * 17 for run in sharded_runs)  # (a row of padding at most)
 
 
+def test_a_ranks_shards_sent_to_a_rejoining_rank_load_exactly_and_shards_that_do_not_fit_are_named(sharded_runs):
+    """What a rank of a sharded replica sends the joiner of its index (`as_local_shards`: plain tensors,
+    read back by a weights-only load) is made DTensors of the joiner's own model again
+    (`from_local_shards`): loaded into a new model and AdamW sharded alike, they hold the sender's
+    shards and moments exactly. A shard of another shape, or of no parameter, is named, not loaded."""
+    for run in sharded_runs:
+        assert run["loaded_exactly"] is True
+        assert run["fitting"] == []
+        assert len(run["wrong"]) == 2 and run["wrong"][0].startswith("0.weight: a shard of [99, 8]"), run["wrong"]
+        assert run["wrong"][1].startswith("nowhere"), run["wrong"]
+
+
 def test_a_model_is_sharded_in_the_units_auto_wrap_policy_names_or_by_its_own_parameters(tmp_path):
     """`shard_model` (what `shard=True` runs at setup) on 2 ranks: with `auto_wrap_policy={Block}` the
     blocks and the root are FSDP2's units (the Linear head joins the root); by default every submodule

@@ -68,7 +68,7 @@ from lightning_prague.core.client.partition import established_connections, shut
 from lightning_prague.core.comm.groups import GroupComm, watch_lazy_connects
 from lightning_prague.core.comm.transfer import receive_payload
 from lightning_prague.core.errors import ControlPlaneError, CoordinationTimeout, MemberLost
-from lightning_prague.core.protocol import SessionConfig
+from lightning_prague.core.protocol import SessionConfig, donor_of
 
 if TYPE_CHECKING:
     from lightning_prague.core.client.control import ControlClient
@@ -383,7 +383,7 @@ class Membership:
         try:
             admit = session.await_admission(wait)
             epoch, members = int(admit["epoch"]), tuple(sorted(int(m) for m in admit["members"]))
-            donor = int(admit["donor"])
+            donor = donor_of(admit, self.rank)
             if self.rank not in members or donor not in members or donor == self.rank:
                 raise MemberLost(f"rank {self.rank}: the fit's admission named members {list(members)}, donor {donor}")
             departed = lambda: session.departed_for(epoch)  # noqa: E731

@@ -200,6 +200,9 @@ class SessionConfig:
     launched: int | None = None
     #: consecutive ranks that train one model (replica groups): they leave and come back together
     replica_size: int = 1
+    #: each rank of a replica holds its own shard of the model (`shard=True`): a replica that comes back
+    #: gets each rank's state from the same rank of one live replica (`GroupGenerator`'s `donors`)
+    shard: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         """This configuration as the JSON object `join` carries."""
@@ -254,6 +257,7 @@ CONFIG_RECORD = Record(
         "avoid_busy": BOOLEAN,
         "launched": optional(integer(1, MAX_RANK + 1)),
         "replica_size": integer(1, MAX_RANK + 1),
+        "shard": BOOLEAN,
     },
 )
 
@@ -266,6 +270,19 @@ COMMIT = "/commit"
 #: the prefix of the meetings at which joiners with nothing of the members' epoch to train are admitted
 #: (every epoch's end)
 ADMITTING_AT = "epoch_end@"
+
+
+def donor_of(admission: dict[str, Any], rank: int) -> int:
+    """The rank that sends joiner `rank` the fit's state, as an admission item (`members` or `admit`,
+    from the control plane) names it: its pair in `donors` (sharded replicas: each joiner has its
+    own), else the admission's `donor`. -1 where the item names none (or names it badly)."""
+    donors = admission.get("donors")
+    if isinstance(donors, list) and len(donors) <= MAX_RANK + 1:
+        for pair in donors:
+            if isinstance(pair, list) and len(pair) == 2 and pair[0] == rank and type(pair[1]) is int:
+                return int(pair[1]) if 0 <= pair[1] <= MAX_RANK else -1
+    donor = admission.get("donor", -1)
+    return donor if type(donor) is int and -1 <= donor <= MAX_RANK else -1
 
 
 def is_synchronization_point(sync: str) -> bool:

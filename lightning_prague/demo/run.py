@@ -19,6 +19,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
 import lightning_prague  # noqa: F401  (registers the strategies)
@@ -71,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--replica-size", default="1", help="consecutive ranks training one model synchronously ('node': a node's)"
+    )
+    parser.add_argument(
+        "--shard", action="store_true", help="shard the model over each replica's ranks (FSDP2; with --replica-size)"
     )
     parser.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZERS))
     parser.add_argument("--accum-steps", type=int, default=4, help="tau of accum_adam / accum_adamw")
@@ -151,6 +155,8 @@ def build_strategy(args: argparse.Namespace) -> Any:
     }
     if args.replica_size != "1":  # (given only where asked: every strategy takes it, only decent_adam uses it)
         shared["replica_size"] = int(args.replica_size) if args.replica_size.isdigit() else args.replica_size
+    if args.shard:
+        shared["shard"] = True
     if args.strategy in ("prague", "partial_all_reduce"):
         return lightning_prague.PartialAllReduceStrategy(
             group_size=args.group_size, grouping=args.grouping, overlap=args.overlap, pace=args.pace, **shared
@@ -356,11 +362,17 @@ def _shown(value: float | None) -> str:
 def params_digest(model: torch.nn.Module) -> str:
     """SHA-256 of the bytes of `model`'s parameters, in order: equal exactly when the replicas are
     bitwise the same (`params_checksum`, a sum, can round equal-enough values apart or different ones
-    together)."""
+    together). Of a model sharded over its replica (`--shard`): this rank's shards, the same on rank
+    `i` of every replica."""
     digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    for p in local_parameters(model):
+        digest.update(p.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def local_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """`model`'s parameters as this rank holds them (a sharded one's: its shards), detached."""
+    return [p.to_local().detach() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
 
 
 def report(
@@ -391,7 +403,7 @@ def report(
         "val_acc": _metric(trainer, "val_acc"),
         "val_loss": _metric(trainer, "val_loss"),
         "batches_per_worker": summary.batches_per_worker,
-        "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+        "params_checksum": float(sum(p.double().sum() for p in local_parameters(model))),
         "params_sha256": params_digest(model),
         "lr": float(trainer.optimizers[0].param_groups[0]["lr"]),
         "timeline": summary.timeline,
@@ -415,6 +427,8 @@ def report(
     result["rank"] = trainer.global_rank
     result["restarts"] = int(os.environ.get(RESTARTS_VARIABLE, "0") or 0)  # this process's: 0 for the first
     result["batches_this_process"] = getattr(trainer.strategy, "batches_done", None)
+    # a process that rejoined: the global step of the state a live member sent it
+    result["joined_at_step"] = getattr(trainer.strategy, "joined_at_step", None)
     result["threads_after_fit"] = communication_threads()
     if trainer.is_global_zero:
         print(

@@ -348,6 +348,12 @@ LIGHTNING_INTERNALS: tuple[LightningInternal, ...] = (
     ),
     LightningInternal(
         "lightning.pytorch.strategies.launchers:_MultiProcessingLauncher",
+        "_collect_rank_zero_results",
+        "overridden",
+        "ComebackMultiProcessingLauncher sends a model sharded over its replica to the process that called fit whole",
+    ),
+    LightningInternal(
+        "lightning.pytorch.strategies.launchers:_MultiProcessingLauncher",
         "_recover_results_in_main_process",
         "called",
         "SurvivingForkLauncher takes rank 0's results into the process that called fit, as Lightning's launcher does",

@@ -75,7 +75,7 @@ from lightning_prague.core.job import Job, init_job
 from lightning_prague.core.plane.launch import LOG_DIR_VARIABLE
 from lightning_prague.core.plane.service import plane_address
 from lightning_prague.core.protocol import HangRule
-from lightning_prague.core.replicas.agreement import ReplicaAgreement
+from lightning_prague.core.replicas.agreement import DonationAgreement, ReplicaAgreement
 from lightning_prague.core.replicas.layout import ReplicaLayout
 from lightning_prague.core.replicas.reassembly import SliceReassembly
 from lightning_prague.core.replicas.sharding import (
@@ -84,6 +84,8 @@ from lightning_prague.core.replicas.sharding import (
     is_sharded,
     load_full_model_state,
     load_full_optimizer_state,
+    load_model_shards,
+    load_optimizer_shards,
     model_shards,
     optimizer_shards,
     replica_mesh,
@@ -102,6 +104,7 @@ from lightning_prague.strategies.options import DDP_TIMEOUT, Option, StrategyOpt
 from lightning_prague.strategies.rejoin import (
     MEMBERS_METRICS,
     PEER_CHECKPOINT,
+    SENT_SHARD_BY_SHARD,
     TAKEN_AT_EPOCH_END,
     PeerState,
     epoch_under_way,
@@ -339,6 +342,8 @@ class DecentralizedStrategy(DDPStrategy):
         self._replica_group: dist.ProcessGroup | None = None
         #: a gloo group of the same ranks where the replica's own group is on another backend (NCCL)
         self._replica_host_group: dist.ProcessGroup | None = None
+        #: this fit's agreement of a sharded replica's ranks on the admissions they send their shards for
+        self._donation_agreement: DonationAgreement | None = None
         self._device_mesh: Any = None
         #: this rank's phase between synchronization points
         self.controller = SyncController()
@@ -350,6 +355,8 @@ class DecentralizedStrategy(DDPStrategy):
         self.batches_done, self._carried_batches = self._carried_batches, 0  # 0 but after a comeback in place
         #: the epoch this process joined the fit inside (its state from a live member, taken inside that epoch)
         self.joined_epoch: Optional[int] = None
+        #: the global step of the state a live member sent this rejoining process (`None`: it did not rejoin)
+        self.joined_at_step: Optional[int] = None
         #: what was warned about once (a local collective, a checkpoint between synchronization points)
         self.warned: set[str] = set()
         self._trainer: Trainer | None = None
@@ -464,8 +471,9 @@ class DecentralizedStrategy(DDPStrategy):
     @property
     def replicas_come_back(self) -> bool:
         """Whether a lost replica's new processes can rejoin the fit: replica groups whose data comes from
-        the work queue, each rank holding the whole model (the fit's state from one live rank)."""
-        return self.shards_by_work_queue and not self.shard
+        the work queue (the fit's state from one live rank, or shard by shard from one live replica's
+        ranks with `shard=True`)."""
+        return self.shards_by_work_queue
 
     def refuse_replica_restarts(self) -> None:
         """`ConfigurationError` for `max_restarts` in replica groups that cannot come back (called once the
@@ -482,10 +490,9 @@ class DecentralizedStrategy(DDPStrategy):
         (`replicas_come_back`: a new `srun` step, a restarted container), before it asks to."""
         self.refuse_replica_restarts()
         if self.replicas.replica_size > 1 and self._require_job().joining and not self.replicas_come_back:
-            why = "with shard=True" if self.shard else "whose data is in equal shards (a schedule in rounds)"
             raise ConfigurationError(
                 f"rank {self.global_rank}'s new process cannot rejoin: a lost replica comes back only under the work "
-                f"queue with each rank's model whole, not in replicas {why} (docs/replica_groups.md)"
+                "queue, not in replicas whose data is in equal shards (a schedule in rounds; docs/replica_groups.md)"
             )
 
     def replica_host_group(self) -> dist.ProcessGroup:
@@ -511,6 +518,20 @@ class DecentralizedStrategy(DDPStrategy):
         layout = self.replicas
         what = f"rank {self.global_rank}'s replica (ranks {list(layout.ranks_of(layout.replica_of(self.global_rank)))})"
         return ReplicaAgreement(self.replica_host_group(), timedelta(seconds=self.operation_timeout), what)
+
+    def donation_agreement(self) -> Optional[DonationAgreement]:
+        """How the ranks of a replica sharded over them (`shard=True`) agree on the admissions they send
+        their shards for, so that a replica coming back gets shards of one moment
+        (`DonationAgreement`); `None` otherwise (one donor sends the whole model)."""
+        if not self.shard or self._replica_group is None or self.training is None:
+            return None
+        if self._donation_agreement is None:
+            layout = self.replicas
+            ranks = list(layout.ranks_of(layout.replica_of(self.global_rank)))
+            what = f"rank {self.global_rank}'s replica (ranks {ranks})"
+            timeout = timedelta(seconds=self.operation_timeout)
+            self._donation_agreement = DonationAgreement(self.replica_host_group(), timeout, what)
+        return self._donation_agreement
 
     @property
     def device_mesh(self) -> Any:
@@ -708,9 +729,9 @@ class DecentralizedStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         # no DistributedDataParallel: replicas only have to start equal
         assert self.model is not None
-        if self.job is not None and self.job.rejoined:
-            return  # its state comes from a live member; the default group may hold ranks that moved on
-        if not is_sharded(self.model):  # (sharded in configure_model: its shards come from one seed)
+        rejoined = self.job is not None and self.job.rejoined
+        # a rejoined rank's state comes from a live member (the default group may hold ranks that moved on)
+        if not rejoined and not is_sharded(self.model):  # (sharded in configure_model: its shards come from one seed)
             _sync_module_states(self.model)
         if self.replicas.replica_size == 1:
             return
@@ -738,6 +759,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.controller.reset()
         self.failed = False
         self.stops.close()
+        self._donation_agreement = None
         if self._replica_host_group is not None:
             dist.destroy_process_group(self._replica_host_group)
             self._replica_host_group = None
@@ -893,7 +915,7 @@ class DecentralizedStrategy(DDPStrategy):
         Between synchronization points (a checkpoint of one rank's replica), or if the workers'
         states differ in layout (one never stepped), this rank's own state."""
         if self.shard and self._replica_group is not None:  # this replica's, whole or shard by shard
-            if self.state_dict_type == "sharded":
+            if self.state_dict_type == "sharded" or self.peer_state.dumping:  # (a rejoining rank gets its shard)
                 return optimizer_shards(self.lightning_module, optimizer)
             return full_optimizer_state(self.lightning_module, optimizer)
         state = super().optimizer_state(optimizer)
@@ -907,7 +929,7 @@ class DecentralizedStrategy(DDPStrategy):
         collective of the replica's ranks: every rank saves a checkpoint together), or this rank's
         shards of it with `state_dict_type="sharded"`."""
         if is_sharded(self.lightning_module):
-            if self.state_dict_type == "sharded":
+            if self.state_dict_type == "sharded" or self.peer_state.dumping:  # (a rejoining rank gets its shard)
                 return model_shards(self.lightning_module)
             return full_model_state(self.lightning_module)
         return super().lightning_module_state_dict()
@@ -952,6 +974,11 @@ class DecentralizedStrategy(DDPStrategy):
                     "process did not rejoin one"
                 )
             checkpoint = self.peer_state.checkpoint(admission.payload)
+            step = checkpoint.get("global_step")
+            self.joined_at_step = step if type(step) is int else None
+            if checkpoint.pop(SENT_SHARD_BY_SHARD, False) is True:  # its shards, from the same rank of a live replica
+                self._load_peer_shards(checkpoint)
+                checkpoint[LOADED_SHARD_BY_SHARD] = True
             if self._trainer is not None:  # the members' latest metrics, where this process logged none yet
                 for name, value in members_metrics(checkpoint.pop(MEMBERS_METRICS, None)).items():
                     self._trainer.callback_metrics.setdefault(name, value)
@@ -1018,6 +1045,21 @@ class DecentralizedStrategy(DDPStrategy):
         first = self.replicas.leader_of(replica)
         path = agreed_path(filepath, group, first, self.root_device)
         save_sharded(checkpoint, path, group, writes_metadata=self.global_rank == first)
+
+    def _load_peer_shards(self, checkpoint: dict[str, Any]) -> None:
+        """A rejoining rank of a replica sharded over its ranks: load the shards its donor sent (the
+        same shards of a live replica, `PeerState`) into the model and the optimizers, sharded at setup."""
+        load_model_shards(self.lightning_module, checkpoint["state_dict"])
+        states = checkpoint.get("optimizer_states")
+        if not isinstance(states, list) or len(states) != len(self.optimizers):
+            raise ConfigurationError(
+                f"rank {self.global_rank}: the state a live member sent holds "
+                f"{len(states) if isinstance(states, list) else 'no'} optimizer states, this fit has "
+                f"{len(self.optimizers)} optimizers"
+            )
+        for optimizer, state in zip(self.optimizers, states):
+            load_optimizer_shards(self.lightning_module, optimizer, state)
+        log.debug("rank %d: loaded its shards of the model and the optimizers from a live replica", self.global_rank)
 
     def _load_shard_by_shard(self, path: Path) -> dict[str, Any]:
         """A checkpoint directory written shard by shard: each rank loads its own shards into the model

@@ -47,6 +47,7 @@ from typing_extensions import override
 from lightning_prague.core.client.partition import EXCLUDED_EXIT_VARIABLE, FENCED_EXIT_STATUS
 from lightning_prague.core.errors import ControlPlaneLost, FitEnded
 from lightning_prague.core.job import previous_exit, restarts
+from lightning_prague.core.replicas.sharding import full_model_state, is_sharded
 from lightning_prague.strategies.rejoin import PEER_CHECKPOINT, with_checkpoint
 
 log = logging.getLogger(__name__)
@@ -167,3 +168,19 @@ class ComebackMultiProcessingLauncher(_MultiProcessingLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         wrapped = RejoinInPlace(function, trainer) if trainer is not None else function
         return super().launch(wrapped, *args, trainer=trainer, **kwargs)
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        """Lightning's, but a model sharded over its replica (`shard=True`) goes to the process that
+        called fit whole: each replica gathers it on its first rank (a collective of its ranks, which
+        all come here), and rank 0 sends its whole model where Lightning's would send its shards,
+        which that process's plain module cannot load."""
+        module = trainer.lightning_module
+        if not is_sharded(module):
+            return super()._collect_rank_zero_results(trainer, results)
+        whole = full_model_state(module)
+        module.state_dict = lambda *args, **kwargs: whole  # (what Lightning's saves for that process)
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict

@@ -182,12 +182,6 @@ class StrategyOptions:
                     "(and replica_size)"
                 )
             object.__setattr__(self, "auto_wrap_policy", module_classes(self.auto_wrap_policy))
-        if size != 1 and self.max_restarts and self.shard:
-            raise ConfigurationError(
-                f"replica_size={size!r}, shard=True with max_restarts={self.max_restarts}: a replica sharded over its "
-                "ranks does not come back yet (its state would come shard by shard from a live replica; "
-                "docs/replica_groups.md); set max_restarts=0"
-            )
         if size != 1 and self.max_workers is not None:
             raise ConfigurationError(
                 f"replica_size={size!r} with max_workers={self.max_workers}: new workers cannot join a job of "
@@ -282,6 +276,7 @@ class StrategyOptions:
             avoid_busy=avoid_busy,
             launched=launched if world_size > launched else None,
             replica_size=replica_size,
+            shard=bool(self.shard) and replica_size > 1,
         )
 
 

@@ -44,6 +44,7 @@ import torch
 
 from lightning_prague.core.comm.collectives import decode_object
 from lightning_prague.core.errors import ConfigurationError
+from lightning_prague.core.replicas.sharding import as_local_shards, from_local_shards, is_sharded, model_shards
 
 if TYPE_CHECKING:
     from lightning_prague.strategies.base import DecentralizedStrategy
@@ -56,6 +57,8 @@ PEER_CHECKPOINT = "lightning-prague://peer"
 MEMBERS_METRICS = "lightning_prague_members_metrics"
 #: the key of whether the donor took its state at an epoch's end (else inside the epoch) in the state it sends
 TAKEN_AT_EPOCH_END = "lightning_prague_taken_at_epoch_end"
+#: the key of whether the donor sent its shards of a model sharded over its replica (`shard=True`), not the model
+SENT_SHARD_BY_SHARD = "lightning_prague_shard_by_shard"
 #: at most this many metrics, each name at most this long, are taken from a donor
 MAX_METRICS, MAX_METRIC_NAME = 256, 200
 
@@ -120,6 +123,9 @@ class PeerState:
                 loader.for_joiner = False
         checkpoint[MEMBERS_METRICS] = scalar_metrics(trainer.callback_metrics)
         checkpoint[TAKEN_AT_EPOCH_END] = bool(at_epoch_end)
+        if is_sharded(self.strategy.lightning_module):  # this rank's shards, for the joiner of its index
+            checkpoint = as_local_shards(checkpoint)
+            checkpoint[SENT_SHARD_BY_SHARD] = True
         kept = self._readable(checkpoint)
         copied = _copied(kept)
         return lambda: _saved(copied)
@@ -148,6 +154,8 @@ class PeerState:
             raise ConfigurationError(
                 f"rank {self.strategy.global_rank}: the state a live member sent it is not a checkpoint"
             )
+        if checkpoint.get(SENT_SHARD_BY_SHARD) is True:
+            checkpoint = self._rebuilt_shards(checkpoint)
         mine = self.strategy.lightning_module.state_dict()
         theirs = checkpoint["state_dict"]
         differences = [
@@ -162,6 +170,32 @@ class PeerState:
             raise ConfigurationError(
                 f"rank {self.strategy.global_rank} cannot rejoin: its model is not the job's "
                 f"({'; '.join(differences[:8])}{'; ...' if len(differences) > 8 else ''})"
+            )
+        return checkpoint
+
+    def _rebuilt_shards(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The joiner's side of a model sharded over its replica: the donor's shards (this rank's
+        index of a live replica) made DTensors of this rank's own model again (`from_local_shards`)."""
+        module = self.strategy.lightning_module
+        if not is_sharded(module):
+            raise ConfigurationError(
+                f"rank {self.strategy.global_rank}: a live member sent its shards of a model sharded over its "
+                "replica, and this rank's model is not sharded (shard=True on every rank)"
+            )
+        like = model_shards(module)
+        wrong: list[str] = []
+        checkpoint["state_dict"], missed = from_local_shards(checkpoint["state_dict"], like)
+        wrong += missed
+        states = checkpoint.get("optimizer_states")
+        if isinstance(states, list):
+            for i, state in enumerate(states):
+                if isinstance(state, dict):
+                    states[i], missed = from_local_shards(state, like)
+                    wrong += [f"optimizer {i}'s {what}" for what in missed]
+        if wrong:
+            raise ConfigurationError(
+                f"rank {self.strategy.global_rank} cannot rejoin: the shards a live member sent are not this "
+                f"rank's shards of its model ({'; '.join(wrong[:8])}{'; ...' if len(wrong) > 8 else ''})"
             )
         return checkpoint
 

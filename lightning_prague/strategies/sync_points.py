@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: where `Synchronizer.follow_admissions` runs: a training batch's end; drained before a meeting; or
+#: inside a meeting or after its release
+BATCH_END, DRAINED, ALIGNED = "batch end", "drained", "aligned"
+
 
 class SyncPoints(Callback):
     """Calls the strategy's synchronization points from the trainer's hooks; runs before other callbacks."""
@@ -81,7 +85,8 @@ class SyncPoints(Callback):
         # lock-step shards
         self.strategy.loaders.report_position(trainer.current_epoch, batch_idx + 1, trainer.num_training_batches)
         self._batches_in_epoch += 1
-        self.strategy.synchronizer.follow_admissions()  # a joiner waits for its state (this rank may send it)
+        # a joiner waits for its state (this rank may send it)
+        self.strategy.synchronizer.follow_admissions(point=BATCH_END)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
@@ -151,18 +156,21 @@ class Synchronizer:
     def __init__(self, strategy: DecentralizedStrategy) -> None:
         self.strategy = strategy
 
-    def follow_admissions(self, at_epoch_end: bool = False, inside_only: bool = False) -> None:
+    def follow_admissions(self, at_epoch_end: bool = False, inside_only: bool = False, point: str = ALIGNED) -> None:
         """At a batch boundary, a meeting, or a meeting's end, on the training thread: follow the ranks
         admitted since the last call (`GroupWorker.donate`: their membership epoch's group, and the
         fit's state from the donor, taken here; `at_epoch_end`: it is taken at the end of the epoch, so
         the joiner starts the next one), and share the work queue with them from the next epoch on.
-        No meeting: the others train on."""
+        No meeting: the others train on. `point`: where this is (`BATCH_END`, `DRAINED` before a
+        meeting, else `ALIGNED`: inside a meeting or after its release), which says when the ranks of a
+        sharded replica send their shards (`donations_upto`)."""
         strategy = self.strategy
         worker = strategy.worker
         job = strategy.job
         if worker is None or job is None:
             return
-        admitted = worker.donate(lambda: strategy.peer_state.snapshot(at_epoch_end), inside_only)
+        upto = self.donations_upto(point)
+        admitted = worker.donate(lambda: strategy.peer_state.snapshot(at_epoch_end), inside_only, upto)
         if not admitted:
             return
         loader = strategy.progress.loader if strategy.progress is not None else None
@@ -171,12 +179,33 @@ class Synchronizer:
         # (Lightning's shards follow the membership at the next meeting, on every member alike)
         strategy.survivors.assign_rank_zero()
 
+    def donations_upto(self, point: str) -> Optional[int]:
+        """The membership epochs up to which this rank sends joiners the fit's state at `point`: all
+        (`None`) but for a model sharded over its replica, whose ranks send their shards of one moment
+        (`lightning_prague.core.replicas.agreement.DonationAgreement`): at a batch's end those its
+        replica's ranks all heard of one batch before, when drained before a meeting those any of them
+        heard of, and inside a meeting (nothing moves) or after its release (everyone follows it alike)
+        all of them."""
+        strategy = self.strategy
+        worker = strategy.worker
+        agreement = strategy.donation_agreement()
+        if agreement is None or worker is None or point == ALIGNED:
+            return None
+        newest = worker.newest_epoch()
+        agreed = agreement.lagged(newest) if point == BATCH_END else agreement.settle(newest)
+        if agreed > newest:
+            worker.await_epoch(agreed, "another rank of its replica")
+        return agreed
+
     def _meet(self, name: str) -> dict[str, Any]:
         """Drain, meet every rank at `name`; the release."""
         strategy = self.strategy
         worker = strategy.worker
         assert worker is not None
         strategy.drain()
+        # the state a joiner waits for goes out first (the meeting waits for it), drained: what a sharded
+        # replica's ranks send then is of one moment, whichever rank heard of the joiner first
+        self.follow_admissions(point=DRAINED)
         loader = strategy.progress.loader if strategy.progress is not None else None
         sampler = loader.sampler if loader is not None else None
         strategy.stops.request_signal_stop()
@@ -207,7 +236,6 @@ class Synchronizer:
         admitting = name.startswith(ADMITTING_AT) and bool((worker.release or {}).get("joining"))
         if not strategy.controller.must_meet and not admitting:
             return
-        self.follow_admissions()  # the state a joiner waits for goes out first: the meeting waits for it
         self._meet(name)
         self._after_meeting(progress, inside_epoch, validate)
 

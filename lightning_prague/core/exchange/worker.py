@@ -39,6 +39,7 @@ from lightning_prague.core.protocol import (
     REQUEUE,
     SIGTERM,
     STOP_SYNC,
+    donor_of,
     is_synchronization_point,
     rebuild_meeting,
 )
@@ -207,6 +208,9 @@ class GroupWorker:
         #: called on the training thread when an admission comes while it waits at a meeting (the donor
         #: sends its state from there: the joiner is a member the meeting waits for)
         self.on_admission: Callable[[], None] | None = None
+        #: admissions whose joiners this rank sends the fit's state to, not sent yet (`donate`'s `upto`):
+        #: (membership epoch, its members, the receivers, when it was taken)
+        self._held: list[tuple[int, list[int], list[int], float]] = []
         self._owes_resume = False  # a meeting was released: `resumed` tells the control plane once
         self._warned_layout = False
         self._leave_sent = False  # `leave` went to the control plane (`send_leave`)
@@ -569,15 +573,21 @@ class GroupWorker:
             )
         return self.comm.view(job.epoch_group(epoch, members, lambda: self.session.departed_for(epoch)), members)
 
-    def donate(self, snapshot: Callable[[], Callable[[], bytes]], inside_only: bool = False) -> list[int]:
+    def donate(
+        self, snapshot: Callable[[], Callable[[], bytes]], inside_only: bool = False, upto: int | None = None
+    ) -> list[int]:
         """At a batch boundary or a synchronization point, on the training thread: follow the
         admissions announced since the last call (`Session.take_admissions`). Every member creates each
-        one's group here (on NCCL collectively, so every member must come here); the donor takes
-        `snapshot()` of the fit's state and sends each joiner what it encodes in the background
+        one's group here (on NCCL collectively, so every member must come here); a donor (the
+        admission's `donors` name it for each joiner) takes `snapshot()` of the fit's state and sends
+        its joiners what it encodes in the background
         (`lightning_prague.core.comm.transfer.BackgroundTransfer`: the donor trains on; its exchanges
         with a joiner wait for the transfer; the next synchronization point ends it). A joiner lost on
         the way costs the donor a warning, not the fit. `inside_only`: not the admissions of a
-        meeting's release (an epoch's end: they follow once it is over). Returns the ranks admitted."""
+        meeting's release (an epoch's end: they follow once it is over). `upto`: send only for the
+        admissions of membership epochs up to it, holding the others for a later call (the ranks of a
+        sharded replica send their shards of one moment: `DonationAgreement`); `None`: all of them.
+        Returns the ranks admitted."""
         admitted: list[int] = []
         for item in self.session.take_admissions(inside_only):
             epoch, members = int(item["epoch"]), [int(m) for m in item["members"]]
@@ -585,24 +595,60 @@ class GroupWorker:
             admitted += joined
             if self.job is None:
                 continue
-            group = self.job.epoch_group(epoch, members, lambda e=epoch: self.session.departed_for(e))
-            receivers = [j for j in joined if j not in self.session.departed]
-            if int(item.get("donor", -1)) != self.rank or not receivers:
-                continue
-            self.end_transfer()
-            try:
-                encode = snapshot()
-            except Exception as err:  # the joiners' receives fail and they leave; the donor's fit goes on
-                log.warning("rank %d: could not take the fit's state for ranks %s: %s", self.rank, receivers, err)
-                continue
-            comm = self.comm.view(group, members)
-            transfer = BackgroundTransfer(
-                comm, receivers, encode, "the fit's state", self.timeout, self._left_since(time.time())
-            )
-            self.comm.before_exchange = transfer.guard
-            self.transfer = transfer.start()
-            log.debug("rank %d: sending the fit's state to ranks %s (epoch %d)", self.rank, receivers, epoch)
+            self.job.epoch_group(epoch, members, lambda e=epoch: self.session.departed_for(e))
+            receivers = [j for j in joined if j not in self.session.departed and donor_of(item, j) == self.rank]
+            if receivers:
+                self._held.append((epoch, members, receivers, time.time()))
+        for epoch, members, receivers, since in [held for held in self._held if upto is None or held[0] <= upto]:
+            self._held.remove((epoch, members, receivers, since))
+            self._send_state(snapshot, epoch, members, receivers, since)
+        if self._held:
+            log.debug("rank %d: holds the fit's state for %s until its replica agrees", self.rank, self._held)
         return admitted
+
+    def _send_state(
+        self,
+        snapshot: Callable[[], Callable[[], bytes]],
+        epoch: int,
+        members: list[int],
+        receivers: list[int],
+        since: float,
+    ) -> None:
+        """Send `receivers`, admitted in membership epoch `epoch` (at `since`), the fit's state (`donate`)."""
+        assert self.job is not None
+        left = self._left_since(since)
+        receivers = [j for j in receivers if not left(j)]
+        if not receivers:
+            return
+        group = self.job.epoch_group(epoch, members, lambda: self.session.departed_for(epoch))
+        self.end_transfer()
+        try:
+            encode = snapshot()
+        except Exception as err:  # the joiners' receives fail and they leave; the donor's fit goes on
+            log.warning("rank %d: could not take the fit's state for ranks %s: %s", self.rank, receivers, err)
+            return
+        comm = self.comm.view(group, members)
+        transfer = BackgroundTransfer(comm, receivers, encode, "the fit's state", self.timeout, left)
+        self.comm.before_exchange = transfer.guard
+        self.transfer = transfer.start()
+        log.debug("rank %d: sending the fit's state to ranks %s (epoch %d)", self.rank, receivers, epoch)
+
+    def newest_epoch(self) -> int:
+        """The newest membership epoch the control plane announced to this rank (0: none yet)."""
+        return max(self.session.epochs, default=0)
+
+    def await_epoch(self, epoch: int, why: str) -> None:
+        """Wait (at most the operation timeout) until the control plane announced membership epoch
+        `epoch` here: another rank heard of it, and its announcement is on its way to every member."""
+        deadline = time.monotonic() + self.timeout
+        while self.newest_epoch() < epoch:
+            self.session.raise_if_cut_off(f"waiting for membership epoch {epoch} ({why})")
+            if time.monotonic() > deadline:
+                raise CoordinationTimeout(
+                    f"rank {self.rank}: membership epoch {epoch}, which {why} heard of, was not announced here "
+                    f"within {self.timeout:.0f}s"
+                )
+            time.sleep(0.001)
 
     def _left_since(self, since: float) -> Callable[[int], bool]:
         """Whether a rank left the job after `since` (wall-clock seconds): it is gone, or it left

@@ -98,6 +98,7 @@ class CoordinatorSession:
             avoid_busy=config.avoid_busy,
             launched=config.launched,
             replica_size=config.replica_size,
+            shard=config.shard,
         )
         self.hangs = HangDetector(config.hang, max(config.timeout, config.sync_timeout or 0.0))
         #: rank -> (pid, host name) of its process, as it said when it joined (the pid is only a claim:

@@ -32,8 +32,9 @@ Inbox items (plain dicts, JSON-serialisable):
   `changed`: a member departed or was admitted since the last one (every member shards Lightning's
   data anew); once there were admissions, `epoch`: the membership epoch; an epoch's end that admitted
   joiners names them in `joined` (see `Rejoining`).
-- `{"t": "members", "epoch", "members", "joined", "donor", "leader"[, "at"]}` and, to the joiner,
-  `{"t": "admit", ..., "base"[, "round"]}`: an admission (see `Rejoining`).
+- `{"t": "members", "epoch", "members", "joined", "donor", "donors", "leader"[, "at"]}` and, to the
+  joiner, `{"t": "admit", ..., "base"[, "round"]}`: an admission (see `Rejoining`); `donors`: each
+  joiner's donor, `[joiner, donor]` pairs.
 - `{"t": "round", "key", "members", "epoch"}` (or `"round"`, to a joiner that starts): who takes part
   in a gossip round (`round_members`).
 - `{"t": "idle"}`: the gossip phase switched to idle rounds (see below).
@@ -83,10 +84,13 @@ items in order, every member switches to the epoch's process group between the s
 its sequence, so every group sum runs on one process group on all its members
 (`lightning_prague.core.membership`). The joiner is drawn into nobody's group until it trains (its
 first request or claim: `starting`); the donor, the lowest member that trains, sends it the fit's
-state in the background. Only while the members meet (some are parked) is an admission held back,
-to the meeting's release. A joiner with nothing of the members' epoch to train (`after_epoch`: a
-lock-step shard, `CoordinatorSession.nothing_left_in_epoch`) is admitted at the members' next epoch's
-end (`epoch_end@<n>`, `ADMITTING_AT`) instead, inside that release: its `members` then name it, so
+state in the background. With replicas sharded over their ranks (`shard`) each joiner has a donor of
+its own: rank `j` gets its shard from the rank of the lowest replica whose ranks all train that holds
+the same shard (`donors`), so a replica comes back shard by shard and no rank gathers the model.
+Only while the members meet (some are parked) is an admission held back, to the meeting's release.
+A joiner with nothing of the members' epoch to train (`after_epoch`: a lock-step shard,
+`CoordinatorSession.nothing_left_in_epoch`) is admitted at the members' next epoch's end
+(`epoch_end@<n>`, `ADMITTING_AT`) instead, inside that release: its `members` then name it, so
 the next epoch's shards include it. Every release while such joiners wait names them in `joining`:
 the members then meet at their next epoch's end even where they would skip that meeting. A joiner
 that departs, or closes its session, before its admission is withdrawn (`withdraw`); after it, it is
@@ -137,10 +141,14 @@ class GroupGenerator:
         avoid_busy: bool = False,
         launched: int | None = None,
         replica_size: int = 1,
+        shard: bool = False,
     ) -> None:
         self.world_size = world_size
         #: ranks `rK .. rK+K-1` train one model (a replica group): a replica's joiners are admitted together
         self.replica_size = replica_size
+        #: each rank of a replica holds its own shard: joiner `j` gets its state from rank `j % K` of one
+        #: live replica (`donors`), not all of them from one donor
+        self.shard = shard and replica_size > 1
         #: draw no worker into another's group while a group of its own is still unfinished (see `busy`)
         self.avoid_busy = avoid_busy
         #: workers in a group issued since their last request: busy until they ask again
@@ -255,8 +263,22 @@ class GroupGenerator:
         return whole
 
     def _donor(self) -> int | None:
-        """The member that sends joiners the fit's state: the lowest one that trains."""
-        return next((r for r in self.live if r not in self.starting), None)
+        """The member that sends joiners the fit's state: the lowest one that trains; with sharded
+        replicas the first rank of the lowest replica whose ranks all train (each sends its own shard)."""
+        if not self.shard:
+            return next((r for r in self.live if r not in self.starting), None)
+        size, live = self.replica_size, set(self.live)
+        for first in sorted({r - r % size for r in self.live}):
+            if all(r in live and r not in self.starting for r in range(first, first + size)):
+                return first
+        return None
+
+    def _donors(self, donor: int, joiners: list[int]) -> list[list[int]]:
+        """`[joiner, its donor]` for each joiner: `donor` for every one of them, or with sharded
+        replicas the rank of `donor`'s replica that holds the joiner's shard (the same index)."""
+        if not self.shard:
+            return [[j, donor] for j in sorted(joiners)]
+        return [[j, donor + j % self.replica_size] for j in sorted(joiners)]
 
     def _admit(self, joiners: list[int], out: dict[int, list[Item]], release: Item | None = None) -> bool:
         """A new membership epoch with `joiners` in it (see `Rejoining` in the module docstring);
@@ -281,6 +303,7 @@ class GroupGenerator:
             "members": list(self.live),
             "joined": sorted(joiners),
             "donor": donor,
+            "donors": self._donors(donor, joiners),
             "leader": self.leader,
         }
         if release is not None:  # (the members follow it after that release, at the epoch's end)

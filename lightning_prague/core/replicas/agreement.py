@@ -20,6 +20,14 @@ never waits for the device; nothing else is exchanged, and nothing goes beyond t
 schedule runs at each replica's own pace (`pace="own"`): each rank's round (its slice or shard with its
 column) finishes at its own moment, and the replica mixes it in only once it is done on all of them.
 
+`DonationAgreement` makes the ranks of a replica sharded over them (`shard=True`) send a replica that
+comes back their shards of one moment: each rank sends the joiner of its own index its shard
+(`GroupGenerator`'s `donors`), and the admission reaches each rank at its own batch. At every batch's
+end each rank puts in the newest membership epoch it heard of and gets the newest one the replica's
+ranks put in one batch before (a lagged all-reduce, as `StopAgreement`'s); every rank then sends the
+state of every admission up to that epoch, at the same batch. Before a meeting (drained: nothing of
+the replica moves until the release) they agree at once (`settle`).
+
 A rank of the replica lost makes the wait fail (gloo: at once; otherwise at the group's timeout), as
 the next gradient average would: the replica is lost with it (`lightning_prague.core.replicas.sync`).
 """
@@ -75,6 +83,55 @@ class StopAgreement:
         self.calls += 1
         if agreed.signal or agreed.request:
             log.debug("%s: agreed at call %d: %s", self.what, self.calls, agreed)
+        return agreed
+
+
+class DonationAgreement:
+    """One sharded replica's agreement on the admissions its ranks send their shards for; every rank of
+    the replica calls `lagged` once per training batch and `settle` at each meeting it drains for."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout: timedelta, what: str) -> None:
+        self.group = group
+        self.timeout = timeout
+        self.what = what
+        self._buffers = (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+        self._pending: Optional[dist.Work] = None
+        self.calls = 0
+
+    def _wait(self, work: dist.Work, operation: str) -> None:
+        if not work.wait(self.timeout):
+            raise CoordinationTimeout(
+                f"{self.what}: the replica's ranks did not agree on {operation} within {self.timeout}"
+            )
+
+    def _start(self, newest: int) -> dist.Work:
+        sent = self._buffers[self.calls % 2]
+        sent[0] = newest
+        self.calls += 1
+        return dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def _collect(self) -> int:
+        """The newest epoch of the call in flight (0 if none), once it is done."""
+        if self._pending is None:
+            return 0
+        self._wait(self._pending, "the admissions it sends its shards for")
+        self._pending = None
+        return int(self._buffers[(self.calls - 1) % 2][0])
+
+    def lagged(self, newest: int) -> int:
+        """Put in `newest` (the newest membership epoch this rank heard of); get the newest the replica's
+        ranks put in at the previous call (0 at the first)."""
+        agreed = self._collect()
+        self._pending = self._start(newest)
+        return agreed
+
+    def settle(self, newest: int) -> int:
+        """The newest membership epoch any rank of the replica heard of, `newest` included, now."""
+        agreed = self._collect()
+        work = self._start(newest)
+        self._wait(work, "the admissions it sends its shards for before a meeting")
+        agreed = max(agreed, int(self._buffers[(self.calls - 1) % 2][0]))
+        log.debug("%s: agreed on membership epoch %d before a meeting", self.what, agreed)
         return agreed
 
 

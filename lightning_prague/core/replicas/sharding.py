@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +109,59 @@ def load_full_model_state(module: nn.Module, state: dict[str, Any], strict: bool
 def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Split a whole optimizer state (`full_optimizer_state`'s) into this rank's shards."""
     set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+#: a shard sent to a rank that rejoins (`as_local_shards`): the key of the whole tensor's shape, next
+#: to `"local"`, this rank's shard of it
+SHARD_OF = "lightning_prague_shard_of"
+
+
+def as_local_shards(value: Any) -> Any:
+    """`value` with each DTensor in it (a sharded model's or optimizer's state) replaced by
+    `{SHARD_OF: the whole tensor's shape, "local": this rank's shard}`: plain tensors, which a
+    weights-only load reads, and which `from_local_shards` makes DTensors of again on a rank that
+    holds the same shard of the same model."""
+    if isinstance(value, DTensor):
+        return {SHARD_OF: list(value.shape), "local": value.to_local()}
+    if isinstance(value, dict):
+        return {key: as_local_shards(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [as_local_shards(item) for item in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
+def from_local_shards(state: dict[str, Any], like: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A model's (or one optimizer's, keyed by parameter name: `{"state": {name: {...}}, ...}`) state
+    of `as_local_shards`' kind, untrusted, with each shard at name `n` made a DTensor again like
+    `like[n]` (this rank's own DTensor of that parameter: its mesh, placements, whole shape and
+    stride); returns it and what did not fit (a shard of another shape, or of no parameter here),
+    which stays as it came."""
+    wrong: list[str] = []
+
+    def rebuild(value: Any, name: str) -> Any:
+        if not (isinstance(value, dict) and SHARD_OF in value):
+            return value
+        template, local, shape = like.get(name), value.get("local"), value.get(SHARD_OF)
+        if (
+            not isinstance(template, DTensor)
+            or not isinstance(local, torch.Tensor)
+            or shape != list(template.shape)
+            or local.shape != template.to_local().shape
+        ):
+            wrong.append(f"{name}: a shard of {shape} {tuple(local.shape) if isinstance(local, torch.Tensor) else ''}")
+            return value
+        local = local.to(template.to_local().device)
+        mesh, placements, shape = template.device_mesh, template.placements, template.shape
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=template.stride())
+
+    rebuilt: dict[str, Any] = {}
+    for key, value in state.items():
+        if key == "state" and isinstance(value, dict):  # an optimizer's: parameter name -> its state
+            rebuilt[key] = {
+                name: {k: rebuild(v, str(name)) for k, v in entry.items()} if isinstance(entry, dict) else entry
+                for name, entry in value.items()
+            }
+        else:
+            rebuilt[key] = rebuild(value, str(key))
+    return rebuilt, wrong
