@@ -156,6 +156,14 @@ def test_a_ranks_shards_sent_to_a_rejoining_rank_load_exactly_and_shards_that_do
         assert run["wrong"][1].startswith("nowhere"), run["wrong"]
 
 
+def test_a_replicas_ranks_agree_one_batch_late_or_at_once_before_a_meeting_on_the_newest_admission(sharded_runs):
+    """`DonationAgreement`: each call at a batch's end returns the newest membership epoch the replica's
+    ranks put in at the call before (0 at the first); `settle`, before a meeting, the newest put in
+    now or in the call in flight. Every rank of a replica gets the same answers, whatever it put in."""
+    for run in sharded_runs:
+        assert run["agreed"] == [0, 3, 5, 0, 0], run["agreed"]
+
+
 def test_a_model_is_sharded_in_the_units_auto_wrap_policy_names_or_by_its_own_parameters(tmp_path):
     """`shard_model` (what `shard=True` runs at setup) on 2 ranks: with `auto_wrap_policy={Block}` the
     blocks and the root are FSDP2's units (the Linear head joins the root); by default every submodule

@@ -11,13 +11,15 @@ replica's whole model (`full_tensor`) before and after, and the bytes of its loc
 Then the shards as a rank that rejoins gets them (`as_local_shards`, through `torch.save` and a
 weights-only load, `from_local_shards`) are loaded into a new model and optimizer, sharded alike but
 initialised apart: it writes whether they then hold this rank's shards exactly, and what
-`from_local_shards` names as not fitting in a shard of another shape.
+`from_local_shards` names as not fitting in a shard of another shape. Last, the replica's ranks run
+a `DonationAgreement` with inputs that differ by index, and it writes what each call returned.
 """
 
 import io
 import json
 import os
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,7 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_prague.core import GroupComm
 from lightning_prague.core.replicas import ReplicaLayout, average_sharded_replicas
+from lightning_prague.core.replicas.agreement import DonationAgreement
 from lightning_prague.core.replicas.sharding import (
     SHARD_OF,
     as_local_shards,
@@ -95,6 +98,11 @@ def main() -> None:
     after = whole(model)
     local = sum(s.numel() * s.element_size() for s in shards)
     sent = sent_and_loaded(model, optimizer, mesh["shard"])
+    agreement = DonationAgreement(mesh["shard"].get_group(), timedelta(seconds=60), f"rank {rank}'s replica")
+    index = rank % size
+    agreed = [agreement.lagged(3 if index == 0 else 1), agreement.lagged(0)]
+    agreed += [agreement.settle(5 if index == 1 else 0), agreement.lagged(0), agreement.lagged(0)]
+    sent["agreed"] = agreed
     with open(out, "w") as f:
         json.dump({"before": before, "after": after, "applied": applied, "local_bytes": local, **sent}, f)
     dist.destroy_process_group()
