@@ -270,8 +270,8 @@ class DecentralizedStrategy(DDPStrategy):
                 rank `i` of each averaging its slice of the model with rank `i` of the others; the
                 work queue hands a replica one chunk of `replica_size` batches per step (map-style
                 data only). A lost rank loses its replica; with `max_restarts` the replica comes
-                back whole where its data comes from the work queue and its model is whole (not
-                with `shard=True` nor a schedule in rounds); `max_workers` must stay unset. See
+                back whole where its data comes from the work queue (with `shard=True` shard by
+                shard; not with a schedule in rounds); `max_workers` must stay unset. See
                 `docs/replica_groups.md`.
             shard: shard the model over each replica's ranks with FSDP2 (`fully_shard` on the
                 replica's ranks: parameters, gradients and optimizer state split `replica_size`

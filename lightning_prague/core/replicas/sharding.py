@@ -148,6 +148,7 @@ def from_local_shards(state: dict[str, Any], like: dict[str, Any]) -> tuple[dict
             or not isinstance(local, torch.Tensor)
             or shape != list(template.shape)
             or local.shape != template.to_local().shape
+            or local.dtype != template.dtype
         ):
             wrong.append(f"{name}: a shard of {shape} {tuple(local.shape) if isinstance(local, torch.Tensor) else ''}")
             return value
