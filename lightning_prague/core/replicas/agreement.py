@@ -57,80 +57,80 @@ class Agreed:
     request: bool = False
 
 
-class StopAgreement:
-    """One replica's agreement on stops; every rank of the replica calls `exchange` once per training batch."""
+class _LaggedAllReduce:
+    """An all-reduce of a few numbers among a replica's ranks, started at one call and read at the next:
+    two host buffers used in turn, one in flight while the next batch fills the other."""
 
-    def __init__(self, group: dist.ProcessGroup, timeout: timedelta, what: str) -> None:
+    def __init__(self, group: dist.ProcessGroup, timeout: timedelta, what: str, width: int, op: dist.ReduceOp) -> None:
         self.group = group
         self.timeout = timeout
         self.what = what
-        # two host buffers, used in turn: one is in flight while the next batch fills the other
-        self._buffers = (torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+        self.op = op
+        self._buffers = (torch.zeros(width, dtype=torch.int64), torch.zeros(width, dtype=torch.int64))
         self._pending: Optional[dist.Work] = None
         self.calls = 0
+
+    def _start(self, values: list[int]) -> dist.Work:
+        """Start the all-reduce of this call's `values`."""
+        sent = self._buffers[self.calls % 2]
+        sent.copy_(torch.tensor(values, dtype=torch.int64))
+        self.calls += 1
+        return dist.all_reduce(sent, op=self.op, group=self.group, async_op=True)
+
+    def _wait(self, work: dist.Work, operation: str) -> list[int]:
+        """The result of the last call started (`work`), once done; `CoordinationTimeout` past the timeout."""
+        if not work.wait(self.timeout):
+            raise CoordinationTimeout(
+                f"{self.what}: the replica's ranks did not agree on {operation} within {self.timeout}"
+            )
+        return [int(v) for v in self._buffers[(self.calls - 1) % 2].tolist()]
+
+    def _collect(self, operation: str) -> Optional[list[int]]:
+        """The result of the call in flight (`None` if none)."""
+        if self._pending is None:
+            return None
+        work, self._pending = self._pending, None
+        return self._wait(work, operation)
+
+
+class StopAgreement(_LaggedAllReduce):
+    """One replica's agreement on stops; every rank of the replica calls `exchange` once per training batch."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout: timedelta, what: str) -> None:
+        super().__init__(group, timeout, what, 2, dist.ReduceOp.SUM)
 
     def exchange(self, signal: bool, request: bool) -> Agreed:
         """Put in what this rank saw; get what the replica's ranks put in at the previous call (nothing
         at the first)."""
         agreed = Agreed()
-        if self._pending is not None:
-            self._pending.wait(self.timeout)
-            signals, requests = self._buffers[(self.calls - 1) % 2].tolist()
-            agreed = Agreed(signal=signals > 0, request=requests > 0)
-        sent = self._buffers[self.calls % 2]
-        sent[0], sent[1] = int(signal), int(request)
-        self._pending = dist.all_reduce(sent, group=self.group, async_op=True)
-        self.calls += 1
+        previous = self._collect("a stop")
+        if previous is not None:
+            agreed = Agreed(signal=previous[0] > 0, request=previous[1] > 0)
+        self._pending = self._start([int(signal), int(request)])
         if agreed.signal or agreed.request:
             log.debug("%s: agreed at call %d: %s", self.what, self.calls, agreed)
         return agreed
 
 
-class DonationAgreement:
+class DonationAgreement(_LaggedAllReduce):
     """One sharded replica's agreement on the admissions its ranks send their shards for; every rank of
     the replica calls `lagged` once per training batch and `settle` at each meeting it drains for."""
 
     def __init__(self, group: dist.ProcessGroup, timeout: timedelta, what: str) -> None:
-        self.group = group
-        self.timeout = timeout
-        self.what = what
-        self._buffers = (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
-        self._pending: Optional[dist.Work] = None
-        self.calls = 0
-
-    def _wait(self, work: dist.Work, operation: str) -> None:
-        if not work.wait(self.timeout):
-            raise CoordinationTimeout(
-                f"{self.what}: the replica's ranks did not agree on {operation} within {self.timeout}"
-            )
-
-    def _start(self, newest: int) -> dist.Work:
-        sent = self._buffers[self.calls % 2]
-        sent[0] = newest
-        self.calls += 1
-        return dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-
-    def _collect(self) -> int:
-        """The newest epoch of the call in flight (0 if none), once it is done."""
-        if self._pending is None:
-            return 0
-        self._wait(self._pending, "the admissions it sends its shards for")
-        self._pending = None
-        return int(self._buffers[(self.calls - 1) % 2][0])
+        super().__init__(group, timeout, what, 1, dist.ReduceOp.MAX)
 
     def lagged(self, newest: int) -> int:
         """Put in `newest` (the newest membership epoch this rank heard of); get the newest the replica's
         ranks put in at the previous call (0 at the first)."""
-        agreed = self._collect()
-        self._pending = self._start(newest)
-        return agreed
+        previous = self._collect("the admissions it sends its shards for")
+        self._pending = self._start([newest])
+        return previous[0] if previous is not None else 0
 
     def settle(self, newest: int) -> int:
         """The newest membership epoch any rank of the replica heard of, `newest` included, now."""
-        agreed = self._collect()
-        work = self._start(newest)
-        self._wait(work, "the admissions it sends its shards for before a meeting")
-        agreed = max(agreed, int(self._buffers[(self.calls - 1) % 2][0]))
+        previous = self._collect("the admissions it sends its shards for")
+        agreed = self._wait(self._start([newest]), "the admissions it sends its shards for before a meeting")[0]
+        agreed = max(agreed, previous[0] if previous is not None else 0)
         log.debug("%s: agreed on membership epoch %d before a meeting", self.what, agreed)
         return agreed
 
