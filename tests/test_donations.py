@@ -20,7 +20,7 @@ class _Session:
         self.admissions = admissions
         self.departed: dict[int, str] = {}
         self.rejoined: dict[int, tuple[float, str]] = {}
-        self.epochs = {int(item["epoch"]): tuple(item["members"]) for item in admissions}
+        self.announced_epoch = max((int(item["epoch"]) for item in admissions), default=0)
 
     def take_admissions(self, inside_only: bool = False) -> list[dict]:
         taken, self.admissions = self.admissions, []

@@ -269,6 +269,9 @@ class Session:
         #: membership epoch -> its members, as the control plane announced it (`members` and `admit`
         #: items: `lightning_prague.core.membership`); the newest few
         self.epochs: dict[int, tuple[int, ...]] = {}
+        #: the newest membership epoch announced here (a `members` or `admit` item), once its item is
+        #: followed in full (`take_admissions` finds it)
+        self.announced_epoch = 0
         #: `members` items the training thread has not followed yet (`take_admissions`)
         self._admissions: list[Message] = []
         #: key -> the control plane's answer on a gossip round's members (`round_members`)
@@ -572,6 +575,9 @@ class Session:
         if item["t"] == "members":
             with self._verdict_ready:
                 self._admissions.append(item)
+        # (last: whoever reads it here finds the epoch's members, departures and admission taken in)
+        self.announced_epoch = max(self.announced_epoch, epoch)
+        if item["t"] == "members":
             if item.get("joined"):
                 log.warning("rank %d: ranks %s rejoined the job; members %s", self.rank, item["joined"], self.members)
             else:  # (a control plane that took the job back: its store is new)

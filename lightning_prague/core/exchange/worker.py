@@ -635,7 +635,7 @@ class GroupWorker:
 
     def newest_epoch(self) -> int:
         """The newest membership epoch the control plane announced to this rank (0: none yet)."""
-        return max(self.session.epochs, default=0)
+        return self.session.announced_epoch
 
     def await_epoch(self, epoch: int, why: str) -> None:
         """Wait (at most the operation timeout) until the control plane announced membership epoch
