@@ -210,6 +210,29 @@ def test_a_slow_rank_leaves_the_tail_in_its_first_epoch_before_any_estimate(coun
     assert finish[0] <= max(finish[r] for r in (1, 2, 3)), finish
 
 
+@pytest.mark.parametrize("slow", [1.0, 3.0])
+def test_in_the_first_epoch_a_burst_of_claims_ahead_never_sends_a_fast_rank_out_of_the_tail(counters, slow):
+    """A job's first epoch, no speeds exchanged yet: each rank's estimates come from intervals between
+    its own claims, and one of them can catch the others' burst of first claims ahead. A rank as fast
+    as the others took them for faster by half and left the tail (in 9 of 40 such epochs with a 3x
+    slower rank, 35 of 40 with none; on the emulated cluster a fast replica sat idle for 0.85 s of a
+    2 s epoch). Its own epoch's counts must say it is slow too: here no fast rank leaves, a 3x slower
+    one still does, and every index is trained once."""
+    for epoch in range(12):
+        jitter = [1.0, 1.05, 0.95]
+        seconds = [0.2 * jitter[(epoch + r) % 3] for r in range(3)] + [0.2 * slow]
+        samplers = [WorkQueueSampler(24 * 4, 4, r, 4, _OthersClaiming(counters), seed=epoch) for r in range(4)]
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        trained, _ = _run_epoch_on_a_clock(samplers, seconds)
+        flat = sorted(i for chunks in trained.values() for chunk in chunks for i in chunk)
+        assert flat == list(range(24 * 4)), "every index is trained once"
+        left = [s.chunks_left_to_others for s in samplers]
+        assert left[:3] == [0, 0, 0], (epoch, left, {r: len(c) for r, c in trained.items()})
+        if slow > 1:
+            assert left[3] > 0 and len(trained[3]) == 2, (epoch, left, {r: len(c) for r, c in trained.items()})
+
+
 def test_with_everyone_s_speeds_a_slow_rank_takes_only_its_first_chunk_of_a_short_epoch(counters):
     # 16 ranks, 45 chunks: the fast ranks empty the queue before rank 0 finishes one chunk, so
     # rank 0 never sees the queue running and cannot tell how fast the others are on its own

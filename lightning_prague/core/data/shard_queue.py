@@ -251,6 +251,10 @@ class ShardQueueSampler(WorkQueueSampler):
             yield ShardRead(slot, current[0], current[1], self.batch_size)
             current[1] += self.batch_size
 
+    def _slower_in_epoch(self, position: int) -> bool:
+        """Shards differ in length, so counts of them say nothing of speed: the estimates decide alone."""
+        return True
+
     def _claim_shard(self, park: bool, shard: Optional[int] = None) -> tuple[int, Optional[int]]:
         """The next shard of the queue with the position a lost rank left it at (`None`: its start),
         or `shard`, one a resumed checkpoint hands this rank."""
