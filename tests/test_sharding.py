@@ -295,13 +295,9 @@ class _RecordedClaims:
     def __init__(self, events: list[tuple[str, int]]) -> None:
         self.events, self.next = events, 1  # (chunk 0 is the rank's own, set aside)
 
-    def begin_claim(
-        self, cursor, first, tickets, ticketed, num, chunk=None, set_aside=None, park=False, standby=False, **more
-    ):
+    def begin_claim(self, cursor, first, tickets, ticketed, num, chunk=None, set_aside=None, park=False, standby=False):
         claimed, self.next = self.next, self.next + 1
         self.events.append(("sent", claimed))
-        if more.get("reports"):
-            self.events.append(("reports", claimed))
         return SimpleNamespace(result=lambda: (self.events.append(("taken", claimed)), (claimed, None))[1])
 
     def report(self, *args, **kwargs):
@@ -329,23 +325,6 @@ def test_once_it_timed_its_chunks_a_rank_claims_the_next_one_while_it_trains_thi
     ahead = [c for c in range(3, 12) if position[("sent", c)] < position[("trains", c - 1)] < position[("taken", c)]]
     assert ahead == list(range(3, 12)), events
     assert events[-1] == ("taken", 12)  # the claim that found the queue's end, also sent ahead
-
-
-def test_a_claim_says_its_rank_reports_what_it_holds_but_not_beside_the_epochs_short_last_chunk():
-    """Where the strategy fetches each batch after the step before (`reports_while_parked`), a claim
-    tells the control plane that its rank trains and reports the chunk it holds while the claim waits
-    (`lightning_prague.core.plane.queue_end`); not the claim sent beside the epoch's short last chunk,
-    whose batch the DataLoader fills with the next chunk's samples before it trains it (the claim's
-    answer is taken first). Without it, no claim says so."""
-    for reporting in (False, True):
-        events: list[tuple[str, int]] = []
-        sampler = WorkQueueSampler(11, 2, 0, 2, _RecordedClaims(events), shuffle=False, slow_ratio=0.0)
-        sampler.reports_while_parked = reporting
-        assert sorted(sampler) == list(range(11))  # chunks 0-5: chunk 5 holds one sample
-        sent = [chunk for kind, chunk in events if kind == "sent"]
-        reports = [chunk for kind, chunk in events if kind == "reports"]
-        # the claim sent as chunk 5 was handed out (answered past the end: 6) does not report
-        assert reports == ([c for c in sent if c != 6] if reporting else []), events
 
 
 def test_without_claims_ahead_each_claim_waits_for_its_chunk_to_be_trained():

@@ -248,12 +248,6 @@ class GlobalProgress:
                 return
             if self.loader is not None and fit_loop._combined_loader is not None:
                 fit_loop._data_fetcher = step_first(fit_loop._data_fetcher, trainer.accumulate_grad_batches)
-                if self.loader.sampler is not None:
-                    # it takes a claim's answer only after its step, and no DataLoader worker fetches ahead: at
-                    # the queue's end the others' claims may wait for the chunk it holds (a loss gives it back)
-                    self.loader.sampler.reports_while_parked = (
-                        isinstance(fit_loop._data_fetcher, StepFirstFetcher) and self.loader.tickets_with_chunks
-                    )
                 self._loader_batches = fit_loop.max_batches
                 if self.loader.batches_per_epoch is not None and fit_loop.max_batches == float("inf"):
                     # what one worker trains per epoch under DDP: trainer.estimated_stepping_batches and

@@ -13,10 +13,7 @@ slower than the others (`slow_ratio` times their mean time per chunk) *and* the 
 consume all remaining chunks within one of its steps. Both figures come from the counter values the
 rank already sees (plus one read of the counter per rank, in the first epoch, before any estimate
 exists), so this costs no extra communication per chunk; ranks that are not slow never stop early,
-so every chunk is still trained on. The estimates come from the intervals between a rank's own
-claims, and one interval can hold a burst of the others' claims (each sends its first claim ahead
-at about the same moment); so a rank also checks the epoch's counts (`_slower_in_epoch`: the others
-took `slow_ratio` times as many chunks each as it did) before it leaves.
+so every chunk is still trained on.
 
 Claims ahead: a claim is a round trip to the control plane, and a rank that claimed only when it
 needed the next chunk would wait that long at every batch. Once it has timed its chunks, a rank
@@ -110,7 +107,6 @@ class WorkQueueSampler(Sampler[int]):
         self._my_seconds: float | None = None
         self._others_rate: float | None = None
         self._my_claims = 0  # chunks this rank claimed from the queue in the current epoch
-        self._holds_short = False  # the chunk handed out last is the epoch's short last one
         self._epoch_started = 0.0  # when this rank began the current epoch (monotonic)
         self.chunks_left_to_others = 0  # chunks this rank declined at the end of the last epoch
         self.epoch = 0
@@ -118,10 +114,6 @@ class WorkQueueSampler(Sampler[int]):
         self.total_chunks_taken = 0
         #: chunks handed to the data loader and not yet trained (the trainer pops one per trained batch)
         self.untrained: deque[int] = deque()
-        #: this rank trains, and reports, the chunks it holds while a claim of its own waits at the queue's
-        #: end: it takes a claim's answer only after its step (the strategy's `StepFirstFetcher`, with no
-        #: DataLoader workers fetching ahead); so the others' parked claims wait for those chunks too
-        self.reports_while_parked = False
         #: asked before leaving an epoch's tail; the strategy says no while a synchronization point is ahead
         self.may_leave_tail: Callable[[], bool] = lambda: True
         #: asked before each claim: `(tickets counter, chunks below which a chunk gets a ticket)` to claim
@@ -214,9 +206,6 @@ class WorkQueueSampler(Sampler[int]):
         if hasattr(store, "begin_claim"):
             tickets, ticketed = request if request is not None else (None, 0)
             set_aside, self._set_aside = self._set_aside, None
-            # (not while it holds a short last chunk: the DataLoader asks for the next chunk's samples to fill
-            # that batch before it is trained, so its claim is taken before the chunk is reported)
-            reports = {"reports": True} if self.reports_while_parked and not self._holds_short else {}
             return store.begin_claim(
                 self._cursor_key,
                 self._first_claimed,
@@ -227,7 +216,6 @@ class WorkQueueSampler(Sampler[int]):
                 set_aside=set_aside,
                 park=chunk is None if park is None else park and chunk is None,
                 standby=standby,
-                **reports,
             ).result
         assert request is None, "tickets are claimed with chunks only from the control plane's counters"
         if standby:
@@ -289,7 +277,6 @@ class WorkQueueSampler(Sampler[int]):
         the epoch under way). Its first claim names every member's (`_set_aside`)."""
         self.chunks_taken = 0
         self._my_claims = 0
-        self._holds_short = False
         self.chunks_left_to_others = 0
         self.untrained.clear()
         self.ticket_values.clear()
@@ -323,7 +310,6 @@ class WorkQueueSampler(Sampler[int]):
             self.chunks_taken += 1
             self.total_chunks_taken += 1
             self._my_claims += chunk >= self._first_claimed  # (not a chunk it started the epoch with)
-            self._holds_short = chunk == self.num_chunks - 1 and self.dataset_size % self.chunk_size != 0
             self.untrained.append(chunk)
             self.ticket_values.append(ticket)
             # ahead once this rank timed its chunks (its first epoch's first claims wait for that: a slow
