@@ -13,7 +13,10 @@ slower than the others (`slow_ratio` times their mean time per chunk) *and* the 
 consume all remaining chunks within one of its steps. Both figures come from the counter values the
 rank already sees (plus one read of the counter per rank, in the first epoch, before any estimate
 exists), so this costs no extra communication per chunk; ranks that are not slow never stop early,
-so every chunk is still trained on.
+so every chunk is still trained on. The estimates come from the intervals between a rank's own
+claims, and one interval can hold a burst of the others' claims (each sends its first claim ahead
+at about the same moment); so a rank also checks the epoch's counts (`_slower_in_epoch`: the others
+took `slow_ratio` times as many chunks each as it did) before it leaves.
 
 Claims ahead: a claim is a round trip to the control plane, and a rank that claimed only when it
 needed the next chunk would wait that long at every batch. Once it has timed its chunks, a rank
