@@ -7,9 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 from helpers import CREDENTIALS
+from torch.utils.data import BatchSampler
 
 from lightning_prague.core import ControlClient, ControlPlane, SessionConfig, make_policy
-from lightning_prague.core.data.sharding import WorkQueueSampler
+from lightning_prague.core.data.sharding import ChunkBatches, WorkQueueSampler
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.plane.server import MessageServer
 
@@ -325,6 +326,34 @@ def test_once_it_timed_its_chunks_a_rank_claims_the_next_one_while_it_trains_thi
     ahead = [c for c in range(3, 12) if position[("sent", c)] < position[("trains", c - 1)] < position[("taken", c)]]
     assert ahead == list(range(3, 12)), events
     assert events[-1] == ("taken", 12)  # the claim that found the queue's end, also sent ahead
+
+
+class _ScriptedClaims:
+    """Counters whose claims get the chunks of `script` in turn (a lost rank's given back among them)."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script = list(script)
+
+    def begin_claim(self, *args, **kwargs):
+        chunk = self.script.pop(0)
+        return SimpleNamespace(result=lambda: (chunk, None))
+
+    def report(self, *args, **kwargs):
+        pass
+
+
+def test_each_chunk_is_one_batch_the_short_last_one_too_and_what_comes_after_it():
+    """The training loader's batches (`ChunkBatches`): one per chunk, whole. The epoch's short last
+    chunk (5: one sample of 11) is a batch of its own, and chunk 2, which a lost rank gave back after
+    it, is one too: PyTorch's `BatchSampler` would fill the short chunk's batch with chunk 2's first
+    sample, and the batches after it would span two chunks (one reported trained while half of the
+    next was in it). With `drop_last`, and for a sampler without chunks, PyTorch's batching stays."""
+    sampler = WorkQueueSampler(11, 2, 0, 2, _ScriptedClaims([5, 2, 6]), shuffle=False, slow_ratio=0.0)
+    batches = list(ChunkBatches(sampler, batch_size=2, drop_last=False))
+    assert batches == [[0, 1], [10], [4, 5]], batches
+    sampler = WorkQueueSampler(11, 2, 0, 2, _ScriptedClaims([5, 2, 6]), shuffle=False, slow_ratio=0.0)
+    assert list(BatchSampler(sampler, batch_size=2, drop_last=False)) == [[0, 1], [10, 4], [5]]  # (PyTorch's)
+    assert list(ChunkBatches(range(5), batch_size=2, drop_last=False)) == [[0, 1], [2, 3], [4]]
 
 
 def test_without_claims_ahead_each_claim_waits_for_its_chunk_to_be_trained():

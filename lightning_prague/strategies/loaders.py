@@ -35,13 +35,21 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 from lightning_prague.core.data.progress import ProgressCounter
 from lightning_prague.core.data.progress_loader import ProgressLoader
 from lightning_prague.core.data.shard_queue import ShardQueueSampler, ShardReader, keep_batch
 from lightning_prague.core.data.shard_sources import ShardSource, shard_source
-from lightning_prague.core.data.sharding import WorkQueueSampler
+from lightning_prague.core.data.sharding import ChunkBatches, WorkQueueSampler
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.strategies.global_progress import batches_per_epoch
 
@@ -170,7 +178,10 @@ class StrategyLoaders:
         )
         if replica_size > 1:
             self.sampler.set_members(strategy._require_job().members)
-        return _update_dataloader(dataloader, self.sampler, mode=RunningStage.TRAINING)
+        loader = _update_dataloader(dataloader, self.sampler, mode=RunningStage.TRAINING)
+        if type(loader.batch_sampler) is BatchSampler:  # each chunk one batch (`ChunkBatches`)
+            loader.batch_sampler.__class__ = ChunkBatches  # (a DataLoader's batch sampler is set once, at init)
+        return loader
 
     # -- a sharded stream from the work queue -------------------------------------------------------
     def stream_source(self, dataloader: object) -> Optional[ShardSource]:

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import BatchSampler, Sampler
 
 from lightning_prague.core.data.counters import EpochKeys, increment, read
 from lightning_prague.core.errors import ConfigurationError
@@ -303,6 +303,12 @@ class WorkQueueSampler(Sampler[int]):
         return first
 
     def __iter__(self) -> Iterator[int]:
+        for part in self.chunks():
+            yield from part
+
+    def chunks(self) -> Iterator[list[int]]:
+        """The epoch's chunks this rank trains, each as its samples (its share of it in a replica), in
+        the order it takes them: one batch each (`ChunkBatches`)."""
         order = self.permutation()
         first = self._start_epoch()
         previous: tuple[float, int] | None = None  # (time, chunk) of this rank's previous claim
@@ -321,7 +327,7 @@ class WorkQueueSampler(Sampler[int]):
                 left = self.slow_ratio > 0 and self._leave_tail(previous)
                 if not left:
                     self._in_flight = self._claim_next()  # answered while this chunk trains
-            yield from self._share(order, chunk)
+            yield self._share(order, chunk)
             if first:  # more chunks a resumed checkpoint handed to this rank: held from their claim
                 chunk, ticket = self._claim(first.pop(0))
                 continue
@@ -510,3 +516,19 @@ class WorkQueueSampler(Sampler[int]):
     @staticmethod
     def _ema(old: float | None, new: float, weight: float = 0.5) -> float:
         return new if old is None else weight * new + (1 - weight) * old
+
+
+class ChunkBatches(BatchSampler):
+    """The training DataLoader's batches from a work queue: each chunk one batch, whole, the epoch's
+    short last chunk too (`WorkQueueSampler.chunks`). PyTorch's `BatchSampler` would fill that chunk's
+    batch with the samples of the chunk after it (one a lost rank gave back), and every batch from
+    there would span two chunks: one reported trained while half of the next was in it, and a fetch
+    that takes the next claim's answer before the batch it holds is trained. A sampler without chunks
+    (a lock-step shard resumed in place), and `drop_last`, batch as PyTorch's does."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        chunks = getattr(self.sampler, "chunks", None)
+        if chunks is None or self.drop_last:
+            yield from super().__iter__()
+            return
+        yield from chunks()
