@@ -4,7 +4,10 @@ Real processes, real kill -9: each rank writes the samples of every batch it tra
 optimizer step, `scripts/samples.py`), and the samples an epoch trained over all ranks, the lost
 ones' included, must be the training set, each sample as often as it occurs in it. Rank 2 dies at
 its first step (its set-aside chunk and its prefetched claim go back to the queue), rank 1 right
-after a step it trained (that batch must not be trained again), rank 4 in the middle of the epoch.
+after a step it trained (that batch must not be trained again), rank 4 in the middle of the epoch,
+and rank 3 in its last step of the first epoch: it trains a batch while its claim for the next one
+waits at the emptied queue, and dies a second later (the claims there wait for the batch it holds,
+and rank 0 trains it).
 The control plane's side is unit-tested in `test_work_ledger.py`.
 """
 
@@ -20,7 +23,7 @@ import lightning_prague.demo.run  # noqa: F401  (imported once here: the ranks a
 
 pytestmark = pytest.mark.timeout(200)
 
-FAULTS = {2: "1:kill", 1: "5:kill-after-step", 4: "7:kill"}
+FAULTS = {2: "1:kill", 1: "5:kill-after-step", 4: "7:kill", 3: "2:kill-at-queue-end"}
 
 
 def trained_samples(tmp_path, world: int) -> tuple[Counter, dict[int, Counter], Counter]:
@@ -54,8 +57,8 @@ def test_no_batch_is_lost_or_trained_twice_when_ranks_die(tmp_path, strategy):
     for rank, fault in FAULTS.items():
         args += ["--fault", f"{rank}:{fault}"]
     codes, logs = run_external_ranks(tmp_path, 5, *args, timeout=150)
-    for rank in (0, 3):
-        assert codes[rank] == 0, (rank, codes, logs[rank][-3000:])
+    assert codes[0] == 0, (codes, logs[0][-3000:])
+    assert codes[3] == -9 and (tmp_path / "fault.3.json").exists(), "rank 3 died in its last step of an epoch"
     dataset, trained, by_rank = trained_samples(tmp_path, 5)
     assert by_rank[1] == 5, by_rank  # it trained five batches and died after the fifth
     assert_every_sample_once(dataset, trained)

@@ -23,8 +23,12 @@ def session_of(world: int = 3) -> CoordinatorSession:
     return session
 
 
-def claim(session: CoordinatorSession, rank: int, req: int, out: dict, first_claim: bool = False) -> None:
+def claim(
+    session: CoordinatorSession, rank: int, req: int, out: dict, first_claim: bool = False, reports: bool = False
+) -> None:
     message = {"do": "claim", "key": KEY, "first": 3, "ticketed": 0, "num": NUM, "park": True}
+    if reports:  # it trains (and reports) what it holds while the claim waits
+        message["reports"] = True
     if first_claim:
         message.update(members=[0, 1, 2], preset=[0, 1, 2])
     session.kv(rank, req, message, out)
@@ -97,6 +101,46 @@ def test_a_member_at_a_meeting_or_done_claiming_or_closed_is_not_waited_for():
             session.members.discard(2)
             session.settle_queues(out)
         assert set(replies(out)) == {0, 1}, release
+
+
+def test_a_claim_that_reports_keeps_the_others_waiting_until_its_rank_trained_what_it_holds():
+    """A rank sends its next claim while it trains the chunk before: at the queue's end that claim parks
+    while the chunk is in training. A claim that `reports` (its rank takes the answer only after its
+    step) keeps the parked claims waiting for that chunk: a rank lost in its last step gives it to them.
+    A claim that does not (its rank fetches ahead) is not waited for once parked, as before."""
+    for lost in (False, True):
+        session = session_of()
+        out = queue_handed_out(session)  # rank 0 holds 0 and 3, rank 1 holds 1 and 4, rank 2 holds 2 and 5
+        session.report_work(1, {"key": KEY, "done": [1, 4]})
+        session.report_work(2, {"key": KEY, "done": [2]})
+        session.report_work(0, {"key": KEY, "done": [0]})
+        claim(session, 0, 2, out, reports=True)  # trains 3 meanwhile
+        claim(session, 1, 2, out)
+        claim(session, 2, 2, out, reports=True)  # trains 5 meanwhile
+        assert replies(out) == {}, "every claim waits for the chunks in training"
+        session.report_work(2, {"key": KEY, "done": [5]})
+        session.settle_queues(out)
+        assert replies(out) == {}, "rank 0 still trains chunk 3"
+        if lost:  # rank 0 is lost in its last step: a waiting claim trains its chunk
+            session.depart(0, "killed", out)
+            assert replies(out) == {1: [3, None]}
+            out = {}
+            session.report_work(1, {"key": KEY, "done": [3]})
+            claim(session, 1, 3, out, reports=True)
+        else:
+            session.report_work(0, {"key": KEY, "done": [3]})
+            session.settle_queues(out)
+        ended = replies(out)
+        assert set(ended) == ({1, 2} if lost else {0, 1, 2}) and all(v[0] >= NUM for v in ended.values()), ended
+    # without `reports`, a parked claim's own rank is not waited for: all end while chunk 3 is in training
+    session = session_of()
+    out = queue_handed_out(session)
+    session.report_work(1, {"key": KEY, "done": [1, 4]})
+    session.report_work(2, {"key": KEY, "done": [2, 5]})
+    session.report_work(0, {"key": KEY, "done": [0]})
+    for rank in (0, 1, 2):
+        claim(session, rank, 2, out)
+    assert set(replies(out)) == {0, 1, 2}
 
 
 def test_deleting_the_queue_answers_its_waiting_claims_and_a_rank_waits_once_per_queue():

@@ -296,9 +296,13 @@ class _RecordedClaims:
     def __init__(self, events: list[tuple[str, int]]) -> None:
         self.events, self.next = events, 1  # (chunk 0 is the rank's own, set aside)
 
-    def begin_claim(self, cursor, first, tickets, ticketed, num, chunk=None, set_aside=None, park=False, standby=False):
+    def begin_claim(
+        self, cursor, first, tickets, ticketed, num, chunk=None, set_aside=None, park=False, standby=False, **more
+    ):
         claimed, self.next = self.next, self.next + 1
         self.events.append(("sent", claimed))
+        if more.get("reports"):
+            self.events.append(("reports", claimed))
         return SimpleNamespace(result=lambda: (self.events.append(("taken", claimed)), (claimed, None))[1])
 
     def report(self, *args, **kwargs):
@@ -354,6 +358,20 @@ def test_each_chunk_is_one_batch_the_short_last_one_too_and_what_comes_after_it(
     sampler = WorkQueueSampler(11, 2, 0, 2, _ScriptedClaims([5, 2, 6]), shuffle=False, slow_ratio=0.0)
     assert list(BatchSampler(sampler, batch_size=2, drop_last=False)) == [[0, 1], [10, 4], [5]]  # (PyTorch's)
     assert list(ChunkBatches(range(5), batch_size=2, drop_last=False)) == [[0, 1], [2, 3], [4]]
+
+
+def test_a_claim_says_its_rank_reports_what_it_holds_where_the_strategy_fetches_after_the_step():
+    """Where the strategy fetches each batch after the step before (`reports_while_parked`), a claim
+    tells the control plane that its rank trains and reports the chunk it holds while the claim waits
+    (`lightning_prague.core.plane.queue_end`); without it, no claim says so."""
+    for reporting in (False, True):
+        events: list[tuple[str, int]] = []
+        sampler = WorkQueueSampler(11, 2, 0, 2, _RecordedClaims(events), shuffle=False, slow_ratio=0.0)
+        sampler.reports_while_parked = reporting
+        assert sorted(i for batch in ChunkBatches(sampler, 2, False) for i in batch) == list(range(11))
+        sent = [chunk for kind, chunk in events if kind == "sent"]
+        reports = [chunk for kind, chunk in events if kind == "reports"]
+        assert sent and reports == (sent if reporting else []), events
 
 
 def test_without_claims_ahead_each_claim_waits_for_its_chunk_to_be_trained():

@@ -484,6 +484,9 @@ KV_RECORDS: dict[str, Record] = {
             "park": BOOLEAN,
             # a rank that left the epoch's tail: it takes a chunk only if nobody else will
             "standby": BOOLEAN,
+            # the claimer trains, and reports, the chunks it holds while this claim waits at the queue's end
+            # (it fetches its next batch only after its step): the others' parked claims wait for them too
+            "reports": BOOLEAN,
             # a replica's follower: not a claim of its own, but its leader's answer `n` on the queue, the same
             # `[chunk, ticket]` (`FollowedClaims` in `lightning_prague.core.plane.queue_end`)
             "follow": _FOLLOW,

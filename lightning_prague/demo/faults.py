@@ -14,6 +14,10 @@ one), it
   the ranks are aligned: the others are validating, or syncing the metrics);
 - `kill-after-step`: ends with SIGKILL at the end of that batch, after its optimizer step and the
   trainer's callbacks (a batch that was trained, and must not be trained again);
+- `kill-at-queue-end`: ends with SIGKILL in the training step of its first batch from that one on
+  whose claim for the next one waits at the emptied queue (every chunk of the epoch handed out, and
+  no answer for half a second), a second later, once the other ranks are done with theirs and wait
+  there too (a batch lost in a rank's last step of an epoch);
 - `compute=SECONDS`: computes on the CPU for that long in `training_step`, then trains on (a slow
   step: a callback that renders images, a recompile; it must not be taken for a hang);
 - `block=SECONDS`: blocks for that long without using the CPU, then trains on (a stall of a network
@@ -57,10 +61,10 @@ from lightning_prague.core.job import RESTARTS_VARIABLE, rejoining
 
 KINDS = (
     "kill", "kill-in-exchange", "raise", "hang", "stop", "kill-in-validation", "kill-after-step", "compute", "block",
-    "kill-before-training", "kill-in-transfer", "other-model", "kill-plane",
+    "kill-before-training", "kill-in-transfer", "other-model", "kill-plane", "kill-at-queue-end",
 )  # fmt: skip
 #: the kinds that strike somewhere else than at the start of a training step
-_ELSEWHERE = ("kill-in-validation", "kill-after-step", "kill-before-training", "other-model")
+_ELSEWHERE = ("kill-in-validation", "kill-after-step", "kill-before-training", "other-model", "kill-at-queue-end")
 #: the kinds that last `=SECONDS` and then let the rank train on
 TIMED = ("compute", "block")
 
@@ -122,6 +126,9 @@ def inject_faults(model: Any, faults: list[Fault], directory: Path) -> None:
         fault = plan.get(model.trainer.global_rank)
         if fault is not None and seen[0] == fault.batch and fault.kind not in _ELSEWHERE:
             strike(fault, directory)
+        if fault is not None and seen[0] >= fault.batch and fault.kind == "kill-at-queue-end" and _parked(model):
+            time.sleep(1.0)  # the others train their last batches and wait at the queue's end
+            strike(fault, directory)
         return step(*args, **kwargs)
 
     def on_train_start(*args: Any, **kwargs: Any) -> Any:
@@ -182,7 +189,7 @@ def strike(fault: Fault, directory: Path) -> None:
             total += sum(i * i for i in range(10_000))
     elif fault.kind == "block":
         time.sleep(fault.seconds)
-    if fault.kind in ("kill", "kill-in-validation", "kill-after-step", "kill-before-training"):
+    if fault.kind in ("kill", "kill-in-validation", "kill-after-step", "kill-before-training", "kill-at-queue-end"):
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.kind == "kill-plane":
         from lightning_prague.core.job import current_job
@@ -201,6 +208,22 @@ def strike(fault: Fault, directory: Path) -> None:
             time.sleep(1.0)
     elif fault.kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _parked(model: Any) -> bool:
+    """Whether this rank's claim in flight waits at its epoch's emptied work queue: the queue handed out
+    every chunk, and the claim got no answer within half a second (False without a work queue)."""
+    progress = getattr(model.trainer.strategy, "progress", None)
+    sampler = getattr(getattr(progress, "loader", None), "sampler", None)
+    claim = getattr(getattr(sampler, "_in_flight", None), "__self__", None)  # (its `result`'s claim)
+    if claim is None or not hasattr(claim, "answered") or sampler.cursor() < sampler.num_chunks:
+        return False
+    deadline = time.monotonic() + 0.5
+    while not claim.answered():
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def _kill_in_next_exchange() -> None:

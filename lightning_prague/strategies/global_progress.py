@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 
 from lightning_prague.core.data.progress import Boundary, ProgressSchedule
 from lightning_prague.core.data.progress_loader import ProgressLoader
+from lightning_prague.core.data.sharding import ChunkBatches
 from lightning_prague.core.errors import ConfigurationError
 from lightning_prague.core.exchange.phases import SyncController
 from lightning_prague.strategies.fetching import StepFirstFetcher, step_first
@@ -248,6 +249,16 @@ class GlobalProgress:
                 return
             if self.loader is not None and fit_loop._combined_loader is not None:
                 fit_loop._data_fetcher = step_first(fit_loop._data_fetcher, trainer.accumulate_grad_batches)
+                if self.loader.sampler is not None:
+                    # it takes a claim's answer only after its step (one batch per chunk, no DataLoader worker
+                    # fetching ahead): at the queue's end the others' claims may wait for the chunk it holds
+                    batches = getattr(self.loader, "batch_sampler", None)
+                    self.loader.sampler.reports_while_parked = (
+                        isinstance(fit_loop._data_fetcher, StepFirstFetcher)
+                        and self.loader.tickets_with_chunks
+                        and isinstance(batches, ChunkBatches)
+                        and not batches.drop_last
+                    )
                 self._loader_batches = fit_loop.max_batches
                 if self.loader.batches_per_epoch is not None and fit_loop.max_batches == float("inf"):
                     # what one worker trains per epoch under DDP: trainer.estimated_stepping_batches and

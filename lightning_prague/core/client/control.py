@@ -752,6 +752,7 @@ class Counters:
         park: bool = False,
         standby: bool = False,
         follow: tuple[int, int] | None = None,
+        reports: bool = False,
     ) -> ClaimInFlight:
         """A claim on the work queue, sent now, its answer taken later (`ClaimInFlight.result`), so that
         the control plane's round trip overlaps this rank's training: the queue's next chunk (`first`
@@ -768,7 +769,9 @@ class Counters:
         follower in a replica group and claims nothing itself: the answer is the `n`-th (from 0) that
         `leader`'s claims on `cursor` got, the same `[chunk, ticket]`, waited for as long as the leader's
         claim may be parked; the other fields are not used then. It fails at once (`ControlPlaneError`)
-        if the leader leaves the job, or is not a live member."""
+        if the leader leaves the job, or is not a live member. `reports`: this rank trains and reports
+        the chunks it holds while the claim waits at the queue's end (it takes the answer only after
+        them), so the others' parked claims wait for those chunks too."""
         what = f"a claim on the work queue {cursor!r}"
         fields: dict[str, Any] = {"key": cursor, "first": first, "tickets": tickets, "ticketed": ticketed}
         if num is not None:
@@ -785,6 +788,8 @@ class Counters:
         if standby:
             fields["standby"] = True
             what = f"{what}, standing by at the epoch's tail"
+        if reports and (park or standby):
+            fields["reports"] = True
         if follow is not None:
             leader, n = int(follow[0]), int(follow[1])
             fields["follow"] = [leader, n]
@@ -875,6 +880,10 @@ class ClaimInFlight:
                 claimed, ticket = self.reply.result(session.long_bound, self.counters.serve)
         return int(claimed), None if ticket is None else int(ticket)
 
+    def answered(self) -> bool:
+        """Whether the control plane answered the claim (one that waits at an emptied queue has not)."""
+        return self.reply.pending.answered()
+
 
 class SessionReply:
     """A session's request in flight (`Session.begin`): the control plane's loss as `ControlPlaneLost`."""
@@ -901,6 +910,10 @@ class PendingReply:
         self.req = req
         self.what = what
         self._waiter = waiter
+
+    def answered(self) -> bool:
+        """Whether the reply came (and `result` has not taken it yet)."""
+        return not self._waiter.empty()
 
     def result(self, timeout: float | None = None, serve: Callable[[], None] | None = None) -> Any:
         """The reply's value, waited for at most `timeout` s (default: the client's), calling `serve`

@@ -117,6 +117,10 @@ class WorkQueueSampler(Sampler[int]):
         self.total_chunks_taken = 0
         #: chunks handed to the data loader and not yet trained (the trainer pops one per trained batch)
         self.untrained: deque[int] = deque()
+        #: this rank trains, and reports, the chunks it holds while a claim of its own waits at the queue's
+        #: end: it takes a claim's answer only after its step (the strategy's `StepFirstFetcher`, one batch
+        #: per chunk, no DataLoader workers fetching ahead); so the others' parked claims wait for them too
+        self.reports_while_parked = False
         #: asked before leaving an epoch's tail; the strategy says no while a synchronization point is ahead
         self.may_leave_tail: Callable[[], bool] = lambda: True
         #: asked before each claim: `(tickets counter, chunks below which a chunk gets a ticket)` to claim
@@ -209,6 +213,7 @@ class WorkQueueSampler(Sampler[int]):
         if hasattr(store, "begin_claim"):
             tickets, ticketed = request if request is not None else (None, 0)
             set_aside, self._set_aside = self._set_aside, None
+            reports = {"reports": True} if self.reports_while_parked else {}
             return store.begin_claim(
                 self._cursor_key,
                 self._first_claimed,
@@ -219,6 +224,7 @@ class WorkQueueSampler(Sampler[int]):
                 set_aside=set_aside,
                 park=chunk is None if park is None else park and chunk is None,
                 standby=standby,
+                **reports,
             ).result
         assert request is None, "tickets are claimed with chunks only from the control plane's counters"
         if standby:

@@ -231,15 +231,16 @@ class CoordinatorSession:
                 self._set_aside(key, message["members"], message["preset"])
             if self.ends.claims_on(key, rank):  # it went on to another epoch: no claim waits for it there
                 self.settle_queues(out)
+            reports = bool(message.get("reports"))  # it trains what it holds while the claim waits
             if message.get("standby"):  # it left the epoch's tail: a chunk only once nobody else will take one
-                self.ends.park(key, rank, req, int(message.get("num", 0)), standby=message)
+                self.ends.park(key, rank, req, int(message.get("num", 0)), standby=message, reports=reports)
                 self._settle(key, out)
                 return
             chunk, ticket = self._next_chunk(key, message)
             if chunk < int(message.get("num", chunk + 1)):
                 self.work.claimed(rank, key, chunk, ticket)
             elif message.get("park"):  # the queue is empty: wait while a member may still give chunks back
-                self.ends.park(key, rank, req, chunk)
+                self.ends.park(key, rank, req, chunk, reports=reports)
                 self._settle(key, out)
                 return
             self._answer_claim(rank, req, key, [chunk, ticket], out)

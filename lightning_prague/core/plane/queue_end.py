@@ -22,10 +22,14 @@ to wait for, every parked claim of the queue returns empty together. A member lo
 epoch thus costs the others a wait until it is found (its hang bound), which they would spend at
 the epoch's closing synchronization point anyway.
 
-What this cannot cover: a rank sends its next claim while it trains the chunk before (a claim ahead),
-so its last claim of an epoch parks while it still trains its last batch, and may return (every live
-member parked) before that batch is trained. A rank lost while training it gives it back when no claim
-is left to take it (`docs/fault_tolerance.md`, "Exactly once").
+A rank sends its next claim while it trains the chunk before (a claim ahead), so its last claim of an
+epoch parks while it still trains its last batch. A claim that says it `reports` (its rank takes the
+answer only after its step, and reports the chunks it holds meanwhile) counts its rank as a member
+that may still give chunks back until those are reported trained: a rank lost in its last step gives
+its batch to a parked claim. Other claims (a rank whose loader fetches ahead: DataLoader workers, `drop_last`,
+or Lightning's own fetcher under gradient accumulation) would make their own rank wait for itself, so
+their rank is not waited for once parked, and a rank lost while training its last batch then gives it
+back when no claim is left to take it (`docs/fault_tolerance.md`, "Exactly once").
 
 Everything here is bounded whatever a connection sends: one parked claim per rank and queue, at most
 `MAX_PARKED_PER_RANK` queues per rank, and at most `MAX_QUEUES` queues (a rank that reports itself
@@ -72,6 +76,8 @@ class _Queue:
     done: set[int] = field(default_factory=set)
     #: parked ranks standing by at the epoch's tail -> their claim (to take the queue's next chunk with)
     standby: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: parked ranks that train, and report, the chunks they hold while their claim waits (`reports`)
+    reporting: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -106,9 +112,12 @@ class QueueEnds:
             queue = self._queues[key] = _Queue()
         return queue
 
-    def park(self, key: str, rank: int, req: int, end: int, standby: dict[str, Any] | None = None) -> None:
+    def park(
+        self, key: str, rank: int, req: int, end: int, standby: dict[str, Any] | None = None, reports: bool = False
+    ) -> None:
         """`rank`'s claim `req` on `key` found the queue empty, or (`standby`: the claim, from a rank that
-        left the epoch's tail) stands by for the queue's rest: it waits for `settle`."""
+        left the epoch's tail) stands by for the queue's rest: it waits for `settle`. `reports`: the rank
+        trains and reports the chunks it holds meanwhile (the others' claims wait for those too)."""
         queue = self._queue(key)
         if rank in queue.parked:
             raise ValueError(f"rank {rank} already waits on a claim of {key!r}")
@@ -116,6 +125,8 @@ class QueueEnds:
             raise ValueError(f"rank {rank} already waits on claims of {MAX_PARKED_PER_RANK} work queues")
         queue.parked[rank] = (req, end)
         queue.done.discard(rank)
+        if reports:
+            queue.reporting.add(rank)
         if standby is not None:
             queue.standby[rank] = standby
         log.debug("queue end: rank %d's claim on %s parks", rank, key)
@@ -164,10 +175,11 @@ class QueueEnds:
     ) -> list[Answer]:
         """The parked claims of `key` that return now: one per chunk in `requeued` (taken from it, in
         parking order), then, if no live member of `members` is left to wait for, all the others empty.
-        `holding`: the ranks that hold chunks of `key` untrained (one done claiming is waited for until
-        it has trained them). `drained`: the queue has handed out every chunk (none given back waits),
-        so the claims standing by end at once: there is no rest for them to take, and a chunk given
-        back later goes to the claims parked at the queue's end or the ranks still claiming."""
+        `holding`: the ranks that hold chunks of `key` untrained (one done claiming, or parked in a claim
+        that `reports`, is waited for until it has trained them). `drained`: the queue has handed out
+        every chunk (none given back waits), so the claims standing by end at once: there is no rest
+        for them to take, and a chunk given back later goes to the claims parked at the queue's end or
+        the ranks still claiming."""
         queue = self._queues.get(key)
         if queue is None or not queue.parked:
             return []
@@ -176,6 +188,7 @@ class QueueEnds:
             rank = next(iter(queue.parked))
             req, _ = queue.parked.pop(rank)
             queue.standby.pop(rank, None)
+            queue.reporting.discard(rank)
             chunk, ticket = requeued.pop(0)
             assert chunk is not None
             answers.append(Answer(rank, req, int(chunk), ticket, given_back=True))
@@ -183,7 +196,12 @@ class QueueEnds:
         waited = [
             r
             for r in members
-            if r in live and r not in queue.parked and r not in at_meeting and (r not in queue.done or r in holding)
+            if r in live
+            and r not in at_meeting
+            and (
+                (r not in queue.parked and (r not in queue.done or r in holding))
+                or (r in queue.reporting and r in holding)  # parked, and still training what it holds
+            )
         ]
         standing = [rank for rank in queue.parked if rank in queue.standby]
         if standing and waited and drained and not requeued:
@@ -192,6 +210,7 @@ class QueueEnds:
             for rank in standing:
                 req, end = queue.parked.pop(rank)
                 queue.standby.pop(rank)
+                queue.reporting.discard(rank)
                 answers.append(Answer(rank, req, end, None))
                 queue.done.add(rank)
             log.debug("queue end: %s handed out every chunk: ranks %s, standing by, end", key, standing)
@@ -202,6 +221,7 @@ class QueueEnds:
             coming_back = [r for r in members if r in live and r in at_meeting and r not in queue.done]
             for rank in standing:
                 req, end = queue.parked.pop(rank)
+                queue.reporting.discard(rank)
                 claim = queue.standby.pop(rank)
                 answers.append(Answer(rank, req, end, None, standby=None if coming_back else claim))
                 if coming_back:
@@ -216,6 +236,7 @@ class QueueEnds:
                 queue.done.add(rank)
             log.debug("queue end: %s is done; ranks %s end their epoch", key, sorted(queue.parked))
             queue.parked.clear()
+            queue.reporting.clear()
         elif queue.parked:
             log.debug("queue end: claims of %s on %s wait for ranks %s", sorted(queue.parked), key, waited)
         return answers
@@ -237,6 +258,7 @@ class QueueEnds:
         for queue in self._queues.values():
             queue.parked.pop(rank, None)
             queue.standby.pop(rank, None)
+            queue.reporting.discard(rank)
             queue.done.discard(rank)
 
     def forget(self, key: str) -> list[Answer]:
