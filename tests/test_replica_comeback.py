@@ -1,18 +1,19 @@
 """A lost replica comes back whole (issue 50): both ranks of a replica start again and rejoin the fit
 together, while the other replicas train on.
 
-Three real jobs, run side by side: four CPU workers under the strategy's launcher with `max_restarts=1`
+Two real jobs, run side by side: four CPU workers under the strategy's launcher with `max_restarts=1`
 (forked ranks), in replicas of 2, epochs of 240 batches (the digits in batches of 6: 120 chunks of
-one batch per rank of a replica), 50 ms steps: `prague` (random groups of replicas, the work queue)
-and `decent_adam` at each replica's own pace (a ring of replicas, the work queue), one epoch each;
-and `prague` with the model sharded over each replica (`shard=True`) over two epochs, where each new
-process gets its shard from the same rank of a live replica, both of one moment. In each, rank 3
-kills itself with SIGKILL at its 20th batch; its mate, rank 2, fails at that step's gradient average
-and leaves with it, saying so (a forked rank's failure reaches the strategy's `on_exception` too). The
-agent starts both again. The control plane admits them together, in one membership epoch, only once
-both have asked (a replica trains whole); the donor sends both the same state; they make their
-replica's group anew on the job's store, and train the rest of the epoch with the others, the
-replica's second rank following its first rank's claims, tickets included.
+one batch per rank of a replica), 50 ms steps: `decent_adam` at each replica's own pace (a ring of
+replicas, the work queue, each rank holding the whole model), one epoch; and `prague` (random groups
+of replicas, the work queue) with the model sharded over each replica (`shard=True`) over two epochs,
+where each new process gets its shard from the same rank of a live replica, both of one moment. In
+each, rank 3 kills itself with SIGKILL at its 20th batch; its mate, rank 2, fails at that step's
+gradient average and leaves with it, saying so (a forked rank's failure reaches the strategy's
+`on_exception` too). The agent starts both again. The control plane admits them together, in one
+membership epoch, only once both have asked (a replica trains whole); the donor sends both the same
+state (or each its shard); they make their replica's group anew on the job's store, and train the
+rest of the epoch with the others, the replica's second rank following its first rank's claims,
+tickets included.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ SAMPLES, BATCH, WORLD, REPLICA = 1438, 6, 4, 2
 KILLED, MATE, KILLED_AT = 3, 2, 20  # each of the lost replica's processes trained the 19 batches before it
 #: job -> (strategy, its options, epochs)
 CASES = {
-    "prague": ("prague", [], 1),
     "decent_adam": ("decent_adam", ["--pace", "own"], 1),
     "prague_sharded": ("prague", ["--shard"], 2),
 }
